@@ -102,9 +102,7 @@ def attention_mask(lengths: jax.Array, num_new: int, slots: int, tree_mask: jax.
         in_block = (rel >= 0) & (rel < num_new)
         relc = jnp.clip(rel, 0, num_new - 1)  # [B, 1, S]
         b = tree_mask.shape[0]
-        gathered = jnp.take_along_axis(
-            tree_mask, jnp.broadcast_to(relc, (b, num_new, slots)).astype(jnp.int32), axis=2
-        )
+        gathered = jnp.take_along_axis(tree_mask, jnp.broadcast_to(relc, (b, num_new, slots)).astype(jnp.int32), axis=2)
         own = in_block & gathered
     return committed | own
 

@@ -1,0 +1,465 @@
+"""Speculative decoding as one jit-compiled loop: prefill, then ``lax.while_loop`` over rounds of
+draft rollout -> one target call over K+1 positions -> acceptance -> commit, per row, with no host sync.
+
+Plain autoregressive decoding is the same loop with no drafter (K = 0): baselines share every line but the
+speculation.
+
+Statistics (``DecodeStats``), per row:
+- rounds: verification rounds the row took part in (the first token, sampled at prefill, is not a round).
+- emitted: tokens the rounds appended (accepted proposals + one correction/bonus token each, after EOS /
+  length truncation); ``tokens_per_round = emitted / rounds``.
+- proposed: candidate tokens proposed to the target; accepted: how many of them the target accepted.
+- acceptance rate = accepted / proposed: the fraction of proposed candidates that were kept. It is not
+  the useful output per round (that is tokens_per_round, which also counts the correction/bonus token).
+- accepted_at[i] / proposed_at[i] (summed over rows): candidates accepted / proposed at draft position i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from jspec.drafters import DraftContext, Proposal
+from jspec.model import Model
+from jspec.sampling import SamplingParams, distribution, sample
+from jspec.verify import verify_chain_key
+
+
+class StopReason(enum.IntEnum):
+    RUNNING = 0
+    EOS = 1
+    MAX_NEW_TOKENS = 2
+    CACHE_FULL = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static loop configuration: changing any field recompiles. Everything per call is an array.
+
+    gamma: K, the (maximum) number of candidates per round; 0 = plain autoregressive decoding.
+    slots: S, cache slots per row (prompt + generated tokens must fit).
+    eos_ids: token ids that end a row (the EOS token is emitted, nothing after it).
+    debug_checks: check invariants on device (a proposal with q(x) == 0 raises).
+    """
+
+    gamma: int
+    slots: int
+    eos_ids: tuple[int, ...] = ()
+    debug_checks: bool = False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeStats:
+    rounds: jax.Array  # [B]
+    emitted: jax.Array  # [B]
+    proposed: jax.Array  # [B]
+    accepted: jax.Array  # [B]
+    accepted_at: jax.Array  # [K]
+    proposed_at: jax.Array  # [K]
+    loop_rounds: jax.Array  # [] while-loop iterations (max over rows of rounds)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything that changes during decoding. ``seq`` holds prompt + generated tokens per row; its last
+    valid entry (``seq_len - 1``) is the pending token, emitted but not yet in the target cache."""
+
+    seq: jax.Array  # [B, S+1]
+    seq_len: jax.Array  # [B]
+    prompt_len: jax.Array  # [B]
+    max_new: jax.Array  # [B]
+    cache: Any  # target cache; committed lengths = seq_len - 1
+    draft_state: Any
+    sampling: SamplingParams
+    key: jax.Array
+    stop: jax.Array  # [B] StopReason
+    stats: DecodeStats
+    bad_proposal: jax.Array  # [] bool, some row proposed a token its drafter gave q(x) == 0
+
+
+def _scatter_rows(buf: jax.Array, start: jax.Array, vals: jax.Array, n: jax.Array) -> jax.Array:
+    """buf [B, W]; write vals[b, :n[b]] at buf[b, start[b]:]; anything else (or past W) is dropped."""
+    w = buf.shape[1]
+    j = jnp.arange(vals.shape[1], dtype=jnp.int32)[None, :]
+    idx = jnp.where(j < n[:, None], start[:, None] + j, w)
+    return jax.vmap(lambda row, i, v: row.at[i].set(v, mode="drop"))(buf, idx, vals)
+
+
+def prefill(
+    target: Model,
+    drafter,
+    config: DecodeConfig,
+    target_params,
+    draft_params,
+    prompt: jax.Array,  # [B, P] right-padded
+    prompt_len: jax.Array,  # [B]
+    max_new: jax.Array,  # [B]
+    sampling: SamplingParams,
+    key: jax.Array,
+) -> DecodeState:
+    """Run the prompt through the target (and drafter), sample the first token, build the loop state."""
+    b, p = prompt.shape
+    s = config.slots
+    rows = jnp.arange(b)
+    cache = target.init_cache(b, s)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    logits, cache = target.apply(target_params, prompt, positions, cache)
+    cache = cache.with_lengths(prompt_len)
+    key, k0 = jax.random.split(key)
+    first = sample(k0, distribution(logits[rows, prompt_len - 1], sampling))
+    seq = jnp.zeros((b, s + 1), jnp.int32).at[:, :p].set(prompt)
+    seq = seq.at[rows, prompt_len].set(first)
+    draft_state = drafter.init(draft_params, prompt, prompt_len, s) if drafter is not None else None
+    k = config.gamma
+    stats = DecodeStats(
+        rounds=jnp.zeros((b,), jnp.int32),
+        emitted=jnp.zeros((b,), jnp.int32),
+        proposed=jnp.zeros((b,), jnp.int32),
+        accepted=jnp.zeros((b,), jnp.int32),
+        accepted_at=jnp.zeros((k,), jnp.int32),
+        proposed_at=jnp.zeros((k,), jnp.int32),
+        loop_rounds=jnp.zeros((), jnp.int32),
+    )
+    stop = _stop_reason(
+        config,
+        first[:, None],
+        jnp.ones((b,), jnp.int32),
+        jnp.ones((b,), jnp.int32),
+        max_new,
+        prompt_len,
+        jnp.zeros((b,), jnp.int32),
+    )
+    return DecodeState(
+        seq, prompt_len + 1, prompt_len, max_new, cache, draft_state, sampling, key, stop, stats, jnp.zeros((), bool)
+    )
+
+
+def _stop_reason(config, emitted, n_emit, n_gen, max_new, committed, old_stop):
+    """Per-row stop after a step: EOS among the emitted tokens, the token budget, or no cache slot left for
+    the next pending token. An already stopped row keeps its reason."""
+    j = jnp.arange(emitted.shape[1])[None, :]
+    hit_eos = jnp.zeros(emitted.shape[0], bool)
+    if config.eos_ids:
+        is_eos = jnp.isin(emitted, jnp.asarray(config.eos_ids, jnp.int32)) & (j < n_emit[:, None])
+        hit_eos = jnp.any(is_eos, axis=1)
+    reason = jnp.where(
+        hit_eos,
+        StopReason.EOS,
+        jnp.where(
+            n_gen >= max_new,
+            StopReason.MAX_NEW_TOKENS,
+            jnp.where(committed >= config.slots, StopReason.CACHE_FULL, StopReason.RUNNING),
+        ),
+    )
+    return jnp.where(old_stop != StopReason.RUNNING, old_stop, reason).astype(jnp.int32)
+
+
+def decode_round(
+    target: Model, drafter, config: DecodeConfig, target_params, draft_params, st: DecodeState
+) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """One round for every row: draft -> verify K+1 positions in one target call -> accept -> commit.
+    Returns the new state, the tokens emitted this round [B, K+1] and how many per row [B]."""
+    k = config.gamma
+    s = config.slots
+    b = st.seq.shape[0]
+    rows = jnp.arange(b)
+    active = st.stop == StopReason.RUNNING
+    committed = st.seq_len - 1  # = target cache lengths; the pending token sits at this slot
+    n_gen = st.seq_len - st.prompt_len
+    # Never propose past the cache (the verify block must fit) or past the tokens still wanted.
+    max_draft = jnp.clip(jnp.minimum(s - 1 - committed, st.max_new - n_gen - 1), 0, k)
+    key, k_draft, k_verify = jax.random.split(jax.random.fold_in(st.key, st.stats.loop_rounds), 3)
+
+    if k > 0:
+        ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling)
+        prop: Proposal = drafter.propose(draft_params, st.draft_state, ctx, k_draft, k)
+        n_draft = jnp.minimum(prop.n_draft, max_draft)
+        draft_tokens, q, draft_state = prop.tokens, prop.q, prop.state
+    else:
+        n_draft = jnp.zeros((b,), jnp.int32)
+        draft_tokens = jnp.zeros((b, 0), jnp.int32)
+        q = jnp.zeros((b, 0, 1), jnp.float32)
+        draft_state = st.draft_state
+
+    pending = st.seq[rows, committed]
+    tokens = jnp.concatenate([pending[:, None], draft_tokens], axis=1)  # [B, K+1]
+    positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    logits, cache = target.apply(target_params, tokens, positions, st.cache)
+    p = distribution(logits, st.sampling)  # [B, K+1, V]
+    res = verify_chain_key(k_verify, p, q, draft_tokens, n_draft)
+
+    n_acc = res.n_accepted
+    j = jnp.arange(k + 1)[None, :]
+    padded = jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(j < n_acc[:, None], padded, res.next_token[:, None])  # [B, K+1]
+    n_emit = n_acc + 1
+    if config.eos_ids:
+        is_eos = jnp.isin(emitted, jnp.asarray(config.eos_ids, jnp.int32)) & (j < n_emit[:, None])
+        first_eos = jnp.argmax(is_eos, axis=1)
+        n_emit = jnp.where(jnp.any(is_eos, axis=1), first_eos + 1, n_emit)
+    n_emit = jnp.where(active, jnp.minimum(n_emit, st.max_new - n_gen), 0)
+
+    seq = _scatter_rows(st.seq, st.seq_len, emitted, n_emit)
+    # The pending token and the accepted proposals now have their state in the cache; the correction/bonus
+    # token becomes the new pending token, computed next round (never reused from a rejected candidate).
+    cache = cache.commit(jnp.where(active, n_acc + 1, 0))
+    seq_len = st.seq_len + n_emit
+    stop = _stop_reason(config, emitted, n_emit, seq_len - st.prompt_len, st.max_new, seq_len - 1, st.stop)
+
+    act = active.astype(jnp.int32)
+    proposed_mask = (jnp.arange(k)[None, :] < n_draft[:, None]) & active[:, None]
+    accepted_mask = (jnp.arange(k)[None, :] < n_acc[:, None]) & active[:, None]
+    stats = DecodeStats(
+        rounds=st.stats.rounds + act,
+        emitted=st.stats.emitted + n_emit,
+        proposed=st.stats.proposed + n_draft * act,
+        accepted=st.stats.accepted + n_acc * act,
+        accepted_at=st.stats.accepted_at + jnp.sum(accepted_mask, axis=0, dtype=jnp.int32),
+        proposed_at=st.stats.proposed_at + jnp.sum(proposed_mask, axis=0, dtype=jnp.int32),
+        loop_rounds=st.stats.loop_rounds + 1,
+    )
+    bad = st.bad_proposal | jnp.any(res.bad_proposal & active)
+    new = dataclasses.replace(
+        st,
+        seq=seq,
+        seq_len=seq_len,
+        cache=cache,
+        draft_state=draft_state,
+        key=key,
+        stop=stop,
+        stats=stats,
+        bad_proposal=bad,
+    )
+    if config.debug_checks:
+        checkify.check(~bad, "a drafter proposed a token to which its own q gives probability 0 (drafter bug)")
+    return new, emitted, n_emit
+
+
+def run_loop(target: Model, drafter, config: DecodeConfig, target_params, draft_params, st: DecodeState) -> DecodeState:
+    """Rounds until every row has stopped, all on device."""
+
+    def cond(st):
+        return jnp.any(st.stop == StopReason.RUNNING)
+
+    def body(st):
+        return decode_round(target, drafter, config, target_params, draft_params, st)[0]
+
+    return jax.lax.while_loop(cond, body, st)
+
+
+def generate_arrays(
+    target, drafter, config, target_params, draft_params, prompt, prompt_len, max_new, sampling, key
+) -> DecodeState:
+    """The pure, jittable whole decode: prefill + loop. Shardings and donation are applied by the caller."""
+    st = prefill(target, drafter, config, target_params, draft_params, prompt, prompt_len, max_new, sampling, key)
+    return run_loop(target, drafter, config, target_params, draft_params, st)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(target, drafter, config):
+    fn = functools.partial(generate_arrays, target, drafter, config)
+    if config.debug_checks:
+        jitted = jax.jit(checkify.checkify(fn))
+        return lambda *args: _throw(jitted(*args))
+    return jax.jit(fn)
+
+
+def _throw(err_out):
+    err, out = err_out
+    err.throw()
+    return out
+
+
+@dataclasses.dataclass
+class DecodeOutput:
+    """Host-side result. ``tokens[b]`` are row b's generated ids (the prompt excluded), EOS included."""
+
+    tokens: list[list[int]]
+    stop_reason: list[StopReason]
+    stats: dict[str, Any]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+
+def _prepare(target: Model, drafter, prompts, gamma, max_new_tokens, max_len):
+    if gamma < 0:
+        raise ValueError(f"gamma (draft length K) must be >= 0, got {gamma}")
+    if gamma > 0 and drafter is None:
+        raise ValueError("gamma > 0 needs a drafter; pass drafter=None with gamma=0 for plain decoding")
+    if drafter is not None and drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"vocabulary mismatch: the drafter's vocab size is {drafter.vocab_size} but the target's "
+            f"({target.name}) is {target.vocab_size}; a drafter must share the target's tokenizer"
+        )
+    if isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 2:
+        dense = np.asarray(prompts, np.int64)  # B equal-length prompts: validated without a Python loop
+        if dense.shape[0] == 0 or dense.shape[1] == 0:
+            raise ValueError(f"prompts array of shape {dense.shape} is empty: at least one token is needed")
+        bad = np.nonzero((dense < 0).any(1) | (dense >= target.vocab_size).any(1))[0]
+        if bad.size:
+            raise ValueError(f"prompt {int(bad[0])} has token ids outside [0, {target.vocab_size})")
+        rows = dense.astype(np.int32)
+        plen = np.full((dense.shape[0],), dense.shape[1], np.int32)
+    else:
+        if len(prompts) == 0:
+            raise ValueError("no prompts given")
+        rows = []
+        for i, pr in enumerate(prompts):
+            arr = np.asarray(pr, dtype=np.int64).reshape(-1)
+            if arr.size == 0:
+                raise ValueError(f"prompt {i} is empty: at least one token is needed to start decoding")
+            if arr.min() < 0 or arr.max() >= target.vocab_size:
+                raise ValueError(f"prompt {i} has token ids outside [0, {target.vocab_size})")
+            rows.append(arr.astype(np.int32))
+        plen = np.array([len(r) for r in rows], np.int32)
+    b = len(rows)
+    mnew = np.asarray(max_new_tokens if max_new_tokens is not None else 0, np.int64)
+    mnew = np.full((b,), mnew) if mnew.ndim == 0 else mnew
+    if mnew.shape != (b,):
+        raise ValueError(f"max_new_tokens must be an int or have one entry per prompt ({b}), got {mnew.shape}")
+    if max_new_tokens is not None and np.any(mnew < 1):
+        raise ValueError(f"max_new_tokens must be >= 1, got {mnew.tolist()}")
+    if max_len is None:
+        if max_new_tokens is None:
+            raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
+        need = int((plen + mnew).max())
+        max_len = -(-need // 128) * 128  # round up so nearby request sizes share one compilation
+    if max_new_tokens is None:
+        mnew = np.full((b,), max_len + 1, np.int64)  # the cache, not the budget, ends these rows
+    over = np.nonzero((plen + np.where(max_new_tokens is None, 1, mnew)) > max_len)[0]
+    if over.size:
+        i = int(over[0])
+        raise ValueError(
+            f"prompt {i} ({plen[i]} tokens) + max_new_tokens ({int(mnew[i])}) exceeds the cache "
+            f"(max_len={max_len} slots)"
+        )
+    pw = -(-int(plen.max()) // 16) * 16
+    prompt = np.zeros((b, pw), np.int32)
+    if isinstance(rows, np.ndarray):
+        prompt[:, : rows.shape[1]] = rows
+    else:
+        for i, r in enumerate(rows):
+            prompt[i, : len(r)] = r
+    return prompt, plen, mnew.astype(np.int32), int(max_len)
+
+
+def _to_output(st: DecodeState) -> DecodeOutput:
+    seq, seq_len, plen, stop = jax.device_get((st.seq, st.seq_len, st.prompt_len, st.stop))
+    stats = jax.device_get(st.stats)
+    tokens = [seq[i, plen[i] : seq_len[i]].tolist() for i in range(seq.shape[0])]
+    proposed = int(stats.proposed.sum())
+    accepted = int(stats.accepted.sum())
+    rounds = int(stats.rounds.sum())
+    emitted = int(stats.emitted.sum())
+    out_stats = {
+        "new_tokens": [len(t) for t in tokens],
+        "rounds": stats.rounds.tolist(),
+        "loop_rounds": int(stats.loop_rounds),
+        "tokens_per_round": emitted / rounds if rounds else 0.0,
+        "proposed": proposed,
+        "accepted": accepted,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "accepted_at": stats.accepted_at.tolist(),
+        "proposed_at": stats.proposed_at.tolist(),
+    }
+    return DecodeOutput(tokens, [StopReason(int(r)) for r in stop], out_stats)
+
+
+def _sampling_and_key(b, temperature, top_k, top_p, min_p, seed, key):
+    sampling = SamplingParams.make(b, temperature, top_k, top_p, min_p)
+    if key is None:
+        key = jax.random.key(seed)
+    return sampling, key
+
+
+def decode(
+    target: Model,
+    target_params,
+    prompts: Sequence[Sequence[int]] | np.ndarray,
+    *,
+    drafter=None,
+    draft_params=None,
+    gamma: int = 4,
+    max_new_tokens: int | Sequence[int] | None = 64,
+    temperature: float | Sequence[float] = 0.0,
+    top_k: int | Sequence[int] = 0,
+    top_p: float | Sequence[float] = 1.0,
+    min_p: float | Sequence[float] = 0.0,
+    eos_ids: Sequence[int] = (),
+    seed: int = 0,
+    key: jax.Array | None = None,
+    max_len: int | None = None,
+    debug_checks: bool = False,
+) -> DecodeOutput:
+    """Generate up to ``max_new_tokens`` per prompt with speculative decoding (plain when drafter is None).
+
+    prompts: B token-id lists of any (non-zero) lengths; sampling arguments are scalars or per-row lists.
+    gamma: K candidates per round (forced to 0 without a drafter). max_len: cache slots S (default: the
+    longest prompt + budget, rounded up to a multiple of 128). Returns generated tokens per row, the stop
+    reason per row and statistics (see the module docstring for their definitions).
+    """
+    if drafter is None:
+        gamma = 0
+    prompt, plen, mnew, slots = _prepare(target, drafter, prompts, gamma, max_new_tokens, max_len)
+    sampling, key = _sampling_and_key(len(plen), temperature, top_k, top_p, min_p, seed, key)
+    config = DecodeConfig(gamma, slots, tuple(int(e) for e in eos_ids), debug_checks)
+    fn = _compiled(target, drafter, config)
+    st = fn(target_params, draft_params, jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
+    return _to_output(st)
+
+
+def decode_stream(
+    target: Model,
+    target_params,
+    prompts,
+    *,
+    drafter=None,
+    draft_params=None,
+    gamma: int = 4,
+    max_new_tokens=64,
+    temperature=0.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    eos_ids=(),
+    seed: int = 0,
+    key=None,
+    max_len=None,
+) -> Iterator[list[list[int]]]:
+    """Like ``decode``, but steps round by round from Python and yields, after prefill and after every
+    round, the tokens each row emitted in that step (an empty list for rows that emitted nothing). The
+    rounds run the same ``decode_round`` as the fused loop, so the tokens are identical."""
+    if drafter is None:
+        gamma = 0
+    prompt, plen, mnew, slots = _prepare(target, drafter, prompts, gamma, max_new_tokens, max_len)
+    sampling, key = _sampling_and_key(len(plen), temperature, top_k, top_p, min_p, seed, key)
+    config = DecodeConfig(gamma, slots, tuple(int(e) for e in eos_ids))
+    pre, step = _stream_fns(target, drafter, config)
+    st = pre(target_params, draft_params, jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
+    seq, sl = jax.device_get((st.seq, st.seq_len))
+    yield [[int(seq[i, sl[i] - 1])] for i in range(len(plen))]
+    while True:
+        if not np.any(np.asarray(st.stop) == StopReason.RUNNING):
+            return
+        st, emitted, n_emit = step(target_params, draft_params, st)
+        emitted, n_emit = jax.device_get((emitted, n_emit))
+        yield [emitted[i, : n_emit[i]].tolist() for i in range(len(plen))]
+
+
+@functools.lru_cache(maxsize=64)
+def _stream_fns(target, drafter, config):
+    pre = jax.jit(functools.partial(prefill, target, drafter, config))
+    step = jax.jit(functools.partial(decode_round, target, drafter, config))
+    return pre, step

@@ -1,0 +1,98 @@
+"""Drafters: what proposes candidates. The decoder only sees this small protocol.
+
+A drafter is a frozen (hashable) object, a static argument of the jitted decoder, with three pure methods:
+- ``init(params, prompt, prompt_len, slots) -> state``: set-up after the prompt is known (e.g. a draft
+  model's prefill). ``prompt`` [B, P] right-padded, ``prompt_len`` [B].
+- ``propose(params, state, ctx, key, k) -> Proposal``: up to ``k`` (static) candidates per row, and the
+  distributions q they were really drawn from.
+- ``vocab_size``: V of q (must equal the target's), or None for drafters that emit token ids only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jspec.model import Model
+from jspec.sampling import SamplingParams, distribution, sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftContext:
+    """What a drafter may read at the start of a round.
+
+    seq: [B, W] every token of the row so far (prompt, then generated), right-padded.
+    seq_len: [B] tokens in ``seq``; the last one (``seq[b, seq_len-1]``) is the pending token, emitted but
+      not yet run through the target.
+    max_draft: [B] proposals allowed this round (<= K): limited by the cache room and the tokens still wanted.
+    sampling: the rows' sampling parameters; q must be ``distribution(draft_logits, sampling)``.
+    """
+
+    seq: jax.Array
+    seq_len: jax.Array
+    max_draft: jax.Array
+    sampling: SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """tokens: [B, K]; q: [B, K, V] (the distribution each token was drawn from); n_draft: [B] how many of
+    the K are real proposals (the rest are padding and are never accepted); state: the drafter's new state."""
+
+    tokens: jax.Array
+    q: jax.Array
+    n_draft: jax.Array
+    state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+    """A separate (smaller) model sharing the target's tokenizer drafts K tokens autoregressively.
+
+    Its cache follows the committed sequence by index masking alone: each round rewinds the cache to one
+    slot before the pending token and re-feeds [previous token, pending token] (rewriting an identical entry
+    when it already exists), so whether the last round's final proposal was accepted needs no bookkeeping.
+    """
+
+    model: Model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def init(self, params, prompt: jax.Array, prompt_len: jax.Array, slots: int):
+        b, p = prompt.shape
+        cache = self.model.init_cache(b, slots)
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        _, cache = self.model.apply(params, prompt, positions, cache)
+        return cache.with_lengths(prompt_len)
+
+    def propose(self, params, cache, ctx: DraftContext, key: jax.Array, k: int) -> Proposal:
+        b = ctx.seq.shape[0]
+        rows = jnp.arange(b)
+        pend = ctx.seq_len - 1  # slot/position of the pending token
+        first = jnp.stack([ctx.seq[rows, jnp.maximum(pend - 1, 0)], ctx.seq[rows, pend]], axis=1)
+        cache = cache.with_lengths(pend - 1)
+        logits, cache = self.model.apply(params, first, jnp.stack([pend - 1, pend], axis=1), cache)
+        cache = cache.commit(jnp.full((b,), 2, jnp.int32))
+        keys = jax.random.split(key, k)
+        q0 = distribution(logits[:, -1], ctx.sampling)
+        x0 = sample(keys[0], q0)
+
+        def step(carry, k_i):
+            cache, x, pos = carry
+            logits, cache = self.model.apply(params, x[:, None], pos[:, None], cache)
+            cache = cache.commit(jnp.ones((b,), jnp.int32))
+            q = distribution(logits[:, 0], ctx.sampling)
+            nx = sample(k_i, q)
+            return (cache, nx, pos + 1), (nx, q)
+
+        (cache, _, _), (xs, qs) = jax.lax.scan(step, (cache, x0, pend + 1), keys[1:])
+        tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)
+        q = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
+        return Proposal(tokens, q, ctx.max_draft, cache)

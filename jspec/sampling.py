@@ -1,0 +1,133 @@
+"""The distribution that is really sampled: logits -> temperature, top-k, top-p, min-p -> probabilities.
+
+Target and drafter both go through ``distribution``, so the p and q that verification compares are exactly
+what each side samples from; that is what makes speculative sampling lossless for any transform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling parameters, all arrays of shape [B] so changing them never recompiles.
+
+    temperature: 0 means greedy (a one-hot distribution on the argmax, lowest index on ties).
+    top_k: keep the k most likely tokens (ties at the k-th value are kept); 0 disables.
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1 disables.
+    min_p: keep tokens whose probability is at least min_p times the largest; 0 disables.
+    Applied in that order (temperature, top-k, top-p, min-p), each on the renormalised result of the last.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+
+    @classmethod
+    def make(cls, batch: int, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
+        """Broadcast scalars or per-row sequences to [B] arrays, validating them on the host."""
+
+        def col(x, dtype, name):
+            a = np.asarray(x, dtype=dtype)
+            if a.ndim == 0:
+                a = np.full((batch,), a, dtype=dtype)
+            if a.shape != (batch,):
+                raise ValueError(f"{name} must be a scalar or have shape ({batch},), got shape {a.shape}")
+            return a
+
+        t = col(temperature, np.float32, "temperature")
+        k = col(top_k, np.int32, "top_k")
+        p = col(top_p, np.float32, "top_p")
+        m = col(min_p, np.float32, "min_p")
+        if not np.all(np.isfinite(t)) or np.any(t < 0):
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {t.tolist()}")
+        if np.any(k < 0):
+            raise ValueError(f"top_k must be >= 0 (0 = disabled), got {k.tolist()}")
+        if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):
+            raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {p.tolist()}")
+        if not np.all(np.isfinite(m)) or np.any(m < 0) or np.any(m > 1):
+            raise ValueError(f"min_p must be in [0, 1] (0 = disabled), got {m.tolist()}")
+        return cls(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p), jnp.asarray(m))
+
+    @property
+    def batch(self) -> int:
+        return self.temperature.shape[0]
+
+
+def _expand(x: jax.Array, ndim: int) -> jax.Array:
+    """[B] -> [B, 1, ..., 1] to broadcast against [B, ..., V]."""
+    return x.reshape(x.shape + (1,) * (ndim - 1))
+
+
+def _filtered(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Temperature-scaled probabilities with top-k/top-p/min-p applied (renormalised). [B, ..., V]."""
+    nd = logits.ndim
+    temp = _expand(params.temperature, nd)
+    scaled = logits / jnp.where(temp > 0, temp, 1.0)
+    probs = jax.nn.softmax(scaled, axis=-1)
+
+    def with_filters(probs):
+        v = probs.shape[-1]
+        # One descending sort serves both top-k and top-p; thresholds are values, so ties are kept whole.
+        sorted_p = -jnp.sort(-probs, axis=-1)
+        k = _expand(params.top_k, nd)
+        k_eff = jnp.where((k > 0) & (k < v), k, v)
+        kth = jnp.take_along_axis(sorted_p, k_eff - 1, axis=-1)
+        keep = probs >= kth
+        # top-p on the top-k result: renormalise the kept mass, find the smallest prefix reaching top_p.
+        sorted_kept = jnp.where(jnp.arange(v) < k_eff, sorted_p, 0.0)
+        sorted_kept = sorted_kept / jnp.sum(sorted_kept, axis=-1, keepdims=True)
+        before = jnp.cumsum(sorted_kept, axis=-1) - sorted_kept  # mass strictly above each sorted entry
+        top_p = _expand(params.top_p, nd)
+        n_keep = jnp.maximum(jnp.sum((before < top_p) & (sorted_kept > 0), axis=-1, keepdims=True), 1)
+        pth = jnp.take_along_axis(sorted_p, n_keep - 1, axis=-1)
+        keep &= probs >= pth
+        kept = jnp.where(keep, probs, 0.0)
+        kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+        # min-p is relative to the largest remaining probability, which the earlier filters never remove.
+        min_p = _expand(params.min_p, nd)
+        kept = jnp.where(kept >= min_p * jnp.max(kept, axis=-1, keepdims=True), kept, 0.0)
+        return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+    # The sort over V costs more than the rest of the sampler; skip it when no row filters (the usual case).
+    needs_filter = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0) | jnp.any(params.min_p > 0)
+    return jax.lax.cond(needs_filter, with_filters, lambda x: x, probs)
+
+
+def distribution(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """[B, ..., V] logits -> [B, ..., V] float32 probabilities that sum to 1 over V.
+
+    Rows with temperature 0 get a one-hot on the argmax, so greedy decoding runs through the same
+    acceptance rule as sampling and stays token-for-token equal to plain greedy decoding.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    probs = _filtered(logits, params)
+    is_greedy = _expand(params.temperature, logits.ndim) == 0
+    return jnp.where(is_greedy, greedy, probs)
+
+
+def sample_from(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """Inverse-CDF draw: probs [..., V] (need not be normalised), u [...] uniforms in [0, 1) -> ids [...].
+
+    Taking explicit uniforms (rather than a key) lets a caller replay a draw exactly. A token of zero
+    probability is never returned: the index is capped at the last token with positive mass.
+    """
+    cdf = jnp.cumsum(probs, axis=-1)
+    target = u[..., None] * cdf[..., -1:]
+    idx = jnp.sum(cdf <= target, axis=-1)
+    v = probs.shape[-1]
+    last_positive = v - 1 - jnp.argmax(jnp.flip(probs > 0, axis=-1), axis=-1)
+    return jnp.minimum(idx, last_positive).astype(jnp.int32)
+
+
+def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
+    """Draw one token per leading index from probs [..., V] with a PRNG key."""
+    return sample_from(probs, jax.random.uniform(key, probs.shape[:-1]))

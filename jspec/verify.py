@@ -1,0 +1,96 @@
+"""Lossless chain verification (Leviathan et al. 2023, sec. 2.3 and app. A.1).
+
+A proposed token x ~ q is accepted with probability min(1, p(x)/q(x)); on the first rejection the
+replacement comes from the residual norm(max(0, p - q)); when every proposal is accepted a bonus token is
+drawn from the target's next distribution. Whatever q is, the emitted tokens are distributed as p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jspec.sampling import sample_from
+
+
+def accepted_mass(p: jax.Array, q: jax.Array) -> jax.Array:
+    """[..., V] -> [..., V]: probability that token x is both proposed and accepted, min(p, q).
+    Summed over V it is the acceptance rate for this prefix."""
+    return jnp.minimum(p, q)
+
+
+def acceptance_prob(p: jax.Array, q: jax.Array) -> jax.Array:
+    """min(1, p/q) elementwise, defined as 1 where q == 0 (such a token is never proposed); never 0/0."""
+    safe_q = jnp.where(q > 0, q, 1.0)
+    return jnp.where(q > 0, jnp.minimum(1.0, p / safe_q), 1.0)
+
+
+def residual(p: jax.Array, q: jax.Array) -> jax.Array:
+    """[..., V] -> [..., V]: norm(max(0, p - q)), the distribution of a correction token after a rejection.
+
+    When p == q the residual has no mass; a rejection is then impossible (every proposal is accepted), so
+    the value returned there (p itself) is never sampled from. It only avoids producing NaNs.
+    """
+    r = jnp.maximum(p - q, 0.0)
+    mass = jnp.sum(r, axis=-1, keepdims=True)
+    return jnp.where(mass > 0, r / jnp.where(mass > 0, mass, 1.0), p)
+
+
+def accept(p_x: jax.Array, q_x: jax.Array, u: jax.Array) -> jax.Array:
+    """Accept a proposal iff u < p(x)/q(x), written u * q(x) < p(x) so p == q always accepts (u < 1) and
+    nothing is divided."""
+    return u * q_x < p_x
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ChainResult:
+    """Outcome of verifying one chain per row.
+
+    n_accepted: [B] leading proposals accepted (0..n_draft).
+    next_token: [B] the correction (after a rejection) or bonus (all accepted) token.
+    accepted: [B, K] bool, proposal i accepted (only the leading run counts; later ones are discarded).
+    bad_proposal: [B] bool, some proposed token had q(x) == 0 (a drafter bug; checked under debug mode).
+    """
+
+    n_accepted: jax.Array
+    next_token: jax.Array
+    accepted: jax.Array
+    bad_proposal: jax.Array
+
+
+def verify_chain(
+    p: jax.Array,  # [B, K+1, V] target distributions at the K proposals and the bonus position
+    q: jax.Array,  # [B, K, V] distributions the proposals were really drawn from
+    draft: jax.Array,  # [B, K] proposed token ids
+    n_draft: jax.Array,  # [B] proposals actually made per row (<= K); later positions are ignored
+    u_accept: jax.Array,  # [B, K] uniforms in [0, 1) for the accept tests
+    u_final: jax.Array,  # [B] uniform in [0, 1) for the correction/bonus draw
+) -> ChainResult:
+    b, k1, v = p.shape
+    k = k1 - 1
+    rows = jnp.arange(b)
+    if k == 0:
+        nxt = sample_from(p[:, 0], u_final)
+        return ChainResult(jnp.zeros((b,), jnp.int32), nxt, jnp.zeros((b, 0), bool), jnp.zeros((b,), bool))
+    p_x = jnp.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, K]
+    q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
+    proposed = jnp.arange(k)[None, :] < n_draft[:, None]
+    ok = accept(p_x, q_x, u_accept) & proposed
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    all_accepted = n_acc >= n_draft
+    p_n = p[rows, n_acc]  # [B, V]
+    q_n = q[rows, jnp.minimum(n_acc, k - 1)]
+    final = jnp.where(all_accepted[:, None], p_n, residual(p_n, q_n))
+    nxt = sample_from(final, u_final)
+    bad = jnp.any(proposed & (q_x <= 0), axis=1)
+    return ChainResult(n_acc, nxt, ok, bad)
+
+
+def verify_chain_key(key: jax.Array, p, q, draft, n_draft) -> ChainResult:
+    """``verify_chain`` with the uniforms drawn from a PRNG key."""
+    k_acc, k_fin = jax.random.split(key)
+    b, k = draft.shape
+    return verify_chain(p, q, draft, n_draft, jax.random.uniform(k_acc, (b, k)), jax.random.uniform(k_fin, (b,)))

@@ -1,0 +1,135 @@
+"""Table-driven toy models over a 3-5 token vocabulary, for exact distribution tests.
+
+The next-token logits depend on the last two tokens and the position of the last one:
+``logits = table[parent, token, pos % M]`` (parent = the token before, 0 at the very start). They follow
+jspec's model protocol for real: the parent is read back from the model's own cache (token ids stored as
+1-dim "keys"), found through the same attention mask a transformer uses, so cache commits, rollbacks and
+tree masks are exercised exactly as for a real model: a stale or leaked cache entry changes the output.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.cache import KVCache, attention_mask, write_layer
+from jspec.model import Model
+
+
+def make_table_model(table: np.ndarray, name: str = "toy") -> Model:
+    """table: [V, V, M, V] logits indexed by (parent token, token, position % M)."""
+    tab = jnp.asarray(table, jnp.float32)
+    v, _, m, _ = table.shape
+
+    def apply(params, tokens, positions, cache, tree_mask=None):
+        b, t = tokens.shape
+        s = cache.k.shape[3]
+        new = tokens.astype(jnp.float32)[:, None, :, None]  # [B, 1, T, 1]
+        k = write_layer(cache.k[0], new, cache.lengths)
+        mask = attention_mask(cache.lengths, t, s, tree_mask)  # [B, T, S]
+        own = cache.lengths[:, None] + jnp.arange(t)[None, :]
+        slot = jnp.arange(s)[None, None, :]
+        visible = mask & (slot != own[:, :, None])
+        parent = jnp.max(jnp.where(visible, slot, -1), axis=-1)  # the latest visible earlier slot
+        prev = jnp.take_along_axis(k[:, 0, :, 0], jnp.maximum(parent, 0), axis=1).astype(jnp.int32)
+        prev = jnp.where(parent >= 0, prev, 0)
+        logits = params[prev, tokens, positions % m]
+        return logits, KVCache(k[None], cache.v, cache.lengths)
+
+    def init_cache(batch, slots):
+        return KVCache.init(1, batch, 1, slots, 1)
+
+    return Model(apply=apply, init_cache=init_cache, vocab_size=v, name=name), tab
+
+
+def random_table(seed: int, vocab: int, period: int, scale: float = 1.5) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(vocab, vocab, period, vocab)) * scale
+
+
+# ---- an independent NumPy reference of the sampling transforms and the exact sequence distribution ----
+
+
+def ref_transform(
+    logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> np.ndarray:
+    """Reference for one distribution, written from the definitions (float64)."""
+    logits = np.asarray(logits, np.float64)
+    v = logits.shape[-1]
+    if temperature == 0:
+        out = np.zeros(v)
+        out[int(np.argmax(logits))] = 1.0
+        return out
+    z = logits / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = sorted(range(v), key=lambda i: -p[i])
+    keep = set(range(v))
+    if 0 < top_k < v:
+        kth = p[order[top_k - 1]]
+        keep = {i for i in keep if p[i] >= kth}
+    if top_p < 1.0:
+        mass = sum(p[i] for i in keep)
+        chosen, acc = set(), 0.0
+        for i in order:
+            if i not in keep:
+                continue
+            if acc < top_p:
+                chosen.add(i)
+            acc += p[i] / mass
+        keep &= {i for i in keep if p[i] >= min(p[j] for j in chosen)}
+    out = np.array([p[i] if i in keep else 0.0 for i in range(v)])
+    out /= out.sum()
+    if min_p > 0:
+        out = np.where(out >= min_p * out.max(), out, 0.0)
+        out /= out.sum()
+    return out
+
+
+def exact_sequence_distribution(table: np.ndarray, prompt: list[int], n_new: int, **sampling) -> dict:
+    """P(generated sequence) for every sequence of n_new tokens, by enumeration."""
+    v, _, m, _ = table.shape
+    out = {}
+    for seq in itertools.product(range(v), repeat=n_new):
+        prob = 1.0
+        full = list(prompt)
+        for tok in seq:
+            parent = full[-2] if len(full) >= 2 else 0
+            prob *= ref_transform(table[parent, full[-1], (len(full) - 1) % m], **sampling)[tok]
+            full.append(tok)
+        if prob > 0:
+            out[seq] = prob
+    return out
+
+
+def empirical(tokens: np.ndarray) -> dict:
+    seqs, counts = np.unique(np.asarray(tokens), axis=0, return_counts=True)
+    n = counts.sum()
+    return {tuple(int(x) for x in s): c / n for s, c in zip(seqs, counts)}
+
+
+def chi_square(tokens: np.ndarray, exact: dict) -> tuple[float, int]:
+    """Pearson chi-square of observed whole sequences against the exact distribution (outcomes with
+    expected count < 5 pooled into one cell). Returns (statistic, degrees of freedom)."""
+    tokens = np.asarray(tokens)
+    n = tokens.shape[0]
+    seqs, counts = np.unique(tokens, axis=0, return_counts=True)
+    obs = {tuple(int(x) for x in s): int(c) for s, c in zip(seqs, counts)}
+    unseen_impossible = sum(c for s, c in obs.items() if s not in exact)
+    if unseen_impossible:
+        return float("inf"), 1
+    big = [s for s, p in exact.items() if p * n >= 5]
+    small = [s for s, p in exact.items() if p * n < 5]
+    cells = [(obs.get(s, 0), exact[s] * n) for s in big]
+    if small:
+        cells.append((sum(obs.get(s, 0) for s in small), sum(exact[s] for s in small) * n))
+    stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
+    return float(stat), len(cells) - 1
+
+
+def chi2_critical(df: int, z: float = 4.265) -> float:
+    """Upper critical value of chi-square(df) by the Wilson-Hilferty approximation; z=4.265 is the
+    one-sided 1e-5 quantile of the standard normal (a false alarm once in 100,000 runs)."""
+    c = 2.0 / (9.0 * df)
+    return df * (1 - c + z * np.sqrt(c)) ** 3
