@@ -1,0 +1,257 @@
+"""The decode loop on table-driven toy models: losslessness, greedy equivalence, stops, errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from toy_models import chi2_critical, chi_square, exact_sequence_distribution, make_table_model, random_table
+
+from jspec import decode as dec
+from jspec.drafters import ModelDrafter, Proposal
+
+VOCAB, PERIOD = 3, 4
+TARGET_TABLE = random_table(0, VOCAB, PERIOD)
+# The draft is a perturbed target: close enough that many proposals are accepted, different enough that
+# many are rejected, so both branches of the acceptance rule are exercised.
+DRAFT_TABLE = TARGET_TABLE + random_table(1, VOCAB, PERIOD) * 0.8
+TARGET, TARGET_PARAMS = make_table_model(TARGET_TABLE, "target")
+DRAFT, DRAFT_PARAMS = make_table_model(DRAFT_TABLE, "draft")
+DRAFTER = ModelDrafter(DRAFT)
+
+# Row groups decoded together in one call: per-row sampling parameters, both temperatures, top-k and top-p.
+GROUPS = [
+    dict(temperature=0.7, top_k=2),
+    dict(temperature=1.3, top_k=2),
+    dict(temperature=0.7, top_p=0.8),
+    dict(temperature=1.3, top_p=0.9),
+    dict(temperature=1.3),
+]
+N_PER_GROUP = 100_000
+PROMPT = [2, 0, 1]
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_whole_sequence_distribution_equals_target(gamma):
+    """>= 100k sampled sequences per sampling setting, all settings in ONE jitted call, vs the exact
+    sequence distribution enumerated from the target table. Chi-square at a 1e-5 false-alarm level."""
+    n = N_PER_GROUP
+    n_new = gamma + 2  # the first token comes from prefill; then a round can use all K positions
+    cols = {
+        key: np.repeat([g.get(key, d) for g in GROUPS], n)
+        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
+    }
+    prompts = np.tile(np.asarray(PROMPT, np.int32), (n * len(GROUPS), 1))
+    out = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        prompts,
+        drafter=DRAFTER,
+        draft_params=DRAFT_PARAMS,
+        gamma=gamma,
+        max_new_tokens=n_new,
+        seed=100 + gamma,
+        **cols,
+    )
+    tokens = np.asarray(out.tokens)
+    assert tokens.shape == (n * len(GROUPS), n_new)
+    # Not vacuous: proposals were made at every position and both accepted and rejected.
+    assert 0.3 < out.stats["acceptance_rate"] < 0.95
+    assert all(c > 0 for c in out.stats["proposed_at"])
+    for i, g in enumerate(GROUPS):
+        exact = exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)
+        stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
+        assert stat < chi2_critical(df), (g, stat, df)
+
+
+def test_distribution_test_has_power():
+    """The same statistic rejects the draft's own distribution, which is what a broken verifier yields."""
+    g = GROUPS[3]
+    n = N_PER_GROUP
+    prompts = np.tile(np.asarray(PROMPT, np.int32), (n, 1))
+    out = dec.decode(DRAFT, DRAFT_PARAMS, prompts, max_new_tokens=4, seed=7, **g)
+    stat, df = chi_square(np.asarray(out.tokens), exact_sequence_distribution(TARGET_TABLE, PROMPT, 4, **g))
+    assert stat > 10 * chi2_critical(df)
+
+
+PROMPTS = [[0, 1, 2, 0, 1], [2], [1, 1, 0, 2, 2, 1, 0, 0, 1], [0, 2]]
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_speculative_equals_greedy_plain(gamma):
+    plain = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=20)
+    spec = dec.decode(
+        TARGET, TARGET_PARAMS, PROMPTS, drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=gamma, max_new_tokens=20
+    )
+    assert spec.tokens == plain.tokens
+    assert spec.stats["accepted"] > 0 and spec.stats["accepted"] < spec.stats["proposed"]
+    # Independent reference: greedy argmax chain straight from the table.
+    for prompt, got in zip(PROMPTS, plain.tokens):
+        seq = list(prompt)
+        for _ in range(20):
+            parent = seq[-2] if len(seq) >= 2 else 0
+            seq.append(int(np.argmax(TARGET_TABLE[parent, seq[-1], (len(seq) - 1) % PERIOD])))
+        assert got == seq[len(prompt) :]
+
+
+def test_max_new_tokens_per_row_exact():
+    budgets = [1, 7, 3, 12]
+    out = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        PROMPTS,
+        drafter=DRAFTER,
+        draft_params=DRAFT_PARAMS,
+        gamma=3,
+        max_new_tokens=budgets,
+        temperature=1.0,
+        seed=1,
+    )
+    assert out.lengths == budgets
+    assert all(r == dec.StopReason.MAX_NEW_TOKENS for r in out.stop_reason)
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_eos_stops_row_and_nothing_follows(gamma):
+    eos = 2
+    ref = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=30)  # no EOS: the full greedy stream
+    drafter = DRAFTER if gamma else None
+    out = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        PROMPTS,
+        drafter=drafter,
+        draft_params=DRAFT_PARAMS,
+        gamma=gamma,
+        max_new_tokens=30,
+        eos_ids=[eos],
+    )
+    for full, got, reason in zip(ref.tokens, out.tokens, out.stop_reason):
+        if eos in full:
+            cut = full.index(eos) + 1
+            assert got == full[:cut] and reason == dec.StopReason.EOS
+        else:
+            assert got == full and reason == dec.StopReason.MAX_NEW_TOKENS
+    assert any(r == dec.StopReason.EOS for r in out.stop_reason)
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_cache_full_stops_with_reason(gamma):
+    slots = 24
+    drafter = DRAFTER if gamma else None
+    out = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        PROMPTS,
+        drafter=drafter,
+        draft_params=DRAFT_PARAMS,
+        gamma=gamma,
+        max_new_tokens=None,
+        max_len=slots,
+        temperature=1.0,
+        seed=3,
+    )
+    assert all(r == dec.StopReason.CACHE_FULL for r in out.stop_reason)
+    # Every slot is used: the last token emitted is the one that no longer has a slot.
+    assert out.lengths == [slots + 1 - len(p) for p in PROMPTS]
+
+
+def test_target_cache_equals_fresh_prefill():
+    """After generation the committed cache holds exactly what a fresh prefill of the final sequence
+    computes: no rejected candidate leaked into a committed slot."""
+    prompt, plen, mnew, slots = dec._prepare(TARGET, DRAFTER, PROMPTS, 3, 15, None)
+    sampling, key = dec._sampling_and_key(len(PROMPTS), 1.3, 0, 1.0, 0.0, 5, None)
+    config = dec.DecodeConfig(3, slots)
+    st = jax.jit(lambda *a: dec.generate_arrays(TARGET, DRAFTER, config, *a))(
+        TARGET_PARAMS, DRAFT_PARAMS, jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key
+    )
+    seq, seq_len, lengths = np.asarray(st.seq), np.asarray(st.seq_len), np.asarray(st.cache.lengths)
+    assert np.all(lengths == seq_len - 1)
+    assert int(st.stats.accepted.sum()) < int(st.stats.proposed.sum())  # rejections happened
+    for b in range(len(PROMPTS)):
+        n = int(lengths[b])
+        fresh = TARGET.init_cache(1, slots)
+        _, fresh = TARGET.apply(TARGET_PARAMS, jnp.asarray(seq[b : b + 1, :n]), jnp.arange(n)[None], fresh)
+        np.testing.assert_array_equal(np.asarray(st.cache.k)[:, b, :, :n], np.asarray(fresh.k)[:, 0, :, :n])
+
+
+def test_streaming_yields_the_fused_tokens():
+    kw = dict(
+        drafter=DRAFTER,
+        draft_params=DRAFT_PARAMS,
+        gamma=3,
+        max_new_tokens=[9, 4, 12, 6],
+        temperature=1.3,
+        top_p=0.9,
+        seed=11,
+        eos_ids=[2],
+    )
+    fused = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, **kw)
+    chunks = list(dec.decode_stream(TARGET, TARGET_PARAMS, PROMPTS, **kw))
+    streamed = [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))]
+    assert streamed == fused.tokens
+    assert max(len(row) for c in chunks[1:] for row in c) > 1  # rounds really emitted bursts
+
+
+def test_per_call_arrays_do_not_recompile():
+    before = dec._compiled.cache_info().currsize
+    for t, budget in [(0.0, 5), (0.9, 9), (1.3, 3)]:
+        dec.decode(
+            TARGET,
+            TARGET_PARAMS,
+            PROMPTS,
+            drafter=DRAFTER,
+            draft_params=DRAFT_PARAMS,
+            gamma=2,
+            max_new_tokens=budget,
+            temperature=t,
+            top_k=2,
+            seed=int(t * 10),
+        )
+    fn = dec._compiled(TARGET, DRAFTER, dec.DecodeConfig(2, 128))
+    assert dec._compiled.cache_info().currsize == before + 1
+    assert fn._cache_size() == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _BrokenDrafter:
+    """Proposes token 0 while claiming q puts all its mass on token 1."""
+
+    vocab_size: int = VOCAB
+
+    def init(self, params, prompt, prompt_len, slots):
+        return None
+
+    def propose(self, params, state, ctx, key, k):
+        b = ctx.seq.shape[0]
+        q = jax.nn.one_hot(jnp.ones((b, k), jnp.int32), VOCAB)
+        return Proposal(jnp.zeros((b, k), jnp.int32), q, ctx.max_draft, state)
+
+
+def test_debug_checks_catch_zero_q_proposals():
+    with pytest.raises(Exception, match="probability 0"):
+        dec.decode(
+            TARGET, TARGET_PARAMS, PROMPTS, drafter=_BrokenDrafter(), gamma=2, max_new_tokens=5, debug_checks=True
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(gamma=-1, drafter=DRAFTER), "gamma"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(prompts=[[0, 1], []]), "prompt 1 is empty"),
+        (dict(prompts=[[0, 7]]), "outside"),
+        (dict(max_new_tokens=100, max_len=64), "exceeds the cache"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(drafter=ModelDrafter(make_table_model(random_table(2, 5, 2))[0]), gamma=2), "vocabulary mismatch"),
+    ],
+)
+def test_bad_input_raises_clear_error(kwargs, message):
+    kwargs = {"prompts": PROMPTS, **kwargs}
+    prompts = kwargs.pop("prompts")
+    with pytest.raises(ValueError, match=message):
+        dec.decode(TARGET, TARGET_PARAMS, prompts, **kwargs)
