@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -384,7 +385,37 @@ def _sampling_and_key(b, temperature, top_k, top_p, min_p, seed, key):
     return sampling, key
 
 
-def decode(
+@dataclasses.dataclass
+class PreparedDecode:
+    """A validated decode call, split so that compilation and execution can be timed apart."""
+
+    fn: Any  # the jitted whole decode
+    args: tuple
+
+    def compile(self):
+        """Compile ahead of time (no execution); returns the compiled executable."""
+        return self.fn.lower(*self.args).compile() if hasattr(self.fn, "lower") else self.fn
+
+    def run(self, compiled=None) -> DecodeOutput:
+        st = (compiled or self.fn)(*self.args)
+        return _to_output(st)
+
+    def run_timed(self) -> DecodeOutput:
+        """Compile, then run and time the execution alone; adds ``compile_seconds``, ``seconds`` (excluding
+        compilation, including the transfer of the result to the host) and ``tokens_per_s`` to the stats."""
+        t0 = time.perf_counter()
+        compiled = self.compile()
+        jax.block_until_ready(self.args)
+        t1 = time.perf_counter()
+        st = jax.block_until_ready(compiled(*self.args))
+        out = _to_output(st)
+        t2 = time.perf_counter()
+        total = sum(out.stats["new_tokens"])
+        out.stats.update(compile_seconds=t1 - t0, seconds=t2 - t1, tokens_per_s=total / (t2 - t1))
+        return out
+
+
+def prepare(
     target: Model,
     target_params,
     prompts: Sequence[Sequence[int]] | np.ndarray,
@@ -402,22 +433,64 @@ def decode(
     key: jax.Array | None = None,
     max_len: int | None = None,
     debug_checks: bool = False,
-) -> DecodeOutput:
-    """Generate up to ``max_new_tokens`` per prompt with speculative decoding (plain when drafter is None).
+) -> PreparedDecode:
+    """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
+    config, arrays = _setup(
+        target,
+        drafter,
+        prompts,
+        gamma,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        eos_ids,
+        seed,
+        key,
+        max_len,
+        debug_checks,
+    )
+    return PreparedDecode(_compiled(target, drafter, config), (target_params, draft_params, *arrays))
 
-    prompts: B token-id lists of any (non-zero) lengths; sampling arguments are scalars or per-row lists.
-    gamma: K candidates per round (forced to 0 without a drafter). max_len: cache slots S (default: the
-    longest prompt + budget, rounded up to a multiple of 128). Returns generated tokens per row, the stop
-    reason per row and statistics (see the module docstring for their definitions).
-    """
+
+def _setup(
+    target,
+    drafter,
+    prompts,
+    gamma,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+    eos_ids,
+    seed,
+    key,
+    max_len,
+    debug_checks,
+):
+    """Validated static config and the per-call arrays (prompt, prompt_len, max_new, sampling, key)."""
     if drafter is None:
         gamma = 0
     prompt, plen, mnew, slots = _prepare(target, drafter, prompts, gamma, max_new_tokens, max_len)
     sampling, key = _sampling_and_key(len(plen), temperature, top_k, top_p, min_p, seed, key)
     config = DecodeConfig(gamma, slots, tuple(int(e) for e in eos_ids), debug_checks)
-    fn = _compiled(target, drafter, config)
-    st = fn(target_params, draft_params, jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
-    return _to_output(st)
+    return config, (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
+
+
+def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
+    """Generate up to ``max_new_tokens`` per prompt with speculative decoding (plain when drafter is None).
+
+    prompts: B token-id lists of any (non-zero) lengths, or a [B, P] array. Keyword arguments (see
+    ``prepare``): drafter, draft_params, gamma (K candidates per round; forced to 0 without a drafter),
+    max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature / top_k / top_p /
+    min_p (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key, max_len (cache slots
+    S; default the longest prompt + budget rounded up to a multiple of 128), debug_checks.
+    Returns generated tokens per row, the stop reason per row and statistics (defined in the module doc).
+    Everything per call is an array: new values of any of these arguments reuse the compiled loop.
+    """
+    return prepare(target, target_params, prompts, **kwargs).run()
 
 
 def decode_stream(
@@ -441,21 +514,33 @@ def decode_stream(
     """Like ``decode``, but steps round by round from Python and yields, after prefill and after every
     round, the tokens each row emitted in that step (an empty list for rows that emitted nothing). The
     rounds run the same ``decode_round`` as the fused loop, so the tokens are identical."""
-    if drafter is None:
-        gamma = 0
-    prompt, plen, mnew, slots = _prepare(target, drafter, prompts, gamma, max_new_tokens, max_len)
-    sampling, key = _sampling_and_key(len(plen), temperature, top_k, top_p, min_p, seed, key)
-    config = DecodeConfig(gamma, slots, tuple(int(e) for e in eos_ids))
+    config, arrays = _setup(
+        target,
+        drafter,
+        prompts,
+        gamma,
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        eos_ids,
+        seed,
+        key,
+        max_len,
+        False,
+    )
     pre, step = _stream_fns(target, drafter, config)
-    st = pre(target_params, draft_params, jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
+    st = pre(target_params, draft_params, *arrays)
     seq, sl = jax.device_get((st.seq, st.seq_len))
-    yield [[int(seq[i, sl[i] - 1])] for i in range(len(plen))]
+    b = seq.shape[0]
+    yield [[int(seq[i, sl[i] - 1])] for i in range(b)]
     while True:
         if not np.any(np.asarray(st.stop) == StopReason.RUNNING):
             return
         st, emitted, n_emit = step(target_params, draft_params, st)
         emitted, n_emit = jax.device_get((emitted, n_emit))
-        yield [emitted[i, : n_emit[i]].tolist() for i in range(len(plen))]
+        yield [emitted[i, : n_emit[i]].tolist() for i in range(b)]
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,162 @@
+"""``python -m jspec generate``: run a real checkpoint with or without speculation.
+
+The core never imports a model zoo: checkpoints are found through the ``jspec.model_loaders`` entry-point
+group (this repository's ``models`` package registers ``llama``), so any installed package can provide them.
+A loader is ``load(name_or_path, dtype) -> (config, params, model: jspec.model.Model, tokenizer)``; the
+tokenizer needs ``encode``, ``decode``, ``encode_chat(messages)`` and ``eos_id``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib.metadata import entry_points
+
+from jspec.decode import prepare
+
+DRAFTERS = ("none", "ngram", "model")
+
+
+def model_loader(group: str = "jspec.model_loaders"):
+    found = list(entry_points(group=group))
+    if not found:
+        raise SystemExit(
+            f"no model loader is registered in the '{group}' entry-point group; install this repository "
+            "(pip install -e .) or a package that provides one"
+        )
+    return found[0].load()
+
+
+def build_drafter(args, target, load):
+    """-> (drafter, draft_params) for the --drafter choice."""
+    if args.drafter == "none":
+        return None, None
+    if args.drafter == "ngram":
+        from jspec.ngram import NgramDrafter
+
+        return NgramDrafter(args.ngram_max, args.ngram_min, vocab_size=target.vocab_size), None
+    if args.drafter == "model":
+        if not args.draft_model:
+            raise SystemExit("--drafter model needs --draft-model NAME_OR_PATH (a model sharing the tokenizer)")
+        from jspec.drafters import ModelDrafter
+
+        _, dparams, dmodel, _ = load(args.draft_model, args.dtype)
+        return ModelDrafter(dmodel), dparams
+    raise SystemExit(f"unknown drafter '{args.drafter}'; choose from {', '.join(DRAFTERS)}")
+
+
+def _run(target, params, prompt_ids, drafter, dparams, args, eos):
+    prepared = prepare(
+        target,
+        params,
+        [prompt_ids],
+        drafter=drafter,
+        draft_params=dparams,
+        gamma=args.gamma,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        eos_ids=eos,
+        seed=args.seed,
+    )
+    out = prepared.run_timed()
+    st = out.stats
+    return out.tokens[0], {
+        "new_tokens": st["new_tokens"][0],
+        "rounds": st["rounds"][0],
+        "tokens_per_round": st["tokens_per_round"],
+        "acceptance_rate": st["acceptance_rate"],
+        "proposed": st["proposed"],
+        "accepted": st["accepted"],
+        "accepted_at": st["accepted_at"],
+        "proposed_at": st["proposed_at"],
+        "stop_reason": out.stop_reason[0].name.lower(),
+        "seconds": st["seconds"],
+        "tokens_per_s": st["tokens_per_s"],
+        "compile_seconds": st["compile_seconds"],
+    }
+
+
+def generate(args) -> int:
+    load = model_loader()
+    _, params, target, tok = load(args.model, args.dtype)
+    if tok is None:
+        raise SystemExit(f"'{args.model}' has no tokenizer; jspec generate needs one")
+    if args.raw:
+        prompt_ids = tok.encode(args.prompt)
+    else:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        prompt_ids = tok.encode_chat(msgs)
+    eos = [] if args.ignore_eos or tok.eos_id is None else [tok.eos_id]
+    drafter, dparams = build_drafter(args, target, load)
+    ids, stats = _run(target, params, prompt_ids, drafter, dparams, args, eos)
+    stats.update(drafter=args.drafter, gamma=args.gamma if drafter is not None else 0)
+    result = {
+        "text": tok.decode(ids, skip_special_tokens=True),
+        "token_ids": ids,
+        "prompt_tokens": len(prompt_ids),
+        "stats": stats,
+    }
+    if args.compare and drafter is not None:
+        plain_ids, plain = _run(target, params, prompt_ids, None, None, args, eos)
+        result["plain"] = {"token_ids": plain_ids, "stats": plain}
+        result["speedup"] = stats["tokens_per_s"] / plain["tokens_per_s"]
+        result["identical_to_plain"] = plain_ids == ids
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(result["text"])
+    print(_stats_line(args.drafter if drafter is not None else "none", stats), file=sys.stderr)
+    if "plain" in result:
+        print(_stats_line("plain", result["plain"]["stats"]), file=sys.stderr)
+        same = "identical" if result["identical_to_plain"] else "different (sampling: same distribution, other draws)"
+        print(
+            f"[speedup {result['speedup']:.2f}x over plain decoding, measured in this run; output {same}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _stats_line(name, s) -> str:
+    acc = "" if name in ("none", "plain") else f", acceptance {s['acceptance_rate']:.2f}"
+    return (
+        f"[{name}: {s['new_tokens']} tokens in {s['rounds']} rounds ({s['tokens_per_round']:.2f}/round{acc}), "
+        f"{s['seconds']:.2f} s, {s['tokens_per_s']:.1f} tok/s, compile {s['compile_seconds']:.1f} s, "
+        f"stop: {s['stop_reason']}]"
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jspec", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf file or HF directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--system", default=None, help="optional system message")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--drafter", default="ngram", choices=DRAFTERS)
+    g.add_argument("--draft-model", default=None, help="for --drafter model")
+    g.add_argument("--gamma", type=int, default=4, help="K, candidates per round")
+    g.add_argument("--ngram-max", type=int, default=3)
+    g.add_argument("--ngram-min", type=int, default=1)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    try:
+        return generate(args)
+    except ValueError as e:  # bad input: a clear message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
