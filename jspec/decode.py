@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from jspec import adaptive as adapt
+from jspec.adaptive import AdaptiveK
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
 from jspec.sampling import SamplingParams, distribution, sample
@@ -49,12 +51,14 @@ class DecodeConfig:
     slots: S, cache slots per row (prompt + generated tokens must fit).
     eos_ids: token ids that end a row (the EOS token is emitted, nothing after it).
     debug_checks: check invariants on device (a proposal with q(x) == 0 raises).
+    adaptive: per-row draft length policy (``jspec.adaptive.AdaptiveK``); None = always K.
     """
 
     gamma: int
     slots: int
     eos_ids: tuple[int, ...] = ()
     debug_checks: bool = False
+    adaptive: AdaptiveK | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -86,6 +90,7 @@ class DecodeState:
     stop: jax.Array  # [B] StopReason
     stats: DecodeStats
     bad_proposal: jax.Array  # [] bool, some row proposed a token its drafter gave q(x) == 0
+    accept_ema: jax.Array  # [B] float32, the adaptive draft length's acceptance estimate
 
 
 def _scatter_rows(buf: jax.Array, start: jax.Array, vals: jax.Array, n: jax.Array) -> jax.Array:
@@ -140,8 +145,20 @@ def prefill(
         prompt_len,
         jnp.zeros((b,), jnp.int32),
     )
+    prior = config.adaptive.prior if config.adaptive is not None else 1.0
     return DecodeState(
-        seq, prompt_len + 1, prompt_len, max_new, cache, draft_state, sampling, key, stop, stats, jnp.zeros((), bool)
+        seq,
+        prompt_len + 1,
+        prompt_len,
+        max_new,
+        cache,
+        draft_state,
+        sampling,
+        key,
+        stop,
+        stats,
+        jnp.zeros((), bool),
+        jnp.full((b,), prior, jnp.float32),
     )
 
 
@@ -181,22 +198,49 @@ def decode_round(
     max_draft = jnp.clip(jnp.minimum(s - 1 - committed, st.max_new - n_gen - 1), 0, k)
     key, k_draft, k_verify = jax.random.split(jax.random.fold_in(st.key, st.stats.loop_rounds), 3)
 
-    if k > 0:
-        ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling)
-        prop: Proposal = drafter.propose(draft_params, st.draft_state, ctx, k_draft, k)
-        n_draft = jnp.minimum(prop.n_draft, max_draft)
-        draft_tokens, q, draft_state = prop.tokens, prop.q, prop.state
-    else:
+    if config.adaptive is not None:
+        max_draft = jnp.minimum(max_draft, adapt.choose_k(config.adaptive, st.accept_ema, k))
+
+    pending = st.seq[rows, committed]
+    if k == 0:
+        logits, cache = target.apply(target_params, pending[:, None], committed[:, None], st.cache)
         n_draft = jnp.zeros((b,), jnp.int32)
         draft_tokens = jnp.zeros((b, 0), jnp.int32)
         q = jnp.zeros((b, 0, 1), jnp.float32)
         draft_state = st.draft_state
+        p = distribution(logits, st.sampling)
+    else:
+        ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling)
+        v = target.vocab_size
 
-    pending = st.seq[rows, committed]
-    tokens = jnp.concatenate([pending[:, None], draft_tokens], axis=1)  # [B, K+1]
-    positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    logits, cache = target.apply(target_params, tokens, positions, st.cache)
-    p = distribution(logits, st.sampling)  # [B, K+1, V]
+        def propose(_):
+            prop: Proposal = drafter.propose(draft_params, st.draft_state, ctx, k_draft, k)
+            return prop.tokens, prop.q, jnp.minimum(prop.n_draft, max_draft), prop.state
+
+        def skip_draft(_):
+            # No row may propose (adaptive K at 0, or the budget is nearly spent): the drafter only keeps its
+            # state in step with the committed sequence instead of rolling out K steps.
+            state = st.draft_state
+            if hasattr(drafter, "observe"):
+                state = drafter.observe(draft_params, state, ctx)
+            uniform = jnp.ones((b, k, v), jnp.float32) / v
+            return jnp.zeros((b, k), jnp.int32), uniform, jnp.zeros((b,), jnp.int32), state
+
+        draft_tokens, q, n_draft, draft_state = jax.lax.cond(jnp.any(max_draft > 0), propose, skip_draft, None)
+
+        def verify_wide(cache):
+            tokens = jnp.concatenate([pending[:, None], draft_tokens], axis=1)  # [B, K+1]
+            positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+            logits, cache = target.apply(target_params, tokens, positions, cache)
+            return distribution(logits, st.sampling), cache
+
+        def verify_narrow(cache):
+            # Nothing was proposed anywhere (e.g. every n-gram lookup missed): a plain 1-token step, so a miss
+            # costs what plain decoding costs instead of a K+1-wide verification.
+            logits, cache = target.apply(target_params, pending[:, None], committed[:, None], cache)
+            return jnp.broadcast_to(distribution(logits, st.sampling), (b, k + 1, v)), cache
+
+        p, cache = jax.lax.cond(jnp.any(n_draft > 0), verify_wide, verify_narrow, st.cache)
     res = verify_chain_key(k_verify, p, q, draft_tokens, n_draft)
 
     n_acc = res.n_accepted
@@ -230,8 +274,12 @@ def decode_round(
         loop_rounds=st.stats.loop_rounds + 1,
     )
     bad = st.bad_proposal | jnp.any(res.bad_proposal & active)
+    ema = st.accept_ema
+    if config.adaptive is not None:
+        ema = adapt.update(config.adaptive, ema, n_acc, n_draft, active)
     new = dataclasses.replace(
         st,
+        accept_ema=ema,
         seq=seq,
         seq_len=seq_len,
         cache=cache,
@@ -378,19 +426,13 @@ def _to_output(st: DecodeState) -> DecodeOutput:
     return DecodeOutput(tokens, [StopReason(int(r)) for r in stop], out_stats)
 
 
-def _sampling_and_key(b, temperature, top_k, top_p, min_p, seed, key):
-    sampling = SamplingParams.make(b, temperature, top_k, top_p, min_p)
-    if key is None:
-        key = jax.random.key(seed)
-    return sampling, key
-
-
 @dataclasses.dataclass
 class PreparedDecode:
     """A validated decode call, split so that compilation and execution can be timed apart."""
 
     fn: Any  # the jitted whole decode
     args: tuple
+    config: DecodeConfig
 
     def compile(self):
         """Compile ahead of time (no execution); returns the compiled executable."""
@@ -433,50 +475,19 @@ def prepare(
     key: jax.Array | None = None,
     max_len: int | None = None,
     debug_checks: bool = False,
+    adaptive: AdaptiveK | bool | None = None,
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
-    config, arrays = _setup(
-        target,
-        drafter,
-        prompts,
-        gamma,
-        max_new_tokens,
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        eos_ids,
-        seed,
-        key,
-        max_len,
-        debug_checks,
-    )
-    return PreparedDecode(_compiled(target, drafter, config), (target_params, draft_params, *arrays))
-
-
-def _setup(
-    target,
-    drafter,
-    prompts,
-    gamma,
-    max_new_tokens,
-    temperature,
-    top_k,
-    top_p,
-    min_p,
-    eos_ids,
-    seed,
-    key,
-    max_len,
-    debug_checks,
-):
-    """Validated static config and the per-call arrays (prompt, prompt_len, max_new, sampling, key)."""
     if drafter is None:
         gamma = 0
     prompt, plen, mnew, slots = _prepare(target, drafter, prompts, gamma, max_new_tokens, max_len)
-    sampling, key = _sampling_and_key(len(plen), temperature, top_k, top_p, min_p, seed, key)
-    config = DecodeConfig(gamma, slots, tuple(int(e) for e in eos_ids), debug_checks)
-    return config, (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
+    sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
+    key = jax.random.key(seed) if key is None else key
+    if adaptive is True:
+        adaptive = AdaptiveK()
+    config = DecodeConfig(gamma, slots, tuple(int(e) for e in eos_ids), debug_checks, adaptive or None)
+    arrays = (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
+    return PreparedDecode(_compiled(target, drafter, config), (target_params, draft_params, *arrays), config)
 
 
 def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
@@ -493,51 +504,18 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     return prepare(target, target_params, prompts, **kwargs).run()
 
 
-def decode_stream(
-    target: Model,
-    target_params,
-    prompts,
-    *,
-    drafter=None,
-    draft_params=None,
-    gamma: int = 4,
-    max_new_tokens=64,
-    temperature=0.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    eos_ids=(),
-    seed: int = 0,
-    key=None,
-    max_len=None,
-) -> Iterator[list[list[int]]]:
-    """Like ``decode``, but steps round by round from Python and yields, after prefill and after every
-    round, the tokens each row emitted in that step (an empty list for rows that emitted nothing). The
-    rounds run the same ``decode_round`` as the fused loop, so the tokens are identical."""
-    config, arrays = _setup(
-        target,
-        drafter,
-        prompts,
-        gamma,
-        max_new_tokens,
-        temperature,
-        top_k,
-        top_p,
-        min_p,
-        eos_ids,
-        seed,
-        key,
-        max_len,
-        False,
-    )
-    pre, step = _stream_fns(target, drafter, config)
+def decode_stream(target: Model, target_params, prompts, **kwargs) -> Iterator[list[list[int]]]:
+    """Like ``decode`` (same arguments), but steps round by round from Python and yields, after prefill and
+    after every round, the tokens each row emitted in that step (an empty list for rows that emitted nothing).
+    The rounds run the same ``decode_round`` as the fused loop, so the tokens are identical."""
+    prepared = prepare(target, target_params, prompts, **kwargs)
+    target_params, draft_params, *arrays = prepared.args
+    pre, step = _stream_fns(target, kwargs.get("drafter"), prepared.config)
     st = pre(target_params, draft_params, *arrays)
     seq, sl = jax.device_get((st.seq, st.seq_len))
     b = seq.shape[0]
     yield [[int(seq[i, sl[i] - 1])] for i in range(b)]
-    while True:
-        if not np.any(np.asarray(st.stop) == StopReason.RUNNING):
-            return
+    while np.any(np.asarray(st.stop) == StopReason.RUNNING):
         st, emitted, n_emit = step(target_params, draft_params, st)
         emitted, n_emit = jax.device_get((emitted, n_emit))
         yield [emitted[i, : n_emit[i]].tolist() for i in range(b)]

@@ -6,6 +6,8 @@ A drafter is a frozen (hashable) object, a static argument of the jitted decoder
 - ``propose(params, state, ctx, key, k) -> Proposal``: up to ``k`` (static) candidates per row, and the
   distributions q they were really drawn from.
 - ``vocab_size``: V of q (must equal the target's), or None for drafters that emit token ids only.
+- optionally ``observe(params, state, ctx) -> state``: called instead of ``propose`` in rounds where no row
+  may propose (adaptive K at 0), so a stateful drafter keeps up with the committed sequence cheaply.
 """
 
 from __future__ import annotations
@@ -72,14 +74,24 @@ class ModelDrafter:
         _, cache = self.model.apply(params, prompt, positions, cache)
         return cache.with_lengths(prompt_len)
 
-    def propose(self, params, cache, ctx: DraftContext, key: jax.Array, k: int) -> Proposal:
+    def _catch_up(self, params, cache, ctx: DraftContext):
+        """Rewind to one slot before the pending token and feed [previous, pending]: afterwards the cache
+        holds the whole committed sequence plus the pending token. Returns (logits [B, 2, V], cache)."""
         b = ctx.seq.shape[0]
         rows = jnp.arange(b)
         pend = ctx.seq_len - 1  # slot/position of the pending token
         first = jnp.stack([ctx.seq[rows, jnp.maximum(pend - 1, 0)], ctx.seq[rows, pend]], axis=1)
         cache = cache.with_lengths(pend - 1)
         logits, cache = self.model.apply(params, first, jnp.stack([pend - 1, pend], axis=1), cache)
-        cache = cache.commit(jnp.full((b,), 2, jnp.int32))
+        return logits, cache.commit(jnp.full((b,), 2, jnp.int32))
+
+    def observe(self, params, cache, ctx: DraftContext):
+        return self._catch_up(params, cache, ctx)[1]
+
+    def propose(self, params, cache, ctx: DraftContext, key: jax.Array, k: int) -> Proposal:
+        b = ctx.seq.shape[0]
+        pend = ctx.seq_len - 1
+        logits, cache = self._catch_up(params, cache, ctx)
         keys = jax.random.split(key, k)
         q0 = distribution(logits[:, -1], ctx.sampling)
         x0 = sample(keys[0], q0)

@@ -160,12 +160,19 @@ def test_cache_full_stops_with_reason(gamma):
 def test_target_cache_equals_fresh_prefill():
     """After generation the committed cache holds exactly what a fresh prefill of the final sequence
     computes: no rejected candidate leaked into a committed slot."""
-    prompt, plen, mnew, slots = dec._prepare(TARGET, DRAFTER, PROMPTS, 3, 15, None)
-    sampling, key = dec._sampling_and_key(len(PROMPTS), 1.3, 0, 1.0, 0.0, 5, None)
-    config = dec.DecodeConfig(3, slots)
-    st = jax.jit(lambda *a: dec.generate_arrays(TARGET, DRAFTER, config, *a))(
-        TARGET_PARAMS, DRAFT_PARAMS, jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key
+    prepared = dec.prepare(
+        TARGET,
+        TARGET_PARAMS,
+        PROMPTS,
+        drafter=DRAFTER,
+        draft_params=DRAFT_PARAMS,
+        gamma=3,
+        max_new_tokens=15,
+        temperature=1.3,
+        seed=5,
     )
+    slots = prepared.config.slots
+    st = prepared.fn(*prepared.args)  # the raw final DecodeState
     seq, seq_len, lengths = np.asarray(st.seq), np.asarray(st.seq_len), np.asarray(st.cache.lengths)
     assert np.all(lengths == seq_len - 1)
     assert int(st.stats.accepted.sum()) < int(st.stats.proposed.sum())  # rejections happened
@@ -255,3 +262,58 @@ def test_bad_input_raises_clear_error(kwargs, message):
     prompts = kwargs.pop("prompts")
     with pytest.raises(ValueError, match=message):
         dec.decode(TARGET, TARGET_PARAMS, prompts, **kwargs)
+
+
+def test_adaptive_k_keeps_greedy_output_and_adapts():
+    from jspec.adaptive import AdaptiveK
+
+    plain = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=24)
+    bad_draft, bad_params = make_table_model(random_table(9, VOCAB, PERIOD), "unrelated")
+    kw = dict(drafter=ModelDrafter(bad_draft), draft_params=bad_params, gamma=4, max_new_tokens=24)
+    fixed = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, **kw)
+    costly = AdaptiveK(draft_cost=0.4)  # an expensive drafter with poor acceptance should back off
+    adaptive = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, adaptive=costly, **kw)
+    assert fixed.tokens == plain.tokens
+    assert adaptive.tokens == plain.tokens
+    assert adaptive.stats["proposed"] < fixed.stats["proposed"] / 2
+    good = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        PROMPTS,
+        drafter=DRAFTER,
+        draft_params=DRAFT_PARAMS,
+        gamma=4,
+        max_new_tokens=24,
+        adaptive=True,
+    )
+    assert good.tokens == plain.tokens and good.stats["proposed"] > 0
+
+
+def test_adaptive_k_distribution():
+    """Per-row draft lengths that change from round to round must not change what is sampled."""
+    groups = [GROUPS[0], GROUPS[3]]
+    n, n_new = N_PER_GROUP, 5
+    cols = {
+        key: np.repeat([g.get(key, d) for g in groups], n)
+        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
+    }
+    prompts = np.tile(np.asarray(PROMPT, np.int32), (n * len(groups), 1))
+    out = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        prompts,
+        drafter=DRAFTER,
+        draft_params=DRAFT_PARAMS,
+        gamma=3,
+        max_new_tokens=n_new,
+        seed=77,
+        adaptive=True,
+        **cols,
+    )
+    tokens = np.asarray(out.tokens)
+    assert out.stats["proposed"] > 0
+    for i, g in enumerate(groups):
+        stat, df = chi_square(
+            tokens[i * n : (i + 1) * n], exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)
+        )
+        assert stat < chi2_critical(df), (g, stat, df)
