@@ -52,6 +52,8 @@ class DecodeConfig:
     eos_ids: token ids that end a row (the EOS token is emitted, nothing after it).
     debug_checks: check invariants on device (a proposal with q(x) == 0 raises).
     adaptive: per-row draft length policy (``jspec.adaptive.AdaptiveK``); None = always K.
+    constrain: optional ``DecodeState -> DecodeState`` applied after prefill and after every round, e.g. to pin
+      shardings of the loop state with ``jax.lax.with_sharding_constraint`` (see ``sharding``).
     """
 
     gamma: int
@@ -59,6 +61,7 @@ class DecodeConfig:
     eos_ids: tuple[int, ...] = ()
     debug_checks: bool = False
     adaptive: AdaptiveK | None = None
+    constrain: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -210,12 +213,14 @@ def decode_round(
         draft_state = st.draft_state
         p = distribution(logits, st.sampling)
     else:
-        ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling)
+        shares = getattr(drafter, "shares_target_cache", False)
+        ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling, st.cache if shares else None)
         v = target.vocab_size
 
         def propose(_):
             prop: Proposal = drafter.propose(draft_params, st.draft_state, ctx, k_draft, k)
-            return prop.tokens, prop.q, jnp.minimum(prop.n_draft, max_draft), prop.state
+            tcache = prop.target_cache if shares else st.cache
+            return prop.tokens, prop.q, jnp.minimum(prop.n_draft, max_draft), prop.state, tcache
 
         def skip_draft(_):
             # No row may propose (adaptive K at 0, or the budget is nearly spent): the drafter only keeps its
@@ -224,14 +229,19 @@ def decode_round(
             if hasattr(drafter, "observe"):
                 state = drafter.observe(draft_params, state, ctx)
             uniform = jnp.ones((b, k, v), jnp.float32) / v
-            return jnp.zeros((b, k), jnp.int32), uniform, jnp.zeros((b,), jnp.int32), state
+            return jnp.zeros((b, k), jnp.int32), uniform, jnp.zeros((b,), jnp.int32), state, st.cache
 
-        draft_tokens, q, n_draft, draft_state = jax.lax.cond(jnp.any(max_draft > 0), propose, skip_draft, None)
+        draft_tokens, q, n_draft, draft_state, tcache = jax.lax.cond(jnp.any(max_draft > 0), propose, skip_draft, None)
 
         def verify_wide(cache):
             tokens = jnp.concatenate([pending[:, None], draft_tokens], axis=1)  # [B, K+1]
             positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-            logits, cache = target.apply(target_params, tokens, positions, cache)
+            if hasattr(drafter, "verify"):
+                logits, cache = drafter.verify(
+                    target, target_params, draft_params, draft_state, tokens, positions, cache
+                )
+            else:
+                logits, cache = target.apply(target_params, tokens, positions, cache)
             return distribution(logits, st.sampling), cache
 
         def verify_narrow(cache):
@@ -240,7 +250,7 @@ def decode_round(
             logits, cache = target.apply(target_params, pending[:, None], committed[:, None], cache)
             return jnp.broadcast_to(distribution(logits, st.sampling), (b, k + 1, v)), cache
 
-        p, cache = jax.lax.cond(jnp.any(n_draft > 0), verify_wide, verify_narrow, st.cache)
+        p, cache = jax.lax.cond(jnp.any(n_draft > 0), verify_wide, verify_narrow, tcache)
     res = verify_chain_key(k_verify, p, q, draft_tokens, n_draft)
 
     n_acc = res.n_accepted
@@ -291,6 +301,8 @@ def decode_round(
     )
     if config.debug_checks:
         checkify.check(~bad, "a drafter proposed a token to which its own q gives probability 0 (drafter bug)")
+    if config.constrain is not None:
+        new = config.constrain(new)
     return new, emitted, n_emit
 
 
@@ -311,6 +323,8 @@ def generate_arrays(
 ) -> DecodeState:
     """The pure, jittable whole decode: prefill + loop. Shardings and donation are applied by the caller."""
     st = prefill(target, drafter, config, target_params, draft_params, prompt, prompt_len, max_new, sampling, key)
+    if config.constrain is not None:
+        st = config.constrain(st)
     return run_loop(target, drafter, config, target_params, draft_params, st)
 
 

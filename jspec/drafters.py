@@ -8,6 +8,12 @@ A drafter is a frozen (hashable) object, a static argument of the jitted decoder
 - ``vocab_size``: V of q (must equal the target's), or None for drafters that emit token ids only.
 - optionally ``observe(params, state, ctx) -> state``: called instead of ``propose`` in rounds where no row
   may propose (adaptive K at 0), so a stateful drafter keeps up with the committed sequence cheaply.
+
+Drafters that are part of the target (self-speculation) also set ``shares_target_cache = True``: they then
+find the target's cache in ``ctx.target_cache``, may write their own entries into it (returned in
+``Proposal.target_cache``), and provide ``verify(target, target_params, draft_params, state, tokens,
+positions, cache) -> (logits, cache)`` to replace the target call of the verification, reusing what they
+computed.
 """
 
 from __future__ import annotations
@@ -32,24 +38,28 @@ class DraftContext:
       not yet run through the target.
     max_draft: [B] proposals allowed this round (<= K): limited by the cache room and the tokens still wanted.
     sampling: the rows' sampling parameters; q must be ``distribution(draft_logits, sampling)``.
+    target_cache: the target's cache, for drafters with ``shares_target_cache`` (None otherwise).
     """
 
     seq: jax.Array
     seq_len: jax.Array
     max_draft: jax.Array
     sampling: SamplingParams
+    target_cache: Any = None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Proposal:
     """tokens: [B, K]; q: [B, K, V] (the distribution each token was drawn from); n_draft: [B] how many of
-    the K are real proposals (the rest are padding and are never accepted); state: the drafter's new state."""
+    the K are real proposals (the rest are padding and are never accepted); state: the drafter's new state;
+    target_cache: the target's cache with the drafter's writes (only for ``shares_target_cache`` drafters)."""
 
     tokens: jax.Array
     q: jax.Array
     n_draft: jax.Array
     state: Any
+    target_cache: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
