@@ -52,6 +52,7 @@ class DecodeConfig:
     eos_ids: token ids that end a row (the EOS token is emitted, nothing after it).
     debug_checks: check invariants on device (a proposal with q(x) == 0 raises).
     adaptive: per-row draft length policy (``jspec.adaptive.AdaptiveK``); None = always K.
+    block_verify: verify chains jointly (``jspec.verify.verify_block``) instead of token by token.
     constrain: optional ``DecodeState -> DecodeState`` applied after prefill and after every round, e.g. to pin
       shardings of the loop state with ``jax.lax.with_sharding_constraint`` (see ``sharding``).
     """
@@ -61,6 +62,7 @@ class DecodeConfig:
     eos_ids: tuple[int, ...] = ()
     debug_checks: bool = False
     adaptive: AdaptiveK | None = None
+    block_verify: bool = False
     constrain: Any = None
 
 
@@ -251,7 +253,7 @@ def decode_round(
             return jnp.broadcast_to(distribution(logits, st.sampling), (b, k + 1, v)), cache
 
         p, cache = jax.lax.cond(jnp.any(n_draft > 0), verify_wide, verify_narrow, tcache)
-    res = verify_chain_key(k_verify, p, q, draft_tokens, n_draft)
+    res = verify_chain_key(k_verify, p, q, draft_tokens, n_draft, block=config.block_verify)
 
     n_acc = res.n_accepted
     j = jnp.arange(k + 1)[None, :]
@@ -490,6 +492,7 @@ def prepare(
     max_len: int | None = None,
     debug_checks: bool = False,
     adaptive: AdaptiveK | bool | None = None,
+    block_verify: bool = False,
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
     if drafter is None:
@@ -499,7 +502,7 @@ def prepare(
     key = jax.random.key(seed) if key is None else key
     if adaptive is True:
         adaptive = AdaptiveK()
-    config = DecodeConfig(gamma, slots, tuple(int(e) for e in eos_ids), debug_checks, adaptive or None)
+    config = DecodeConfig(gamma, slots, tuple(int(e) for e in eos_ids), debug_checks, adaptive or None, block_verify)
     arrays = (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
     return PreparedDecode(_compiled(target, drafter, config), (target_params, draft_params, *arrays), config)
 

@@ -89,8 +89,64 @@ def verify_chain(
     return ChainResult(n_acc, nxt, ok, bad)
 
 
-def verify_chain_key(key: jax.Array, p, q, draft, n_draft) -> ChainResult:
-    """``verify_chain`` with the uniforms drawn from a PRNG key."""
+def verify_chain_key(key: jax.Array, p, q, draft, n_draft, block: bool = False) -> ChainResult:
+    """``verify_chain`` (or ``verify_block``) with the uniforms drawn from a PRNG key."""
     k_acc, k_fin = jax.random.split(key)
     b, k = draft.shape
-    return verify_chain(p, q, draft, n_draft, jax.random.uniform(k_acc, (b, k)), jax.random.uniform(k_fin, (b,)))
+    fn = verify_block if block else verify_chain
+    return fn(p, q, draft, n_draft, jax.random.uniform(k_acc, (b, k)), jax.random.uniform(k_fin, (b,)))
+
+
+def verify_block(
+    p: jax.Array,  # [B, K+1, V]
+    q: jax.Array,  # [B, K, V]
+    draft: jax.Array,  # [B, K]
+    n_draft: jax.Array,  # [B]
+    u_accept: jax.Array,  # [B, K]
+    u_final: jax.Array,  # [B]
+) -> ChainResult:
+    """Block verification (Sun et al., ICLR 2025): the whole chain is judged jointly. Lossless, and in
+    expectation it never accepts fewer tokens than ``verify_chain``.
+
+    A running weight w_i = min(1, w_{i-1} p_i(x_i) / q_i(x_i)) (w_0 = 1) carries how much of the target's
+    mass the first i proposals still hold. Stopping after i accepted tokens is allowed with probability
+    h_i = m_i / (m_i + 1 - w_i), where m_i is the mass of the weighted residual max(0, w_i p_{i+1} - q_{i+1}),
+    and h_n = w_n at the end of the row's block; the accepted length is the LARGEST i whose test passes
+    (scanning from the end), and the correction comes from that weighted residual (or the bonus from p at
+    the end). With a single proposal this is exactly token-wise verification.
+    """
+    b, k1, v = p.shape
+    k = k1 - 1
+    rows = jnp.arange(b)
+    if k == 0:
+        return verify_chain(p, q, draft, n_draft, u_accept, u_final)
+    p_x = jnp.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, K]
+    q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
+    ratio = jnp.where(q_x > 0, p_x / jnp.where(q_x > 0, q_x, 1.0), 0.0)
+    weights = [jnp.ones((b,), p.dtype)]
+    for i in range(k):
+        weights.append(jnp.minimum(1.0, weights[-1] * ratio[:, i]))
+    w = jnp.stack(weights, axis=1)  # [B, K+1], w[:, i] after i proposals
+    resid = jnp.maximum(w[:, :k, None] * p[:, :k] - q, 0.0)  # [B, K, V] weighted residual after i accepted
+    mass = jnp.sum(resid, axis=-1)  # [B, K]
+    denom = mass + 1.0 - w[:, :k]
+    h = jnp.where(denom > 0, mass / jnp.where(denom > 0, denom, 1.0), 0.0)  # [B, K]; h[:, 0] is unused (h_0 = 1)
+    idx = jnp.arange(k + 1)[None, :]
+    # h_i for i = 1..K; at the row's block end h = w; past it, never.
+    h_full = jnp.concatenate([jnp.ones((b, 1)), h[:, 1:], jnp.zeros((b, 1))], axis=1)  # [B, K+1]
+    h_full = jnp.where(idx == n_draft[:, None], w, h_full)
+    h_full = jnp.where(idx > n_draft[:, None], 0.0, h_full)
+    u = jnp.concatenate([jnp.zeros((b, 1)), u_accept], axis=1)  # u for i = 0 is irrelevant (h_0 = 1)
+    passed = (u < h_full) | (idx == 0)
+    tau = (k - jnp.argmax(jnp.flip(passed, axis=1), axis=1)).astype(jnp.int32)  # largest passing i
+    at_end = tau >= n_draft
+    res_tau = resid[rows, jnp.minimum(tau, k - 1)]
+    m_tau = jnp.sum(res_tau, axis=-1, keepdims=True)
+    # A stop at tau < end needs m_tau > 0 (h is 0 otherwise); the guard only keeps NaNs out of dead branches.
+    res_tau = jnp.where(m_tau > 0, res_tau / jnp.where(m_tau > 0, m_tau, 1.0), p[rows, tau])
+    final = jnp.where(at_end[:, None], p[rows, tau], res_tau)
+    nxt = sample_from(final, u_final)
+    proposed = jnp.arange(k)[None, :] < n_draft[:, None]
+    accepted = jnp.arange(k)[None, :] < tau[:, None]
+    bad = jnp.any(proposed & (q_x <= 0), axis=1)
+    return ChainResult(tau, nxt, accepted, bad)

@@ -1,0 +1,96 @@
+"""Block verification (Sun et al. 2025): lossless, and never fewer accepted tokens than token-wise."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_decode_core import (
+    DRAFT_PARAMS,
+    DRAFTER,
+    GROUPS,
+    N_PER_GROUP,
+    PROMPT,
+    PROMPTS,
+    TARGET,
+    TARGET_PARAMS,
+    TARGET_TABLE,
+)
+from toy_models import chi2_critical, chi_square, exact_sequence_distribution
+
+from jspec import decode as dec
+from jspec.verify import verify_block, verify_chain
+
+
+def test_paper_example_expected_accepted_tokens():
+    """Context-free binary models, target (1/3, 2/3), draft (2/3, 1/3), K = 2: token-wise verification
+    accepts 2/3 + 4/9 = 10/9 tokens in expectation, block verification 11/9 (the paper's example)."""
+    n = 400_000
+    k_draft, k_u, k_f = jax.random.split(jax.random.key(0), 3)
+    target, draft_dist = jnp.array([1 / 3, 2 / 3]), jnp.array([2 / 3, 1 / 3])
+    draft = jax.random.categorical(k_draft, jnp.log(draft_dist), shape=(n, 2))
+    p = jnp.broadcast_to(target, (n, 3, 2))
+    q = jnp.broadcast_to(draft_dist, (n, 2, 2))
+    args = (p, q, draft, jnp.full((n,), 2), jax.random.uniform(k_u, (n, 2)), jax.random.uniform(k_f, (n,)))
+    blk, tok = jax.jit(verify_block)(*args), jax.jit(verify_chain)(*args)
+    se = 1.0 / np.sqrt(n)  # accepted counts lie in [0, 2]: sd <= 1
+    assert abs(float(blk.n_accepted.mean()) - 11 / 9) < 4 * se
+    assert abs(float(tok.n_accepted.mean()) - 10 / 9) < 4 * se
+    first = jnp.where(blk.n_accepted > 0, draft[:, 0], blk.next_token)  # first emitted token ~ target
+    assert abs(float(first.mean()) - 2 / 3) < 4 * np.sqrt(2 / 9 / n)
+
+
+def test_single_proposal_is_token_wise():
+    rng = np.random.default_rng(1)
+    b, v = 512, 6
+    p = jnp.asarray(rng.dirichlet(np.ones(v), size=(b, 2)), jnp.float32)
+    q = jnp.asarray(rng.dirichlet(np.ones(v), size=(b, 1)), jnp.float32)
+    draft = jnp.asarray(rng.integers(0, v, size=(b, 1)), jnp.int32)
+    u, uf = jnp.asarray(rng.random((b, 1)), jnp.float32), jnp.asarray(rng.random(b), jnp.float32)
+    nd = jnp.ones((b,), jnp.int32)
+    blk, tok = verify_block(p, q, draft, nd, u, uf), verify_chain(p, q, draft, nd, u, uf)
+    np.testing.assert_array_equal(blk.n_accepted, tok.n_accepted)
+    np.testing.assert_array_equal(blk.next_token, tok.next_token)
+
+
+@pytest.mark.parametrize("gamma", [3])
+def test_block_whole_sequence_distribution(gamma):
+    n, n_new = N_PER_GROUP, gamma + 2
+    cols = {
+        key: np.repeat([g.get(key, d) for g in GROUPS], n)
+        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
+    }
+    prompts = np.tile(np.asarray(PROMPT, np.int32), (n * len(GROUPS), 1))
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=gamma, max_new_tokens=n_new, seed=5, **cols)
+    out = dec.decode(TARGET, TARGET_PARAMS, prompts, block_verify=True, **kw)
+    tokens = np.asarray(out.tokens)
+    for i, g in enumerate(GROUPS):
+        exact = exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)
+        stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
+        assert stat < chi2_critical(df), (g, stat, df)
+    # Same seed = same drafts and uniforms: block verification keeps at least as many tokens per round.
+    tok = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        prompts[: 2 * n],
+        block_verify=False,
+        **{**kw, **{k: v[: 2 * n] for k, v in cols.items()}},
+    )
+    blk = dec.decode(
+        TARGET, TARGET_PARAMS, prompts[: 2 * n], block_verify=True, **{**kw, **{k: v[: 2 * n] for k, v in cols.items()}}
+    )
+    assert blk.stats["tokens_per_round"] >= tok.stats["tokens_per_round"]
+
+
+def test_block_greedy_equals_plain():
+    plain = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=20)
+    blk = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        PROMPTS,
+        drafter=DRAFTER,
+        draft_params=DRAFT_PARAMS,
+        gamma=4,
+        max_new_tokens=20,
+        block_verify=True,
+    )
+    assert blk.tokens == plain.tokens
