@@ -1,0 +1,118 @@
+"""Steps shared by the checkpoint loaders: name/shape checking and the Hugging Face layout -> params nesting.
+
+Both loaders bring their tensors into the Hugging Face layout first (names like
+``model.layers.3.self_attn.q_proj.weight``, matrices as (out, in), RoPE rows in rotate-half order), then
+``params_from_hf_layout`` reshapes and stacks them into the model's parameter tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from models.llama import LlamaConfig, Params
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match what the loader expects; the message names the first problem."""
+
+
+def hf_expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape (out, in) for every tensor a model with this config must have."""
+    e, f, v = cfg.hidden, cfg.ffn, cfg.vocab_size
+    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (v, e)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (e,),
+            p + "self_attn.q_proj.weight": (qd, e),
+            p + "self_attn.k_proj.weight": (kvd, e),
+            p + "self_attn.v_proj.weight": (kvd, e),
+            p + "self_attn.o_proj.weight": (e, qd),
+            p + "post_attention_layernorm.weight": (e,),
+            p + "mlp.gate_proj.weight": (f, e),
+            p + "mlp.up_proj.weight": (f, e),
+            p + "mlp.down_proj.weight": (e, f),
+        }
+        if cfg.qkv_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (qd,),
+                p + "self_attn.k_proj.bias": (kvd,),
+                p + "self_attn.v_proj.bias": (kvd,),
+            }
+    shapes["model.norm.weight"] = (e,)
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (v, e)
+    return shapes
+
+
+def check_tensors(
+    source: str,
+    expected: Mapping[str, tuple[int, ...]],
+    got: Mapping[str, tuple[int, ...]],
+    ignore: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Raise ``CheckpointError`` for the first missing tensor, wrong shape, or unexpected tensor."""
+    for name, shape in expected.items():
+        if name not in got:
+            raise CheckpointError(f"{source}: missing tensor '{name}' (expected shape {tuple(shape)})")
+        if tuple(got[name]) != tuple(shape):
+            raise CheckpointError(
+                f"{source}: tensor '{name}' has shape {tuple(got[name])}, expected {tuple(shape)} from the config"
+            )
+    extra = sorted(n for n in got if n not in expected and not ignore(n))
+    if extra:
+        raise CheckpointError(
+            f"{source}: unexpected tensor '{extra[0]}' ({len(extra)} unexpected in all); "
+            "the checkpoint does not match the model this config describes"
+        )
+
+
+# Our leaf -> (HF name suffix inside a layer, function from the HF (out, in) array to our layout).
+def _layer_leaves(cfg: LlamaConfig):
+    e, h, hkv, d = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    leaves = {
+        ("attn_norm", "scale"): ("input_layernorm.weight", lambda w: w),
+        ("attn", "wq"): ("self_attn.q_proj.weight", lambda w: w.T.reshape(e, h, d)),
+        ("attn", "wk"): ("self_attn.k_proj.weight", lambda w: w.T.reshape(e, hkv, d)),
+        ("attn", "wv"): ("self_attn.v_proj.weight", lambda w: w.T.reshape(e, hkv, d)),
+        ("attn", "wo"): ("self_attn.o_proj.weight", lambda w: w.T.reshape(h, d, e)),
+        ("mlp_norm", "scale"): ("post_attention_layernorm.weight", lambda w: w),
+        ("mlp", "w_gate"): ("mlp.gate_proj.weight", lambda w: w.T),
+        ("mlp", "w_up"): ("mlp.up_proj.weight", lambda w: w.T),
+        ("mlp", "w_down"): ("mlp.down_proj.weight", lambda w: w.T),
+    }
+    if cfg.qkv_bias:
+        leaves |= {
+            ("attn", "bq"): ("self_attn.q_proj.bias", lambda w: w.reshape(h, d)),
+            ("attn", "bk"): ("self_attn.k_proj.bias", lambda w: w.reshape(hkv, d)),
+            ("attn", "bv"): ("self_attn.v_proj.bias", lambda w: w.reshape(hkv, d)),
+        }
+    return leaves
+
+
+def params_from_hf_layout(cfg: LlamaConfig, get: Callable[[str], np.ndarray]) -> Params:
+    """Nest HF-layout tensors into the parameter tree in ``cfg.dtype``; layer tensors stacked to [L, ...].
+
+    ``get(name)`` returns one HF-layout array; names must already have passed ``check_tensors``.
+    """
+    dtype = cfg.jdtype
+
+    def to_jax(a: np.ndarray):
+        return jnp.asarray(a, dtype=dtype)
+
+    layers: dict[str, dict[str, object]] = {}
+    for (group, leaf), (suffix, fn) in _layer_leaves(cfg).items():
+        stacked = np.stack([fn(np.asarray(get(f"model.layers.{i}.{suffix}"))) for i in range(cfg.num_layers)])
+        layers.setdefault(group, {})[leaf] = to_jax(stacked)
+    params: Params = {
+        "embed": {"embedding": to_jax(get("model.embed_tokens.weight"))},
+        "layers": layers,
+        "final_norm": {"scale": to_jax(get("model.norm.weight"))},
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = {"kernel": to_jax(np.asarray(get("lm_head.weight")).T)}
+    return params

@@ -1,0 +1,170 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors, single or sharded) into config + params.
+
+Pure steps: read the config (``config_from_hf``) -> index the safetensors headers (``index_safetensors``) ->
+check every name and shape -> nest (``checkpoint.params_from_hf_layout``). HF weights are already in the
+rotate-half RoPE layout, so nothing is permuted.
+
+safetensors files are read with a small header parser + ``numpy.memmap`` rather than ``safetensors.numpy``,
+because numpy has no native bfloat16 and bf16 checkpoints are the common case (``ml_dtypes`` supplies it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from models.checkpoint import CheckpointError, check_tensors, hf_expected_shapes, params_from_hf_layout
+from models.llama import LlamaConfig, Params, canonical_dtype
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+_ST_DTYPES = {
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F64": np.dtype(np.float64),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor lives: file, dtype, shape, byte range inside the file."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    def load(self) -> np.ndarray:
+        if self.dtype not in _ST_DTYPES:
+            raise CheckpointError(f"{self.file}: tensor dtype {self.dtype} not supported ({sorted(_ST_DTYPES)})")
+        count = (self.end - self.start) // _ST_DTYPES[self.dtype].itemsize
+        arr = np.memmap(self.file, dtype=_ST_DTYPES[self.dtype], mode="r", offset=self.start, shape=(count,))
+        return np.asarray(arr).reshape(self.shape)
+
+
+def _read_safetensors_header(path: str) -> dict[str, TensorRef]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise CheckpointError(f"{path}: truncated safetensors file (header says {n} bytes, file has {size})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from e
+    base = 8 + n
+    refs = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        if base + end > size:
+            raise CheckpointError(f"{path}: truncated safetensors file: tensor '{name}' ends past the end of the file")
+        refs[name] = TensorRef(path, info["dtype"], tuple(info["shape"]), base + start, base + end)
+    return refs
+
+
+def index_safetensors(path: str | os.PathLike) -> dict[str, TensorRef]:
+    """Read step: tensor name -> location, from model.safetensors or a sharded index."""
+    path = os.fspath(path)
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        refs: dict[str, TensorRef] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = os.path.join(path, shard)
+            if not os.path.isfile(shard_path):
+                raise CheckpointError(f"{path}: shard '{shard}' listed in the index is missing")
+            refs.update(_read_safetensors_header(shard_path))
+        missing = sorted(n for n in weight_map if n not in refs)
+        if missing:
+            raise CheckpointError(f"{path}: tensor '{missing[0]}' listed in the index is not in its shard")
+        return refs
+    if os.path.isfile(single):
+        return _read_safetensors_header(single)
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = None) -> LlamaConfig:
+    """Config step: config.json -> LlamaConfig, rejecting features this model does not implement."""
+    path = os.fspath(path)
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{path}: no config.json")
+    with open(cfg_path) as f:
+        c = json.load(f)
+    mtype = c.get("model_type")
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{cfg_path}: unsupported model_type '{mtype}' (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    rope = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise CheckpointError(f"{cfg_path}: RoPE scaling '{rope_type}' is not supported")
+    unsupported = {
+        "attention_bias": mtype != "qwen2" and c.get("attention_bias", False),
+        "mlp_bias": c.get("mlp_bias", False),
+        "use_sliding_window": c.get("use_sliding_window", False),
+        "sliding_window": mtype == "mistral" and c.get("sliding_window") is not None,
+        f"hidden_act={c.get('hidden_act')}": c.get("hidden_act", "silu") != "silu",
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise CheckpointError(f"{cfg_path}: unsupported setting {bad[0]}")
+    heads = int(c["num_attention_heads"])
+    eos = c.get("eos_token_id")
+    if isinstance(eos, list):  # several end tokens: the first is the canonical one
+        eos = eos[0] if eos else None
+    try:
+        return LlamaConfig(
+            vocab_size=int(c["vocab_size"]),
+            hidden=int(c["hidden_size"]),
+            num_layers=int(c["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+            ffn=int(c["intermediate_size"]),
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            rms_eps=float(c.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=mtype == "qwen2",
+            bos_id=c.get("bos_token_id"),
+            eos_id=eos,
+            dtype=canonical_dtype(dtype),
+            name=name or os.path.basename(os.path.normpath(path)),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_path}: missing key {e}") from e
+
+
+def params_from_hf(path: str | os.PathLike, cfg: LlamaConfig) -> Params:
+    """Check and nest every tensor of the directory into params in ``cfg.dtype``."""
+    refs = index_safetensors(path)
+    expected = hf_expected_shapes(cfg)
+    # Tied checkpoints sometimes still store the (duplicate) head; rotary caches are derived, not weights.
+    check_tensors(
+        os.fspath(path),
+        expected,
+        {n: r.shape for n, r in refs.items()},
+        ignore=lambda n: (cfg.tie_embeddings and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"),
+    )
+    return params_from_hf_layout(cfg, lambda n: refs[n].load())
+
+
+def load_hf(path: str | os.PathLike, dtype="float32") -> tuple[LlamaConfig, Params]:
+    cfg = config_from_hf(path, dtype)
+    return cfg, params_from_hf(path, cfg)

@@ -1,0 +1,31 @@
+"""Reference models from transformers (torch CPU) for parity tests and benchmarks. Imports torch lazily."""
+
+from __future__ import annotations
+
+import os
+
+
+def transformers_from_gguf(path: str | os.PathLike, dtype: str = "float32"):
+    """``AutoModelForCausalLM`` loaded by transformers' own GGUF converter from the same file.
+
+    transformers refuses GGUF files unless ``accelerate`` is importable, although its GGUF path does not use
+    it on CPU; when it is absent we lift that one gate instead of adding a dependency.
+    """
+    import torch
+    import transformers.modeling_utils as modeling_utils
+    from transformers import AutoModelForCausalLM
+
+    path = os.fspath(path)
+    if not modeling_utils.is_accelerate_available():
+        modeling_utils.is_accelerate_available = lambda: True
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path) or ".", gguf_file=os.path.basename(path), dtype=getattr(torch, dtype)
+    )
+    return model.eval()
+
+
+def transformers_tokenizer_from_gguf(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    path = os.fspath(path)
+    return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))

@@ -1,0 +1,416 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral-style GQA, Qwen2 with q/k/v biases) in Flax + ``lax.scan``.
+
+Dimension vocabulary: B batch, T tokens in a call, V vocab, S cache slots, L layers, E hidden,
+H query heads, Hkv key/value heads, D head dim, F feed-forward width.
+
+Parameters are a plain nested dict of arrays. Per-layer weights are stacked along a leading [L] axis so the
+layer loop is one ``lax.scan``: it compiles once per shape instead of once per layer. The whole KV cache
+[L, B, Hkv, S, D] rides in the scan carry; each layer first scatters its new K/V into the carry and only
+then reads its own layer slice. Any other order (read before write, or ``cache.at[l].set(layer)``) makes
+XLA copy the entire cache every layer (measured 10x slower on CPU).
+
+The forward is split into ``embed`` -> ``run_layers`` -> ``head`` so that a LayerSkip draft can run layers
+[0, E) plus the head, and an EAGLE head can take the final hidden states (``forward(..., return_hidden=True)``).
+
+RoPE uses the rotate-half (GPT-NeoX / Hugging Face) layout; the GGUF loader undoes llama.cpp's row
+permutation so that both checkpoint formats share this one code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.cache import KVCache, attention_mask, write_layer
+from jspec.model import Model
+
+Params = dict[str, Any]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+# Large but finite: a row with no visible slot (only possible for garbage rows) then gives a uniform
+# distribution instead of NaNs that would poison a whole batch through later reductions.
+_MASK_VALUE = -1e30
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """'float32' / 'bfloat16' from a string or a numpy/jax dtype."""
+    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+    name = {"f32": "float32", "bf16": "bfloat16", "fp32": "float32"}.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"unsupported parameter dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Static shape and numerics of a Llama-family model (hashable: it keys the jit cache)."""
+
+    vocab_size: int
+    hidden: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    bos_id: int | None = None
+    eos_id: int | None = None
+    dtype: str = "float32"
+    name: str = "llama"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def jdtype(self):
+        return DTYPES[self.dtype]
+
+    def replace(self, **changes) -> LlamaConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Flax building blocks. Each parameter is declared with its logical axis names; ``param_logical_axes``
+# reads them back (plus the stacked "layers" axis), so the sharding table never drifts from the model.
+
+
+def _normal(std: float):
+    return nn.initializers.normal(std)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., E] -> [..., E]
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (x.shape[-1],))
+        # Statistics in f32 even for bf16 activations (as the reference implementations do).
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return y.astype(x.dtype) * scale.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """[B, T] int positions -> cos, sin [B, T, D/2] float32."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x [B, T, N, D]; cos, sin [B, T, D/2]."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _write_layer_kv(all_kv: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Write a call's T new entries into layer ``layer`` of the full cache, at slots ``lengths[b] + t``.
+
+    all_kv [L, B, Hkv, S, D]; new [B, T, Hkv, D]; lengths [B]. Slots past the end are dropped (never
+    clamped onto committed entries). The row scatter is ``jspec.cache.write_layer`` (vmapped over rows, so
+    a batch-sharded cache scatters locally) applied to the layer slice, which is then put back with a
+    dynamic_update_slice at the (always in-range) layer index. Measured: this stays in place in the scan
+    carry, whereas a vmapped scatter straight into [L, B, ...] (batch not leading) made XLA copy the whole
+    cache every layer.
+    """
+    layer_kv = jax.lax.dynamic_index_in_dim(all_kv, layer, 0, keepdims=False)  # [B, Hkv, S, D]
+    layer_kv = write_layer(layer_kv, new.transpose(0, 2, 1, 3), lengths)
+    return jax.lax.dynamic_update_index_in_dim(all_kv, layer_kv, layer, 0)
+
+
+class Attention(nn.Module):
+    cfg: LlamaConfig
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x, cos, sin, k_all, v_all, layer, lengths, mask):
+        """x [B, T, E]; cos/sin [B, T, D/2]; k_all/v_all [L, B, Hkv, S, D]; layer scalar; lengths [B];
+        mask [B, T, S] bool. Returns (out [B, T, E], k_all, v_all) with this call's K/V written."""
+        cfg = self.cfg
+        e, h, hkv, d = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        init = _normal(self.init_std)
+
+        def param(name, shape, axes):
+            return self.param(name, nn.with_logical_partitioning(init, axes), shape)
+
+        wq = param("wq", (e, h, d), ("embed", "heads", "head_dim"))
+        wk = param("wk", (e, hkv, d), ("embed", "kv_heads", "head_dim"))
+        wv = param("wv", (e, hkv, d), ("embed", "kv_heads", "head_dim"))
+        wo = param("wo", (h, d, e), ("heads", "head_dim", "embed"))
+        dt = x.dtype
+        b, t = x.shape[:2]
+
+        # Matmuls on the free (contiguous) 2-D views of the weights: contracting over (h, d) as two axes made
+        # XLA:CPU transpose wo in every layer.
+        def project(w, n):  # x [B, T, E] @ w [E, n, D] -> [B, T, n, D]
+            return (x @ w.reshape(e, n * d).astype(dt)).reshape(b, t, n, d)
+
+        q, k, v = project(wq, h), project(wk, hkv), project(wv, hkv)
+        if cfg.qkv_bias:
+            q = q + param("bq", (h, d), ("heads", "head_dim")).astype(dt)
+            k = k + param("bk", (hkv, d), ("kv_heads", "head_dim")).astype(dt)
+            v = v + param("bv", (hkv, d), ("kv_heads", "head_dim")).astype(dt)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+        # Write first, then read the layer slice: see the module docstring for why the order matters.
+        k_all = _write_layer_kv(k_all, layer, k, lengths)
+        v_all = _write_layer_kv(v_all, layer, v, lengths)
+        k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)  # [B, Hkv, S, D]
+        v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+
+        qg = q.reshape(b, t, hkv, h // hkv, d)  # query heads grouped under their shared KV head
+        scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_layer.astype(dt), preferred_element_type=jnp.float32)
+        scores = scores * (1.0 / math.sqrt(d))
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, v_layer.astype(dt)).reshape(b, t, h * d)
+        return out @ wo.reshape(h * d, e).astype(dt), k_all, v_all
+
+
+class MLP(nn.Module):
+    cfg: LlamaConfig
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, E] -> [B, T, E]
+        e, f = self.cfg.hidden, self.cfg.ffn
+        init = _normal(self.init_std)
+        w_gate = self.param("w_gate", nn.with_logical_partitioning(init, ("embed", "mlp")), (e, f))
+        w_up = self.param("w_up", nn.with_logical_partitioning(init, ("embed", "mlp")), (e, f))
+        w_down = self.param("w_down", nn.with_logical_partitioning(init, ("mlp", "embed")), (f, e))
+        dt = x.dtype
+        gate = jnp.einsum("bte,ef->btf", x, w_gate.astype(dt))
+        up = jnp.einsum("bte,ef->btf", x, w_up.astype(dt))
+        return jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, w_down.astype(dt))
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    cfg: LlamaConfig
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x, cos, sin, k_all, v_all, layer, lengths, mask):
+        cfg = self.cfg
+        a, k_all, v_all = Attention(cfg, self.init_std, name="attn")(
+            RMSNorm(cfg.rms_eps, name="attn_norm")(x), cos, sin, k_all, v_all, layer, lengths, mask
+        )
+        x = x + a
+        x = x + MLP(cfg, self.init_std, name="mlp")(RMSNorm(cfg.rms_eps, name="mlp_norm")(x))
+        return x, k_all, v_all
+
+
+class Embed(nn.Module):
+    vocab: int
+    hidden: int
+    init_std: float = 0.02
+
+    def setup(self):
+        init = nn.with_logical_partitioning(_normal(self.init_std), ("vocab", "embed"))
+        self.embedding = self.param("embedding", init, (self.vocab, self.hidden))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:  # [B, T] -> [B, T, E]
+        return jnp.take(self.embedding, tokens, axis=0)
+
+    def attend(self, h: jax.Array) -> jax.Array:  # tied LM head: [B, T, E] -> [B, T, V] float32
+        return jnp.einsum("bte,ve->btv", h, self.embedding.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+class LMHead(nn.Module):
+    vocab: int
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:  # [B, T, E] -> [B, T, V] float32
+        init = nn.with_logical_partitioning(_normal(self.init_std), ("embed", "vocab"))
+        kernel = self.param("kernel", init, (h.shape[-1], self.vocab))
+        return jnp.einsum("bte,ev->btv", h, kernel.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Parameter tree: init, shapes, logical axes.
+
+
+def _boxed_init(cfg: LlamaConfig, key: jax.Array, std: float) -> Params:
+    """The full parameter tree with ``LogicallyPartitioned`` leaves (layer leaves stacked to [L, ...])."""
+    k_embed, k_layers, k_norm, k_head = jax.random.split(key, 4)
+    b, t, s = 1, 1, 1
+    x = jnp.zeros((b, t, cfg.hidden), jnp.float32)
+    cos = jnp.zeros((b, t, cfg.head_dim // 2), jnp.float32)
+    kv = jnp.zeros((1, b, cfg.num_kv_heads, s, cfg.head_dim), jnp.float32)
+    lengths = jnp.zeros((b,), jnp.int32)
+    mask = jnp.ones((b, t, s), bool)
+    block = Block(cfg, std)
+
+    def init_layer(k):
+        return block.init(k, x, cos, cos, kv, kv, jnp.int32(0), lengths, mask)["params"]
+
+    layers = jax.vmap(init_layer)(jax.random.split(k_layers, cfg.num_layers))
+    # vmap stacked the values but not the names: prepend the "layers" axis to every leaf's names.
+    layers = jax.tree.map(lambda p: p.replace(names=("layers",) + tuple(p.names)), layers, is_leaf=_is_box)
+    params = {
+        "embed": Embed(cfg.vocab_size, cfg.hidden, std).init(k_embed, jnp.zeros((b, t), jnp.int32))["params"],
+        "layers": layers,
+        "final_norm": RMSNorm(cfg.rms_eps).init(k_norm, x)["params"],
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = LMHead(cfg.vocab_size, std).init(k_head, x)["params"]
+    return params
+
+
+def _is_box(p) -> bool:
+    return isinstance(p, nn.LogicallyPartitioned)
+
+
+def init_random_params(cfg: LlamaConfig, key: jax.Array, std: float = 0.02) -> Params:
+    """Random parameters for tiny test models (weights ~ N(0, std), norm scales ~ 1 + N(0, std)).
+
+    The Flax modules define the tree (traced abstractly); values are drawn with numpy from a seed derived from
+    ``key``: compiling the equivalent jax.random program took ~2 s even for a tiny model.
+    """
+    boxed = jax.eval_shape(functools.partial(_boxed_init, cfg, std=std), key)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+
+    def draw(path, p):
+        x = rng.standard_normal(p.value.shape).astype(np.float32) * std
+        if jax.tree_util.keystr(path).endswith("['scale']"):
+            x += 1.0
+        return jnp.asarray(x, cfg.jdtype)
+
+    return jax.tree_util.tree_map_with_path(draw, boxed, is_leaf=_is_box)
+
+
+def param_logical_axes(cfg: LlamaConfig) -> Params:
+    """Same structure as the params; leaves are tuples of logical axis names (e.g. ("layers", "embed", "mlp"))."""
+    boxed = jax.eval_shape(functools.partial(_boxed_init, cfg, std=0.02), jax.random.key(0))
+    return jax.tree.map(lambda p: tuple(p.names), boxed, is_leaf=_is_box)
+
+
+def param_shapes(cfg: LlamaConfig) -> Params:
+    """Same structure as the params; leaves are shape tuples."""
+    boxed = jax.eval_shape(functools.partial(_boxed_init, cfg, std=0.02), jax.random.key(0))
+    return jax.tree.map(lambda p: tuple(p.value.shape), boxed, is_leaf=_is_box)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Forward pieces. ``cfg`` is static everywhere; all functions are pure and jit-friendly.
+
+
+def embed(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] int32 -> hidden [B, T, E] in cfg.dtype."""
+    return Embed(cfg.vocab_size, cfg.hidden).apply({"params": params["embed"]}, tokens).astype(cfg.jdtype)
+
+
+def run_layers(
+    cfg: LlamaConfig,
+    params: Params,
+    h: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    tree_mask: jax.Array | None = None,
+    start: int = 0,
+    stop: int | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Run decoder layers [start, stop) (static ints) on hidden states.
+
+    h [B, T, E]; positions [B, T] int32; cache k/v [L, B, Hkv, S, D] (layers outside [start, stop) are left
+    untouched); tree_mask [B, T, T] bool or None (causal). Returns (h [B, T, E], cache with this call's
+    entries written into layers [start, stop), lengths unchanged).
+    """
+    stop = cfg.num_layers if stop is None else stop
+    if not 0 <= start < stop <= cfg.num_layers:
+        raise ValueError(f"layer range [{start}, {stop}) outside [0, {cfg.num_layers})")
+    layers = params["layers"]
+    if (start, stop) != (0, cfg.num_layers):
+        layers = jax.tree.map(lambda w: w[start:stop], layers)
+    t, s = h.shape[1], cache.k.shape[3]
+    mask = attention_mask(cache.lengths, t, s, tree_mask)  # [B, T, S]
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    block = Block(cfg)
+
+    def body(carry, xs):
+        x, k_all, v_all = carry
+        layer_params, layer = xs
+        x, k_all, v_all = block.apply({"params": layer_params}, x, cos, sin, k_all, v_all, layer, cache.lengths, mask)
+        return (x, k_all, v_all), None
+
+    (h, k, v), _ = jax.lax.scan(body, (h, cache.k, cache.v), (layers, jnp.arange(start, stop, dtype=jnp.int32)))
+    return h, dataclasses.replace(cache, k=k, v=v)
+
+
+def final_norm(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
+    """[B, T, E] -> [B, T, E]: the final RMSNorm (its output is what the LM head reads)."""
+    return RMSNorm(cfg.rms_eps).apply({"params": params["final_norm"]}, h)
+
+
+def lm_head(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
+    """Normed hidden [B, T, E] -> logits [B, T, V] float32 (tied: the embedding matrix)."""
+    if cfg.tie_embeddings:
+        return Embed(cfg.vocab_size, cfg.hidden).apply({"params": params["embed"]}, h, method=Embed.attend)
+    return LMHead(cfg.vocab_size).apply({"params": params["lm_head"]}, h)
+
+
+def head(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
+    """Final norm + LM head: hidden [B, T, E] -> logits [B, T, V] float32."""
+    return lm_head(cfg, params, final_norm(cfg, params, h))
+
+
+def forward(
+    cfg: LlamaConfig,
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    tree_mask: jax.Array | None = None,
+    return_hidden: bool = False,
+):
+    """The ``jspec.model.ApplyFn`` contract, plus optionally the final (normed) hidden states.
+
+    tokens, positions [B, T] int32; cache k/v [L, B, Hkv, S, D]; tree_mask [B, T, T] bool or None.
+    Returns (logits [B, T, V] float32, cache) or, with return_hidden, (logits, hidden [B, T, E], cache).
+    The T new entries are written at slots ``cache.lengths[b] + t``; ``cache.lengths`` is unchanged.
+    """
+    h = embed(cfg, params, tokens)
+    h, cache = run_layers(cfg, params, h, positions, cache, tree_mask)
+    hn = final_norm(cfg, params, h)
+    logits = lm_head(cfg, params, hn)
+    return (logits, hn, cache) if return_hidden else (logits, cache)
+
+
+def init_cache(cfg: LlamaConfig, batch: int, slots: int) -> KVCache:
+    """Empty cache: k/v [L, B, Hkv, S, D] in cfg.dtype, lengths [B] zeros."""
+    return KVCache.init(cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim, cfg.jdtype)
+
+
+@functools.cache
+def make_model(cfg: LlamaConfig) -> Model:
+    """The ``jspec.model.Model`` for a config, built once per config so its functions keep one identity
+    (the decoder takes it as a static jit argument)."""
+
+    def apply(params, tokens, positions, cache, tree_mask=None):
+        return forward(cfg, params, tokens, positions, cache, tree_mask)
+
+    def make_cache(batch: int, slots: int) -> KVCache:
+        return init_cache(cfg, batch, slots)
+
+    return Model(apply=apply, init_cache=make_cache, vocab_size=cfg.vocab_size, name=cfg.name)

@@ -1,0 +1,223 @@
+"""Tokenizer + chat template, built from GGUF metadata or a Hugging Face directory, with no network access.
+
+GGUF files carry a byte-level BPE vocabulary (``tokenizer.ggml.tokens`` + ``merges``), a pre-tokenizer id
+(``tokenizer.ggml.pre``), token types, BOS/EOS ids and a Jinja chat template; we assemble the same pipeline
+with the ``tokenizers`` library. CONTROL tokens (type 3) are registered as special tokens: otherwise text
+like ``<|im_start|>`` would be split into ordinary pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+from models.checkpoint import CheckpointError
+
+# GGUF token types (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level(use_regex: bool = True):
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+
+
+def _split_then_bytes(pattern: str):
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), _byte_level(use_regex=False)]
+    )
+
+
+# ``tokenizer.ggml.pre`` -> the pre-tokenizer the vocabulary was trained with. Getting this wrong changes
+# token boundaries silently, so unknown ids are rejected instead of guessed.
+_PRE_TOKENIZERS = {
+    # SmolLM / StarCoder: every digit is its own piece, then the GPT-2 byte-level regex.
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()]),
+    "starcoder": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()]),
+    "gpt2": _byte_level,
+    "default": _byte_level,
+    "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+}
+
+
+def _render_env() -> jinja2.Environment:
+    # Same settings as the reference chat-template renderers, so whitespace comes out identical.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env
+
+
+class Tokenizer:
+    """encode/decode plus the checkpoint's chat template and special ids.
+
+    bos_id / eos_id: ints or None. add_bos: whether ``encode`` prepends BOS (False for ChatML models, whose
+    template writes ``<|im_start|>`` itself).
+    """
+
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        bos_id: int | None,
+        eos_id: int | None,
+        chat_template: str | None = None,
+        add_bos: bool = False,
+        pad_id: int | None = None,
+    ):
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self._template = _render_env().from_string(chat_template) if chat_template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_id is None else self.backend.id_to_token(self.bos_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_id is None else self.backend.id_to_token(self.eos_id)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """text -> token ids (special-token text such as ``<|im_end|>`` maps to its single id)."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kw) -> str:
+        """Render the checkpoint's chat template (a string; tokenize with ``encode_chat`` or ``encode``)."""
+        if self._template is None:
+            raise ValueError("this checkpoint has no chat template")
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kw,
+        )
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The template already contains any BOS it wants.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+
+    # ---------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, gf) -> Tokenizer:
+        """From a parsed GGUF file (``models.gguf_loader.GGUFFile``)."""
+        fields = gf.reader.fields
+
+        def get(key, default=None):
+            f = fields.get(key)
+            return default if f is None else f.contents()
+
+        kind = get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise CheckpointError(
+                f"{gf.path}: tokenizer model '{kind}' is not supported (only gpt2-style byte-level BPE)"
+            )
+        pre = get("tokenizer.ggml.pre", "default")
+        if pre not in _PRE_TOKENIZERS:
+            raise CheckpointError(
+                f"{gf.path}: unknown pre-tokenizer '{pre}' (known: {', '.join(sorted(_PRE_TOKENIZERS))})"
+            )
+        tokens = get("tokenizer.ggml.tokens")
+        merges = get("tokenizer.ggml.merges")
+        if tokens is None or merges is None:
+            raise CheckpointError(f"{gf.path}: no tokenizer in the metadata (tokenizer.ggml.tokens / merges)")
+        types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        backend = _HFTokenizer(
+            models.BPE(
+                vocab={t: i for i, t in enumerate(tokens)},
+                merges=[tuple(m.split(" ", 1)) for m in merges],
+                fuse_unk=False,
+            )
+        )
+        backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+        backend.decoder = decoders.ByteLevel()
+        special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+        user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+        backend.add_special_tokens(special)
+        if user:
+            backend.add_tokens(user)
+        return cls(
+            backend,
+            bos_id=get("tokenizer.ggml.bos_token_id"),
+            eos_id=get("tokenizer.ggml.eos_token_id"),
+            chat_template=get("tokenizer.chat_template"),
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+            pad_id=get("tokenizer.ggml.padding_token_id"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike, config: dict | None = None) -> Tokenizer:
+        """From ``tokenizer.json`` (+ ``tokenizer_config.json`` / ``chat_template.jinja``) in an HF directory."""
+        path = os.fspath(path)
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise CheckpointError(f"{path}: no tokenizer.json")
+        backend = _HFTokenizer.from_file(tj)
+        tcfg = {}
+        if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+            with open(os.path.join(path, "tokenizer_config.json")) as f:
+                tcfg = json.load(f)
+        template = tcfg.get("chat_template")
+        if os.path.isfile(os.path.join(path, "chat_template.jinja")):
+            with open(os.path.join(path, "chat_template.jinja")) as f:
+                template = f.read()
+        if isinstance(template, list):  # several named templates: use the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+
+        def token_id(key):
+            tok = tcfg.get(key)
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            if tok is None:
+                return (config or {}).get(f"{key}_id")
+            return backend.token_to_id(tok)
+
+        bos_id = token_id("bos_token")
+        add_bos = tcfg.get("add_bos_token")
+        if add_bos is None:  # no flag: a BOS-adding tokenizer.json does it in its post-processor
+            probe = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos_id is not None and probe[:1] == [bos_id]
+        return cls(
+            backend,
+            bos_id=bos_id,
+            eos_id=token_id("eos_token"),
+            chat_template=template,
+            add_bos=bool(add_bos),
+            pad_id=token_id("pad_token"),
+        )

@@ -1,0 +1,226 @@
+"""The Flax Llama forward on a tiny random model: cache semantics, ragged rows, tree masks, layer slicing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jspec.cache import KV_AXES
+from models import llama
+from models.llama import LlamaConfig, init_random_params, make_model, param_logical_axes
+
+# GQA (4 query heads on 2 KV heads), biases and an untied head, so every code path runs.
+CFG = LlamaConfig(
+    vocab_size=97,
+    hidden=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    ffn=48,
+    rope_theta=500.0,
+    qkv_bias=True,
+    tie_embeddings=False,
+)
+SLOTS = 24
+# A larger init than the 0.02 default: attention is far from uniform, so a wrongly visible slot moves logits.
+STD = 0.3
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_random_params(CFG, jax.random.key(0), std=STD)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(CFG)
+
+
+@pytest.fixture(scope="module")
+def apply(model):
+    return jax.jit(model.apply)
+
+
+def _tokens(seed, n):
+    return np.random.default_rng(seed).integers(0, CFG.vocab_size, size=n).astype(np.int32)
+
+
+def _pos(start, n, batch=1):
+    return jnp.broadcast_to(jnp.arange(start, start + n, dtype=jnp.int32), (batch, n))
+
+
+def test_make_model_is_built_once_per_config(model):
+    assert make_model(CFG) is model
+    assert make_model(CFG.replace()) is model  # equal configs share the Model (static jit argument)
+    assert model.vocab_size == CFG.vocab_size
+
+
+def test_apply_writes_at_lengths_and_leaves_lengths(params, model, apply):
+    cache = model.init_cache(2, SLOTS).with_lengths(jnp.array([3, 5], jnp.int32))
+    toks = jnp.asarray(np.stack([_tokens(1, 4), _tokens(2, 4)]))
+    pos = jnp.asarray([[3, 4, 5, 6], [5, 6, 7, 8]], jnp.int32)
+    logits, new = apply(params, toks, pos, cache)
+    assert logits.shape == (2, 4, CFG.vocab_size) and logits.dtype == jnp.float32
+    assert new.k.shape == (CFG.num_layers, 2, CFG.num_kv_heads, SLOTS, CFG.head_dim)
+    np.testing.assert_array_equal(new.lengths, [3, 5])
+    written = np.asarray(jnp.abs(new.k).sum(axis=(0, 2, 4)) > 0)  # [B, S]
+    expect = np.zeros((2, SLOTS), bool)
+    expect[0, 3:7] = True
+    expect[1, 5:9] = True
+    np.testing.assert_array_equal(written, expect)
+
+
+def test_writes_past_the_end_are_dropped_not_clamped(params, model, apply):
+    # 4 new tokens at length S-2: two fit, two must vanish; a clamping write would overwrite slots S-4, S-3.
+    cache = model.init_cache(1, SLOTS)
+    marker = jnp.full_like(cache.k, 7.0)
+    cache = cache.__class__(marker, marker, jnp.array([SLOTS - 2], jnp.int32))
+    _, new = apply(params, jnp.asarray(_tokens(3, 4))[None], _pos(SLOTS - 2, 4), cache)
+    np.testing.assert_array_equal(np.asarray(new.k[:, :, :, : SLOTS - 2]), 7.0)
+    assert not np.any(np.asarray(new.k[:, :, :, SLOTS - 2 :]) == 7.0)
+
+
+def test_prefill_equals_token_by_token(params, model, apply):
+    toks = _tokens(4, 9)
+    full, _ = apply(params, jnp.asarray(toks)[None], _pos(0, 9), model.init_cache(1, SLOTS))
+    cache = model.init_cache(1, SLOTS)
+    steps = []
+    for t in range(9):
+        lg, cache = apply(params, jnp.asarray(toks[t : t + 1])[None], _pos(t, 1), cache)
+        cache = cache.commit(jnp.ones((1,), jnp.int32))
+        steps.append(np.asarray(lg[0, 0]))
+    np.testing.assert_allclose(np.stack(steps), np.asarray(full[0]), atol=1e-4, rtol=0)
+    # Chunked: 4 tokens, then 5 on top of the committed 4.
+    cache = model.init_cache(1, SLOTS)
+    a, cache = apply(params, jnp.asarray(toks[:4])[None], _pos(0, 4), cache)
+    cache = cache.commit(jnp.full((1,), 4, jnp.int32))
+    b, _ = apply(params, jnp.asarray(toks[4:])[None], _pos(4, 5), cache)
+    np.testing.assert_allclose(np.concatenate([a[0], b[0]]), np.asarray(full[0]), atol=1e-4, rtol=0)
+
+
+def test_uncommitted_scratch_is_invisible(params, model, apply):
+    # A rejected draft leaves entries beyond `lengths`; the next call must not see them.
+    toks = _tokens(5, 6)
+    cache = model.init_cache(1, SLOTS)
+    _, cache = apply(params, jnp.asarray(toks[:4])[None], _pos(0, 4), cache)
+    cache = cache.commit(jnp.full((1,), 2, jnp.int32))  # keep 2 of the 4 written
+    lg, _ = apply(params, jnp.asarray(toks[4:])[None], _pos(2, 2), cache)
+    ref, _ = apply(params, jnp.asarray(np.r_[toks[:2], toks[4:]])[None], _pos(0, 4), model.init_cache(1, SLOTS))
+    np.testing.assert_allclose(np.asarray(lg[0]), np.asarray(ref[0, 2:]), atol=1e-4, rtol=0)
+
+
+def test_ragged_batch_matches_single_rows(params, model, apply):
+    lens = [5, 9]
+    prompts = [_tokens(10, lens[0]), _tokens(11, lens[1])]
+    t = max(lens)
+    padded = np.zeros((2, t), np.int32)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = p
+    nxt = jnp.asarray([[_tokens(12, 1)[0]], [_tokens(13, 1)[0]]])
+    logits, cache = apply(params, jnp.asarray(padded), _pos(0, t, 2), model.init_cache(2, SLOTS))
+    cache = cache.commit(jnp.asarray(lens, jnp.int32))
+    step, _ = apply(params, nxt, cache.lengths[:, None], cache)
+    for b, p in enumerate(prompts):
+        ref, c1 = apply(params, jnp.asarray(p)[None], _pos(0, len(p)), model.init_cache(1, SLOTS))
+        np.testing.assert_allclose(np.asarray(logits[b, : len(p)]), np.asarray(ref[0]), atol=1e-4, rtol=0)
+        c1 = c1.commit(jnp.full((1,), len(p), jnp.int32))
+        ref_step, _ = apply(params, nxt[b : b + 1], _pos(len(p), 1), c1)
+        np.testing.assert_allclose(np.asarray(step[b]), np.asarray(ref_step[0]), atol=1e-4, rtol=0)
+
+
+# Tree over 4 new tokens: 0 is the root, 1 and 2 are its children, 3 is the child of 1.
+PARENT = [-1, 0, 0, 1]
+DEPTH = [0, 1, 1, 2]
+
+
+def _ancestor_mask():
+    m = np.zeros((4, 4), bool)
+    for i in range(4):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = PARENT[j]
+    return m
+
+
+def test_tree_mask_siblings_do_not_leak(params, model, apply):
+    prefix = _tokens(20, 5)
+    cache = model.init_cache(1, SLOTS)
+    _, cache = apply(params, jnp.asarray(prefix)[None], _pos(0, 5), cache)
+    cache = cache.commit(jnp.full((1,), 5, jnp.int32))
+    mask = jnp.asarray(_ancestor_mask())[None]
+    pos = jnp.asarray([[5 + d for d in DEPTH]], jnp.int32)
+    nodes = np.array([3, 14, 15, 92], np.int32)
+    base, _ = apply(params, jnp.asarray(nodes)[None], pos, cache, mask)
+    changed_nodes = nodes.copy()
+    changed_nodes[2] = 65  # node 2 is a sibling of 1 and not an ancestor of 3
+    other, _ = apply(params, jnp.asarray(changed_nodes)[None], pos, cache, mask)
+    for i in (0, 1, 3):
+        np.testing.assert_allclose(np.asarray(other[0, i]), np.asarray(base[0, i]), atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(other[0, 2] - base[0, 2])).max() > 1e-2  # node 2 itself did change
+    # The path 0 -> 1 -> 3 scores exactly like a plain causal chain of those tokens.
+    chain, _ = apply(params, jnp.asarray(nodes[[0, 1, 3]])[None], _pos(5, 3), cache)
+    np.testing.assert_allclose(np.asarray(base[0, [0, 1, 3]]), np.asarray(chain[0]), atol=1e-4, rtol=0)
+    # A mask letting node 3 see its uncle 2 must change node 3 (the test can fail).
+    leaky = np.array(_ancestor_mask())
+    leaky[3, 2] = True
+    leak, _ = apply(params, jnp.asarray(nodes)[None], pos, cache, jnp.asarray(leaky)[None])
+    assert np.abs(np.asarray(leak[0, 3] - base[0, 3])).max() > 1e-2
+
+
+def test_layer_range_composes_and_returns_hidden(params, model):
+    toks = jnp.asarray(_tokens(30, 6))[None]
+    pos = _pos(0, 6)
+    cache = model.init_cache(1, SLOTS)
+    logits, hidden, full_cache = jax.jit(llama.forward, static_argnums=(0,), static_argnames="return_hidden")(
+        CFG, params, toks, pos, cache, return_hidden=True
+    )
+    assert hidden.shape == (1, 6, CFG.hidden)
+
+    @jax.jit
+    def split(params, toks, pos, cache):
+        h = llama.embed(CFG, params, toks)
+        h, c1 = llama.run_layers(CFG, params, h, pos, cache, start=0, stop=1)  # a LayerSkip-style draft prefix
+        draft_logits = llama.head(CFG, params, h)
+        h, c2 = llama.run_layers(CFG, params, h, pos, c1, start=1, stop=CFG.num_layers)
+        return draft_logits, c1, llama.head(CFG, params, h), c2
+
+    draft_logits, c1, logits2, c2 = split(params, toks, pos, cache)
+    np.testing.assert_allclose(np.asarray(logits2), np.asarray(logits), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(c2.k), np.asarray(full_cache.k), atol=1e-6, rtol=0)
+    assert not np.any(np.asarray(c1.k[1:]))  # the 1-layer prefix wrote only its own layer
+    assert np.any(np.asarray(c1.k[0]))
+    assert np.abs(np.asarray(draft_logits - logits)).max() > 1e-2
+
+
+def test_logical_axes_cover_every_param(params):
+    axes = param_logical_axes(CFG)
+    vocab = {"batch", "layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "cache_seq"}
+    assert jax.tree.structure(params) == jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple))
+    flat_p = jax.tree_util.tree_leaves_with_path(params)
+    flat_a = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    for (path, p), a in zip(flat_p, flat_a, strict=True):
+        assert len(a) == p.ndim, (path, a, p.shape)
+        assert set(a) <= vocab
+        assert (a[0] == "layers") == ("layers" in jax.tree_util.keystr(path))
+    assert axes["layers"]["attn"]["wq"] == ("layers", "embed", "heads", "head_dim")
+    assert axes["layers"]["attn"]["wk"] == ("layers", "embed", "kv_heads", "head_dim")
+    assert axes["layers"]["mlp"]["w_down"] == ("layers", "mlp", "embed")
+    assert axes["embed"]["embedding"] == ("vocab", "embed")
+    assert set(KV_AXES) <= vocab
+
+
+def test_bfloat16_model_runs_close_to_float32(params):
+    cfg16 = CFG.replace(dtype="bfloat16")
+    p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    m16 = make_model(cfg16)
+    toks = jnp.asarray(_tokens(40, 6))[None]
+    lg16, c16 = jax.jit(m16.apply)(p16, toks, _pos(0, 6), m16.init_cache(1, SLOTS))
+    assert lg16.dtype == jnp.float32 and c16.k.dtype == jnp.bfloat16
+    p32 = jax.tree.map(lambda x: x.astype(jnp.float32), p16)
+    lg32, _ = jax.jit(make_model(CFG).apply)(p32, toks, _pos(0, 6), make_model(CFG).init_cache(1, SLOTS))
+    scale = float(jnp.abs(lg32).max())
+    assert float(jnp.abs(lg16 - lg32).max()) < 0.05 * scale
