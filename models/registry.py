@@ -69,7 +69,8 @@ def load(name_or_path: str | os.PathLike, dtype="float32") -> LoadedModel:
     """Load a model by short name ("smollm2", "smollm2-135m-instruct"), .gguf path or HF directory.
 
     dtype: "float32" or "bfloat16" for the parameters, activations and KV cache (f32 is the fast choice on
-    CPU). The tokenizer is None for an HF directory without tokenizer.json.
+    CPU). The tokenizer is None when the checkpoint has none (an HF directory without tokenizer.json, a
+    GGUF file without tokenizer metadata).
     """
     path = resolve(name_or_path)
     if os.path.isdir(path):
@@ -80,5 +81,5 @@ def load(name_or_path: str | os.PathLike, dtype="float32") -> LoadedModel:
         gf = open_gguf(path)
         cfg = config_from_gguf(gf, dtype)
         params = params_from_gguf(gf, cfg)
-        tok = Tokenizer.from_gguf(gf)
+        tok = Tokenizer.from_gguf(gf) if "tokenizer.ggml.tokens" in gf.reader.fields else None
     return LoadedModel(cfg, params, make_model(cfg), tok)

