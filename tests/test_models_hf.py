@@ -1,0 +1,144 @@
+"""Hugging Face directory loader: tiny random transformers models saved with ``save_pretrained``."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import requires_torch
+
+from models.checkpoint import CheckpointError
+from models.hf_loader import config_from_hf, load_hf
+from models.llama import make_model
+from models.registry import load
+
+pytestmark = requires_torch
+
+TOKENS = np.array([[5, 77, 12, 99, 3, 64, 31, 8, 120, 45]], np.int32)
+
+
+def tiny_model(kind: str, tied: bool, dtype="float32", seed=0):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=5000.0,
+        tie_word_embeddings=tied,
+        initializer_range=0.2,  # large enough that a mapping error moves logits well past the tolerance
+    )
+    if kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
+        with torch.no_grad():  # default init zeroes biases; make them matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    with torch.no_grad():  # norm weights default to ones; random ones catch a swapped attn/mlp norm
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+def torch_logits(model):
+    import torch
+
+    with torch.no_grad():
+        return model.float()(torch.from_numpy(TOKENS).long()).logits[0].numpy()
+
+
+def our_logits(cfg, params):
+    m = make_model(cfg)
+    t = TOKENS.shape[1]
+    logits, _ = jax.jit(m.apply)(params, jnp.asarray(TOKENS), jnp.arange(t, dtype=jnp.int32)[None], m.init_cache(1, 16))
+    return np.asarray(logits[0])
+
+
+@pytest.mark.parametrize(
+    "kind,tied,sharded",
+    [("llama", True, False), ("llama", False, True), ("qwen2", False, False), ("qwen2", False, True)],
+    ids=["llama-tied-single", "llama-untied-sharded", "qwen2-bias-single", "qwen2-bias-sharded"],
+)
+def test_logits_match_torch(tmp_path, kind, tied, sharded):
+    model = tiny_model(kind, tied)
+    model.save_pretrained(tmp_path, max_shard_size="40KB" if sharded else "1GB")
+    files = {p.name for p in tmp_path.iterdir()}
+    assert ("model.safetensors.index.json" in files) == sharded
+    if sharded:
+        assert len([f for f in files if f.endswith(".safetensors")]) > 2
+    cfg, params = load_hf(tmp_path)
+    assert cfg.qkv_bias == (kind == "qwen2") and cfg.tie_embeddings == tied
+    assert ("lm_head" in params) == (not tied)
+    diff = np.abs(our_logits(cfg, params) - torch_logits(model)).max()
+    assert diff <= 1e-4, diff
+
+
+def test_bfloat16_checkpoint(tmp_path):
+    model = tiny_model("llama", tied=False, dtype="bfloat16", seed=1)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    import torch
+    import transformers
+
+    cfg32, p32 = load_hf(tmp_path, dtype="float32")
+    # bf16 -> f32 is exact, so our f32 model reproduces torch in f32 on the same (bf16-valued) weights. The
+    # reference is reloaded in f32: the bf16 module's RoPE frequency buffer was itself rounded to bf16.
+    ref_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert np.abs(our_logits(cfg32, p32) - torch_logits(ref_model)).max() <= 1e-4
+    cfg16, p16 = load_hf(tmp_path, dtype="bfloat16")
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
+    ref = model.model.layers[1].mlp.down_proj.weight.detach().float().numpy().astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(p16["layers"]["mlp"]["w_down"][1]).T, ref)
+    lg16 = our_logits(cfg16, p16)
+    lg32 = our_logits(cfg32, p32)
+    assert np.abs(lg16 - lg32).max() < 0.05 * np.abs(lg32).max()
+
+
+def test_registry_loads_a_directory(tmp_path):
+    tiny_model("qwen2", tied=False).save_pretrained(tmp_path)
+    cfg, params, model, tok = load(str(tmp_path))
+    assert model.vocab_size == 128 and cfg.num_layers == 2 and tok is None
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    tiny_model("llama", tied=True).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        load_hf(tmp_path)
+
+
+def test_truncated_safetensors(tmp_path):
+    tiny_model("llama", tied=True).save_pretrained(tmp_path)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="truncated safetensors file"):
+        load_hf(tmp_path)
+
+
+def test_unsupported_model_type_and_rope_scaling(tmp_path):
+    tiny_model("llama", tied=True).save_pretrained(tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(conf | {"model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match=r"unsupported model_type 'gpt2' \(supported: llama, mistral, qwen2\)"):
+        config_from_hf(tmp_path)
+    scaled = conf | {"rope_parameters": {"rope_theta": 5000.0, "rope_type": "llama3", "factor": 8.0}}
+    (tmp_path / "config.json").write_text(json.dumps(scaled))
+    with pytest.raises(CheckpointError, match="RoPE scaling 'llama3' is not supported"):
+        config_from_hf(tmp_path)
