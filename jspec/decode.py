@@ -33,6 +33,7 @@ from jspec.adaptive import AdaptiveK
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
 from jspec.sampling import SamplingParams, distribution, sample
+from jspec.tree import TreeProposal, ancestor_mask, verify_tree_key
 from jspec.verify import verify_chain_key
 
 
@@ -187,26 +188,12 @@ def _stop_reason(config, emitted, n_emit, n_gen, max_new, committed, old_stop):
     return jnp.where(old_stop != StopReason.RUNNING, old_stop, reason).astype(jnp.int32)
 
 
-def decode_round(
-    target: Model, drafter, config: DecodeConfig, target_params, draft_params, st: DecodeState
-) -> tuple[DecodeState, jax.Array, jax.Array]:
-    """One round for every row: draft -> verify K+1 positions in one target call -> accept -> commit.
-    Returns the new state, the tokens emitted this round [B, K+1] and how many per row [B]."""
+def _chain_step(
+    target, drafter, config, target_params, draft_params, st, pending, committed, max_draft, k_draft, k_verify
+):
+    """Draft a chain, verify its K+1 positions in one target call, accept. See ``decode_round``."""
     k = config.gamma
-    s = config.slots
-    b = st.seq.shape[0]
-    rows = jnp.arange(b)
-    active = st.stop == StopReason.RUNNING
-    committed = st.seq_len - 1  # = target cache lengths; the pending token sits at this slot
-    n_gen = st.seq_len - st.prompt_len
-    # Never propose past the cache (the verify block must fit) or past the tokens still wanted.
-    max_draft = jnp.clip(jnp.minimum(s - 1 - committed, st.max_new - n_gen - 1), 0, k)
-    key, k_draft, k_verify = jax.random.split(jax.random.fold_in(st.key, st.stats.loop_rounds), 3)
-
-    if config.adaptive is not None:
-        max_draft = jnp.minimum(max_draft, adapt.choose_k(config.adaptive, st.accept_ema, k))
-
-    pending = st.seq[rows, committed]
+    b = pending.shape[0]
     if k == 0:
         logits, cache = target.apply(target_params, pending[:, None], committed[:, None], st.cache)
         n_draft = jnp.zeros((b,), jnp.int32)
@@ -255,10 +242,75 @@ def decode_round(
         p, cache = jax.lax.cond(jnp.any(n_draft > 0), verify_wide, verify_narrow, tcache)
     res = verify_chain_key(k_verify, p, q, draft_tokens, n_draft, block=config.block_verify)
 
-    n_acc = res.n_accepted
+    res = verify_chain_key(k_verify, p, q, draft_tokens, n_draft, block=config.block_verify)
+    proposed_at = (jnp.arange(k)[None, :] < n_draft[:, None]).astype(jnp.int32)
+    return draft_tokens, res.n_accepted, res.next_token, None, cache, draft_state, proposed_at, res.bad_proposal
+
+
+def _tree_step(
+    target, drafter, config, target_params, draft_params, st, pending, committed, max_draft, k_draft, k_verify
+):
+    """Draft a candidate tree, verify every node in one target call under the ancestor mask, accept one path."""
+    b = pending.shape[0]
+    rows = jnp.arange(b)
+    ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling)
+    prop: TreeProposal = drafter.propose_tree(draft_params, st.draft_state, ctx, k_draft)
+    n = prop.tokens.shape[1]
+    tokens = prop.tokens.at[:, 0].set(pending)
+    # A node is usable if it is proposed, not deeper than this row may go, its scratch slot exists, and so
+    # does every ancestor's (the parent comes first in topological order, so one pass suffices).
+    fits = committed[:, None] + jnp.arange(n)[None, :] < config.slots
+    own_ok = prop.valid & (prop.depth <= max_draft[:, None]) & fits
+    valid = own_ok
+    for i in range(1, n):
+        par_ok = valid[rows, jnp.maximum(prop.parent[:, i], 0)]
+        valid = valid.at[:, i].set(own_ok[:, i] & par_ok)
+    valid = valid.at[:, 0].set(True)
+    positions = committed[:, None] + prop.depth
+    logits, cache = target.apply(target_params, tokens, positions, st.cache, ancestor_mask(prop.parent))
+    p = distribution(logits, st.sampling)
+    res = verify_tree_key(
+        k_verify, p, prop.q, tokens, prop.parent, valid, drafter.rule, drafter.max_depth, drafter.max_children
+    )
+    path_tokens = tokens[rows[:, None], res.path[:, 1:]]  # [B, D]
+    depth_hot = jax.nn.one_hot(prop.depth - 1, drafter.max_depth, dtype=jnp.int32)  # [B, N, D]; root -> none
+    proposed_at = jnp.einsum("bnd,bn->bd", depth_hot, valid.astype(jnp.int32))  # candidate nodes per depth
+    return path_tokens, res.n_accepted, res.next_token, res.path, cache, prop.state, proposed_at, jnp.zeros((b,), bool)
+
+
+def decode_round(
+    target: Model, drafter, config: DecodeConfig, target_params, draft_params, st: DecodeState
+) -> tuple[DecodeState, jax.Array, jax.Array]:
+    """One round for every row: draft -> verify K+1 positions in one target call -> accept -> commit.
+    Returns the new state, the tokens emitted this round [B, K+1] and how many per row [B]."""
+    k = config.gamma
+    s = config.slots
+    b = st.seq.shape[0]
+    rows = jnp.arange(b)
+    active = st.stop == StopReason.RUNNING
+    committed = st.seq_len - 1  # = target cache lengths; the pending token sits at this slot
+    n_gen = st.seq_len - st.prompt_len
+    # Never propose past the cache (the verify block must fit) or past the tokens still wanted.
+    max_draft = jnp.clip(jnp.minimum(s - 1 - committed, st.max_new - n_gen - 1), 0, k)
+    key, k_draft, k_verify = jax.random.split(jax.random.fold_in(st.key, st.stats.loop_rounds), 3)
+
+    if config.adaptive is not None:
+        max_draft = jnp.minimum(max_draft, adapt.choose_k(config.adaptive, st.accept_ema, k))
+
+    pending = st.seq[rows, committed]
+    if getattr(drafter, "is_tree", False):
+        step = _tree_step(
+            target, drafter, config, target_params, draft_params, st, pending, committed, max_draft, k_draft, k_verify
+        )
+    else:
+        step = _chain_step(
+            target, drafter, config, target_params, draft_params, st, pending, committed, max_draft, k_draft, k_verify
+        )
+    path_tokens, n_acc, next_token, path, cache, draft_state, proposed_at, bad_rows = step
+
     j = jnp.arange(k + 1)[None, :]
-    padded = jnp.concatenate([draft_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
-    emitted = jnp.where(j < n_acc[:, None], padded, res.next_token[:, None])  # [B, K+1]
+    padded = jnp.concatenate([path_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(j < n_acc[:, None], padded, next_token[:, None])  # [B, K+1]
     n_emit = n_acc + 1
     if config.eos_ids:
         is_eos = jnp.isin(emitted, jnp.asarray(config.eos_ids, jnp.int32)) & (j < n_emit[:, None])
@@ -269,12 +321,14 @@ def decode_round(
     seq = _scatter_rows(st.seq, st.seq_len, emitted, n_emit)
     # The pending token and the accepted proposals now have their state in the cache; the correction/bonus
     # token becomes the new pending token, computed next round (never reused from a rejected candidate).
-    cache = cache.commit(jnp.where(active, n_acc + 1, 0))
+    # For a tree, the accepted path's entries move from their scratch slots to consecutive committed slots.
+    cache = cache.commit(jnp.where(active, n_acc + 1, 0), path)
     seq_len = st.seq_len + n_emit
     stop = _stop_reason(config, emitted, n_emit, seq_len - st.prompt_len, st.max_new, seq_len - 1, st.stop)
 
     act = active.astype(jnp.int32)
-    proposed_mask = (jnp.arange(k)[None, :] < n_draft[:, None]) & active[:, None]
+    proposed_at = proposed_at * act[:, None]  # [B, K] candidates proposed at each draft position (tree: depth)
+    n_draft = jnp.sum(proposed_at, axis=1, dtype=jnp.int32)
     accepted_mask = (jnp.arange(k)[None, :] < n_acc[:, None]) & active[:, None]
     stats = DecodeStats(
         rounds=st.stats.rounds + act,
@@ -282,10 +336,10 @@ def decode_round(
         proposed=st.stats.proposed + n_draft * act,
         accepted=st.stats.accepted + n_acc * act,
         accepted_at=st.stats.accepted_at + jnp.sum(accepted_mask, axis=0, dtype=jnp.int32),
-        proposed_at=st.stats.proposed_at + jnp.sum(proposed_mask, axis=0, dtype=jnp.int32),
+        proposed_at=st.stats.proposed_at + jnp.sum(proposed_at, axis=0, dtype=jnp.int32),
         loop_rounds=st.stats.loop_rounds + 1,
     )
-    bad = st.bad_proposal | jnp.any(res.bad_proposal & active)
+    bad = st.bad_proposal | jnp.any(bad_rows & active)
     ema = st.accept_ema
     if config.adaptive is not None:
         ema = adapt.update(config.adaptive, ema, n_acc, n_draft, active)
@@ -497,6 +551,10 @@ def prepare(
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
     if drafter is None:
         gamma = 0
+    elif getattr(drafter, "is_tree", False):
+        gamma = drafter.max_depth  # a tree's accepted path is at most its depth
+        if adaptive or block_verify:
+            raise ValueError("adaptive draft length and block verification apply to chains, not trees")
     prompt, plen, mnew, slots = _prepare(target, drafter, prompts, gamma, max_new_tokens, max_len)
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
     key = jax.random.key(seed) if key is None else key

@@ -1,0 +1,111 @@
+"""Candidate trees: lossless verification under each rule, greedy equivalence, masks and commits."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_decode_core import (
+    DRAFT,
+    DRAFT_PARAMS,
+    GROUPS,
+    N_PER_GROUP,
+    PROMPT,
+    PROMPTS,
+    TARGET,
+    TARGET_PARAMS,
+    TARGET_TABLE,
+)
+from toy_models import chi2_critical, chi_square, exact_sequence_distribution
+
+from jspec import decode as dec
+from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec, ancestor_mask, children_table
+
+SPEC = TreeSpec((2, 2, 1))  # 1 + 2 + 4 + 4 = 11 nodes, depth 3
+
+
+def test_tree_spec_shapes():
+    parent, depth, _ = SPEC.arrays
+    assert parent.tolist() == [-1, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6]
+    assert depth.tolist() == [0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    assert TreeSpec((3, 2, 2), budget=6).num_nodes == 6
+    with pytest.raises(ValueError, match="branching"):
+        TreeSpec((2, 0))
+
+
+def test_ancestor_mask_and_children():
+    parent = jnp.asarray(SPEC.arrays[0])[None]
+    mask = np.asarray(ancestor_mask(parent))[0]
+    # Independent: walk parents in Python.
+    par = SPEC.arrays[0]
+    for i in range(len(par)):
+        anc, j = {i}, i
+        while par[j] >= 0:
+            j = par[j]
+            anc.add(j)
+        assert set(np.nonzero(mask[i])[0].tolist()) == anc
+    kids = np.asarray(children_table(parent, jnp.ones_like(parent, bool), 2))[0]
+    assert kids[0].tolist() == [1, 2] and kids[3].tolist() == [7, -1] and kids[10].tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize("rule", list(TreeRule))
+def test_greedy_tree_equals_greedy_plain(rule):
+    plain = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=20)
+    tree = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        PROMPTS,
+        drafter=TreeModelDrafter(DRAFT, SPEC, rule),
+        draft_params=DRAFT_PARAMS,
+        max_new_tokens=20,
+    )
+    assert tree.tokens == plain.tokens
+    assert tree.stats["tokens_per_round"] > 1.0
+
+
+@pytest.mark.parametrize("rule", list(TreeRule))
+def test_tree_whole_sequence_distribution(rule):
+    """Static trees under each verification rule: >= 100k sampled sequences per setting, chi-square."""
+    n, n_new = N_PER_GROUP, 5
+    groups = [GROUPS[0], GROUPS[3]]  # T 0.7 with top-k, T 1.3 with top-p
+    cols = {
+        key: np.repeat([g.get(key, d) for g in groups], n)
+        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
+    }
+    prompts = np.tile(np.asarray(PROMPT, np.int32), (n * len(GROUPS), 1))
+    out = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        prompts,
+        drafter=TreeModelDrafter(DRAFT, SPEC, rule),
+        draft_params=DRAFT_PARAMS,
+        max_new_tokens=n_new,
+        seed=31 + int(rule),
+        **cols,
+    )
+    tokens = np.asarray(out.tokens)
+    assert out.stats["tokens_per_round"] > 1.3  # trees really accepted paths
+    for i, g in enumerate(groups):
+        exact = exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)
+        stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
+        assert stat < chi2_critical(df), (rule, g, stat, df)
+
+
+def test_tree_target_cache_equals_fresh_prefill():
+    """Accepted paths are moved from scratch slots into committed slots; nothing of a rejected branch stays."""
+    prepared = dec.prepare(
+        TARGET,
+        TARGET_PARAMS,
+        PROMPTS,
+        drafter=TreeModelDrafter(DRAFT, SPEC, TreeRule.IID),
+        draft_params=DRAFT_PARAMS,
+        max_new_tokens=15,
+        temperature=1.3,
+        seed=2,
+    )
+    st = prepared.fn(*prepared.args)
+    seq, lengths = np.asarray(st.seq), np.asarray(st.cache.lengths)
+    assert int(st.stats.accepted.sum()) > 0
+    for b in range(len(PROMPTS)):
+        n = int(lengths[b])
+        fresh = TARGET.init_cache(1, prepared.config.slots)
+        _, fresh = TARGET.apply(TARGET_PARAMS, jnp.asarray(seq[b : b + 1, :n]), jnp.arange(n)[None], fresh)
+        np.testing.assert_array_equal(np.asarray(st.cache.k)[:, b, :, :n], np.asarray(fresh.k)[:, 0, :, :n])
