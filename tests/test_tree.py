@@ -17,7 +17,7 @@ from test_decode_core import (
 from toy_models import chi2_critical, chi_square, exact_sequence_distribution
 
 from jspec import decode as dec
-from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec, ancestor_mask, children_table
+from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec, ancestor_mask, children_table
 
 SPEC = TreeSpec((2, 2, 1))  # 1 + 2 + 4 + 4 = 11 nodes, depth 3
 
@@ -61,24 +61,42 @@ def test_greedy_tree_equals_greedy_plain(rule):
     assert tree.stats["tokens_per_round"] > 1.0
 
 
-@pytest.mark.parametrize("rule", list(TreeRule))
-def test_tree_whole_sequence_distribution(rule):
-    """Static trees under each verification rule: >= 100k sampled sequences per setting, chi-square."""
+DRAFTERS = {
+    "static-deterministic": TreeModelDrafter(DRAFT, SPEC, TreeRule.DETERMINISTIC),
+    "static-iid": TreeModelDrafter(DRAFT, SPEC, TreeRule.IID),
+    "static-without-replacement": TreeModelDrafter(DRAFT, SPEC, TreeRule.WITHOUT_REPLACEMENT),
+    "dynamic": DynamicTreeDrafter(DRAFT, top_k=2, depth=3, budget=6),
+}
+
+
+def test_dynamic_tree_greedy_equals_plain_and_shapes_differ_per_row():
+    plain = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=20)
+    tree = dec.decode(
+        TARGET, TARGET_PARAMS, PROMPTS, drafter=DRAFTERS["dynamic"], draft_params=DRAFT_PARAMS, max_new_tokens=20
+    )
+    assert tree.tokens == plain.tokens and tree.stats["tokens_per_round"] > 1.5
+    with pytest.raises(ValueError, match="budget"):
+        DynamicTreeDrafter(DRAFT, top_k=2, depth=2, budget=8)
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_tree_whole_sequence_distribution(name):
+    """Static trees under each rule and dynamic trees: >= 100k sampled sequences per setting, chi-square."""
     n, n_new = N_PER_GROUP, 5
     groups = [GROUPS[0], GROUPS[3]]  # T 0.7 with top-k, T 1.3 with top-p
     cols = {
         key: np.repeat([g.get(key, d) for g in groups], n)
         for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
     }
-    prompts = np.tile(np.asarray(PROMPT, np.int32), (n * len(GROUPS), 1))
+    prompts = np.tile(np.asarray(PROMPT, np.int32), (n * len(groups), 1))
     out = dec.decode(
         TARGET,
         TARGET_PARAMS,
         prompts,
-        drafter=TreeModelDrafter(DRAFT, SPEC, rule),
+        drafter=DRAFTERS[name],
         draft_params=DRAFT_PARAMS,
         max_new_tokens=n_new,
-        seed=31 + int(rule),
+        seed=31 + len(name),
         **cols,
     )
     tokens = np.asarray(out.tokens)
@@ -86,7 +104,7 @@ def test_tree_whole_sequence_distribution(rule):
     for i, g in enumerate(groups):
         exact = exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)
         stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
-        assert stat < chi2_critical(df), (rule, g, stat, df)
+        assert stat < chi2_critical(df), (name, g, stat, df)
 
 
 def test_tree_target_cache_equals_fresh_prefill():
