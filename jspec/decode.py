@@ -126,7 +126,7 @@ def prefill(
     cache = target.init_cache(b, s)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, cache = target.apply(target_params, prompt, positions, cache)
-    cache = cache.with_lengths(prompt_len)
+    cache = cache.commit(prompt_len)  # a commit, not a length change: caches with more state must keep it
     key, k0 = jax.random.split(key)
     first = sample(k0, distribution(logits[rows, prompt_len - 1], sampling))
     seq = jnp.zeros((b, s + 1), jnp.int32).at[:, :p].set(prompt)
