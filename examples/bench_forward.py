@@ -1,0 +1,105 @@
+"""Plain greedy decode speed of SmolLM2-135M-Instruct (f32, batch 1) on CPU: our fused loop vs transformers.
+
+Our side: prefill the prompt, then ``new`` 1-token steps inside ONE jitted ``lax.scan`` (no Python per token).
+transformers: ``generate(do_sample=False)`` on the same GGUF (dequantised to f32). Prints tokens/s as medians
+over ``--repeats`` runs measured in this same process (JAX timings on these VMs jump between two levels from
+process to process, so compare ratios within one run and repeat the whole script a few times).
+
+    python examples/bench_forward.py [--ctx 256] [--new 64] [--repeats 5] [--no-torch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import registry
+from models.llama import forward
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "new"))
+def greedy(cfg, params, prompt, cache, new: int):
+    """prompt [1, P] -> [1, new] greedy tokens; the whole decode is one XLA program."""
+    p = prompt.shape[1]
+    logits, cache = forward(cfg, params, prompt, jnp.arange(p, dtype=jnp.int32)[None], cache)
+    cache = cache.commit(jnp.full((1,), p, jnp.int32))
+    first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)  # [1]
+
+    def step(carry, _):
+        tok, cache = carry
+        logits, cache = forward(cfg, params, tok[:, None], cache.lengths[:, None], cache)
+        cache = cache.commit(jnp.ones((1,), jnp.int32))
+        nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+        return (nxt, cache), tok
+
+    (_, _), toks = jax.lax.scan(step, (first, cache), None, length=new)
+    return toks.T
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--ctx", type=int, default=256, help="prompt length (context the decode attends to)")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args()
+
+    m = registry.load(args.model, dtype="float32")
+    rng = np.random.default_rng(0)
+    prompt_ids = rng.integers(100, m.config.vocab_size, size=args.ctx).tolist()
+    prompt = jnp.asarray([prompt_ids], jnp.int32)
+    slots = args.ctx + args.new + 8
+    cache = m.model.init_cache(1, slots)
+
+    # Time prefill alone too, so the decode rate excludes it.
+    def run(new):
+        t0 = time.perf_counter()
+        greedy(m.config, m.params, prompt, cache, new).block_until_ready()
+        return time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    run(1)
+    run(args.new + 1)
+    print(f"compile+first runs: {time.perf_counter() - t0:.1f} s")
+    ours = []
+    for _ in range(args.repeats):
+        t1, tn = run(1), run(args.new + 1)
+        ours.append((tn - t1) / args.new)
+    ms = statistics.median(ours) * 1e3
+    n = len(ours)
+    print(f"jax fused greedy   ctx={args.ctx} new={args.new}: {ms:.1f} ms/token, {1e3 / ms:.1f} tok/s (median of {n})")
+    jax_tokens = np.asarray(greedy(m.config, m.params, prompt, cache, args.new))[0].tolist()
+
+    if args.no_torch:
+        return
+    import torch
+
+    from models.hf_reference import transformers_from_gguf
+
+    tm = transformers_from_gguf(registry.resolve(args.model))
+    ids = torch.tensor([prompt_ids])
+    gen = functools.partial(tm.generate, ids, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        gen(max_new_tokens=2)
+        theirs = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            gen(max_new_tokens=1)
+            t1 = time.perf_counter()
+            out = gen(max_new_tokens=args.new + 1)
+            theirs.append(((time.perf_counter() - t1) - (t1 - t0)) / args.new)
+    tms = statistics.median(theirs) * 1e3
+    print(f"transformers greedy ctx={args.ctx} new={args.new}: {tms:.1f} ms/token, {1e3 / tms:.1f} tok/s")
+    same = out[0, args.ctx : args.ctx + args.new].tolist() == jax_tokens
+    print(f"speed ratio jax/transformers: {tms / ms:.2f}x; same greedy tokens: {same}")
+
+
+if __name__ == "__main__":
+    main()
