@@ -307,6 +307,11 @@ def param_logical_axes(cfg: LlamaConfig) -> Params:
     return jax.tree.map(lambda p: tuple(p.names), boxed, is_leaf=_is_box)
 
 
+def param_shapes(cfg: LlamaConfig) -> Params:
+    """Same structure as the params; leaves are shape tuples."""
+    return jax.tree.map(lambda s: tuple(s.shape), abstract_params(cfg))
+
+
 def abstract_params(cfg: LlamaConfig) -> Params:
     """Same structure as the params; leaves are ``jax.ShapeDtypeStruct`` (for sharding plans, compile-ahead)."""
     boxed = jax.eval_shape(functools.partial(_boxed_init, cfg, std=0.02), jax.random.key(0))
