@@ -61,6 +61,11 @@ class KVCache:
             return dataclasses.replace(self, lengths=self.lengths + n.astype(jnp.int32))
         return commit_path(self, path, n)
 
+    def insert(self, row: jax.Array, one: KVCache) -> KVCache:
+        """Replace batch row ``row`` with the single-row cache ``one`` (continuous batching: a new request
+        is prefilled alone, then dropped into a free row while the other rows keep their state)."""
+        return insert_row(self, row, one)
+
 
 def scratch_slots(lengths: jax.Array, offsets: jax.Array, slots: int) -> jax.Array:
     """[B], [B, T] -> [B, T] absolute slots ``lengths + offsets``, with anything >= ``slots`` mapped to
@@ -128,3 +133,18 @@ def commit_path(cache, path: jax.Array, n: jax.Array):
         return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(arr, src, dst)
 
     return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v), lengths=cache.lengths + n.astype(jnp.int32))
+
+
+def insert_row(cache, row: jax.Array, one):
+    """Generic ``insert`` for cache dataclasses whose array fields have batch at axis 1 ([L, B, ...]) except
+    ``lengths`` ([B])."""
+    updates = {}
+    for f in dataclasses.fields(cache):
+        big, small = getattr(cache, f.name), getattr(one, f.name)
+        if not isinstance(big, jax.Array):
+            continue
+        if f.name == "lengths":
+            updates[f.name] = big.at[row].set(small[0])
+        else:
+            updates[f.name] = big.at[:, row].set(small[:, 0])
+    return dataclasses.replace(cache, **updates)

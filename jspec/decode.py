@@ -42,6 +42,7 @@ class StopReason(enum.IntEnum):
     EOS = 1
     MAX_NEW_TOKENS = 2
     CACHE_FULL = 3
+    IDLE = 4  # no request in this row (the serving engine's free rows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jspec.cache import attention_mask, commit_path, scratch_slots, write_layer
+from jspec.cache import attention_mask, commit_path, insert_row, scratch_slots, write_layer
 from jspec.model import Model
 from models.llama import MLP, Embed, LlamaConfig, RMSNorm, apply_rope, rope_tables
 
@@ -47,6 +47,9 @@ class CompressedCache:
 
     def with_lengths(self, lengths: jax.Array) -> CompressedCache:
         return dataclasses.replace(self, lengths=lengths.astype(jnp.int32))
+
+    def insert(self, row: jax.Array, one: CompressedCache) -> CompressedCache:
+        return insert_row(self, row, one)
 
     def commit(self, n: jax.Array, path: jax.Array | None = None) -> CompressedCache:
         """Keep n[b] of the last call's entries (``path`` offsets for a tree, else the first n): per-token

@@ -1,0 +1,166 @@
+"""Continuous batching: a fixed set of B rows decodes round by round; when a row finishes, the next waiting
+request is prefilled alone and dropped into that row while the other rows keep their state.
+
+Each round is the same jitted ``decode_round`` as the fused loop (so outputs are those of ``decode``); the
+host only sees the round's emitted tokens, which is what a server streams anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.adaptive import AdaptiveK
+from jspec.decode import DecodeConfig, DecodeState, StopReason, decode_round, prefill
+from jspec.model import Model
+from jspec.sampling import SamplingParams
+
+
+def _insert_state(big: DecodeState, row: jax.Array, one: DecodeState) -> DecodeState:
+    """Put the single-row state ``one`` into row ``row`` of ``big``; global counters are kept."""
+
+    def put(a, b):
+        return a.at[row].set(b[0])
+
+    draft = big.draft_state
+    if draft is not None:
+        if not hasattr(draft, "insert"):
+            raise TypeError(f"the drafter state {type(draft).__name__} has no insert(): no continuous batching")
+        draft = draft.insert(row, one.draft_state)
+    stats = dataclasses.replace(
+        big.stats,
+        rounds=put(big.stats.rounds, one.stats.rounds),
+        emitted=put(big.stats.emitted, one.stats.emitted),
+        proposed=put(big.stats.proposed, one.stats.proposed),
+        accepted=put(big.stats.accepted, one.stats.accepted),
+    )
+    seq = big.seq.at[row].set(one.seq[0])
+    return dataclasses.replace(
+        big,
+        seq=seq,
+        seq_len=put(big.seq_len, one.seq_len),
+        prompt_len=put(big.prompt_len, one.prompt_len),
+        max_new=put(big.max_new, one.max_new),
+        cache=big.cache.insert(row, one.cache),
+        draft_state=draft,
+        sampling=jax.tree.map(put, big.sampling, one.sampling),
+        stop=put(big.stop, one.stop),
+        stats=stats,
+        accept_ema=put(big.accept_ema, one.accept_ema),
+    )
+
+
+@dataclasses.dataclass
+class Engine:
+    """B rows of decoding with per-row requests.
+
+    ``add(prompt, ...)`` puts a request into a free row (prefill + insert, one jitted call per prompt-width
+    bucket); ``step()`` runs one round for every row and returns {row: tokens emitted this round};
+    ``finished()`` lists rows whose request ended since the last call, with the stop reason.
+    """
+
+    target: Model
+    target_params: object
+    batch: int
+    max_len: int
+    drafter: object = None
+    draft_params: object = None
+    gamma: int = 4
+    eos_ids: Sequence[int] = ()
+    block_verify: bool = False
+    adaptive: AdaptiveK | None = None
+    bucket: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        gamma = 0 if self.drafter is None else self.gamma
+        if getattr(self.drafter, "is_tree", False):
+            gamma = self.drafter.max_depth
+        self.config = DecodeConfig(
+            gamma, self.max_len, tuple(int(e) for e in self.eos_ids), False, self.adaptive, self.block_verify
+        )
+        self._prefill, self._insert, self._step = _engine_fns(self.target, self.drafter, self.config)
+        # Every row starts idle: a 1-token dummy prefill gives the state its shapes.
+        b = self.batch
+        dummy = jnp.zeros((b, 1), jnp.int32)
+        st = self._prefill(
+            self.target_params,
+            self.draft_params,
+            dummy,
+            jnp.ones((b,), jnp.int32),
+            jnp.ones((b,), jnp.int32),
+            SamplingParams.make(b),
+            jax.random.key(self.seed),
+        )
+        self.state = dataclasses.replace(st, stop=jnp.full((b,), StopReason.IDLE, jnp.int32))
+        self._stop = np.full((b,), int(StopReason.IDLE))
+        self._n_added = 0
+
+    def free_rows(self) -> list[int]:
+        return [int(i) for i in np.nonzero(self._stop != StopReason.RUNNING)[0]]
+
+    def add(
+        self, row: int, prompt: Sequence[int], max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0
+    ) -> int:
+        """Prefill ``prompt`` and start it in ``row`` (which must be free). Returns its first token."""
+        if self._stop[row] == StopReason.RUNNING:
+            raise ValueError(f"row {row} is still decoding a request")
+        prompt = np.asarray(prompt, np.int32).reshape(-1)
+        if prompt.size == 0:
+            raise ValueError("empty prompt: at least one token is needed")
+        if prompt.min() < 0 or prompt.max() >= self.target.vocab_size:
+            raise ValueError(f"prompt has token ids outside [0, {self.target.vocab_size})")
+        if max_new_tokens < 1 or prompt.size + max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) must fit the engine's cache "
+                f"({self.max_len} slots) and max_new_tokens must be >= 1"
+            )
+        width = min(-(-prompt.size // self.bucket) * self.bucket, self.max_len)
+        padded = np.zeros((1, width), np.int32)
+        padded[0, : prompt.size] = prompt
+        sampling = SamplingParams.make(1, temperature, top_k, top_p, min_p)
+        key = jax.random.fold_in(jax.random.key(self.seed), self._n_added)
+        self._n_added += 1
+        self.state, first, stop = self._insert(
+            self.target_params,
+            self.draft_params,
+            self.state,
+            jnp.int32(row),
+            jnp.asarray(padded),
+            jnp.asarray([prompt.size], jnp.int32),
+            jnp.asarray([max_new_tokens], jnp.int32),
+            sampling,
+            key,
+        )
+        first, stop = jax.device_get((first, stop))
+        self._stop[row] = int(stop)
+        return int(first)
+
+    def step(self) -> dict[int, list[int]]:
+        """One round for all rows; returns the tokens each running row emitted."""
+        running = self._stop == StopReason.RUNNING
+        self.state, emitted, n_emit = self._step(self.target_params, self.draft_params, self.state)
+        emitted, n_emit, stop = jax.device_get((emitted, n_emit, self.state.stop))
+        self._stop = np.asarray(stop).copy()
+        return {int(r): emitted[r, : n_emit[r]].tolist() for r in np.nonzero(running)[0]}
+
+    def stop_reason(self, row: int) -> StopReason:
+        return StopReason(int(self._stop[row]))
+
+
+@functools.lru_cache(maxsize=32)
+def _engine_fns(target, drafter, config):
+    pre = jax.jit(functools.partial(prefill, target, drafter, config))
+
+    def insert(target_params, draft_params, state, row, prompt, plen, max_new, sampling, key):
+        one = prefill(target, drafter, config, target_params, draft_params, prompt, plen, max_new, sampling, key)
+        first = one.seq[0, plen[0]]
+        return _insert_state(state, row, one), first, one.stop[0]
+
+    step = functools.partial(decode_round, target, drafter, config)
+    return pre, jax.jit(insert, donate_argnums=(2,)), jax.jit(step, donate_argnums=(2,))
