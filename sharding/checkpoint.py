@@ -1,0 +1,109 @@
+"""Orbax checkpoints of (sharded) target and draft parameters, restorable onto any mesh.
+
+A checkpoint stores each array with its global shape; the layout it had when saved does not matter on
+restore, because every leaf is restored against a ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``
+target built from the table for the new mesh: a 2x4-mesh checkpoint restores onto 4x2, onto 8x1 or onto a
+single device (``sharding.mesh.single_device_mesh``), optionally in another dtype. Restoring without
+target shardings on another topology fails in orbax ("Topology mismatch"), so ``restore`` always builds
+them.
+
+Multi-process: every process calls ``save`` / ``restore`` with the same arguments (orbax writes each shard
+once and coordinates through ``jax.distributed``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.rules import AxesTree, ShardingRules, tree_shardings
+
+TARGET = "target"
+DRAFT = "draft"
+
+
+def save(path: str | os.PathLike, tree: Any, *, force: bool = False) -> None:
+    """Save a pytree of arrays (sharded or not) and wait until it is on disk. ``path`` must not exist unless
+    ``force``; it is made absolute because orbax requires it."""
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.abspath(path), tree, force=force)
+    ckpt.wait_until_finished()
+
+
+def stored_shapes(path: str | os.PathLike) -> Any:
+    """The saved tree with ``jax.ShapeDtypeStruct`` leaves (no sharding), read from the metadata."""
+    meta = ocp.StandardCheckpointer().metadata(os.path.abspath(path))
+    # orbax >= 0.11 wraps the tree (StepMetadata.item_metadata.tree); older versions return it bare.
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
+
+
+def abstract(shapes: Any, shardings: Any, dtype: Any = None) -> Any:
+    """ShapeDtypeStruct targets: the leaves of ``shapes`` (anything with shape/dtype) with ``shardings``."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(tuple(x.shape), dtype or x.dtype, sharding=s), shapes, shardings
+    )
+
+
+def restore(path: str | os.PathLike, target: Any) -> Any:
+    """Restore against a tree of ``jax.ShapeDtypeStruct`` with shardings (see ``abstract``)."""
+    return ocp.StandardCheckpointer().restore(os.path.abspath(path), target)
+
+
+def restore_params(
+    path: str | os.PathLike,
+    axes: AxesTree | None,
+    mesh: Mesh,
+    rules: ShardingRules,
+    *,
+    shapes: Any = None,
+    dtype: Any = None,
+) -> Any:
+    """Restore a parameter tree onto ``mesh`` with the table's layout (``axes`` None: replicated).
+
+    shapes: the expected tree (e.g. ``models.llama.param_shapes`` as ShapeDtypeStructs, or arrays); default:
+      read from the checkpoint. dtype: cast on restore (e.g. bfloat16), default as stored.
+    """
+    shapes = stored_shapes(path) if shapes is None else shapes
+    if axes is None:
+        shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), shapes)
+    else:
+        shardings = tree_shardings(axes, shapes, mesh, rules)
+    return restore(path, abstract(shapes, shardings, dtype))
+
+
+def save_decode_params(path: str | os.PathLike, target_params: Any, draft_params: Any = None, **kw) -> None:
+    """Target and draft parameters in one checkpoint (items ``target`` and ``draft``)."""
+    tree = {TARGET: target_params}
+    if draft_params is not None:
+        tree[DRAFT] = draft_params
+    save(path, tree, **kw)
+
+
+def restore_decode_params(
+    path: str | os.PathLike,
+    mesh: Mesh,
+    target_rules: ShardingRules,
+    target_axes: AxesTree,
+    draft_rules: ShardingRules | None = None,
+    draft_axes: AxesTree | None = None,
+    *,
+    dtype: Any = None,
+) -> tuple[Any, Any]:
+    """(target_params, draft_params or None) onto ``mesh``; the draft gets its own rules (e.g. replicated
+    next to a tensor-parallel target: ``rules('data')``), defaulting to the target's."""
+    shapes = stored_shapes(path)
+    shardings = {TARGET: tree_shardings(target_axes, shapes[TARGET], mesh, target_rules)}
+    if DRAFT in shapes:
+        dr = draft_rules or target_rules
+        if draft_axes is None:
+            shardings[DRAFT] = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), shapes[DRAFT])
+        else:
+            shardings[DRAFT] = tree_shardings(draft_axes, shapes[DRAFT], mesh, dr)
+    out = restore(path, abstract(shapes, shardings, dtype))
+    return out[TARGET], out.get(DRAFT)

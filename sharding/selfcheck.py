@@ -1,0 +1,330 @@
+"""Sharded decoding must give the single-device tokens: the runnable check behind tests/test_sharding*.py.
+
+Scenarios (each prints one JSON document, or writes it to --out):
+  decode       8 fake CPU devices; meshes 2x4, 4x2, 8x1, 1x8 (data x model, preset data_tensor); plain,
+               draft-model and n-gram speculative decoding; greedy and seeded sampling; a ragged batch.
+               Reports the tokens, the single-device reference tokens, the collectives per round and any
+               collective that moves KV-cache data (there must be none).
+  checkpoint   params saved from a 2x4 mesh, restored onto 4x2 and onto one device; logits compared.
+  multiprocess run under ``python -m sharding.launch -n 2 --cpu-devices 4 -- python -m sharding.selfcheck
+               multiprocess``: the same speculative decode over jax.distributed, inputs built per process.
+  reference    the single-device tokens only.
+
+    python -m sharding.selfcheck decode --devices 8
+
+Every jitted program here is one call that is blocked on before the next (the CPU collective deadlock in
+docs: many un-blocked dispatches of collective programs hang XLA:CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from typing import Any
+
+# Nothing that initialises a JAX backend may be imported before ``_setup_devices``.
+import jax
+import numpy as np
+
+TARGET_KW = dict(vocab_size=256, hidden=64, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8, ffn=128)
+MESHES = ("2x4", "4x2", "8x1", "1x8")
+NGRAM_MESHES = ("2x4",)
+# Draft parameters follow the target's layout on some meshes and are replicated (preset "data") on others.
+DRAFT_PRESET = {"2x4": "data_tensor", "4x2": "data", "8x1": "data_tensor", "1x8": "data"}
+PROMPT_LENS = (3, 7, 12, 5, 9, 1, 15, 4)
+MAX_NEW = (10, 14, 8, 12, 16, 9, 11, 13)
+MAX_LEN = 48
+GAMMA = 3
+SAMPLING: dict[str, dict[str, Any]] = {
+    "greedy": dict(temperature=0.0, seed=0),
+    "sampled": dict(
+        temperature=[1.0, 0.8, 1.0, 1.2, 1.0, 0.7, 1.0, 1.0],
+        top_k=[0, 20, 0, 0, 50, 0, 0, 10],
+        top_p=[1.0, 1.0, 0.9, 1.0, 1.0, 0.95, 1.0, 1.0],
+        seed=11,
+    ),
+}
+
+
+def tiny_models(seed: int = 0):
+    """(target cfg, target params, draft cfg, draft params): a 2-layer random Llama and, as its draft, its own
+    first layer with the shared embedding and final norm (a LayerSkip-style early exit, so that some
+    proposals are accepted). std 0.1 spreads the logits so float noise between layouts cannot flip a token."""
+    from models.llama import LlamaConfig, init_random_params
+
+    cfg = LlamaConfig(**TARGET_KW, name="tiny-target")
+    dcfg = cfg.replace(num_layers=1, name="tiny-draft")
+    tp = init_random_params(cfg, jax.random.key(seed), std=0.1)
+    dp = {"embed": tp["embed"], "final_norm": tp["final_norm"], "layers": jax.tree.map(lambda w: w[:1], tp["layers"])}
+    return cfg, tp, dcfg, dp
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    """Ragged prompts; half of them repeat a short motif so that the n-gram drafter finds matches."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(PROMPT_LENS):
+        if i % 2:
+            motif = rng.integers(0, TARGET_KW["vocab_size"], size=3)
+            out.append(np.resize(motif, n).tolist())
+        else:
+            out.append(rng.integers(0, TARGET_KW["vocab_size"], size=n).tolist())
+    return out
+
+
+def _drafters(cfg, dcfg):
+    from jspec.drafters import ModelDrafter
+    from jspec.ngram import NgramDrafter
+    from models.llama import make_model
+
+    return {
+        "plain": None,
+        "model": ModelDrafter(make_model(dcfg)),
+        "ngram": NgramDrafter(vocab_size=cfg.vocab_size),
+    }
+
+
+def _kw(sampling: str, rows=None) -> dict[str, Any]:
+    """decode keyword arguments for a sampling setting, restricted to ``rows`` (per-process inputs)."""
+    kw = dict(gamma=GAMMA, max_len=MAX_LEN, max_new_tokens=list(MAX_NEW), **SAMPLING[sampling])
+    if rows is not None:
+        kw = {k: ([v[i] for i in rows] if isinstance(v, list) else v) for k, v in kw.items()}
+    return kw
+
+
+def _plan(mesh, draft_preset: str, cfg, tp, dcfg, dp):
+    from models.llama import param_logical_axes
+    from sharding.sharded_decode import make_plan
+
+    return make_plan(
+        mesh,
+        "data_tensor",
+        draft_preset,
+        target_axes=param_logical_axes(cfg),
+        target_shapes=tp,
+        draft_axes=param_logical_axes(dcfg),
+        draft_shapes=dp,
+    )
+
+
+def reference(drafter_names=("plain", "model", "ngram")) -> dict:
+    """Single-device tokens: plain ``jspec.decode.decode`` (no sharding code involved)."""
+    from jspec.decode import decode
+    from models.llama import make_model
+
+    cfg, tp, dcfg, dp = tiny_models()
+    drafters = _drafters(cfg, dcfg)
+    out: dict = {}
+    for name in drafter_names:
+        dr = drafters[name]
+        for s in SAMPLING:
+            dparams = dp if name == "model" else None
+            res = decode(make_model(cfg), tp, prompts(), drafter=dr, draft_params=dparams, **_kw(s))
+            out.setdefault(name, {})[s] = res.tokens
+    return out
+
+
+def decode_scenario(meshes=MESHES, with_reference: bool = True) -> dict:
+    from models.llama import make_model, param_logical_axes
+    from sharding import hlo
+    from sharding.mesh import make_mesh, parse_shape
+    from sharding.placement import shard_params
+    from sharding.rules import spec_str
+    from sharding.sharded_decode import gather_output, prepare_sharded
+
+    t0 = time.perf_counter()
+    result: dict = {"devices": jax.device_count(), "meshes": {}}
+    if with_reference:
+        result["reference"] = reference()
+        result["reference_seconds"] = time.perf_counter() - t0
+    cfg, tp, dcfg, dp = tiny_models()
+    model = make_model(cfg)
+    drafters = _drafters(cfg, dcfg)
+    for mesh_name in meshes:
+        mesh = make_mesh(parse_shape(mesh_name))
+        plan = _plan(mesh, DRAFT_PRESET[mesh_name], cfg, tp, dcfg, dp)
+        stp = shard_params(tp, param_logical_axes(cfg), mesh, plan.target)
+        sdp = shard_params(dp, param_logical_axes(dcfg), mesh, plan.draft_rules)
+        entry: dict = {"draft_preset": DRAFT_PRESET[mesh_name]}
+        for name, dr in drafters.items():
+            if name == "ngram" and mesh_name not in NGRAM_MESHES:
+                continue
+            t1 = time.perf_counter()
+            dparams = sdp if name == "model" else None
+            builds = {
+                s: prepare_sharded(model, stp, prompts(), plan=plan, drafter=dr, draft_params=dparams, **_kw(s))
+                for s in SAMPLING
+            }
+            compiled = builds["greedy"].compile()  # one compilation serves both settings (sampling is data)
+            text = compiled.as_text()
+            outs = {}
+            for s, sd in builds.items():
+                st = sd.run_state(compiled)  # blocked: see the module docstring
+                outs[s] = gather_output(st)
+            entry[name] = {
+                "tokens": {s: o.tokens for s, o in outs.items()},
+                "accepted": {s: o.stats["accepted"] for s, o in outs.items()},
+                "collectives": hlo.analyze(text).summary(),
+                "cache_collectives": [f"{c.op} {c.shape}" for c in hlo.cache_collectives(text, MAX_LEN, cfg.head_dim)],
+                "cache_spec": spec_str(st.cache.k.sharding.spec),
+                "seq_spec": spec_str(st.seq.sharding.spec),
+                "draft_cache_spec": spec_str(st.draft_state.k.sharding.spec) if name == "model" else None,
+                "seconds": time.perf_counter() - t1,
+            }
+        result["meshes"][mesh_name] = entry
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+def checkpoint_scenario() -> dict:
+    import jax.numpy as jnp
+
+    from models.llama import make_model, param_logical_axes
+    from sharding.checkpoint import restore_decode_params, save_decode_params
+    from sharding.mesh import make_mesh, single_device_mesh
+    from sharding.placement import shard_params
+    from sharding.rules import rules, spec_str
+
+    cfg, tp, dcfg, dp = tiny_models()
+    tokens = jnp.asarray(np.asarray(prompts()[0] * 4)[:12].reshape(1, 12).repeat(8, 0))  # [8, 12]
+    positions = jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (8, 12))
+
+    def logits(c, params):
+        m = make_model(c)
+        return np.asarray(jax.jit(lambda p: m.apply(p, tokens, positions, m.init_cache(8, 16))[0])(params))
+
+    src = make_mesh((2, 4))
+    r = rules("data_tensor")
+    stp = shard_params(tp, param_logical_axes(cfg), src, r)
+    sdp = shard_params(dp, param_logical_axes(dcfg), src, r)
+    before = {"target": logits(cfg, stp), "draft": logits(dcfg, sdp)}
+    out: dict = {"saved_from": "2x4", "restored": {}}
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/ckpt"
+        save_decode_params(path, stp, sdp)
+        for name, mesh, tr, dr in [
+            ("4x2", make_mesh((4, 2)), r, rules("data")),
+            ("1 device", single_device_mesh(), rules("replicated"), rules("replicated")),
+        ]:
+            rtp, rdp = restore_decode_params(path, mesh, tr, param_logical_axes(cfg), dr, param_logical_axes(dcfg))
+            after = {"target": logits(cfg, rtp), "draft": logits(dcfg, rdp)}
+            same_params = all(
+                np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(jax.tree.leaves((tp, dp)), jax.tree.leaves((rtp, rdp)))
+            )
+            out["restored"][name] = {
+                "devices": len(mesh.devices.flat),
+                "params_equal": bool(same_params),
+                "max_abs_logit_diff": {k: float(np.max(np.abs(after[k] - before[k]))) for k in before},
+                "wq_spec": spec_str(rtp["layers"]["attn"]["wq"].sharding.spec),
+                "draft_wq_spec": spec_str(rdp["layers"]["attn"]["wq"].sharding.spec),
+            }
+    return out
+
+
+def multiprocess_scenario() -> dict:
+    from jax.experimental import multihost_utils
+
+    from models.llama import make_model, param_logical_axes
+    from sharding.distributed import rows_for_process
+    from sharding.mesh import make_mesh
+    from sharding.placement import shard_params
+    from sharding.sharded_decode import prepare_sharded
+
+    cfg, tp, dcfg, dp = tiny_models()
+    mesh = make_mesh((2, 4))
+    plan = _plan(mesh, "data", cfg, tp, dcfg, dp)
+    stp = shard_params(tp, param_logical_axes(cfg), mesh, plan.target)
+    sdp = shard_params(dp, param_logical_axes(dcfg), mesh, plan.draft_rules)
+    rows = rows_for_process(plan, len(PROMPT_LENS)).tolist()
+    local_prompts = [prompts()[i] for i in rows]
+    drafter = _drafters(cfg, dcfg)["model"]
+    out: dict = {
+        "process": jax.process_index(),
+        "processes": jax.process_count(),
+        "devices": jax.device_count(),
+        "local_device_ids": [d.id for d in jax.local_devices()],
+        "rows": rows,
+        "tokens": {},
+    }
+    for s in SAMPLING:
+        sd = prepare_sharded(
+            make_model(cfg),
+            stp,
+            local_prompts,
+            plan=plan,
+            drafter=drafter,
+            draft_params=sdp,
+            process_local=True,
+            **_kw(s, rows),
+        )
+        out["tokens"][s] = sd.run().tokens
+    multihost_utils.sync_global_devices("selfcheck done")
+    return out
+
+
+def errors_scenario() -> dict:
+    """The messages a user gets for the two set-up mistakes the sharded decode rejects."""
+    from models.llama import make_model, param_logical_axes
+    from sharding.mesh import make_mesh
+    from sharding.placement import shard_params
+    from sharding.sharded_decode import prepare_sharded
+
+    cfg, tp, dcfg, dp = tiny_models()
+    mesh = make_mesh((4, 2))
+    plan = _plan(mesh, "data", cfg, tp, dcfg, dp)
+    out = {}
+    try:  # 6 rows over a 4-way data axis
+        stp = shard_params(tp, param_logical_axes(cfg), mesh, plan.target)
+        prepare_sharded(make_model(cfg), stp, prompts()[:6], plan=plan, **_kw("greedy", range(6)))
+    except ValueError as e:
+        out["indivisible_batch"] = str(e)
+    try:  # parameters never placed on the mesh
+        prepare_sharded(make_model(cfg), tp, prompts(), plan=plan, **_kw("greedy"))
+    except ValueError as e:
+        out["unplaced_params"] = str(e)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("scenarios", nargs="+", choices=["decode", "checkpoint", "errors", "multiprocess", "reference"])
+    ap.add_argument("--devices", type=int, default=8, help="fake CPU devices (all but multiprocess)")
+    ap.add_argument("--meshes", default=",".join(MESHES), help="decode: meshes to run (data x model)")
+    ap.add_argument("--no-reference", action="store_true", help="decode: skip the single-device reference")
+    ap.add_argument("--out", help="write the JSON here instead of stdout")
+    args = ap.parse_args(argv)
+    res: dict = {}
+    if "multiprocess" in args.scenarios:
+        from sharding.distributed import initialize
+
+        if args.scenarios != ["multiprocess"] or not initialize():
+            raise SystemExit("multiprocess runs alone, under `python -m sharding.launch` (needs JSPEC_COORDINATOR)")
+        res["multiprocess"] = multiprocess_scenario()
+    else:
+        jax.config.update("jax_num_cpu_devices", args.devices)  # before any backend use
+        for sc in args.scenarios:
+            t0 = time.perf_counter()
+            if sc == "decode":
+                res[sc] = decode_scenario(tuple(args.meshes.split(",")), not args.no_reference)
+            elif sc == "checkpoint":
+                res[sc] = checkpoint_scenario()
+            elif sc == "errors":
+                res[sc] = errors_scenario()
+            else:
+                res[sc] = reference()
+            res[sc + "_seconds"] = time.perf_counter() - t0
+    text = json.dumps(res)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    else:
+        print("RESULT " + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

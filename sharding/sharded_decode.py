@@ -1,0 +1,361 @@
+"""``jspec.decode`` under ``jax.jit`` with explicit in/out shardings, on one or many processes.
+
+The whole decode (prefill + ``lax.while_loop`` over rounds) stays one jitted program, as in the unsharded
+path; sharding only adds
+- in_shardings from the placed parameters and the table (prompt rows over the batch axis),
+- out_shardings for the final ``DecodeState`` (``state_shardings``),
+- ``DecodeConfig.constrain = StateConstraint(plan)``: a ``with_sharding_constraint`` of the loop state after
+  prefill and after every round, so the partitioner keeps the KV cache split over (batch, KV heads) through
+  the loop instead of choosing a layout for the carry by itself (which can mean an all-gather per round).
+- donation of the per-call inputs that the state takes over unchanged (prompt lengths, budgets, sampling
+  parameters): their buffers become the output's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jspec import decode as jdecode
+from jspec.decode import DecodeConfig, DecodeOutput, DecodeState, generate_arrays
+from jspec.model import Model
+from jspec.sampling import SamplingParams
+from sharding.placement import cache_shardings, put, put_rows, rows_sharding
+from sharding.rules import ShardingRules, fit_rules, named, rules
+
+LOGITS_AXES = ("batch", None, "vocab")  # [B, T, V] as the LM head computes them
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Where a decode runs: a mesh, the target's rules and (optionally different) draft rules.
+
+    The draft's ``batch`` entry always follows the target's, so a row's draft state lives on the devices that
+    hold its target state and no row moves between devices during a round. ``draft=None``: same as target.
+    A replicated draft model next to a tensor-parallel target is ``draft=rules('data')`` (parameters whole on
+    every device, draft cache still split by rows).
+    """
+
+    mesh: Mesh
+    target: ShardingRules
+    draft: ShardingRules | None = None
+
+    @property
+    def batch_axis(self) -> str | None:
+        return self.target["batch"]
+
+    @property
+    def draft_rules(self) -> ShardingRules:
+        return (self.draft or self.target).replace(batch=self.batch_axis)
+
+    @property
+    def data_size(self) -> int:
+        return self.mesh.shape[self.batch_axis] if self.batch_axis else 1
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def rows(self, shape: tuple[int, ...], batch: int) -> NamedSharding:
+        return rows_sharding(self.mesh, self.batch_axis, shape, batch)
+
+
+def make_plan(
+    mesh: Mesh,
+    target: str | ShardingRules = "data_tensor",
+    draft: str | ShardingRules | None = None,
+    *,
+    target_axes: Any = None,
+    target_shapes: Any = None,
+    draft_axes: Any = None,
+    draft_shapes: Any = None,
+) -> DecodePlan:
+    """``DecodePlan`` from preset names (or rules). Given a model's logical axes and parameter shapes
+    (arrays or ShapeDtypeStructs), its rules are fitted to the mesh (``sharding.rules.fit_rules``: axes that
+    do not divide are replicated, query heads follow KV heads), which also fixes the cache layout."""
+    t = rules(target)
+    if target_axes is not None:
+        t = fit_rules(t, target_axes, target_shapes, mesh)
+    d = None if draft is None else rules(draft)
+    if draft_axes is not None:
+        d = fit_rules(d or t, draft_axes, draft_shapes, mesh)
+    return DecodePlan(mesh, t, d)
+
+
+def state_shardings(st: DecodeState, plan: DecodePlan) -> DecodeState:
+    """A ``DecodeState`` whose leaves are the shardings of ``st``'s (arrays or ShapeDtypeStructs).
+
+    Every array whose leading dimension is the batch is split over the batch axis (tokens, lengths, budgets,
+    sampling parameters, per-row statistics); KV caches (the target's, and a drafter's inside
+    ``draft_state``) over (batch, KV heads) by the target's / draft's rules; everything else (the key, the
+    per-position statistics, flags) is replicated. Field by field, so fields added to the state later get the
+    same treatment without a change here.
+    """
+    b = st.seq.shape[0]
+    return dataclasses.replace(
+        st,
+        **{
+            f.name: cache_shardings(
+                getattr(st, f.name), plan.mesh, plan.draft_rules if f.name == "draft_state" else plan.target, b
+            )
+            for f in dataclasses.fields(st)
+        },
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StateConstraint:
+    """``DecodeConfig.constrain`` hook: pins the loop state to ``state_shardings`` (hashable, so the
+    config stays a valid static jit argument)."""
+
+    plan: DecodePlan
+
+    def __call__(self, st: DecodeState) -> DecodeState:
+        return jax.lax.with_sharding_constraint(st, state_shardings(st, self.plan))
+
+
+@functools.lru_cache(maxsize=64)
+def pinned_model(model: Model, plan: DecodePlan, model_rules: ShardingRules) -> Model:
+    """``model`` with its outputs pinned: logits [B, T, V] split over rows only, the cache per the table.
+
+    Without the logits pin, a vocabulary-sharded LM head hands vocab-sharded logits to sampling, and the
+    partitioner then spreads small collectives through softmax, sort (top-k/top-p), cumsum and argmax; pinned,
+    the logits are all-gathered once per model call and sampling/verification run locally per row. The cache
+    pin (also on ``init_cache``) keeps every write local: the cache never changes layout inside a round.
+    Cached per (model, plan, rules) because the decoder compares models by the identity of their functions.
+    """
+
+    def pin_cache(cache, b: int):
+        return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, plan.mesh, model_rules, b))
+
+    def apply(params, tokens, positions, cache, tree_mask=None):
+        b = tokens.shape[0]
+        logits, cache = model.apply(params, tokens, positions, cache, tree_mask)
+        # First as the LM head makes them (vocab split), then gathered: pinning only the gathered layout lets
+        # the partitioner all-gather the [V, E] embedding instead of the much smaller [B, T, V] logits.
+        logits = jax.lax.with_sharding_constraint(logits, named(LOGITS_AXES, logits.shape, plan.mesh, model_rules))
+        logits = jax.lax.with_sharding_constraint(logits, plan.rows(tuple(logits.shape), b))
+        return logits, pin_cache(cache, b)
+
+    def init_cache(batch: int, slots: int):
+        return pin_cache(model.init_cache(batch, slots), batch)
+
+    return dataclasses.replace(model, apply=apply, init_cache=init_cache)
+
+
+def pinned_drafter(drafter, plan: DecodePlan):
+    """A drafter that runs a draft ``Model`` (a dataclass with a ``model`` field, like ``ModelDrafter``) gets
+    the pinned draft model under the draft rules; any other drafter is returned unchanged."""
+    inner = getattr(drafter, "model", None)
+    if dataclasses.is_dataclass(drafter) and isinstance(inner, Model):
+        return dataclasses.replace(drafter, model=pinned_model(inner, plan, plan.draft_rules))
+    return drafter
+
+
+def _shardings_of(tree: Any, mesh: Mesh, what: str) -> Any:
+    def one(x):
+        s = getattr(x, "sharding", None)
+        if not isinstance(s, NamedSharding) or s.mesh != mesh:
+            raise ValueError(
+                f"{what} must be placed on the plan's mesh first (sharding.shard_params or "
+                f"sharding.checkpoint.restore); found a leaf with sharding {s}"
+            )
+        return s
+
+    return jax.tree.map(one, tree)
+
+
+def _freeze(tree: Any):
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(leaves)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted(
+    target: Model, drafter, config: DecodeConfig, plan: DecodePlan, key_impl: str, frozen_in, frozen_abs, donate: bool
+):
+    in_shardings = jax.tree.unflatten(*frozen_in)
+    abstract = jax.tree.unflatten(*frozen_abs)
+
+    def run(target_params, draft_params, prompt, prompt_len, max_new, sampling, key_data):
+        key = jax.random.wrap_key_data(key_data, impl=key_impl)
+        return generate_arrays(
+            target, drafter, config, target_params, draft_params, prompt, prompt_len, max_new, sampling, key
+        )
+
+    out_shardings = state_shardings(jax.eval_shape(run, *abstract), plan)
+    return jax.jit(
+        run,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        donate_argnums=(3, 4, 5) if donate else (),
+    )
+
+
+@dataclasses.dataclass
+class ShardedDecode:
+    """A validated sharded decode call (the sharded counterpart of ``jspec.decode.PreparedDecode``).
+
+    ``params`` are placed once and reused; the per-call inputs are kept on the host (this process's rows
+    only, when inputs are built per process) and placed afresh for every run, because they are donated.
+    """
+
+    fn: Any  # jitted (target_params, draft_params, prompt, prompt_len, max_new, sampling, key_data) -> state
+    config: DecodeConfig
+    plan: DecodePlan
+    params: tuple[Any, Any]
+    host_inputs: tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray], np.ndarray]
+    global_batch: int
+    input_shardings: tuple
+
+    def args(self) -> tuple:
+        """(target_params, draft_params, prompt, prompt_len, max_new, sampling, key_data), placed."""
+        prompt, plen, mnew, samp, key_data = self.host_inputs
+        sh_prompt, sh_plen, sh_mnew, sh_samp, sh_key = self.input_shardings
+        b = self.global_batch
+
+        def rows(x, sh):
+            return put_rows(x, sh, (b, *x.shape[1:]))
+
+        sampling = SamplingParams(**{k: rows(v, getattr(sh_samp, k)) for k, v in samp.items()})
+        placed = (rows(prompt, sh_prompt), rows(plen, sh_plen), rows(mnew, sh_mnew), sampling, put(key_data, sh_key))
+        return (*self.params, *placed)
+
+    def lower(self):
+        return self.fn.lower(*self.args())
+
+    def compile(self):
+        """Compile ahead of time (no execution)."""
+        return self.lower().compile()
+
+    def hlo(self) -> str:
+        """The compiled (partitioned) HLO text, for counting collectives (``sharding.hlo``)."""
+        return self.compile().as_text()
+
+    def run_state(self, compiled=None) -> DecodeState:
+        """Run and return the final (global, sharded) ``DecodeState``, blocked until ready."""
+        return jax.block_until_ready((compiled or self.fn)(*self.args()))
+
+    def run(self, compiled=None) -> DecodeOutput:
+        return gather_output(self.run_state(compiled))
+
+    def run_timed(self) -> DecodeOutput:
+        """Like ``PreparedDecode.run_timed``: compile, then time execution + gathering the tokens alone."""
+        t0 = time.perf_counter()
+        compiled = self.compile()
+        args = jax.block_until_ready(self.args())
+        t1 = time.perf_counter()
+        st = jax.block_until_ready(compiled(*args))
+        out = gather_output(st)
+        t2 = time.perf_counter()
+        total = sum(out.stats["new_tokens"])
+        out.stats.update(compile_seconds=t1 - t0, seconds=t2 - t1, tokens_per_s=total / (t2 - t1))
+        return out
+
+
+def gather_output(st: DecodeState) -> DecodeOutput:
+    """Host-side tokens and statistics of a (possibly multi-process) final state, in every process.
+
+    Only the small per-row arrays travel; the caches are never gathered."""
+    small = (st.seq, st.seq_len, st.prompt_len, st.stop, st.stats)
+    if jax.process_count() > 1 and not all(x.is_fully_addressable for x in jax.tree.leaves(small)):
+        small = multihost_utils.process_allgather(small, tiled=True)
+    else:
+        small = jax.device_get(small)
+    seq, seq_len, plen, stop, stats = small
+    host = dataclasses.replace(
+        st, seq=seq, seq_len=seq_len, prompt_len=plen, stop=stop, stats=stats, cache=None, draft_state=None
+    )
+    return jdecode._to_output(host)
+
+
+def _agree_max(local: int) -> int:
+    """Max of an int over all processes (every process must compile the same shapes)."""
+    if jax.process_count() == 1:
+        return local
+    return int(np.max(multihost_utils.process_allgather(np.asarray([local], np.int64))))
+
+
+def prepare_sharded(
+    target: Model,
+    target_params: Any,
+    prompts: Sequence[Sequence[int]] | np.ndarray,
+    *,
+    plan: DecodePlan,
+    drafter=None,
+    draft_params: Any = None,
+    process_local: bool = False,
+    donate: bool = True,
+    max_len: int | None = None,
+    **kwargs,
+) -> ShardedDecode:
+    """Validate and build a sharded decode; keyword arguments as ``jspec.decode.prepare``.
+
+    target_params / draft_params: already placed on ``plan.mesh`` (``shard_params`` or a restore); their
+      shardings become the jit's in_shardings.
+    prompts: all B rows, or with ``process_local=True`` only this process's rows (``rows_for_process``), in
+      order; per-row keyword arguments (temperature, max_new_tokens, ...) then cover those rows only.
+    The batch must be divisible by the data axis (pad it with dummy rows otherwise).
+    """
+    tp_sh = _shardings_of(target_params, plan.mesh, "target_params")
+    dp_sh = _shardings_of(draft_params, plan.mesh, "draft_params")
+    if process_local and jax.process_count() > 1:
+        # Every process must compile the same program: agree on the batch and on the cache size.
+        global_b = int(np.sum(multihost_utils.process_allgather(np.asarray([len(prompts)], np.int64))))
+        if max_len is None:
+            budget = kwargs.get("max_new_tokens", 64)
+            if budget is None:
+                raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
+            lens = np.asarray([len(p) for p in prompts], np.int64)
+            need = int(np.max(lens + np.broadcast_to(np.asarray(budget, np.int64), lens.shape)))
+            max_len = -(-_agree_max(need) // 128) * 128
+    else:
+        global_b = len(prompts)
+    pd = jdecode.prepare(
+        target, target_params, prompts, drafter=drafter, draft_params=draft_params, max_len=max_len, **kwargs
+    )
+    if global_b % plan.data_size:
+        raise ValueError(
+            f"batch {global_b} is not divisible by the data axis ({plan.batch_axis}={plan.data_size}); "
+            "pad the batch with dummy rows"
+        )
+    config = dataclasses.replace(pd.config, constrain=StateConstraint(plan))
+    target, drafter = pinned_model(target, plan, plan.target), pinned_drafter(drafter, plan)
+    _, _, prompt, plen, mnew, sampling, key = pd.args
+    prompt, plen, mnew = np.asarray(prompt), np.asarray(plen), np.asarray(mnew)
+    pw = _agree_max(prompt.shape[1])
+    prompt = np.pad(prompt, ((0, 0), (0, pw - prompt.shape[1])))
+    samp = {f.name: np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingParams)}
+    key_data = np.asarray(jax.random.key_data(key))
+    key_impl = str(jax.random.key_impl(key))
+
+    def rows(x):
+        return plan.rows((global_b, *x.shape[1:]), global_b)
+
+    input_shardings = (
+        rows(prompt),
+        rows(plen),
+        rows(mnew),
+        SamplingParams(**{k: rows(v) for k, v in samp.items()}),
+        plan.replicated(),
+    )
+    in_shardings = (tp_sh, dp_sh, *input_shardings)
+    host = (prompt, plen, mnew, SamplingParams(**samp), key_data)
+    abstract = (
+        *(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t) for t in (target_params, draft_params)),
+        *(jax.tree.map(lambda x: jax.ShapeDtypeStruct((global_b, *x.shape[1:]), x.dtype), t) for t in host[:4]),
+        jax.ShapeDtypeStruct(key_data.shape, key_data.dtype),
+    )
+    # Entries are hashable (NamedSharding, ShapeDtypeStruct), so equal calls reuse one jitted function and
+    # its compilation.
+    fn = _jitted(target, drafter, config, plan, key_impl, _freeze(in_shardings), _freeze(abstract), donate)
+    return ShardedDecode(
+        fn, config, plan, (target_params, draft_params), (prompt, plen, mnew, samp, key_data), global_b, input_shardings
+    )

@@ -1,0 +1,175 @@
+"""Sharding package, in-process on the suite's single CPU device: the table, mesh shapes, specs and their
+fallbacks, HLO collective counting, the launcher. The multi-device checks run in subprocesses
+(test_sharding_devices.py), so no fake devices leak into this process."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jspec.cache import KV_AXES
+from models.llama import LlamaConfig, param_logical_axes, param_shapes
+from sharding import hlo
+from sharding.launch import launch
+from sharding.mesh import make_mesh, parse_shape, resolve_shape
+from sharding.rules import PRESETS, TABLE, describe, fit_rules, rules, spec
+
+
+def _mesh(data: int, model: int):
+    # spec/fit_rules only read axis sizes, so a stand-in works without 8 devices in this process.
+    return types.SimpleNamespace(shape={"data": data, "model": model})
+
+
+CFG = LlamaConfig(vocab_size=256, hidden=64, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8, ffn=128)
+
+
+def _names(tree) -> set[str]:
+    out: set[str] = set()
+    for axes in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, tuple)):
+        out.update(a for a in axes if a is not None)
+    return out
+
+
+def _shapes(cfg):
+    """Parameter ShapeDtypeStructs (no arrays allocated)."""
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)  # noqa: E731
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32), param_shapes(cfg), is_leaf=is_shape)
+
+
+def test_table_covers_every_logical_axis_of_model_and_cache():
+    # A logical name added to the model or cache without a table row would otherwise fail only at placement.
+    names = _names(param_logical_axes(CFG)) | set(KV_AXES)
+    assert names <= set(TABLE), names - set(TABLE)
+    assert all(len(cols) == len(PRESETS) for cols in TABLE.values())
+
+
+def test_presets():
+    assert all(v is None for v in rules("replicated").as_dict().values())
+    d, t, dt = rules("data"), rules("tensor"), rules("data_tensor")
+    assert d["batch"] == "data" and d["heads"] is None and d["vocab"] is None
+    assert t["batch"] is None and {t[k] for k in ("heads", "kv_heads", "mlp", "vocab")} == {"model"}
+    assert dt["batch"] == "data" and dt["kv_heads"] == "model"
+    for r in (d, t, dt):  # never split: contraction dims, the scanned layer axis, the cache sequence
+        assert {r[k] for k in ("embed", "head_dim", "layers", "cache_seq")} == {None}
+    assert rules("data_tensor", vocab=None)["vocab"] is None
+    with pytest.raises(ValueError, match="unknown sharding preset"):
+        rules("fsdp")
+    with pytest.raises(KeyError, match="no entry in the sharding table"):
+        rules("data")["experts"]
+
+
+def test_resolve_and_parse_mesh_shapes():
+    assert resolve_shape((2, -1), 8) == (2, 4)
+    assert resolve_shape((-1, 8), 8) == (1, 8)
+    assert resolve_shape((1, 1), 1) == (1, 1)
+    for bad in [(-1, -1), (3, -1), (2, 2), (0, 8)]:
+        with pytest.raises(ValueError):
+            resolve_shape(bad, 8)
+    assert parse_shape("2x4") == {"data": 2, "model": 4}
+    assert parse_shape("data=2,model=-1") == {"data": 2, "model": -1}
+
+
+def test_make_mesh_axis_types_are_auto():
+    mesh = make_mesh({"model": -1})
+    assert dict(mesh.shape) == {"data": 1, "model": 1}
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_spec_splits_cache_over_batch_and_kv_heads_never_sequence():
+    r = rules("data_tensor")
+    assert spec(KV_AXES, (2, 8, 4, 48, 8), _mesh(2, 4), r) == P(None, "data", "model")
+    notes: list[str] = []
+    # 2 KV heads on a 4-way model axis: replicated over model, with a note saying why.
+    assert spec(KV_AXES, (2, 8, 2, 48, 8), _mesh(2, 4), r, notes) == P(None, "data")
+    assert notes and "kv_heads[2]" in notes[0]
+    # A mesh axis is used once per array.
+    assert spec(("heads", "mlp"), (8, 8), _mesh(1, 4), r) == P("model")
+    assert spec(KV_AXES, (2, 8, 4, 48, 8), _mesh(1, 1), r) == P()
+
+
+def test_fit_rules_query_heads_follow_kv_heads():
+    axes, shapes = param_logical_axes(CFG), _shapes(CFG)
+    r = rules("data_tensor")
+    assert fit_rules(r, axes, shapes, _mesh(2, 4)) == r  # 8 heads, 4 KV heads: both split 4 ways
+    f = fit_rules(r, axes, shapes, _mesh(1, 8))  # 4 KV heads cannot split 8 ways -> neither can query heads
+    assert f["kv_heads"] is None and f["heads"] is None and f["mlp"] == "model" and f["vocab"] == "model"
+
+
+def test_describe_lists_each_parameter():
+    d = describe(param_logical_axes(CFG), _shapes(CFG), _mesh(2, 4), rules("tensor"))
+    assert d["['layers']['attn']['wq']"] == "P(None, None, 'model')"
+    assert d["['embed']['embedding']"] == "P('model')"
+    assert d["['layers']['mlp']['w_down']"] == "P(None, 'model')"
+    notes = describe(param_logical_axes(CFG), _shapes(CFG), _mesh(1, 8), rules("tensor"))
+    assert "kv_heads[4] replicated over 'model'" in notes["['layers']['attn']['wk']"]
+
+
+HLO = """HloModule m
+
+%body.1 (p: (s32[], f32[2,4])) -> (s32[], f32[2,4]) {
+  %ar = f32[2,4]{1,0} all-reduce(%x), channel_id=1, to_apply=%add
+  ROOT %t = tuple()
+}
+
+%cond.1 (p: (s32[], f32[2,4])) -> pred[] {
+  ROOT %c = pred[] compare()
+}
+
+%branch_a (p: f32[2]) -> f32[2] {
+  %ag = f32[8,48,16]{2,1,0} all-gather(%y), channel_id=2, dimensions={0}
+  %ag2 = f32[8,48,16]{2,1,0} all-gather(%y), channel_id=3, dimensions={0}
+  ROOT %r = f32[2] copy(%p)
+}
+
+%branch_b (p: f32[2]) -> f32[2] {
+  ROOT %r = f32[2] copy(%p)
+}
+
+%loop_body (p: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %w = (s32[], f32[2,4]) while(%init), condition=%cond.1, body=%body.1, backend_config={"known_trip_count":{"n":"3"}}
+  %cp = s32[4]{0} collective-permute(%z), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  %cnd = f32[2] conditional(%pr, %a, %b), branch_computations={%branch_a, %branch_b}
+  ROOT %t = tuple()
+}
+
+%loop_cond (p: (s32[], f32[2])) -> pred[] {
+  %any = pred[] all-reduce(%q), channel_id=5, to_apply=%or
+  ROOT %c = pred[] copy(%any)
+}
+
+ENTRY %main (a: f32[2]) -> f32[2] {
+  %pre = f32[2,4]{1,0} all-reduce(%a), channel_id=6, to_apply=%add
+  %loop = (s32[], f32[2]) while(%i), condition=%loop_cond, body=%loop_body
+  ROOT %o = f32[2] copy(%a)
+}
+"""
+
+
+def test_hlo_analysis_counts_per_round():
+    a = hlo.analyze(HLO)
+    s = a.summary()
+    assert s["decode_loops"] == 1
+    assert s["outside_loop"] == {"all-reduce": 1}
+    # per round: 3 scan iterations x 1 all-reduce + permute + the larger branch (2 all-gathers) + loop cond
+    assert s["per_round"] == {"all-gather": 2, "all-reduce": 4, "collective-permute": 1}
+    assert s["static_total"] == 6
+    assert [c.op for c in hlo.cache_collectives(HLO, slots=48, head_dim=16)] == ["all-gather", "all-gather"]
+    assert hlo.cache_collectives(HLO, slots=64, head_dim=16) == []
+
+
+def test_launch_sets_env_and_stops_hung_processes():
+    code = (
+        "import os; print(os.environ['JSPEC_PROCESS_ID'], os.environ['JSPEC_NUM_PROCESSES'], "
+        "os.environ['JSPEC_CPU_DEVICES'], os.environ['JSPEC_COORDINATOR'].startswith('127.0.0.1:'))"
+    )
+    codes, outs = launch([sys.executable, "-c", code], 2, 4, timeout=60, echo=False)
+    assert codes == [0, 0]
+    assert [o.split() for o in outs] == [["0", "2", "4", "True"], ["1", "2", "4", "True"]]
+    # Process 1 fails at once, process 0 would hang: the launcher must stop it instead of waiting.
+    hang = "import os, sys, time; sys.exit(3) if os.environ['JSPEC_PROCESS_ID'] == '1' else time.sleep(60)"
+    codes, _ = launch([sys.executable, "-c", hang], 2, None, timeout=30, echo=False)
+    assert codes[1] == 3 and codes[0] != 0

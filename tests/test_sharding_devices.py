@@ -1,0 +1,181 @@
+"""Sharded decoding on 8 fake CPU devices and over two jax.distributed processes, against one device.
+
+Everything multi-device runs in subprocesses (``python -m sharding.selfcheck``), so the fake devices never
+reach this process or the rest of the suite. One module fixture runs three jobs, overlapping them on the
+two CPU cores: A (meshes 2x4, 4x2, the single-device reference, error messages), B (meshes 8x1, 1x8 and
+the checkpoint round trip) and, once B is done, the 2-process x 4-device run. Each job has a timeout, so a
+hung collective fails the tests instead of blocking them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sharding.launch import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 900  # seconds per job; the whole module takes ~2-3 minutes on 2 cores
+MESHES_A, MESHES_B = ("2x4", "4x2"), ("8x1", "1x8")
+MESHES = MESHES_A + MESHES_B
+NGRAM_MESHES = ("2x4",)
+SAMPLINGS = ("greedy", "sampled")
+# Cache layout per mesh for the tiny target (8 query heads, 4 KV heads), preset data_tensor: batch over
+# data, KV heads over model, the sequence never; on 1x8 the 4 KV heads cannot split 8 ways (replicated).
+CACHE_SPECS = {
+    "2x4": "P(None, 'data', 'model')",
+    "4x2": "P(None, 'data', 'model')",
+    "8x1": "P(None, 'data')",
+    "1x8": "P()",
+}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["JAX_PLATFORMS"] = "cpu"  # fake CPU devices even on a machine with accelerators
+    env.pop("XLA_FLAGS", None)  # the device count comes from --devices / JSPEC_CPU_DEVICES
+    return env
+
+
+def _selfcheck(tmp: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path, Path]:
+    out, log = tmp / f"{name}.json", tmp / f"{name}.log"
+    cmd = [sys.executable, "-m", "sharding.selfcheck", *args, "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return proc, out, log
+
+
+def _collect(job) -> dict:
+    proc, out, log = job
+    try:
+        proc.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return {"error": f"timed out after {TIMEOUT} s:\n{log.read_text()[-3000:]}"}
+    if proc.returncode != 0 or not out.exists():
+        return {"error": f"exit code {proc.returncode}:\n{log.read_text()[-3000:]}"}
+    return json.loads(out.read_text())
+
+
+def _multiprocess() -> dict:
+    cmd = [sys.executable, "-m", "sharding.selfcheck", "multiprocess"]
+    codes, outs = launch(cmd, 2, 4, timeout=TIMEOUT, env=_env(), cwd=str(ROOT), echo=False)
+    res: dict = {"codes": codes, "outputs": [o[-3000:] for o in outs], "processes": {}}
+    for o in outs:
+        for line in o.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[len("RESULT ") :])["multiprocess"]
+                res["processes"][r["process"]] = r
+    return res
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sharding")
+    a = _selfcheck(tmp, "a", "decode", "errors", "--meshes", ",".join(MESHES_A))
+    b = _selfcheck(tmp, "b", "decode", "checkpoint", "--meshes", ",".join(MESHES_B), "--no-reference")
+    res_b = _collect(b)
+    res_mp = _multiprocess()  # overlaps with the tail of job A
+    res_a = _collect(a)
+    return {"a": res_a, "b": res_b, "mp": res_mp}
+
+
+def _ok(res: dict) -> dict:
+    if "error" in res:
+        pytest.fail(res["error"])
+    return res
+
+
+def _decode(runs, mesh: str) -> dict:
+    job = _ok(runs["a" if mesh in MESHES_A else "b"])
+    return job["decode"]["meshes"][mesh]
+
+
+def _reference(runs) -> dict:
+    return _ok(runs["a"])["decode"]["reference"]
+
+
+CASES = [
+    (mesh, drafter, s)
+    for mesh in MESHES
+    for drafter in ("plain", "model", "ngram")
+    if drafter != "ngram" or mesh in NGRAM_MESHES
+    for s in SAMPLINGS
+]
+
+
+@pytest.mark.parametrize("mesh,drafter,sampling", CASES)
+def test_sharded_tokens_equal_single_device(runs, mesh, drafter, sampling):
+    got = _decode(runs, mesh)[drafter]["tokens"][sampling]
+    want = _reference(runs)[drafter][sampling]
+    assert [len(t) for t in want] == [10, 14, 8, 12, 16, 9, 11, 13]  # the ragged budgets were honoured
+    assert got == want
+
+
+def test_reference_is_lossless_and_speculation_is_exercised(runs):
+    ref = _reference(runs)
+    # Greedy speculative decoding must reproduce plain greedy decoding, and the drafts must be accepted
+    # sometimes on every mesh, or the comparison above would not exercise multi-token commits.
+    assert ref["model"]["greedy"] == ref["plain"]["greedy"]
+    assert ref["ngram"]["greedy"] == ref["plain"]["greedy"]
+    for mesh in MESHES:
+        for s in SAMPLINGS:
+            assert _decode(runs, mesh)["model"]["accepted"][s] > 0
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_cache_stays_sharded_and_is_never_gathered(runs, mesh):
+    entry = _decode(runs, mesh)
+    for drafter in ("plain", "model", "ngram"):
+        if drafter not in entry:
+            continue
+        e = entry[drafter]
+        assert e["cache_collectives"] == [], e["cache_collectives"]
+        assert e["cache_spec"] == CACHE_SPECS[mesh]
+        assert e["seq_spec"] == ("P('data')" if mesh != "1x8" else "P()")
+        assert e["collectives"]["decode_loops"] == 1  # the whole decode is one program with one loop
+
+
+def test_pure_data_parallel_round_has_no_model_collectives(runs):
+    # On 8x1 nothing of the model is split: a plain round may only reduce per-row bookkeeping across the
+    # data axis (no gathers of activations, logits or cache).
+    e = _decode(runs, "8x1")["plain"]["collectives"]
+    assert e["per_round"].get("all-to-all", 0) == 0
+    assert e["per_round_total"] <= 4, e
+
+
+def test_error_messages(runs):
+    errs = _ok(runs["a"])["errors"]
+    assert "batch 6 is not divisible by the data axis (data=4)" in errs["indivisible_batch"]
+    assert "must be placed on the plan's mesh" in errs["unplaced_params"]
+
+
+@pytest.mark.parametrize("target", ["4x2", "1 device"])
+def test_checkpoint_from_2x4_restores_elsewhere(runs, target):
+    r = _ok(runs["b"])["checkpoint"]["restored"][target]
+    assert r["params_equal"]
+    assert r["max_abs_logit_diff"]["target"] < 1e-5 and r["max_abs_logit_diff"]["draft"] < 1e-5
+    if target == "4x2":
+        assert r["devices"] == 8 and r["wq_spec"] == "P(None, None, 'model')" and r["draft_wq_spec"] == "P()"
+    else:
+        assert r["devices"] == 1 and r["wq_spec"] == "P()"
+
+
+def test_two_processes_match_single_process(runs):
+    mp = runs["mp"]
+    assert mp["codes"] == [0, 0], "\n".join(mp["outputs"])
+    procs = mp["processes"]
+    assert sorted(procs) == [0, 1]
+    assert procs[0]["devices"] == 8 and procs[0]["processes"] == 2
+    assert procs[0]["rows"] == [0, 1, 2, 3] and procs[1]["rows"] == [4, 5, 6, 7]  # inputs built per process
+    assert min(procs[1]["local_device_ids"]) >= 4  # process 1's global device ids (2048.. on CPU)
+    ref = _reference(runs)["model"]
+    for p in (0, 1):
+        for s in SAMPLINGS:
+            assert procs[p]["tokens"][s] == ref[s], (p, s)
