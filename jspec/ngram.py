@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafters import DraftContext, Proposal
+from jspec.tree import TreeProposal, TreeRule, TreeSpec
 
 # Stands for "before the start of the row"; outside any vocabulary, so it never matches a real token. Both
 # sides can use it: an occurrence ends before the suffix, so its side runs off the row first, while the
@@ -44,18 +45,22 @@ def ngram_lookup(
     seq = seq.astype(jnp.int32)
     seq_len = seq_len.astype(jnp.int32)
     m = max_ngram
-    rows = jnp.arange(b)
-    # Occurrences are indexed by their END position e; the suffix ends at L-1. Token j back from the end:
-    # history side seq[e - j] (left padding stands in for e - j < 0), suffix side seq[L-1-j].
-    padded = jnp.concatenate([jnp.full((b, m), _PAD, jnp.int32), seq], axis=1)  # [B, m + W]
-    sfx_idx = seq_len[:, None] - 1 - jnp.arange(m)[None, :]  # [B, m]
-    sfx = jnp.where(sfx_idx >= 0, seq[rows[:, None], jnp.maximum(sfx_idx, 0)], _PAD)
+    padded, sfx, earlier = _suffix_setup(seq, seq_len, m)
     ends = jnp.arange(w, dtype=jnp.int32)[None, :]
-    # An occurrence must end before the suffix does (strictly earlier), which also guarantees at least one
-    # following token inside the history.
-    earlier = ends <= (seq_len[:, None] - 2)  # [B, W]
+    best_match, best_n = _longest_suffix_matches(padded, sfx, earlier, m, min_ngram)
+    best_end = jnp.max(jnp.where(best_match, ends, -1), axis=1)  # the most recent occurrence
+    start = best_end + 1
+    n_found = jnp.where(best_n > 0, jnp.minimum(seq_len - start, k), 0)
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    idx = jnp.clip(start[:, None] + j, 0, w - 1)
+    tokens = jnp.where(j < n_found[:, None], jnp.take_along_axis(seq, idx, axis=1), 0)
+    return tokens, n_found, best_n
 
-    best_end = jnp.full((b,), -1, jnp.int32)
+
+def _longest_suffix_matches(padded, sfx, earlier, m: int, min_ngram: int):
+    """-> (match [B, W]: occurrence ends of the longest matching suffix n-gram, best_n [B], 0 = none)."""
+    b, w = earlier.shape
+    best_match = jnp.zeros((b, w), bool)
     best_n = jnp.zeros((b,), jnp.int32)
     match = earlier
     # Growing n only adds one comparison to the (n-1)-gram match, so all lengths together cost O(B W m).
@@ -64,17 +69,55 @@ def ngram_lookup(
         match = match & (padded[:, m - (n - 1) : m - (n - 1) + w] == sfx[:, n - 1 : n])
         if n < min_ngram:
             continue
-        last = jnp.max(jnp.where(match, ends, -1), axis=1)  # most recent occurrence of this n-gram
-        found = last >= 0
-        best_end = jnp.where(found, last, best_end)
+        found = jnp.any(match, axis=1)
+        best_match = jnp.where(found[:, None], match, best_match)
         best_n = jnp.where(found, n, best_n)
+    return best_match, best_n
 
-    start = best_end + 1
-    n_found = jnp.where(best_n > 0, jnp.minimum(seq_len - start, k), 0)
+
+def _suffix_setup(seq, seq_len, m):
+    b, w = seq.shape
+    rows = jnp.arange(b)
+    padded = jnp.concatenate([jnp.full((b, m), _PAD, jnp.int32), seq], axis=1)  # [B, m + W]
+    sfx_idx = seq_len[:, None] - 1 - jnp.arange(m)[None, :]  # [B, m]
+    sfx = jnp.where(sfx_idx >= 0, seq[rows[:, None], jnp.maximum(sfx_idx, 0)], _PAD)
+    earlier = jnp.arange(w, dtype=jnp.int32)[None, :] <= (seq_len[:, None] - 2)
+    return padded, sfx, earlier
+
+
+def ngram_continuations(
+    seq: jax.Array,  # [B, W]
+    seq_len: jax.Array,  # [B]
+    branches: int,  # C, static
+    k: int,  # K, static
+    max_ngram: int,
+    min_ngram: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Up to C continuations per row for a candidate tree: the most recent occurrences of the longest suffix
+    n-gram whose next tokens are all different (so the continuations branch at their first token).
+
+    Returns tokens [B, C, K] and n_found [B, C] (real tokens per continuation; 0 = no such continuation).
+    """
+    b, w = seq.shape
+    seq = seq.astype(jnp.int32)
+    seq_len = seq_len.astype(jnp.int32)
+    padded, sfx, earlier = _suffix_setup(seq, seq_len, max_ngram)
+    match, best_n = _longest_suffix_matches(padded, sfx, earlier, max_ngram, min_ngram)
+    ends = jnp.arange(w, dtype=jnp.int32)[None, :]
+    nxt = jnp.concatenate([seq[:, 1:], jnp.full((b, 1), _PAD, jnp.int32)], axis=1)  # token after each end
     j = jnp.arange(k, dtype=jnp.int32)[None, :]
-    idx = jnp.clip(start[:, None] + j, 0, w - 1)
-    tokens = jnp.where(j < n_found[:, None], jnp.take_along_axis(seq, idx, axis=1), 0)
-    return tokens, n_found, best_n
+    toks, counts = [], []
+    for _ in range(branches):
+        end = jnp.max(jnp.where(match, ends, -1), axis=1)
+        start = end + 1
+        n_found = jnp.where((best_n > 0) & (end >= 0), jnp.minimum(seq_len - start, k), 0)
+        idx = jnp.clip(start[:, None] + j, 0, w - 1)
+        toks.append(jnp.where(j < n_found[:, None], jnp.take_along_axis(seq, idx, axis=1), 0))
+        counts.append(n_found)
+        # Later branches must start with a different token.
+        first = jnp.take_along_axis(nxt, jnp.maximum(end, 0)[:, None], axis=1)
+        match = match & (nxt != first)
+    return jnp.stack(toks, axis=1), jnp.stack(counts, axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,3 +149,52 @@ class NgramDrafter:
         n_draft = jnp.minimum(n_found, ctx.max_draft).astype(jnp.int32)
         q = jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
         return Proposal(tokens, q, n_draft, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramTreeDrafter:
+    """Prompt lookup with several continuations: a candidate tree whose root has up to ``branches`` children
+    (the different tokens that followed the most recent occurrences of the suffix n-gram), each continued as
+    a chain of up to ``depth`` tokens. Deterministic proposals: verified with ``TreeRule.DETERMINISTIC``."""
+
+    branches: int = 3
+    depth: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 1
+    _: dataclasses.KW_ONLY
+    vocab_size: int
+    is_tree: bool = dataclasses.field(default=True, init=False)
+
+    @property
+    def rule(self):
+        return TreeRule.DETERMINISTIC
+
+    @property
+    def spec(self):
+        return TreeSpec((self.branches,) + (1,) * (self.depth - 1))
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_children(self) -> int:
+        return self.branches
+
+    def init(self, params, prompt, prompt_len, slots):
+        return None
+
+    def propose_tree(self, params, state, ctx: DraftContext, key) -> TreeProposal:
+        c, k = self.branches, self.depth
+        toks, n_found = ngram_continuations(ctx.seq, ctx.seq_len, c, k, self.max_ngram, self.min_ngram)
+        b = toks.shape[0]
+        parent_np, depth_np, _ = self.spec.arrays  # breadth-first: level d holds branch i at 1 + d*c + i
+        # Node 1 + d*c + i is token d of continuation i.
+        node_tok = jnp.transpose(toks, (0, 2, 1)).reshape(b, k * c)
+        node_ok = (jnp.arange(k)[None, None, :] < n_found[:, :, None]).transpose(0, 2, 1).reshape(b, k * c)
+        tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), node_tok], axis=1)
+        valid = jnp.concatenate([jnp.ones((b, 1), bool), node_ok], axis=1)
+        parent = jnp.broadcast_to(jnp.asarray(parent_np, jnp.int32), tokens.shape)
+        depth = jnp.broadcast_to(jnp.asarray(depth_np, jnp.int32), tokens.shape)
+        q = jnp.zeros((b, tokens.shape[1], 1), jnp.float32)  # unused by the DETERMINISTIC rule
+        return TreeProposal(tokens, q, parent, depth, valid, state)
