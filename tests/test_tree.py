@@ -102,7 +102,7 @@ def test_tree_whole_sequence_distribution(name):
         **cols,
     )
     tokens = np.asarray(out.tokens)
-    assert out.stats["tokens_per_round"] > 1.2  # trees really accepted paths
+    assert out.stats["tokens_per_round"] > 1.1  # trees really accepted paths (stats are per round)
     for i, g in enumerate(groups):
         exact = exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)
         stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
