@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 
 from jspec.decode import prepare
 
-DRAFTERS = ("none", "ngram", "model")
+DRAFTERS = ("none", "ngram", "ngram-tree", "model")
 
 
 def model_loader(group: str = "jspec.model_loaders"):
@@ -36,14 +36,34 @@ def build_drafter(args, target, load):
         from jspec.ngram import NgramDrafter
 
         return NgramDrafter(args.ngram_max, args.ngram_min, vocab_size=target.vocab_size), None
+    if args.drafter == "ngram-tree":
+        from jspec.ngram import NgramTreeDrafter
+
+        return NgramTreeDrafter(
+            args.branches, args.gamma, args.ngram_max, args.ngram_min, vocab_size=target.vocab_size
+        ), None
     if args.drafter == "model":
         if not args.draft_model:
             raise SystemExit("--drafter model needs --draft-model NAME_OR_PATH (a model sharing the tokenizer)")
-        from jspec.drafters import ModelDrafter
-
         _, dparams, dmodel, _ = load(args.draft_model, args.dtype)
-        return ModelDrafter(dmodel), dparams
+        return _model_drafter(args, dmodel), dparams
     raise SystemExit(f"unknown drafter '{args.drafter}'; choose from {', '.join(DRAFTERS)}")
+
+
+def _model_drafter(args, dmodel):
+    """A chain drafter, or a tree drafter when --tree / --dynamic-tree is given."""
+    from jspec.drafters import ModelDrafter
+    from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec
+
+    if args.tree and args.dynamic_tree:
+        raise SystemExit("--tree and --dynamic-tree are exclusive")
+    if args.tree:
+        spec = TreeSpec(tuple(int(c) for c in args.tree.split(",")), args.tree_budget)
+        return TreeModelDrafter(dmodel, spec, TreeRule[args.tree_rule.upper().replace("-", "_")])
+    if args.dynamic_tree:
+        top_k, depth, budget = (int(c) for c in args.dynamic_tree.split(","))
+        return DynamicTreeDrafter(dmodel, top_k=top_k, depth=depth, budget=budget)
+    return ModelDrafter(dmodel)
 
 
 def _run(target, params, prompt_ids, drafter, dparams, args, eos):
@@ -61,6 +81,8 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos):
         min_p=args.min_p,
         eos_ids=eos,
         seed=args.seed,
+        adaptive=args.adaptive,
+        block_verify=args.block_verify,
     )
     out = prepared.run_timed()
     st = out.stats
@@ -142,6 +164,13 @@ def main(argv=None) -> int:
     g.add_argument("--drafter", default="ngram", choices=DRAFTERS)
     g.add_argument("--draft-model", default=None, help="for --drafter model")
     g.add_argument("--gamma", type=int, default=4, help="K, candidates per round")
+    g.add_argument("--adaptive", action="store_true", help="per-row draft length from measured acceptance")
+    g.add_argument("--block-verify", action="store_true", help="block verification of chains (Sun et al.)")
+    g.add_argument("--tree", default=None, help="static tree for a model drafter: branching per depth, e.g. 3,2,1")
+    g.add_argument("--tree-budget", type=int, default=None, help="keep the first N nodes of --tree")
+    g.add_argument("--tree-rule", default="deterministic", choices=("deterministic", "iid", "without-replacement"))
+    g.add_argument("--dynamic-tree", default=None, help="EAGLE-2 style tree: TOP_K,DEPTH,BUDGET")
+    g.add_argument("--branches", type=int, default=3, help="continuations of --drafter ngram-tree")
     g.add_argument("--ngram-max", type=int, default=3)
     g.add_argument("--ngram-min", type=int, default=1)
     g.add_argument("--max-new-tokens", type=int, default=128)
