@@ -1,0 +1,336 @@
+"""LayerSkip-style self-speculation for Llama-family models: the first E layers of the target draft, the
+remaining layers verify, and nothing the draft computed is computed twice.
+
+Dimension vocabulary: B batch, T tokens in a call, K draft length, V vocab, S cache slots, L layers,
+E the exit layer (a static int: the draft runs layers [0, E)), Dm the model width (models/llama.py calls it
+E), F the exit adapter's inner width, N the tokens of a restricted draft head.
+
+Drafting (``LayerSkipDrafter.propose``): K autoregressive steps of layers [0, E) of the TARGET, writing their
+K/V straight into the target's own cache (layers < E, slots committed, committed + 1, ...: the pending token,
+then each draft token), then (exit adapter) + final norm + LM head. Those cache entries are exactly what the
+target computes for the same tokens, so verification (``LayerSkipDrafter.verify``) only runs layers [0, E) on
+the last draft token (the draft never fed it back) and layers [E, L) on all K + 1 positions, starting from the
+layer-E hidden states the draft kept in its state.
+
+Options, all lossless (the decoder verifies against the full target with q = what the draft sampled):
+- exit adapter: a small residual SwiGLU block trained to map layer E's hidden state towards what the full
+  model predicts (``examples/train_early_exit.py``). It has no attention, so it needs no cache of its own and
+  costs F * Dm * 3 weights per draft token.
+- restricted draft head: the LM head reads only N frequent token rows (FR-Spec's idea). On SmolLM2-135M the
+  full tied head is 21% of the model and is read by every draft step; with 8k rows it is 6x cheaper. Tokens
+  outside the subset get q = 0: they are never proposed, and the verifier's residual max(0, p - q) covers them.
+
+Parameters: the drafter's params are ``(target_params, ex)``: the caller passes the target's params as the
+draft params too (JAX does not copy them); ``ex`` is None or the dict built by ``draft_params``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jspec.cache import KVCache, attention_mask
+from jspec.drafters import DraftContext, Proposal
+from jspec.model import Model
+from jspec.sampling import distribution, sample
+from models import llama
+from models.llama import LlamaConfig, Params
+
+# Logit of a token outside a restricted draft head: finite so temperature scaling cannot make NaNs, small
+# enough that softmax gives it exactly 0 in float32.
+_OUTSIDE_HEAD = -1e30
+
+
+# --------------------------------------------------------------------------------------------------------
+# Running a range of the target's layers.
+
+
+def run_layer_range(
+    cfg: LlamaConfig,
+    params: Params,
+    h: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    start: int,
+    stop: int,
+) -> tuple[jax.Array, KVCache]:
+    """Layers [start, stop) of the target on hidden states; same contract as ``models.llama.run_layers``.
+
+    h [B, T, Dm]; positions [B, T] int32; cache k/v [L, B, Hkv, S, D] (the T entries are written at slots
+    ``cache.lengths + t`` of layers [start, stop), other layers untouched). Returns (h [B, T, Dm], cache).
+
+    Why not ``llama.run_layers(start=, stop=)``: it slices the stacked weights ``w[start:stop]`` before its
+    scan, which materialises a copy of those layers' weights on every call; inside a decode round that is
+    pure extra memory traffic (measured on SmolLM2, 22 layers, 5 tokens: 330 ms vs 104 ms median under
+    load). Here the scan runs over layer indices and indexes each layer inside the loop, as a full-depth
+    scan does. ``tests/test_layerskip.py`` checks it against ``llama.run_layers``.
+    """
+    if not 0 <= start < stop <= cfg.num_layers:
+        raise ValueError(f"layer range [{start}, {stop}) outside [0, {cfg.num_layers})")
+    t, s = h.shape[1], cache.k.shape[3]
+    mask = attention_mask(cache.lengths, t, s)  # [B, T, S]
+    cos, sin = llama.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    block = llama.Block(cfg)
+    layers = params["layers"]
+
+    def body(carry, layer):
+        x, k_all, v_all = carry
+        lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False), layers)
+        x, k_all, v_all = block.apply({"params": lp}, x, cos, sin, k_all, v_all, layer, cache.lengths, mask)
+        return (x, k_all, v_all), None
+
+    (h, k, v), _ = jax.lax.scan(body, (h, cache.k, cache.v), jnp.arange(start, stop, dtype=jnp.int32))
+    return h, dataclasses.replace(cache, k=k, v=v)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Exit adapter.
+
+
+class ExitAdapter(nn.Module):
+    """h + W_down(silu(W_gate n) * W_up n), n = RMSNorm(h): one residual SwiGLU block (a decoder layer
+    without attention), between layer E's hidden state and the target's final norm + LM head.
+
+    W_down starts at zero, so an untrained adapter is the identity: training starts from the plain early
+    exit and can only move away from it where the loss says so.
+    """
+
+    width: int  # F
+    eps: float = 1e-5
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:  # [B, T, Dm] -> [B, T, Dm]
+        dm = h.shape[-1]
+        scale = self.param("norm_scale", nn.initializers.ones, (dm,))
+        w_gate = self.param("w_gate", nn.initializers.normal(1.0 / math.sqrt(dm)), (dm, self.width))
+        w_up = self.param("w_up", nn.initializers.normal(1.0 / math.sqrt(dm)), (dm, self.width))
+        w_down = self.param("w_down", nn.initializers.zeros, (self.width, dm))
+        hf = h.astype(jnp.float32)
+        n = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + self.eps) * scale
+        y = (jax.nn.silu(n @ w_gate) * (n @ w_up)) @ w_down
+        return (hf + y).astype(h.dtype)
+
+
+def init_adapter(cfg: LlamaConfig, key: jax.Array, width: int) -> Params:
+    """Exit adapter parameters: norm_scale [Dm], w_gate / w_up [Dm, F], w_down [F, Dm] (zeros), float32."""
+    return ExitAdapter(width, cfg.rms_eps).init(key, jnp.zeros((1, 1, cfg.hidden), jnp.float32))["params"]
+
+
+def apply_adapter(cfg: LlamaConfig, adapter: Params, h: jax.Array) -> jax.Array:
+    """[B, T, Dm] -> [B, T, Dm]."""
+    width = adapter["w_gate"].shape[1]
+    return ExitAdapter(width, cfg.rms_eps).apply({"params": adapter}, h)
+
+
+def head_rows(cfg: LlamaConfig, target_params: Params, token_ids: jax.Array) -> jax.Array:
+    """The LM head's rows for a token subset: token_ids [N] -> [N, Dm] (tied: embedding rows)."""
+    if cfg.tie_embeddings:
+        return jnp.take(target_params["embed"]["embedding"], token_ids, axis=0)
+    return jnp.take(target_params["lm_head"]["kernel"], token_ids, axis=1).T
+
+
+def exit_logits(cfg: LlamaConfig, target_params: Params, ex: dict | None, h: jax.Array) -> jax.Array:
+    """Hidden state after layer E [B, T, Dm] -> draft logits [B, T, V] float32: (adapter) + the target's final
+    norm + LM head, or its restricted rows (``ex["head"]`` [N, Dm], ``ex["token_ids"]`` [N]; every other
+    token gets a logit that softmax maps to exactly 0)."""
+    ex = ex or {}
+    if "adapter" in ex:
+        h = apply_adapter(cfg, ex["adapter"], h)
+    hn = llama.final_norm(cfg, target_params, h)
+    if "head" not in ex:
+        return llama.lm_head(cfg, target_params, hn)
+    sub = jnp.einsum("bte,ne->btn", hn, ex["head"].astype(hn.dtype), preferred_element_type=jnp.float32)
+    full = jnp.full(sub.shape[:2] + (cfg.vocab_size,), _OUTSIDE_HEAD, jnp.float32)
+    return full.at[:, :, ex["token_ids"]].set(sub)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The drafter.
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSkipDrafter:
+    """Self-speculation with the target's first ``exit_layer`` layers (jspec drafter protocol, shares the
+    target's cache and replaces the verification call).
+
+    cfg: the target's config. exit_layer: E, 1 <= E < L. adapter: the exit goes through an ``ExitAdapter``
+    (its params in ``ex["adapter"]``). head_tokens: N > 0 restricts the draft head to N token rows (0: the
+    full head). max_draft: the largest K this drafter will be asked for (its state holds K hidden states, and
+    the decoder's loop state needs one fixed shape before K is known).
+    """
+
+    cfg: LlamaConfig
+    exit_layer: int
+    adapter: bool = False
+    head_tokens: int = 0
+    max_draft: int = 8
+
+    shares_target_cache: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if not 1 <= self.exit_layer < self.cfg.num_layers:
+            raise ValueError(f"exit_layer={self.exit_layer} must be in [1, {self.cfg.num_layers - 1}]")
+        if not 0 <= self.head_tokens <= self.cfg.vocab_size:
+            raise ValueError(f"head_tokens={self.head_tokens} must be in [0, {self.cfg.vocab_size}]")
+        if self.max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def draft_params(self, target_params: Params, exit_params: dict | None = None) -> tuple[Params, dict | None]:
+        """(target params, runtime exit params) for ``decode(..., draft_params=...)``.
+
+        exit_params: what ``examples/train_early_exit.py`` saves, ``{"adapter": ..., "token_ids": [N]}``
+        (either key as this drafter needs). The restricted head's rows are gathered here, once, not per step.
+        """
+        exit_params = dict(exit_params or {})
+        if self.adapter != ("adapter" in exit_params):
+            raise ValueError(f"drafter adapter={self.adapter} but exit params have keys {sorted(exit_params)}")
+        out = {}
+        if self.adapter:
+            out["adapter"] = exit_params["adapter"]
+        if self.head_tokens:
+            ids = jnp.asarray(exit_params.get("token_ids", np.zeros((0,), np.int32)), jnp.int32)
+            if ids.shape != (self.head_tokens,):
+                raise ValueError(f"head_tokens={self.head_tokens} needs token_ids of shape ({self.head_tokens},)")
+            out["token_ids"] = ids
+            out["head"] = head_rows(self.cfg, target_params, ids)
+        return target_params, (out or None)
+
+    def init(self, params, prompt: jax.Array, prompt_len: jax.Array, slots: int) -> jax.Array:
+        """Nothing to prefill (the target's prefill filled every layer); the state is the layer-E hidden
+        states handed from ``propose`` to ``verify`` in the same round: [B, max_draft, Dm]."""
+        return jnp.zeros((prompt.shape[0], self.max_draft, self.cfg.hidden), self.cfg.jdtype)
+
+    def observe(self, params, state, ctx: DraftContext):
+        # Rounds without proposals verify the pending token with the target's own 1-token call, which writes
+        # every layer itself; the state is only read by the verify of the round that proposed it.
+        return state
+
+    def propose(self, params, state, ctx: DraftContext, key: jax.Array, k: int) -> Proposal:
+        """K draft tokens [B, K] and their q [B, K, V]; the target cache gains layers [0, E) of the pending
+        token and of the first K - 1 draft tokens (uncommitted, at slots committed + i)."""
+        if k > self.max_draft:
+            raise ValueError(f"LayerSkipDrafter(max_draft={self.max_draft}) asked for k={k} candidates")
+        cfg, e = self.cfg, self.exit_layer
+        tparams, ex = params
+        cache = ctx.target_cache
+        b = ctx.seq.shape[0]
+        committed = ctx.seq_len - 1  # slot and position of the pending token
+        x0 = ctx.seq[jnp.arange(b), committed]
+
+        def step(carry, key_i):
+            cache, x, i = carry
+            pos = committed + i
+            h = llama.embed(cfg, tparams, x[:, None])
+            # Earlier draft entries count as committed for this call's mask: the draft token attends to them.
+            h, cache = run_layer_range(cfg, tparams, h, pos[:, None], cache.with_lengths(pos), 0, e)
+            q = distribution(exit_logits(cfg, tparams, ex, h)[:, 0], ctx.sampling)
+            nx = sample(key_i, q)
+            return (cache, nx, i + 1), (nx, q, h[:, 0])
+
+        (cache, _, _), (xs, qs, hs) = jax.lax.scan(step, (cache, x0, jnp.int32(0)), jax.random.split(key, k))
+        hs = jnp.swapaxes(hs, 0, 1)  # [B, K, Dm]: inputs pending, d1 .. d_{K-1}
+        new_state = jax.lax.dynamic_update_slice_in_dim(state, hs.astype(state.dtype), 0, axis=1)
+        return Proposal(
+            tokens=xs.T,
+            q=jnp.swapaxes(qs, 0, 1),
+            n_draft=ctx.max_draft,
+            state=new_state,
+            target_cache=cache.with_lengths(committed),
+        )
+
+    def verify(
+        self,
+        target: Model,
+        target_params: Params,
+        draft_params,
+        state: jax.Array,  # [B, max_draft, Dm]
+        tokens: jax.Array,  # [B, K+1] pending token, then the K draft tokens
+        positions: jax.Array,  # [B, K+1]
+        cache: KVCache,
+    ) -> tuple[jax.Array, KVCache]:
+        """Target logits [B, K+1, V] for the verification, equal to a full target pass over ``tokens``, and
+        the cache with every layer written for the K+1 positions."""
+        cfg, e = self.cfg, self.exit_layer
+        k = tokens.shape[1] - 1
+        committed = cache.lengths
+        # Layers [0, E) of the first K tokens are already in the cache (the draft wrote them); only the last
+        # draft token still needs them, and it sees the draft's entries as its prefix.
+        h_last = llama.embed(cfg, target_params, tokens[:, k:])
+        h_last, cache = run_layer_range(
+            cfg, target_params, h_last, positions[:, k:], cache.with_lengths(committed + k), 0, e
+        )
+        cache = cache.with_lengths(committed)
+        h = jnp.concatenate([state[:, :k].astype(h_last.dtype), h_last], axis=1)  # [B, K+1, Dm]
+        h, cache = run_layer_range(cfg, target_params, h, positions, cache, e, cfg.num_layers)
+        return llama.head(cfg, target_params, h), cache
+
+
+# --------------------------------------------------------------------------------------------------------
+# Exit parameters on disk (orbax).
+
+
+def abstract_exit_params(cfg: LlamaConfig, adapter_width: int = 0, head_tokens: int = 0) -> dict:
+    """ShapeDtypeStruct tree of what ``save_exit_params`` writes, for a shape-checked restore."""
+    out = {}
+    if adapter_width:
+        shapes = jax.eval_shape(lambda: init_adapter(cfg, jax.random.key(0), adapter_width))
+        out["adapter"] = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shapes)
+    if head_tokens:
+        out["token_ids"] = jax.ShapeDtypeStruct((head_tokens,), jnp.int32)
+    return out
+
+
+def save_exit_params(path: str | os.PathLike, exit_params: dict, meta: dict | None = None) -> None:
+    """Write ``exit_params`` ({"adapter": ..., "token_ids": ...}) with orbax under ``path/params`` and
+    ``meta`` (exit layer, widths, model name, metrics) to ``path/meta.json``. Overwrites."""
+    path = os.path.abspath(os.fspath(path))  # orbax requires absolute paths
+    os.makedirs(path, exist_ok=True)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.join(path, "params"), exit_params, force=True)
+    ckpt.wait_until_finished()
+    meta = dict(meta or {})
+    meta["adapter_width"] = int(exit_params["adapter"]["w_gate"].shape[1]) if "adapter" in exit_params else 0
+    meta["head_tokens"] = int(exit_params["token_ids"].shape[0]) if "token_ids" in exit_params else 0
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+
+
+def load_exit_meta(path: str | os.PathLike) -> dict:
+    with open(os.path.join(os.fspath(path), "meta.json")) as f:
+        return json.load(f)
+
+
+def restore_exit_params(path: str | os.PathLike, cfg: LlamaConfig | None = None, target: Any = None) -> dict:
+    """Read what ``save_exit_params`` wrote. With ``target`` (a tree of ``jax.ShapeDtypeStruct``, e.g. from
+    ``abstract_exit_params``) orbax restores into exactly those shapes, dtypes and shardings; with ``cfg``
+    only, the target is built from ``meta.json``."""
+    path = os.path.abspath(os.fspath(path))
+    if target is None and cfg is not None:
+        meta = load_exit_meta(path)
+        target = abstract_exit_params(cfg, meta["adapter_width"], meta["head_tokens"])
+    return ocp.StandardCheckpointer().restore(os.path.join(path, "params"), target)
+
+
+def default_cache_dir() -> str:
+    """``${JSPEC_CACHE:-~/.cache/jspec}/early_exit``: where trained exit adapters live."""
+    root = os.environ.get("JSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jspec")
+    return os.path.join(root, "early_exit")
+
+
+def exit_cache_path(model_name: str, exit_layer: int, adapter_width: int, head_tokens: int) -> str:
+    """One directory per (model, E, F, N) under ``default_cache_dir()``."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name.lower())
+    return os.path.join(default_cache_dir(), f"{safe}-E{exit_layer}-F{adapter_width}-N{head_tokens}")

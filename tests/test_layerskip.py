@@ -1,0 +1,364 @@
+"""LayerSkip self-speculation (models/layerskip.py): the verify hook against a full target pass (logits and
+every cache entry, the reused early layers included), greedy decoding identical to plain decoding (tiny random
+Llama and the real SmolLM2), adaptive K, the sampled sequence distribution against an exact enumeration of
+the target's own probabilities, and the exit adapter's orbax round trip."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from toy_models import chi2_critical, chi_square, ref_transform
+
+from jspec.adaptive import AdaptiveK
+from jspec.decode import decode
+from jspec.drafters import DraftContext
+from jspec.sampling import SamplingParams, distribution
+from models import llama
+from models.layerskip import (
+    LayerSkipDrafter,
+    abstract_exit_params,
+    exit_logits,
+    init_adapter,
+    restore_exit_params,
+    run_layer_range,
+    save_exit_params,
+)
+
+# std 0.1: the layers change the residual stream enough that an early exit is often wrong (acceptance ~0.5 at
+# E=3 of 4) but not always; with the default 0.02 the embedding dominates and every exit agrees.
+TINY = llama.LlamaConfig(
+    vocab_size=48, hidden=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, ffn=128, name="tiny"
+)
+TINY_PARAMS = llama.init_random_params(TINY, jax.random.key(0), std=0.1)
+TINY_MODEL = llama.make_model(TINY)
+PROMPTS = [[1, 5, 9, 3, 7], [2, 4], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+def random_exit(cfg, drafter: LayerSkipDrafter, seed: int, scale: float = 0.3):
+    """Exit params with an adapter that really changes the exit (its trained-from-zero W_down set at random)."""
+    ex = {}
+    if drafter.adapter:
+        ad = init_adapter(cfg, jax.random.key(seed), 32)
+        w = np.random.default_rng(seed).normal(size=ad["w_down"].shape) * scale
+        ex["adapter"] = dict(ad, w_down=jnp.asarray(w, jnp.float32))
+    if drafter.head_tokens:
+        ids = np.random.default_rng(seed + 1).permutation(cfg.vocab_size)[: drafter.head_tokens]
+        ex["token_ids"] = jnp.asarray(np.sort(ids), jnp.int32)
+    return ex
+
+
+def prefilled(cfg, params, prompts, slots):
+    """Target cache after the prompts (right-padded, per-row lengths) and the row buffers of a DraftContext."""
+    b, p = len(prompts), max(len(x) for x in prompts)
+    toks = np.zeros((b, p), np.int32)
+    for i, x in enumerate(prompts):
+        toks[i, : len(x)] = x
+    cache = llama.init_cache(cfg, b, slots)
+    _, cache = llama.forward(cfg, params, jnp.asarray(toks), jnp.broadcast_to(jnp.arange(p), (b, p)), cache)
+    plen = jnp.asarray([len(x) for x in prompts], jnp.int32)
+    return cache.with_lengths(plen - 1), toks, plen
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def early_exit_q(exit_layer, ex, rows, sampling):
+    """Independent draft reference: layers [0, E) of ``llama.run_layers`` over whole rows [B, T] from an
+    empty cache, then the exit head and the sampling transform: [B, T, V]."""
+    b, t = rows.shape
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    h, _ = llama.run_layers(
+        TINY,
+        TINY_PARAMS,
+        llama.embed(TINY, TINY_PARAMS, rows),
+        pos,
+        llama.init_cache(TINY, b, t),
+        start=0,
+        stop=exit_layer,
+    )
+    return distribution(exit_logits(TINY, TINY_PARAMS, ex, h), sampling)
+
+
+def test_layer_range_equals_llama_run_layers():
+    cache, toks, plen = prefilled(TINY, TINY_PARAMS, PROMPTS, 16)
+    h = llama.embed(TINY, TINY_PARAMS, jnp.asarray([[3, 4]] * 3))
+    pos = cache.lengths[:, None] + jnp.arange(2)[None]
+
+    @jax.jit
+    def both(h, pos, cache):
+        out = []
+        for start, stop in [(0, 1), (1, 4), (0, 4), (2, 3)]:
+            a, ca = run_layer_range(TINY, TINY_PARAMS, h, pos, cache, start, stop)
+            b, cb = llama.run_layers(TINY, TINY_PARAMS, h, pos, cache, start=start, stop=stop)
+            out.append(((a, ca.k, ca.v), (b, cb.k, cb.v)))
+        return out
+
+    for mine, lib in jax.device_get(both(h, pos, cache)):
+        for x, y in zip(mine, lib):
+            np.testing.assert_allclose(x, y, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "exit_layer,adapter,head_tokens,temperature",
+    [(1, False, 0, 0.0), (3, True, 0, 1.0), (2, True, 20, 0.8), (2, False, 20, 0.0)],
+)
+def test_verify_hook_equals_full_target_pass(exit_layer, adapter, head_tokens, temperature):
+    """One round by hand, rows of different lengths: the hook's logits and cache equal one target call over
+    the same K+1 tokens, the draft's early-layer entries equal the full pass's, and q is what an independent
+    early-exit forward over the whole sequence gives."""
+    k, slots = 4, 24
+    drafter = LayerSkipDrafter(TINY, exit_layer, adapter=adapter, head_tokens=head_tokens, max_draft=6)
+    dparams = drafter.draft_params(TINY_PARAMS, random_exit(TINY, drafter, 7))
+    # The last prompt token plays the pending token: committed = len - 1.
+    cache, toks, plen = prefilled(TINY, TINY_PARAMS, PROMPTS, slots)
+    b = len(PROMPTS)
+    seq = jnp.zeros((b, slots + 1), jnp.int32).at[:, : toks.shape[1]].set(toks)
+    sampling = SamplingParams.make(b, temperature)
+    ctx = DraftContext(seq, plen, jnp.full((b,), k, jnp.int32), sampling, cache)
+    state0 = drafter.init(dparams, jnp.asarray(toks), plen, slots)
+    prop = jax.jit(drafter.propose, static_argnums=4)(dparams, state0, ctx, jax.random.key(3), k)
+    committed = plen - 1
+    rows = jnp.arange(b)
+    tokens = jnp.concatenate([seq[rows, committed][:, None], prop.tokens], axis=1)  # [B, K+1]
+    positions = committed[:, None] + jnp.arange(k + 1)[None]
+    assert np.array_equal(prop.target_cache.lengths, committed)
+
+    logits, vcache = jax.jit(drafter.verify, static_argnums=0)(
+        TINY_MODEL, TINY_PARAMS, dparams, prop.state, tokens, positions, prop.target_cache
+    )
+    ref_logits, ref_cache = TINY_MODEL.apply(TINY_PARAMS, tokens, positions, cache)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-4, rtol=0)
+    assert np.array_equal(vcache.lengths, committed)
+    for r in range(b):
+        c = int(committed[r])
+        new = slice(c, c + k + 1)
+        for name in ("k", "v"):
+            got, want = getattr(vcache, name)[:, r], getattr(ref_cache, name)[:, r]
+            np.testing.assert_allclose(got[:, :, new], want[:, :, new], atol=1e-5, rtol=0)
+            np.testing.assert_array_equal(got[:, :, :c], getattr(cache, name)[:, r, :, :c])  # committed: untouched
+            # What the draft wrote for the pending token and the first K-1 drafts (layers < E) is what the
+            # full pass computes: the reuse is exact, not an approximation.
+            drafted = getattr(prop.target_cache, name)[:exit_layer, r, :, c : c + k]
+            np.testing.assert_allclose(drafted, want[:exit_layer, :, c : c + k], atol=1e-5, rtol=0)
+            # ... and the draft never touched layers >= E.
+            np.testing.assert_array_equal(
+                getattr(prop.target_cache, name)[exit_layer:, r], getattr(cache, name)[exit_layer:, r]
+            )
+
+    # q: an early-exit forward over each whole row (prompt, pending token, drafts) from an empty cache, no
+    # reuse; rows right-padded into one batch (causal attention never sees the padding after a row).
+    ex = dparams[1]
+    rows_np = np.zeros((b, toks.shape[1] + k + 1), np.int32)
+    for r in range(b):
+        c = int(committed[r])
+        rows_np[r, : c + k + 1] = np.concatenate([toks[r, :c], np.asarray(tokens[r])])
+    all_q = early_exit_q(exit_layer, ex, jnp.asarray(rows_np), sampling)
+    for r in range(b):
+        c = int(committed[r])
+        np.testing.assert_allclose(np.asarray(prop.q[r]), np.asarray(all_q[r, c : c + k]), atol=1e-5)
+    if head_tokens:  # a restricted head never proposes, and gives no mass to, tokens outside its rows
+        outside = np.setdiff1d(np.arange(TINY.vocab_size), np.asarray(ex["token_ids"]))
+        assert np.all(np.asarray(prop.q)[:, :, outside] == 0)
+        assert not np.isin(np.asarray(prop.tokens), outside).any()
+
+
+def test_greedy_identical_to_plain_decoding():
+    plain = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=[24, 30, 17])
+    for exit_layer, k, adapter, head_tokens in [(3, 4, False, 0), (1, 2, True, 40)]:
+        drafter = LayerSkipDrafter(TINY, exit_layer, adapter=adapter, head_tokens=head_tokens, max_draft=5)
+        dparams = drafter.draft_params(TINY_PARAMS, random_exit(TINY, drafter, 11, scale=0.05))
+        spec = decode(
+            TINY_MODEL,
+            TINY_PARAMS,
+            PROMPTS,
+            drafter=drafter,
+            draft_params=dparams,
+            gamma=k,
+            max_new_tokens=[24, 30, 17],
+        )
+        assert spec.tokens == plain.tokens, (exit_layer, k)
+        assert spec.stop_reason == plain.stop_reason
+        assert 0 < spec.stats["accepted"] < spec.stats["proposed"], spec.stats  # both branches taken
+        if exit_layer == 1:
+            # A costly drafter with poor acceptance backs off to K = 0 for whole rounds (the observe path and
+            # the decoder's 1-token verify), then probes again: none of it may change the output.
+            policy = AdaptiveK(draft_cost=0.5)
+            adaptive = decode(
+                TINY_MODEL,
+                TINY_PARAMS,
+                PROMPTS,
+                drafter=drafter,
+                draft_params=dparams,
+                gamma=k,
+                max_new_tokens=[24, 30, 17],
+                adaptive=policy,
+            )
+            assert adaptive.tokens == plain.tokens
+            assert 0 < adaptive.stats["proposed"] < spec.stats["proposed"]
+
+
+# ---- the sampled distribution at T > 0 (top-k / top-p) equals the target's, exactly enumerated ----
+
+# Vocabulary 5 so whole sequences can be enumerated; std 0.3 gives spread-out, position-dependent distributions
+# and an early exit (E=1 of 2, through a random adapter and a head without token 3) that is accepted about half
+# the time. Token 3 is never proposed (q = 0) while the target often wants it: the residual must supply it.
+DIST = llama.LlamaConfig(
+    vocab_size=5, hidden=16, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=4, ffn=32, name="dist"
+)
+DIST_PARAMS = llama.init_random_params(DIST, jax.random.key(1), std=0.3)
+DIST_MODEL = llama.make_model(DIST)
+DIST_GROUPS = [dict(temperature=0.7, top_k=2), dict(temperature=1.3, top_p=0.8), dict(temperature=1.0)]
+DIST_PROMPT = [2, 0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _last_logits(cfg, params, rows):  # [N, T] -> [N, V] full-depth logits after each whole row, empty cache
+    n, t = rows.shape
+    logits, _ = llama.forward(cfg, params, rows, jnp.broadcast_to(jnp.arange(t), (n, t)), llama.init_cache(cfg, n, t))
+    return logits[:, -1]
+
+
+def exact_llama_distribution(cfg, params, prompt, n_new, **sampling) -> dict:
+    """P(generated sequence) for every sequence of n_new tokens: the target's own full-depth logits after
+    every prefix (one batched, cache-free forward per depth), the NumPy reference transform, products."""
+    v = cfg.vocab_size
+    probs = {(): 1.0}
+    for depth in range(n_new):
+        prefixes = list(itertools.product(range(v), repeat=depth))
+        rows = np.asarray([list(prompt) + list(x) for x in prefixes], np.int32)
+        logits = np.asarray(_last_logits(cfg, params, jnp.asarray(rows)), np.float64)
+        nxt = {}
+        for pre, lg in zip(prefixes, logits):
+            if probs.get(pre, 0.0) == 0.0:
+                continue
+            dist = ref_transform(lg, **sampling)
+            for tok in range(v):
+                if dist[tok] > 0:
+                    nxt[pre + (tok,)] = probs[pre] * dist[tok]
+        probs = nxt
+    return probs
+
+
+def test_whole_sequence_distribution_equals_target():
+    """100k sampled sequences per sampling setting, all settings in ONE jitted decode, against the exact
+    distribution; chi-square at a 1e-5 false-alarm level. K=3 and 5 new tokens: the first comes from prefill,
+    then rounds use every draft position."""
+    k, n, n_new = 3, 100_000, 5
+    drafter = LayerSkipDrafter(DIST, 1, adapter=True, head_tokens=4, max_draft=k)
+    adapter = random_exit(DIST, drafter, 2, scale=0.1)["adapter"]
+    ex = {"adapter": adapter, "token_ids": jnp.asarray([0, 1, 2, 4], jnp.int32)}
+    cols = {
+        key: np.repeat([g.get(key, d) for g in DIST_GROUPS], n)
+        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
+    }
+    prompts = np.tile(np.asarray(DIST_PROMPT, np.int32), (n * len(DIST_GROUPS), 1))
+    out = decode(
+        DIST_MODEL,
+        DIST_PARAMS,
+        prompts,
+        drafter=drafter,
+        draft_params=drafter.draft_params(DIST_PARAMS, ex),
+        gamma=k,
+        max_new_tokens=n_new,
+        seed=5,
+        max_len=16,
+        **cols,
+    )
+    tokens = np.asarray(out.tokens)
+    assert tokens.shape == (n * len(DIST_GROUPS), n_new)
+    assert 0.3 < out.stats["acceptance_rate"] < 0.95, out.stats  # both branches of the acceptance rule
+    assert all(c > 0 for c in out.stats["proposed_at"])
+    assert np.mean(tokens == 3) > 0.02  # the token the draft head cannot propose is still produced
+    for i, g in enumerate(DIST_GROUPS):
+        exact = exact_llama_distribution(DIST, DIST_PARAMS, DIST_PROMPT, n_new, **g)
+        stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
+        assert stat < chi2_critical(df), (g, stat, df)
+        # Power: had the decoder emitted the draft's own distribution (an early exit of the target), the
+        # statistic's expectation would be n * chi2-divergence, far above the critical value.
+        if i == 0:
+            draft = exact_exit_distribution(drafter, ex, n_new, **g)
+            div = sum((draft.get(s, 0.0) - p) ** 2 / p for s, p in exact.items())
+            assert n * div > 10 * chi2_critical(df), n * div
+
+
+def exact_exit_distribution(drafter, ex, n_new, **sampling) -> dict:
+    """Like ``exact_llama_distribution`` for the early exit itself (what a broken verifier would emit)."""
+    dp = drafter.draft_params(DIST_PARAMS, ex)
+
+    @jax.jit
+    def last(rows):
+        n, t = rows.shape
+        pos = jnp.broadcast_to(jnp.arange(t), (n, t))
+        h, _ = run_layer_range(
+            DIST, DIST_PARAMS, llama.embed(DIST, DIST_PARAMS, rows), pos, llama.init_cache(DIST, n, t), 0, 1
+        )
+        return exit_logits(DIST, DIST_PARAMS, dp[1], h)[:, -1]
+
+    v, probs = DIST.vocab_size, {(): 1.0}
+    for depth in range(n_new):
+        prefixes = list(itertools.product(range(v), repeat=depth))
+        logits = np.asarray(last(jnp.asarray([DIST_PROMPT + list(x) for x in prefixes], jnp.int32)), np.float64)
+        nxt = {}
+        for pre, lg in zip(prefixes, logits):
+            dist = ref_transform(np.maximum(lg, -1e9), **sampling)
+            for tok in range(v):
+                if probs.get(pre, 0.0) * dist[tok] > 0:
+                    nxt[pre + (tok,)] = probs[pre] * dist[tok]
+        probs = nxt
+    return probs
+
+
+# ---- the real model ----
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identical_to_plain(smollm2):
+    cfg, params, model, tok = smollm2
+    chats = [
+        "What are three good habits for staying focused while studying?",
+        "Write a short poem about the sea at night.",
+    ]
+    prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in chats]
+    kw = dict(max_new_tokens=40, eos_ids=[cfg.eos_id], max_len=128)
+    plain = decode(model, params, prompts, **kw)
+    drafter = LayerSkipDrafter(cfg, 8, head_tokens=8192, max_draft=4)
+    ids = jnp.arange(8192, dtype=jnp.int32)  # BPE ids follow merge order, roughly frequency: a fine subset
+    spec = decode(
+        model,
+        params,
+        prompts,
+        drafter=drafter,
+        draft_params=drafter.draft_params(params, {"token_ids": ids}),
+        gamma=4,
+        **kw,
+    )
+    assert spec.tokens == plain.tokens
+    assert min(plain.lengths) >= 20
+    assert 0 < spec.stats["accepted"] < spec.stats["proposed"]
+
+
+# ---- exit adapter checkpoints ----
+
+
+def test_exit_params_checkpoint_round_trip(tmp_path):
+    drafter = LayerSkipDrafter(TINY, 2, adapter=True, head_tokens=20)
+    ex = random_exit(TINY, drafter, 4)
+    save_exit_params(tmp_path / "exit", ex, {"exit_layer": 2, "model": TINY.name})
+    h = jax.random.normal(jax.random.key(9), (2, 3, TINY.hidden))
+    want = np.asarray(exit_logits(TINY, TINY_PARAMS, drafter.draft_params(TINY_PARAMS, ex)[1], h))
+    abstract = abstract_exit_params(TINY, 32, 20)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), ex)
+    for restored in (
+        restore_exit_params(tmp_path / "exit", TINY),  # targets rebuilt from meta.json
+        restore_exit_params(tmp_path / "exit", target=abstract),  # explicit ShapeDtypeStruct targets
+    ):
+        assert jax.tree.structure(restored) == jax.tree.structure(ex)
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(ex)):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        got = np.asarray(exit_logits(TINY, TINY_PARAMS, drafter.draft_params(TINY_PARAMS, restored)[1], h))
+        np.testing.assert_array_equal(got, want)
+    # A target of the wrong shape is refused rather than silently reshaped.
+    with pytest.raises(ValueError, match="not compatible"):
+        restore_exit_params(tmp_path / "exit", target=abstract_exit_params(TINY, 16, 20))
