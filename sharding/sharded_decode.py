@@ -7,8 +7,16 @@ path; sharding only adds
 - ``DecodeConfig.constrain = StateConstraint(plan)``: a ``with_sharding_constraint`` of the loop state after
   prefill and after every round, so the partitioner keeps the KV cache split over (batch, KV heads) through
   the loop instead of choosing a layout for the carry by itself (which can mean an all-gather per round).
+- the target model and a draft model wrapped by ``pinned_model``: their logits are gathered once per call
+  and their caches pinned to the table's layout,
 - donation of the per-call inputs that the state takes over unchanged (prompt lengths, budgets, sampling
-  parameters): their buffers become the output's.
+  parameters): their buffers become the output's (6 aliased buffers in the compiled program).
+
+Measured on the tiny test model, mesh 2x4, draft-model speculation (collectives per round, from the HLO):
+114 without the model pin (vocab-sharded logits spread collectives through sampling and verification), 37
+with it, of which 22 are the model calls' own. The state constraint changes nothing there (propagation
+already keeps the cache split) but keeps the state pinned for drafters whose models are not wrapped. No
+configuration moved KV-cache data.
 """
 
 from __future__ import annotations
@@ -179,7 +187,7 @@ def _freeze(tree: Any):
 
 @functools.lru_cache(maxsize=64)
 def _jitted(
-    target: Model, drafter, config: DecodeConfig, plan: DecodePlan, key_impl: str, frozen_in, frozen_abs, donate: bool
+    target: Model, drafter, config: DecodeConfig, plan: DecodePlan, key_impl: Any, frozen_in, frozen_abs, donate: bool
 ):
     in_shardings = jax.tree.unflatten(*frozen_in)
     abstract = jax.tree.unflatten(*frozen_abs)
@@ -334,7 +342,7 @@ def prepare_sharded(
     prompt = np.pad(prompt, ((0, 0), (0, pw - prompt.shape[1])))
     samp = {f.name: np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingParams)}
     key_data = np.asarray(jax.random.key_data(key))
-    key_impl = str(jax.random.key_impl(key))
+    key_impl = jax.random.key_impl(key)  # a str or a PRNGSpec depending on the JAX version; both hashable
 
     def rows(x):
         return plan.rows((global_b, *x.shape[1:]), global_b)
