@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jspec import decode as jdecode
-from jspec.decode import DecodeConfig, DecodeOutput, DecodeState, generate_arrays
+from jspec.decode import DecodeConfig, DecodeOutput, DecodeState, StopReason, decode_round, generate_arrays, prefill
 from jspec.model import Model
 from jspec.sampling import SamplingParams
 from sharding.placement import cache_shardings, put, put_rows, rows_sharding
@@ -207,6 +207,33 @@ def _jitted(
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _step_fns(target: Model, drafter, config: DecodeConfig, plan: DecodePlan, key_impl: Any, frozen_in, frozen_abs):
+    """Jitted prefill and single round for stepping from Python; the round donates the state it is given,
+    so the KV caches are updated in place round after round."""
+    in_shardings = jax.tree.unflatten(*frozen_in)
+    abstract = jax.tree.unflatten(*frozen_abs)
+
+    def pre(target_params, draft_params, prompt, prompt_len, max_new, sampling, key_data):
+        key = jax.random.wrap_key_data(key_data, impl=key_impl)
+        st = prefill(target, drafter, config, target_params, draft_params, prompt, prompt_len, max_new, sampling, key)
+        return config.constrain(st)
+
+    def step(target_params, draft_params, st):
+        return decode_round(target, drafter, config, target_params, draft_params, st)
+
+    st_abs = jax.eval_shape(pre, *abstract)
+    st_sh = state_shardings(st_abs, plan)
+    b = st_abs.seq.shape[0]
+    _, emitted, n_emit = jax.eval_shape(step, abstract[0], abstract[1], st_abs)
+    step_out = (st_sh, plan.rows(emitted.shape, b), plan.rows(n_emit.shape, b))
+    pre_j = jax.jit(pre, in_shardings=in_shardings, out_shardings=st_sh, donate_argnums=(3, 4, 5))
+    step_j = jax.jit(
+        step, in_shardings=(in_shardings[0], in_shardings[1], st_sh), out_shardings=step_out, donate_argnums=(2,)
+    )
+    return pre_j, step_j
+
+
 @dataclasses.dataclass
 class ShardedDecode:
     """A validated sharded decode call (the sharded counterpart of ``jspec.decode.PreparedDecode``).
@@ -222,6 +249,7 @@ class ShardedDecode:
     host_inputs: tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray], np.ndarray]
     global_batch: int
     input_shardings: tuple
+    step_key: tuple = ()  # (target, drafter, config, plan, key_impl, frozen in_shardings, frozen shapes)
 
     def args(self) -> tuple:
         """(target_params, draft_params, prompt, prompt_len, max_new, sampling, key_data), placed."""
@@ -254,6 +282,24 @@ class ShardedDecode:
     def run(self, compiled=None) -> DecodeOutput:
         return gather_output(self.run_state(compiled))
 
+    def step_fns(self):
+        """(prefill, round): the jitted pieces ``stream`` runs; the round's state argument is donated."""
+        return _step_fns(*self.step_key)
+
+    def stream(self) -> Iterator[list[list[int]]]:
+        """Like ``jspec.decode.decode_stream``: yields, after prefill and after every round, the tokens each row
+        emitted (all rows, in every process). Each round is blocked on before the next is dispatched (XLA:CPU
+        deadlocks on long queues of programs with collectives)."""
+        pre, step = self.step_fns()
+        target_params, draft_params, *inputs = self.args()
+        st = pre(target_params, draft_params, *inputs)
+        seq, seq_len, stop = _to_host((st.seq, st.seq_len, st.stop))
+        yield [[int(seq[i, seq_len[i] - 1])] for i in range(seq.shape[0])]
+        while np.any(stop == StopReason.RUNNING):
+            st, emitted, n_emit = step(target_params, draft_params, st)
+            emitted, n_emit, stop = _to_host((emitted, n_emit, st.stop))
+            yield [emitted[i, : n_emit[i]].tolist() for i in range(emitted.shape[0])]
+
     def run_timed(self) -> DecodeOutput:
         """Like ``PreparedDecode.run_timed``: compile, then time execution + gathering the tokens alone."""
         t0 = time.perf_counter()
@@ -268,16 +314,18 @@ class ShardedDecode:
         return out
 
 
+def _to_host(tree: Any) -> Any:
+    """Global arrays -> numpy in every process (an all-gather across processes when needed)."""
+    if jax.process_count() > 1 and not all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.device_get(tree)
+
+
 def gather_output(st: DecodeState) -> DecodeOutput:
     """Host-side tokens and statistics of a (possibly multi-process) final state, in every process.
 
     Only the small per-row arrays travel; the caches are never gathered."""
-    small = (st.seq, st.seq_len, st.prompt_len, st.stop, st.stats)
-    if jax.process_count() > 1 and not all(x.is_fully_addressable for x in jax.tree.leaves(small)):
-        small = multihost_utils.process_allgather(small, tiled=True)
-    else:
-        small = jax.device_get(small)
-    seq, seq_len, plen, stop, stats = small
+    seq, seq_len, plen, stop, stats = _to_host((st.seq, st.seq_len, st.prompt_len, st.stop, st.stats))
     host = dataclasses.replace(
         st, seq=seq, seq_len=seq_len, prompt_len=plen, stop=stop, stats=stats, cache=None, draft_state=None
     )
@@ -363,7 +411,15 @@ def prepare_sharded(
     )
     # Entries are hashable (NamedSharding, ShapeDtypeStruct), so equal calls reuse one jitted function and
     # its compilation.
-    fn = _jitted(target, drafter, config, plan, key_impl, _freeze(in_shardings), _freeze(abstract), donate)
+    key = (target, drafter, config, plan, key_impl, _freeze(in_shardings), _freeze(abstract))
+    fn = _jitted(*key, donate)
     return ShardedDecode(
-        fn, config, plan, (target_params, draft_params), (prompt, plen, mnew, samp, key_data), global_b, input_shardings
+        fn,
+        config,
+        plan,
+        (target_params, draft_params),
+        (prompt, plen, mnew, samp, key_data),
+        global_b,
+        input_shardings,
+        key,
     )

@@ -118,6 +118,12 @@ def test_sharded_tokens_equal_single_device(runs, mesh, drafter, sampling):
     assert got == want
 
 
+def test_round_by_round_stream_donates_state_and_matches(runs):
+    e = _decode(runs, "8x1")["model"]
+    assert e["stream_tokens"] == _reference(runs)["model"]["greedy"]
+    assert e["state_donated"]  # the KV caches were updated in place, not copied, every round
+
+
 def test_reference_is_lossless_and_speculation_is_exercised(runs):
     ref = _reference(runs)
     # Greedy speculative decoding must reproduce plain greedy decoding, and the drafts must be accepted
@@ -142,12 +148,12 @@ def test_cache_stays_sharded_and_is_never_gathered(runs, mesh):
         assert e["collectives"]["decode_loops"] == 1  # the whole decode is one program with one loop
 
 
-def test_pure_data_parallel_round_has_no_model_collectives(runs):
-    # On 8x1 nothing of the model is split: a plain round may only reduce per-row bookkeeping across the
-    # data axis (no gathers of activations, logits or cache).
-    e = _decode(runs, "8x1")["plain"]["collectives"]
-    assert e["per_round"].get("all-to-all", 0) == 0
-    assert e["per_round_total"] <= 4, e
+def test_pure_data_parallel_round_moves_no_float_data(runs):
+    # On 8x1 nothing of the model is split: a plain round may only reduce per-row bookkeeping (int32 / bool)
+    # across the data axis, never activations, logits or cache.
+    ops = _decode(runs, "8x1")["plain"]["per_round_ops"]
+    assert ops, "expected the loop's 'any row running?' reduction"
+    assert all(shape.lstrip("(").startswith(("pred", "s32")) for _op, shape, _n in ops), ops
 
 
 def test_error_messages(runs):
