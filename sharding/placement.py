@@ -32,7 +32,7 @@ def put_tree(tree: Any, shardings: Any) -> Any:
 
 
 def put_rows(local: Any, sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> jax.Array:
-    """Place an array of which this process holds only its own rows (``local_rows``) of the global array."""
+    """Place local [B_local, ...] rows (this process's ``local_rows``) of a global [B, ...] array."""
     if jax.process_count() == 1:
         return jax.device_put(local, sharding)
     return jax.make_array_from_process_local_data(sharding, np.asarray(local), global_shape)

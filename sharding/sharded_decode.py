@@ -252,7 +252,9 @@ class ShardedDecode:
     step_key: tuple = ()  # (target, drafter, config, plan, key_impl, frozen in_shardings, frozen shapes)
 
     def args(self) -> tuple:
-        """(target_params, draft_params, prompt, prompt_len, max_new, sampling, key_data), placed."""
+        """(target_params, draft_params, prompt [B, P] int32 right-padded, prompt_len [B], max_new [B],
+        sampling (fields [B]), key_data [2] uint32 replicated), placed; the [B] arrays are split over the data
+        axis, and in multi-process runs each process supplies only its own rows of them."""
         prompt, plen, mnew, samp, key_data = self.host_inputs
         sh_prompt, sh_plen, sh_mnew, sh_samp, sh_key = self.input_shardings
         b = self.global_batch
