@@ -226,23 +226,32 @@ def _chain_step(
         def verify_wide(cache):
             tokens = jnp.concatenate([pending[:, None], draft_tokens], axis=1)  # [B, K+1]
             positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+            if updates_state:
+                logits, cache, state = drafter.verify(
+                    target, target_params, draft_params, draft_state, tokens, positions, cache
+                )
+                return distribution(logits, st.sampling), cache, state
             if hasattr(drafter, "verify"):
                 logits, cache = drafter.verify(
                     target, target_params, draft_params, draft_state, tokens, positions, cache
                 )
             else:
                 logits, cache = target.apply(target_params, tokens, positions, cache)
-            return distribution(logits, st.sampling), cache
+            return distribution(logits, st.sampling), cache, draft_state
 
         def verify_narrow(cache):
             # Nothing was proposed anywhere (e.g. every n-gram lookup missed): a plain 1-token step, so a miss
             # costs what plain decoding costs instead of a K+1-wide verification.
             logits, cache = target.apply(target_params, pending[:, None], committed[:, None], cache)
-            return jnp.broadcast_to(distribution(logits, st.sampling), (b, k + 1, v)), cache
+            return jnp.broadcast_to(distribution(logits, st.sampling), (b, k + 1, v)), cache, draft_state
 
-        p, cache = jax.lax.cond(jnp.any(n_draft > 0), verify_wide, verify_narrow, tcache)
-    res = verify_chain_key(k_verify, p, q, draft_tokens, n_draft, block=config.block_verify)
-
+        # A drafter that reads the verification's by-products (e.g. the target features an EAGLE head needs)
+        # sets ``verify_updates_state``; its verify returns the new drafter state and always runs.
+        updates_state = getattr(drafter, "verify_updates_state", False)
+        if updates_state:
+            p, cache, draft_state = verify_wide(tcache)
+        else:
+            p, cache, draft_state = jax.lax.cond(jnp.any(n_draft > 0), verify_wide, verify_narrow, tcache)
     res = verify_chain_key(k_verify, p, q, draft_tokens, n_draft, block=config.block_verify)
     proposed_at = (jnp.arange(k)[None, :] < n_draft[:, None]).astype(jnp.int32)
     return draft_tokens, res.n_accepted, res.next_token, None, cache, draft_state, proposed_at, res.bad_proposal

@@ -13,7 +13,9 @@ Drafters that are part of the target (self-speculation) also set ``shares_target
 find the target's cache in ``ctx.target_cache``, may write their own entries into it (returned in
 ``Proposal.target_cache``), and provide ``verify(target, target_params, draft_params, state, tokens,
 positions, cache) -> (logits, cache)`` to replace the target call of the verification, reusing what they
-computed.
+computed. A drafter that needs by-products of the verification (an EAGLE head reads the target's hidden
+features) sets ``verify_updates_state = True``; its ``verify`` (which need not share the cache) then returns
+``(logits, cache, new_state)`` and the decoder keeps that state for the next round.
 """
 
 from __future__ import annotations
