@@ -16,11 +16,16 @@ def transformers_from_gguf(path: str | os.PathLike, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
     path = os.fspath(path)
-    if not modeling_utils.is_accelerate_available():
+    gate = modeling_utils.is_accelerate_available
+    if not gate():
+        # Only for this call: elsewhere (e.g. save_pretrained) the flag selects code that needs accelerate.
         modeling_utils.is_accelerate_available = lambda: True
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path) or ".", gguf_file=os.path.basename(path), dtype=getattr(torch, dtype)
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path) or ".", gguf_file=os.path.basename(path), dtype=getattr(torch, dtype)
+        )
+    finally:
+        modeling_utils.is_accelerate_available = gate
     return model.eval()
 
 
