@@ -148,3 +148,22 @@ def insert_row(cache, row: jax.Array, one):
         else:
             updates[f.name] = big.at[:, row].set(small[:, 0])
     return dataclasses.replace(cache, **updates)
+
+
+def take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """Per-row gather along axis 1: x [B, N, ...], idx [B] -> x[b, idx[b]] [B, ...]; idx [B, M] -> [B, M, ...].
+
+    Written as ``take_along_axis`` rather than ``x[arange(B), idx]``: under batch sharding the latter lowers
+    to a cross-device gather (all-reduces every round), this one stays local to each row's device.
+    """
+    squeeze = idx.ndim == 1
+    i = idx[:, None] if squeeze else idx
+    i = i.reshape(i.shape + (1,) * (x.ndim - 2)).astype(jnp.int32)
+    out = jnp.take_along_axis(x, i, axis=1)
+    return out[:, 0] if squeeze else out
+
+
+def set_rows(x: jax.Array, idx: jax.Array, vals: jax.Array) -> jax.Array:
+    """Per-row scatter along axis 1: x [B, N, ...], idx [B], vals [B, ...] -> x with x[b, idx[b]] = vals[b]
+    (out-of-range indices dropped); row-local under batch sharding."""
+    return jax.vmap(lambda row, i, v: row.at[i].set(v, mode="drop"))(x, idx, vals)

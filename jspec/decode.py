@@ -30,6 +30,7 @@ from jax.experimental import checkify
 
 from jspec import adaptive as adapt
 from jspec.adaptive import AdaptiveK
+from jspec.cache import set_rows, take_rows
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
 from jspec.sampling import SamplingParams, distribution, sample
@@ -123,15 +124,14 @@ def prefill(
     """Run the prompt through the target (and drafter), sample the first token, build the loop state."""
     b, p = prompt.shape
     s = config.slots
-    rows = jnp.arange(b)
     cache = target.init_cache(b, s)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, cache = target.apply(target_params, prompt, positions, cache)
     cache = cache.commit(prompt_len)  # a commit, not a length change: caches with more state must keep it
     key, k0 = jax.random.split(key)
-    first = sample(k0, distribution(logits[rows, prompt_len - 1], sampling))
+    first = sample(k0, distribution(take_rows(logits, prompt_len - 1), sampling))
     seq = jnp.zeros((b, s + 1), jnp.int32).at[:, :p].set(prompt)
-    seq = seq.at[rows, prompt_len].set(first)
+    seq = set_rows(seq, prompt_len, first)
     draft_state = drafter.init(draft_params, prompt, prompt_len, s) if drafter is not None else None
     k = config.gamma
     stats = DecodeStats(
@@ -262,7 +262,6 @@ def _tree_step(
 ):
     """Draft a candidate tree, verify every node in one target call under the ancestor mask, accept one path."""
     b = pending.shape[0]
-    rows = jnp.arange(b)
     ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling)
     prop: TreeProposal = drafter.propose_tree(draft_params, st.draft_state, ctx, k_draft)
     n = prop.tokens.shape[1]
@@ -273,7 +272,7 @@ def _tree_step(
     own_ok = prop.valid & (prop.depth <= max_draft[:, None]) & fits
     valid = own_ok
     for i in range(1, n):
-        par_ok = valid[rows, jnp.maximum(prop.parent[:, i], 0)]
+        par_ok = take_rows(valid, jnp.maximum(prop.parent[:, i], 0))
         valid = valid.at[:, i].set(own_ok[:, i] & par_ok)
     valid = valid.at[:, 0].set(True)
     positions = committed[:, None] + prop.depth
@@ -282,7 +281,7 @@ def _tree_step(
     res = verify_tree_key(
         k_verify, p, prop.q, tokens, prop.parent, valid, drafter.rule, drafter.max_depth, drafter.max_children
     )
-    path_tokens = tokens[rows[:, None], res.path[:, 1:]]  # [B, D]
+    path_tokens = take_rows(tokens, res.path[:, 1:])  # [B, D]
     depth_hot = jax.nn.one_hot(prop.depth - 1, drafter.max_depth, dtype=jnp.int32)  # [B, N, D]; root -> none
     proposed_at = jnp.einsum("bnd,bn->bd", depth_hot, valid.astype(jnp.int32))  # candidate nodes per depth
     return path_tokens, res.n_accepted, res.next_token, res.path, cache, prop.state, proposed_at, jnp.zeros((b,), bool)
@@ -296,7 +295,6 @@ def decode_round(
     k = config.gamma
     s = config.slots
     b = st.seq.shape[0]
-    rows = jnp.arange(b)
     active = st.stop == StopReason.RUNNING
     committed = st.seq_len - 1  # = target cache lengths; the pending token sits at this slot
     n_gen = st.seq_len - st.prompt_len
@@ -307,7 +305,7 @@ def decode_round(
     if config.adaptive is not None:
         max_draft = jnp.minimum(max_draft, adapt.choose_k(config.adaptive, st.accept_ema, k))
 
-    pending = st.seq[rows, committed]
+    pending = take_rows(st.seq, committed)
     if getattr(drafter, "is_tree", False):
         step = _tree_step(
             target, drafter, config, target_params, draft_params, st, pending, committed, max_draft, k_draft, k_verify

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jspec.cache import take_rows
 from jspec.model import Model
 from jspec.sampling import SamplingParams, distribution, sample
 
@@ -90,9 +91,8 @@ class ModelDrafter:
         """Rewind to one slot before the pending token and feed [previous, pending]: afterwards the cache
         holds the whole committed sequence plus the pending token. Returns (logits [B, 2, V], cache)."""
         b = ctx.seq.shape[0]
-        rows = jnp.arange(b)
         pend = ctx.seq_len - 1  # slot/position of the pending token
-        first = jnp.stack([ctx.seq[rows, jnp.maximum(pend - 1, 0)], ctx.seq[rows, pend]], axis=1)
+        first = take_rows(ctx.seq, jnp.stack([jnp.maximum(pend - 1, 0), pend], axis=1))
         cache = cache.with_lengths(pend - 1)
         logits, cache = self.model.apply(params, first, jnp.stack([pend - 1, pend], axis=1), cache)
         return logits, cache.commit(jnp.full((b,), 2, jnp.int32))

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.cache import take_rows
 from jspec.sampling import distribution, sample_from
 
 
@@ -159,7 +160,6 @@ def verify_tree(
     u_final: jax.Array,  # [B]
 ) -> TreeResult:
     b, n, v = p.shape
-    rows = jnp.arange(b)
     children = children_table(parent, valid, max_children)
     cur = jnp.zeros((b,), jnp.int32)
     p_res = p[:, 0]
@@ -168,12 +168,12 @@ def verify_tree(
     path = [cur]
     acc_depth = []
     for d in range(max_depth):
-        ch = children[rows, cur]  # [B, C]
+        ch = take_rows(children, cur)  # [B, C]
         nxt = jnp.full((b,), -1, jnp.int32)
         for c in range(max_children):
             node = ch[:, c]
             live = (node >= 0) & ~done & (nxt < 0)
-            x = tokens[rows, jnp.maximum(node, 0)]
+            x = take_rows(tokens, jnp.maximum(node, 0))
             px = jnp.take_along_axis(p_res, x[:, None], axis=1)[:, 0]
             u = u_accept[:, d, c]
             if rule == TreeRule.DETERMINISTIC:
@@ -191,15 +191,15 @@ def verify_tree(
                 q_res = jnp.where(rej[:, None], _remove(q_res, x), q_res)
         moved = nxt >= 0
         cur = jnp.where(moved, nxt, cur)
-        p_res = jnp.where(moved[:, None], p[rows, cur], p_res)
-        q_res = jnp.where(moved[:, None], q[rows, cur], q_res)
+        p_res = jnp.where(moved[:, None], take_rows(p, cur), p_res)
+        q_res = jnp.where(moved[:, None], take_rows(q, cur), q_res)
         done = done | ~moved
         path.append(jnp.where(moved, cur, 0))
         acc_depth.append(moved)
     n_acc = jnp.sum(jnp.stack(acc_depth, axis=1), axis=1).astype(jnp.int32)
     # p_res is the final residual after a rejection, or p at the last node reached (a bonus draw).
     mass = jnp.sum(p_res, axis=-1, keepdims=True)
-    final = jnp.where(mass > 0, p_res, p[rows, cur])
+    final = jnp.where(mass > 0, p_res, take_rows(p, cur))
     nxt_tok = sample_from(final, u_final)
     return TreeResult(jnp.stack(path, axis=1), n_acc, nxt_tok, jnp.stack(acc_depth, axis=1))
 
@@ -284,14 +284,13 @@ class TreeModelDrafter:
     def _catch_up(self, params, cache, seq, seq_len):
         """Feed every token from ``cache.lengths`` to the pending token; return its logits [B, V]."""
         b, w_seq = seq.shape
-        rows = jnp.arange(b)
         width = self.max_depth + 2
         start = cache.lengths
         idx = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-        toks = seq[rows[:, None], jnp.minimum(idx, w_seq - 1)]
+        toks = take_rows(seq, jnp.minimum(idx, w_seq - 1))
         logits, cache = self.model.apply(params, toks, idx, cache)
         pend = seq_len - 1
-        return logits[rows, pend - start], cache.with_lengths(seq_len)
+        return take_rows(logits, pend - start), cache.with_lengths(seq_len)
 
     def propose_tree(self, params, cache, ctx, key) -> TreeProposal:
         parent_np, depth_np, _ = self.spec.arrays

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec.cache import take_rows
 from jspec.sampling import sample_from
 
 
@@ -71,7 +72,6 @@ def verify_chain(
 ) -> ChainResult:
     b, k1, v = p.shape
     k = k1 - 1
-    rows = jnp.arange(b)
     if k == 0:
         nxt = sample_from(p[:, 0], u_final)
         return ChainResult(jnp.zeros((b,), jnp.int32), nxt, jnp.zeros((b, 0), bool), jnp.zeros((b,), bool))
@@ -81,8 +81,8 @@ def verify_chain(
     ok = accept(p_x, q_x, u_accept) & proposed
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     all_accepted = n_acc >= n_draft
-    p_n = p[rows, n_acc]  # [B, V]
-    q_n = q[rows, jnp.minimum(n_acc, k - 1)]
+    p_n = take_rows(p, n_acc)  # [B, V]
+    q_n = take_rows(q, jnp.minimum(n_acc, k - 1))
     final = jnp.where(all_accepted[:, None], p_n, residual(p_n, q_n))
     nxt = sample_from(final, u_final)
     bad = jnp.any(proposed & (q_x <= 0), axis=1)
@@ -117,7 +117,6 @@ def verify_block(
     """
     b, k1, v = p.shape
     k = k1 - 1
-    rows = jnp.arange(b)
     if k == 0:
         return verify_chain(p, q, draft, n_draft, u_accept, u_final)
     p_x = jnp.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, K]
@@ -140,11 +139,12 @@ def verify_block(
     passed = (u < h_full) | (idx == 0)
     tau = (k - jnp.argmax(jnp.flip(passed, axis=1), axis=1)).astype(jnp.int32)  # largest passing i
     at_end = tau >= n_draft
-    res_tau = resid[rows, jnp.minimum(tau, k - 1)]
+    res_tau = take_rows(resid, jnp.minimum(tau, k - 1))
     m_tau = jnp.sum(res_tau, axis=-1, keepdims=True)
     # A stop at tau < end needs m_tau > 0 (h is 0 otherwise); the guard only keeps NaNs out of dead branches.
-    res_tau = jnp.where(m_tau > 0, res_tau / jnp.where(m_tau > 0, m_tau, 1.0), p[rows, tau])
-    final = jnp.where(at_end[:, None], p[rows, tau], res_tau)
+    p_tau = take_rows(p, tau)
+    res_tau = jnp.where(m_tau > 0, res_tau / jnp.where(m_tau > 0, m_tau, 1.0), p_tau)
+    final = jnp.where(at_end[:, None], p_tau, res_tau)
     nxt = sample_from(final, u_final)
     proposed = jnp.arange(k)[None, :] < n_draft[:, None]
     accepted = jnp.arange(k)[None, :] < tau[:, None]

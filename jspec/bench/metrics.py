@@ -1,0 +1,391 @@
+"""What a benchmark run records: latency distributions, throughput, per-phase costs, memory, environment.
+
+Latency (per request, from the engine's round timestamps):
+- TTFT = time from the request's arrival to its first token (queueing + prefill, which samples that token).
+- inter-token intervals: after the first token, a round that emits n tokens gives ONE interval (the time since
+  the previous emission) followed by n - 1 zero gaps: speculation emits in bursts, and the zeros are kept so
+  the distribution shows the bursts and the pauses between them instead of averaging them away.
+- total latency = arrival to last token.
+
+Phase costs (``measure_phases``): the fused loop cannot be timed per phase from inside, so each phase is a
+separately jitted piece on the same shapes as the serving run (same batch, cache slots, context length):
+a draft-only rollout, a verify-only target call (K + 1 positions, or the tree's N nodes under its ancestor
+mask), a plain 1-token target step, the accept + commit step, and the whole round; each is timed with
+``block_until_ready`` and reported as the median of repeats. The round minus the three phases is reported as
+"other" (fusion can make it negative).
+
+Memory on CPU: ``device_bytes`` adds the bytes of the target params, the draft params, the KV cache (and the
+drafter's state) of the serving batch, plus the round's scratch (XLA's temp allocation of the compiled round,
+``memory_analysis().temp_size_in_bytes``); ``max_rss_bytes`` is the process's peak resident set size
+(``getrusage``), which also counts Python, the tokenizer and anything else loaded. On an accelerator whose
+backend reports ``memory_stats()`` the peak bytes in use are recorded too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.decode import DecodeConfig, decode_round, prefill
+from jspec.drafters import DraftContext
+from jspec.sampling import SamplingParams, distribution
+from jspec.tree import ancestor_mask, verify_tree_key
+from jspec.verify import verify_chain_key
+
+
+def dist_summary(values: Sequence[float], scale: float = 1.0) -> dict[str, float | int | None]:
+    """n, median, p95, p99, mean, max of ``values * scale`` (None entries when there are none)."""
+    a = np.asarray([v for v in values if v is not None], np.float64) * scale
+    if a.size == 0:
+        return {"n": 0, "median": None, "p95": None, "p99": None, "mean": None, "max": None}
+    return {
+        "n": int(a.size),
+        "median": float(np.median(a)),
+        "p95": float(np.percentile(a, 95)),
+        "p99": float(np.percentile(a, 99)),
+        "mean": float(a.mean()),
+        "max": float(a.max()),
+    }
+
+
+def inter_token_intervals(emissions: Sequence[tuple[float, int]]) -> list[float]:
+    """emissions: [(time, n_tokens)] in order, the first being the first token. Returns the intervals after
+    the first token: one real gap per later emission, then n - 1 zeros for the rest of its burst."""
+    out: list[float] = []
+    for (t_prev, _), (t, n) in zip(emissions, emissions[1:]):
+        if n <= 0:
+            continue
+        out.append(t - t_prev)
+        out.extend([0.0] * (n - 1))
+    return out
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """Everything recorded about one request (times in seconds from the run's start)."""
+
+    id: str
+    workload: str
+    prompt_len: int
+    arrival: float
+    admitted: float | None = None  # prefill started
+    emissions: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finished: float | None = None
+    stop_reason: str | None = None  # eos / max_new_tokens / cache_full / error / timeout / not_run
+    error: str | None = None
+    timed_out: bool = False
+    stats: dict[str, int] = dataclasses.field(default_factory=dict)  # rounds / emitted / proposed / accepted
+    text: str | None = None
+    quality: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Finished normally (not an error, not a timeout)."""
+        return self.error is None and not self.timed_out and self.finished is not None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.emissions[0][0] - self.arrival if self.emissions else None
+
+    @property
+    def latency(self) -> float | None:
+        return self.finished - self.arrival if self.finished is not None else None
+
+    def itl(self) -> list[float]:
+        return inter_token_intervals(self.emissions)
+
+    def to_json(self) -> dict[str, Any]:
+        itl = self.itl()
+        return {
+            "id": self.id,
+            "workload": self.workload,
+            "prompt_len": self.prompt_len,
+            "output_len": len(self.tokens),
+            "arrival_s": self.arrival,
+            "admitted_s": self.admitted,
+            "finished_s": self.finished,
+            "ttft_s": self.ttft,
+            "latency_s": self.latency,
+            "itl_median_s": float(np.median(itl)) if itl else None,
+            "itl_max_s": float(np.max(itl)) if itl else None,
+            "bursts": len(self.emissions),
+            "stop_reason": self.stop_reason,
+            "error": self.error,
+            "timed_out": self.timed_out,
+            "stats": self.stats,
+            "quality": self.quality,
+            "text": self.text,
+            "tokens": self.tokens,
+        }
+
+
+def summarize_requests(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:
+    """Run-level latency / throughput / counts. Throughput counts only tokens delivered to requests, i.e.
+    emitted tokens (accepted candidates + correction/bonus tokens); rejected candidates never appear."""
+    ok = [r for r in records if r.ok]
+    errors = [r for r in records if r.error is not None]
+    timeouts = [r for r in records if r.timed_out]
+    out_tokens = sum(len(r.tokens) for r in records)
+    ok_tokens = sum(len(r.tokens) for r in ok)
+    itl = [x for r in ok for x in r.itl()]
+    stops: dict[str, int] = {}
+    for r in records:
+        stops[r.stop_reason or "unfinished"] = stops.get(r.stop_reason or "unfinished", 0) + 1
+    return {
+        "submitted": len(records),
+        "finished": len(ok),
+        "errors": len(errors),
+        "timeouts": len(timeouts),
+        "not_run": sum(r.stop_reason == "not_run" for r in records),  # cut by the run's wall limit
+        "error_messages": sorted({r.error for r in errors if r.error}),
+        "stop_reasons": stops,
+        "completion_rate": (stops.get("eos", 0) / len(ok)) if ok else 0.0,
+        "output_tokens": out_tokens,
+        "finished_output_tokens": ok_tokens,
+        "wall_s": wall_s,
+        "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
+        "finished_requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "ttft_ms": dist_summary([r.ttft for r in ok], 1e3),
+        "itl_ms": dist_summary(itl, 1e3),
+        "itl_nonzero_ms": dist_summary([x for x in itl if x > 0], 1e3),
+        "latency_ms": dist_summary([r.latency for r in ok], 1e3),
+        "queue_ms": dist_summary([(r.admitted - r.arrival) for r in ok if r.admitted is not None], 1e3),
+        "input_len": dist_summary([r.prompt_len for r in records]),
+        "output_len": dist_summary([len(r.tokens) for r in ok]),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------
+# Environment, checkpoint identity, memory
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(mod: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(mod)
+    except PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Hardware and versions, written into every result."""
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "jax": jax.__version__,
+        "jaxlib": _version("jaxlib"),
+        "flax": _version("flax"),
+        "numpy": np.__version__,
+        "jspec": _version("jspec"),
+        "backend": jax.default_backend(),
+        "device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
+        "device_count": jax.device_count(),
+    }
+
+
+def file_fingerprint(path: str | os.PathLike | None) -> dict[str, Any]:
+    """Path, size and sha256 of the first MiB (enough to tell checkpoints apart without reading 100 MB)."""
+    if path is None or not os.path.isfile(path):
+        return {"path": None if path is None else os.fspath(path), "sha256_first_mib": None}
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+    return {
+        "path": os.fspath(path),
+        "bytes": os.path.getsize(path),
+        "sha256_first_mib": hashlib.sha256(head).hexdigest(),
+    }
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every array leaf of a pytree (params, caches, states)."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype")))
+
+
+def max_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def device_peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else stats.get("peak_bytes_in_use")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Per-phase costs
+
+
+def median_ms(fn: Callable[[], Any], repeats: int = 7) -> float:
+    """Median wall time of ``fn()`` in ms after one warm-up call (which also compiles)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))
+
+
+def _scatter_rows(buf: jax.Array, start: jax.Array, vals: jax.Array, n: jax.Array) -> jax.Array:
+    """buf [B, W]; vals [B, T] written at buf[b, start[b]:start[b]+n[b]] (the decoder's seq update)."""
+    w = buf.shape[1]
+    j = jnp.arange(vals.shape[1], dtype=jnp.int32)[None, :]
+    idx = jnp.where(j < n[:, None], start[:, None] + j, w)
+    return jax.vmap(lambda row, i, v: row.at[i].set(v, mode="drop"))(buf, idx, vals)
+
+
+@functools.lru_cache(maxsize=16)
+def _phase_fns(target, drafter, config: DecodeConfig):
+    """Jitted pieces of one round, each taking the loop state as an argument (never closed over, so the
+    arrays are inputs, not constants folded into the program)."""
+    k = config.gamma
+    is_tree = getattr(drafter, "is_tree", False)
+    pre = jax.jit(functools.partial(prefill, target, drafter, config))
+
+    def _pending(st):
+        rows = jnp.arange(st.seq.shape[0])
+        committed = st.seq_len - 1
+        return st.seq[rows, committed], committed
+
+    def plain(tp, st):  # one plain decoding step: [B, 1] through the target
+        pending, committed = _pending(st)
+        logits, cache = target.apply(tp, pending[:, None], committed[:, None], st.cache)
+        return distribution(logits, st.sampling), cache
+
+    def ctx(st):
+        max_draft = jnp.full(st.seq_len.shape, k, jnp.int32)
+        return DraftContext(st.seq, st.seq_len, max_draft, st.sampling)
+
+    def draft(dp, st, key):
+        if is_tree:
+            return drafter.propose_tree(dp, st.draft_state, ctx(st), key)
+        return drafter.propose(dp, st.draft_state, ctx(st), key, k)
+
+    def verify(tp, st, prop):
+        pending, committed = _pending(st)
+        if is_tree:
+            tokens = prop.tokens.at[:, 0].set(pending)
+            positions = committed[:, None] + prop.depth
+            logits, cache = target.apply(tp, tokens, positions, st.cache, ancestor_mask(prop.parent))
+        else:
+            tokens = jnp.concatenate([pending[:, None], prop.tokens], axis=1)  # [B, K+1]
+            positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+            logits, cache = target.apply(tp, tokens, positions, st.cache)
+        return distribution(logits, st.sampling), cache
+
+    def update(st, prop, p, cache, key):
+        """Acceptance + commit: the verification rule, the emitted tokens, the sequence and cache commit."""
+        b = st.seq.shape[0]
+        if is_tree:
+            pending, _ = _pending(st)
+            tokens = prop.tokens.at[:, 0].set(pending)
+            res = verify_tree_key(
+                key, p, prop.q, tokens, prop.parent, prop.valid, drafter.rule, drafter.max_depth, drafter.max_children
+            )
+            path_tokens = tokens[jnp.arange(b)[:, None], res.path[:, 1:]]
+            cache = cache.commit(res.n_accepted + 1, res.path)
+        else:
+            res = verify_chain_key(key, p, prop.q, prop.tokens, prop.n_draft, block=config.block_verify)
+            path_tokens = prop.tokens
+            cache = cache.commit(res.n_accepted + 1)
+        j = jnp.arange(path_tokens.shape[1] + 1)[None, :]
+        padded = jnp.concatenate([path_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+        emitted = jnp.where(j < res.n_accepted[:, None], padded, res.next_token[:, None])
+        seq = _scatter_rows(st.seq, st.seq_len, emitted, res.n_accepted + 1)
+        return seq, cache
+
+    def round_(tp, dp, st):
+        return decode_round(target, drafter, config, tp, dp, st)[0]
+
+    return pre, jax.jit(plain), jax.jit(draft), jax.jit(verify), jax.jit(update), jax.jit(round_)
+
+
+def measure_phases(
+    target,
+    target_params,
+    drafter,
+    draft_params,
+    config: DecodeConfig,
+    batch: int,
+    context_len: int,
+    *,
+    temperature: float = 0.0,
+    repeats: int = 7,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Per-phase costs in ms (medians of ``repeats``) at batch ``batch`` with ``context_len`` committed tokens
+    per row in a cache of ``config.slots`` slots. The prompt is random token ids; costs do not depend on
+    the values (an n-gram lookup scans the whole history either way, a draft model runs its full rollout).
+
+    Returns plain_step_ms, draft_ms (the whole rollout for K, or the tree), verify_ms, state_ms (accept +
+    commit), round_ms (the fused round as the loop runs it), other_ms = round - draft - verify - state, and
+    the round's scratch bytes."""
+    b, s = batch, config.slots
+    context_len = int(min(max(context_len, 2), s - config.gamma - 3))
+    rng = np.random.default_rng(seed)
+    prompt = jnp.asarray(rng.integers(0, target.vocab_size, size=(b, context_len)), jnp.int32)
+    plen = jnp.full((b,), context_len, jnp.int32)
+    max_new = jnp.full((b,), s, jnp.int32)
+    sampling = SamplingParams.make(b, temperature)
+    key = jax.random.key(seed)
+    pre, plain, draft, verify, update, round_ = _phase_fns(target, drafter, config)
+    st = jax.block_until_ready(pre(target_params, draft_params, prompt, plen, max_new, sampling, key))
+    out: dict[str, Any] = {
+        "batch": b,
+        "context_len": context_len,
+        "slots": s,
+        "gamma": config.gamma,
+        "repeats": repeats,
+        "how": "separately jitted pieces on the serving shapes, block_until_ready, median of repeats",
+    }
+    out["plain_step_ms"] = median_ms(lambda: plain(target_params, st), repeats)
+    if drafter is None:
+        out.update(draft_ms=0.0, verify_ms=out["plain_step_ms"], state_ms=None)
+    else:
+        prop = draft(draft_params, st, key)
+        p, cache = verify(target_params, st, prop)
+        out["draft_ms"] = median_ms(lambda: draft(draft_params, st, key), repeats)
+        out["verify_ms"] = median_ms(lambda: verify(target_params, st, prop), repeats)
+        out["state_ms"] = median_ms(lambda: update(st, prop, p, cache, key), repeats)
+        out["verify_positions"] = int(prop.tokens.shape[1] + (0 if getattr(drafter, "is_tree", False) else 1))
+    out["round_ms"] = median_ms(lambda: round_(target_params, draft_params, st), repeats)
+    out["other_ms"] = out["round_ms"] - sum(out[k] or 0.0 for k in ("draft_ms", "verify_ms", "state_ms"))
+    try:
+        mem = round_.lower(target_params, draft_params, st).compile().memory_analysis()
+        out["round_scratch_bytes"] = int(mem.temp_size_in_bytes)
+    except Exception as e:  # memory_analysis is backend-dependent; record why it is missing
+        out["round_scratch_bytes"] = None
+        out["round_scratch_error"] = f"{type(e).__name__}: {e}"[:200]
+    return out

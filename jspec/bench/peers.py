@@ -1,0 +1,371 @@
+"""Peer implementations measured in the same run, on the same checkpoint file and the same prompt ids.
+
+- transformers (torch CPU): plain ``generate``, prompt lookup (``prompt_lookup_num_tokens``) and assisted
+  generation (``assistant_model``: here the target's first layers, the same truncated draft a jspec
+  ``ModelDrafter`` can use), loaded by transformers' own GGUF converter from the same .gguf file (f32).
+- llama-cpp-python: plain and prompt lookup (``LlamaPromptLookupDecoding``), running the GGUF natively (its
+  quantised weights, not jspec's f32 dequantisation: a different numerical target, so exact match with
+  jspec is not expected).
+
+Everything is imported lazily; a peer that is not installed (or fails to load) is skipped with the reason
+recorded in the result. Peers decode one request at a time (batch 1, the only batch their speculative paths
+support), so they are compared with jspec's concurrency-1 runs. Per-token timestamps come from a streamer
+(transformers) or the token iterator (llama.cpp), so TTFT and inter-token intervals are measured the same
+way as jspec's: the prompt's arrival is the call, bursts keep their zero gaps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jspec.bench import metrics
+from jspec.bench.metrics import RequestRecord
+
+TECHNIQUES = ("plain", "prompt_lookup", "assisted")
+
+
+@dataclasses.dataclass
+class PeerRun:
+    """One peer configuration's results (or why it was skipped)."""
+
+    library: str
+    technique: str
+    label: str
+    available: bool
+    reason: str | None = None
+    records: list[RequestRecord] = dataclasses.field(default_factory=list)
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    quality: dict[str, Any] | None = None
+
+    def tokens_by_id(self) -> dict[str, list[int]]:
+        return {r.id: r.tokens for r in self.records if r.ok}
+
+    def to_json(self, with_requests: bool = True) -> dict[str, Any]:
+        out = {
+            "library": self.library,
+            "technique": self.technique,
+            "label": self.label,
+            "available": self.available,
+            "reason": self.reason,
+            "summary": self.summary,
+            "info": self.info,
+            "quality": self.quality,
+        }
+        if with_requests:
+            out["requests"] = [r.to_json() for r in self.records]
+            out["itl_ms_all"] = [round(x * 1e3, 3) for r in self.records if r.ok for x in r.itl()]
+        return out
+
+
+def _missing(mods: Sequence[str]) -> list[str]:
+    return [m for m in mods if importlib.util.find_spec(m) is None]
+
+
+def _serve_sequentially(
+    jobs, generate_one: Callable[[Sequence[int], RequestRecord], None], max_wall_s: float | None
+) -> tuple[list[RequestRecord], float]:
+    """Closed loop at concurrency 1: each request arrives when the previous one ends. ``generate_one`` fills
+    the record's emissions and tokens (times relative to the run start via ``rec.arrival``)."""
+    records = []
+    t0 = time.perf_counter()
+    for job in jobs:
+        t = time.perf_counter() - t0
+        rec = RequestRecord(job.id, job.workload, len(job.prompt or ()), t)
+        records.append(rec)
+        if max_wall_s is not None and t > max_wall_s:
+            rec.stop_reason = "not_run"
+            continue
+        if job.prompt is None:
+            rec.error, rec.stop_reason, rec.finished = job.error, "error", t
+            continue
+        rec.admitted = t
+        try:
+            generate_one(job.prompt, rec, t0)
+        except Exception as e:  # recorded, the run goes on
+            rec.error, rec.stop_reason = f"{type(e).__name__}: {e}"[:300], "error"
+            rec.finished = time.perf_counter() - t0
+    return records, time.perf_counter() - t0
+
+
+def _finalize(run: PeerRun, records, wall, jobs, decode_text, scorer):
+    for job, rec in zip(jobs, records):
+        if rec.tokens and decode_text is not None:
+            rec.text = decode_text(rec.tokens)
+        if scorer is not None and rec.ok and job.request is not None:
+            try:
+                rec.quality = scorer(job.request, rec.text or "")
+            except Exception as e:
+                rec.quality = {"check_error": f"{type(e).__name__}: {e}"}
+    run.records = records
+    run.summary = metrics.summarize_requests(records, wall)
+
+
+# --------------------------------------------------------------------------------------------------------
+# transformers
+
+
+class _TimingStreamer:
+    """A ``generate`` streamer that timestamps every push (the first push is the prompt itself)."""
+
+    def __init__(self, rec: RequestRecord, t0: float):
+        self.rec, self.t0, self.seen_prompt = rec, t0, False
+
+    def put(self, value):
+        t = time.perf_counter() - self.t0
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        toks = [int(x) for x in value.reshape(-1).tolist()]
+        if toks:
+            self.rec.emissions.append((t, len(toks)))
+            self.rec.tokens.extend(toks)
+
+    def end(self):
+        pass
+
+
+def _load_transformers(gguf_path: str):
+    import torch
+    import transformers.modeling_utils as modeling_utils
+    from transformers import AutoModelForCausalLM
+
+    # transformers refuses GGUF files unless ``accelerate`` is importable, although its GGUF path does not
+    # use it on CPU: lift that one gate instead of requiring the package.
+    if not modeling_utils.is_accelerate_available():
+        modeling_utils.is_accelerate_available = lambda: True
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path) or ".", gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+def truncated_assistant(model, layers: int):
+    """The target's first ``layers`` decoder layers + its final norm and head, as a transformers model:
+    the same draft as ``examples/``' truncated jspec ``ModelDrafter`` (weights shared, not copied)."""
+    import copy
+
+    import torch
+
+    assistant = copy.copy(model)
+    assistant.model = copy.copy(model.model)
+    assistant.model.layers = torch.nn.ModuleList(list(model.model.layers)[:layers])
+    assistant.config = copy.deepcopy(model.config)
+    assistant.config.num_hidden_layers = layers
+    assistant.generation_config = copy.deepcopy(model.generation_config)
+    return assistant
+
+
+def run_transformers(
+    gguf_path: str,
+    jobs,
+    *,
+    techniques: Sequence[str] = ("plain", "prompt_lookup"),
+    gamma: int = 4,
+    max_ngram: int = 3,
+    assistant_layers: int | None = None,
+    max_new_tokens: int,
+    eos_id: int | None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    threads: int | None = None,
+    decode_text=None,
+    scorer=None,
+    max_wall_s: float | None = None,
+) -> list[PeerRun]:
+    """transformers' plain / prompt-lookup / assisted generation on the same GGUF, one request at a time."""
+    lib = "transformers"
+    missing = _missing(["torch", "transformers"])
+    if missing:
+        reason = f"not installed: {', '.join(missing)} (pip install -e '.[peers]')"
+        return [PeerRun(lib, t, f"{lib} {t}", False, reason) for t in techniques]
+    try:
+        import torch
+        import transformers
+
+        if threads:
+            torch.set_num_threads(threads)
+        model = _load_transformers(gguf_path)
+    except Exception as e:
+        reason = f"failed to load {gguf_path}: {type(e).__name__}: {e}"[:300]
+        return [PeerRun(lib, t, f"{lib} {t}", False, reason) for t in techniques]
+    info = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": "float32",
+        "weights": "transformers' GGUF converter, dequantised to f32 (same file as jspec)",
+    }
+    assistant = None
+    out = []
+    for tech in techniques:
+        label = {"plain": f"{lib} plain", "prompt_lookup": f"{lib} prompt-lookup K={gamma}"}.get(tech, "")
+        kw: dict[str, Any] = {}
+        if tech == "prompt_lookup":
+            kw = {"prompt_lookup_num_tokens": gamma, "max_matching_ngram_size": max_ngram}
+        elif tech == "assisted":
+            if not assistant_layers:
+                out.append(PeerRun(lib, tech, f"{lib} assisted", False, "no assistant (assistant_layers not set)"))
+                continue
+            if assistant is None:
+                assistant = truncated_assistant(model, assistant_layers)
+            # jspec drafts a fixed K; transformers' default schedule adapts it, which would compare policies.
+            assistant.generation_config.num_assistant_tokens = gamma
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            assistant.generation_config.assistant_confidence_threshold = 0.0
+            kw = {"assistant_model": assistant}
+            label = f"{lib} assisted {assistant_layers}L K={gamma}"
+        elif tech != "plain":
+            out.append(PeerRun(lib, tech, f"{lib} {tech}", False, f"unknown technique {tech!r}"))
+            continue
+        sample = (
+            {"do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": top_p}
+            if temperature > 0
+            else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+        )
+
+        def generate_one(prompt, rec, t0, kw=kw, sample=sample):
+            ids = torch.tensor([list(prompt)], dtype=torch.long)
+            with torch.inference_mode():
+                model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=eos_id,
+                    pad_token_id=eos_id,
+                    streamer=_TimingStreamer(rec, t0),
+                    **sample,
+                    **kw,
+                )
+            rec.finished = time.perf_counter() - t0
+            if eos_id is not None and eos_id in rec.tokens:  # nothing after EOS, as in jspec
+                rec.tokens = rec.tokens[: rec.tokens.index(eos_id) + 1]
+            rec.stop_reason = _stop(rec.tokens, eos_id)
+
+        run = PeerRun(lib, tech, label, True, None, info=dict(info, generate_kwargs=_jsonable(kw)))
+        try:  # warm-up outside the timed loop (first calls allocate and pick kernels)
+            warm = next((j for j in jobs if j.prompt is not None), None)
+            if warm is not None:
+                generate_one(warm.prompt[:32], RequestRecord("warm", "warmup", 0, 0.0), time.perf_counter())
+        except Exception as e:
+            out.append(PeerRun(lib, tech, label, False, f"warm-up failed: {type(e).__name__}: {e}"[:300], info=info))
+            continue
+        records, wall = _serve_sequentially(jobs, generate_one, max_wall_s)
+        _finalize(run, records, wall, jobs, decode_text, scorer)
+        out.append(run)
+    return out
+
+
+def _stop(tokens: list[int], eos_id: int | None) -> str:
+    return "eos" if eos_id is not None and tokens and tokens[-1] == eos_id else "max_new_tokens"
+
+
+def _jsonable(kw: dict) -> dict:
+    return {k: (v if isinstance(v, int | float | str | bool | type(None)) else type(v).__name__) for k, v in kw.items()}
+
+
+# --------------------------------------------------------------------------------------------------------
+# llama-cpp-python
+
+
+def run_llama_cpp(
+    gguf_path: str,
+    jobs,
+    *,
+    techniques: Sequence[str] = ("plain", "prompt_lookup"),
+    gamma: int = 4,
+    max_new_tokens: int,
+    max_len: int,
+    eos_id: int | None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    threads: int | None = None,
+    decode_text=None,
+    scorer=None,
+    max_wall_s: float | None = None,
+) -> list[PeerRun]:
+    """llama-cpp-python plain and prompt-lookup decoding of the same GGUF, one request at a time."""
+    lib = "llama-cpp-python"
+    techniques = [t for t in techniques if t != "assisted"]  # its draft-model API is not compared here
+    if _missing(["llama_cpp"]):
+        reason = "not installed: llama_cpp (pip install llama-cpp-python; it compiles llama.cpp)"
+        return [PeerRun(lib, t, f"{lib} {t}", False, reason) for t in techniques]
+    out = []
+    for tech in techniques:
+        label = f"{lib} plain" if tech == "plain" else f"{lib} prompt-lookup K={gamma}"
+        try:
+            import llama_cpp
+            from llama_cpp import Llama
+
+            draft = None
+            if tech == "prompt_lookup":
+                from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+                draft = LlamaPromptLookupDecoding(num_pred_tokens=gamma)
+            llm = Llama(
+                model_path=gguf_path,
+                n_ctx=max_len,
+                n_threads=threads or os.cpu_count(),
+                draft_model=draft,
+                verbose=False,
+            )
+        except Exception as e:
+            out.append(PeerRun(lib, tech, label, False, f"failed to load: {type(e).__name__}: {e}"[:300]))
+            continue
+        info = {"llama_cpp": getattr(llama_cpp, "__version__", None), "weights": "native GGUF quantisation"}
+
+        def generate_one(prompt, rec, t0, llm=llm):
+            llm.reset()  # no prefix reuse between requests: every request pays its prefill, as in jspec
+            gen = llm.generate(
+                list(prompt), temp=temperature, top_k=top_k if temperature > 0 else 1, top_p=top_p, reset=True
+            )
+            for tok in gen:
+                t = time.perf_counter() - t0
+                rec.emissions.append((t, 1))
+                rec.tokens.append(int(tok))
+                if (eos_id is not None and tok == eos_id) or len(rec.tokens) >= max_new_tokens:
+                    break
+            rec.finished = time.perf_counter() - t0
+            rec.stop_reason = _stop(rec.tokens, eos_id)
+
+        run = PeerRun(lib, tech, label, True, None, info=info)
+        try:
+            warm = next((j for j in jobs if j.prompt is not None), None)
+            if warm is not None:
+                generate_one(warm.prompt[:32], RequestRecord("warm", "warmup", 0, 0.0), time.perf_counter())
+        except Exception as e:
+            out.append(PeerRun(lib, tech, label, False, f"warm-up failed: {type(e).__name__}: {e}"[:300]))
+            continue
+        records, wall = _serve_sequentially(jobs, generate_one, max_wall_s)
+        _finalize(run, records, wall, jobs, decode_text, scorer)
+        out.append(run)
+    return out
+
+
+def run_peers(
+    names: Sequence[str], gguf_path: str | None, jobs, *, assistant_layers: int | None = None, **kw
+) -> list[PeerRun]:
+    """Run the named peer libraries ("transformers", "llama_cpp"); unknown names and a missing checkpoint
+    path are recorded as skipped."""
+    max_len = kw.pop("max_len", 2048)  # llama.cpp's context size; transformers sizes its cache itself
+    out: list[PeerRun] = []
+    for name in names:
+        if gguf_path is None or not str(gguf_path).endswith(".gguf"):
+            out.append(PeerRun(name, "plain", f"{name}", False, f"needs the GGUF checkpoint path, got {gguf_path}"))
+            continue
+        if name == "transformers":
+            techniques = ["plain", "prompt_lookup"] + (["assisted"] if assistant_layers else [])
+            out += run_transformers(gguf_path, jobs, techniques=techniques, assistant_layers=assistant_layers, **kw)
+        elif name in ("llama_cpp", "llama-cpp-python"):
+            kw2 = {k: v for k, v in kw.items() if k != "max_ngram"}
+            out += run_llama_cpp(gguf_path, jobs, max_len=max_len, **kw2)
+        else:
+            out.append(PeerRun(name, "plain", name, False, f"unknown peer {name!r} (transformers, llama_cpp)"))
+    return out

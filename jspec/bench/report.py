@@ -1,0 +1,437 @@
+"""Results as JSON (everything), a Markdown summary (the tables) and matplotlib plots.
+
+The payload every script writes is one dict:
+``{"suite", "command", "meta": {environment, model, tokenizer, sampling, stop rules, workloads}, "runs":
+[RunResult.to_json()], "peers": [PeerRun.to_json()], "sweeps": {...}}``. ``markdown(payload)`` renders it;
+the plot functions take the same payload (or sweep points) and write PNGs (Agg backend, no display).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+MB = 1 << 20
+
+
+def write_json(path: str, payload: dict[str, Any]) -> str:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=_default)
+    return path
+
+
+def _default(x):
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if hasattr(x, "item"):
+        return x.item()
+    return str(x)
+
+
+def _f(x, nd: int = 1, unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x}{unit}"
+    return f"{x:.{nd}f}{unit}"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _plain_of(runs: Sequence[dict], load_name: str) -> dict | None:
+    return next((r for r in runs if r["load_name"] == load_name and r["spec"]["kind"] == "plain"), None)
+
+
+def results_table(runs: Sequence[dict], load_name: str) -> str:
+    """One row per configuration at one load: throughput, its ratio to plain, latency percentiles, rounds."""
+    plain = _plain_of(runs, load_name)
+    base = plain["summary"]["output_tokens_per_s"] if plain else None
+    rows = []
+    for r in runs:
+        if r["load_name"] != load_name:
+            continue
+        s, d, q = r["summary"], r["decode_stats"], r.get("quality") or {}
+        tps = s["output_tokens_per_s"]
+        rows.append(
+            [
+                r["spec"]["label"],
+                _f(tps),
+                _f(tps / base, 2, "x") if base else "-",
+                _f(s["finished_requests_per_s"], 2),
+                f"{_f(s['ttft_ms']['median'], 0)} / {_f(s['ttft_ms']['p95'], 0)}",
+                f"{_f(s['itl_ms']['median'], 1)} / {_f(s['itl_ms']['p95'], 1)}",
+                f"{_f(s['latency_ms']['median'] and s['latency_ms']['median'] / 1e3, 2)} / "
+                f"{_f(s['latency_ms']['p95'] and s['latency_ms']['p95'] / 1e3, 2)}",
+                _f(d["tokens_per_round"], 2),
+                _pct(d["acceptance_rate"]) if r["spec"]["kind"] != "plain" else "-",
+                f"{s['finished']}/{s['submitted']} ({s['errors']} err, {s['timeouts']} t/o)",
+                _pct(q.get("exact_match_vs_plain")) if r["spec"]["kind"] != "plain" else "ref",
+            ]
+        )
+    header = [
+        "config",
+        "out tok/s",
+        "vs plain",
+        "req/s",
+        "TTFT p50/p95 ms",
+        "ITL p50/p95 ms",
+        "latency p50/p95 s",
+        "tokens/round",
+        "acceptance",
+        "finished",
+        "= plain",
+    ]
+    return _table(header, rows)
+
+
+def cost_table(runs: Sequence[dict]) -> str:
+    rows = []
+    for r in runs:
+        cm, ph = r.get("cost_model"), r.get("phases") or {}
+        if not cm:
+            continue
+        seed, men = cm.get("seed") or {}, cm.get("measured_en") or {}
+        rows.append(
+            [
+                f"{r['spec']['label']} ({r['load_name']})",
+                _f(cm["measured_speedup"], 2, "x"),
+                _f(seed.get("speedup"), 2, "x"),
+                _f(seed.get("ratio_to_measured"), 2),
+                _f(men.get("speedup"), 2, "x"),
+                _f(men.get("ratio_to_measured"), 2),
+                _f(men.get("expected_tokens"), 2),
+                _f(men.get("wide_fraction"), 2),
+                _f(ph.get("draft_ms"), 2),
+                _f(ph.get("verify_ms"), 2),
+                _f(ph.get("state_ms"), 2),
+                _f(ph.get("round_ms"), 2),
+                _f(cm.get("baseline_ms"), 2),
+            ]
+        )
+    header = [
+        "config (load)",
+        "measured",
+        "seed model",
+        "ratio",
+        "measured-E[N] model",
+        "ratio",
+        "E[N]",
+        "wide share",
+        "draft ms",
+        "verify ms",
+        "state ms",
+        "round ms",
+        "plain round ms",
+    ]
+    return _table(header, rows) if rows else "(no speculative runs)"
+
+
+def quality_table(runs: Sequence[dict], peers: Sequence[dict] = ()) -> str:
+    rows = []
+    for r in [*runs, *[p for p in peers if p.get("available")]]:
+        q = r.get("quality") or {}
+        label = r["spec"]["label"] + f" ({r['load_name']})" if "spec" in r else r["label"]
+        m, c, g, ch = q.get("math", {}), q.get("code", {}), q.get("grounded", {}), q.get("chat", {})
+        comp = [x.get("completion_rate") for x in (m, c, g, ch) if x]
+        rows.append(
+            [
+                label,
+                _pct(m.get("accuracy")),
+                _pct(c.get("parses")),
+                _pct(c.get("property_check")),
+                _pct(g.get("exact")),
+                _f(g.get("similarity"), 2),
+                _f(g.get("grounding"), 2),
+                _pct(sum(comp) / len(comp)) if comp else "-",
+                _pct(q.get("exact_match_vs_plain")) if "exact_match_vs_plain" in q else "-",
+            ]
+        )
+    header = [
+        "config",
+        "math accuracy",
+        "code ast.parse",
+        "code property",
+        "grounded exact",
+        "grounded similarity",
+        "grounding",
+        "completion (EOS)",
+        "= jspec plain",
+    ]
+    return _table(header, rows)
+
+
+def memory_table(runs: Sequence[dict]) -> str:
+    rows = []
+    for r in runs:
+        m, ph = r["memory"], r.get("phases") or {}
+        scratch = ph.get("round_scratch_bytes")
+        total = m["device_bytes"] + (scratch or 0)
+        rows.append(
+            [
+                f"{r['spec']['label']} ({r['load_name']})",
+                _f(m["params_bytes"] / MB, 1),
+                _f(m["draft_params_bytes"] / MB, 1),
+                _f((m["cache_bytes"] + m["draft_state_bytes"]) / MB, 1),
+                _f(scratch / MB if scratch is not None else None, 1),
+                _f(total / MB, 1),
+                _f(m["max_rss_bytes"] / MB, 0),
+            ]
+        )
+    header = ["config", "params MB", "draft MB", "caches MB", "round scratch MB", "device total MB", "peak RSS MB"]
+    return _table(header, rows)
+
+
+def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
+    """Each peer next to the jspec run of the same technique at concurrency 1, measured in the same run."""
+    c1 = [r for r in runs if r["load"]["mode"] == "closed" and r["load"]["concurrency"] == 1]
+    rows = []
+    for p in peers:
+        if not p.get("available"):
+            rows.append([p["label"], "skipped: " + str(p.get("reason")), "", "", "", "", "", ""])
+            continue
+        s = p["summary"]
+        tps = s["output_tokens_per_s"]
+        mates = [r for r in c1 if (r["spec"].get("peer") or r["spec"]["kind"]) == p["technique"]]
+        q = p.get("quality") or {}
+        if not mates:
+            mates = [None]
+        for mate in mates:
+            jt = mate["summary"]["output_tokens_per_s"] if mate else None
+            rows.append(
+                [
+                    p["label"],
+                    _f(tps),
+                    f"{_f(s['ttft_ms']['median'], 0)} / {_f(s['itl_ms']['median'], 1)} / {_f(s['itl_ms']['p95'], 1)}",
+                    mate["spec"]["label"] if mate else "-",
+                    _f(jt),
+                    _f(jt / tps, 2, "x") if jt and tps else "-",
+                    _pct(q.get("exact_match_vs_plain")),
+                    f"{s['finished']}/{s['submitted']}",
+                ]
+            )
+    header = [
+        "peer (batch 1)",
+        "peer tok/s",
+        "peer TTFT p50 / ITL p50 / p95 ms",
+        "jspec row",
+        "jspec tok/s",
+        "jspec / peer",
+        "= jspec plain",
+        "finished",
+    ]
+    return _table(header, rows) if rows else "(no peers requested)"
+
+
+def meta_block(meta: dict[str, Any]) -> str:
+    env, model = meta.get("environment", {}), meta.get("model", {})
+    lines = [
+        f"- Machine: {env.get('cpu_model')} ({env.get('cpu_cores')} cores, load average at start "
+        f"{', '.join(f'{x:.1f}' for x in env.get('load_average') or [])}), {env.get('platform')}",
+        f"- Versions: jax {env.get('jax')}, jaxlib {env.get('jaxlib')}, flax {env.get('flax')}, "
+        f"python {env.get('python')}; backend {env.get('backend')} ({env.get('device')}); date {env.get('date')}",
+        f"- Model: {model.get('name')} ({model.get('path')}, sha256 of first MiB "
+        f"{str(model.get('sha256_first_mib'))[:12]}), {model.get('dtype')}",
+        f"- Tokenizer: {meta.get('tokenizer', {}).get('summary')}; chat template "
+        f"{'on' if meta.get('chat_template') else 'off'}",
+        f"- Sampling: {meta.get('sampling')}; stop: {meta.get('stop_rules')}; cache slots {meta.get('max_len')}",
+    ]
+    for w, d in (meta.get("workloads") or {}).get("per_workload", {}).items():
+        lines.append(
+            f"- Workload {w}: {d['n']} requests, input tokens median {_f(d['input_len'].get('median'), 0)} "
+            f"(p95 {_f(d['input_len'].get('p95'), 0)}, max {_f(d['input_len'].get('max'), 0)})"
+        )
+    if meta.get("workloads"):
+        lines.append(f"- Prompt set fingerprint: {meta['workloads'].get('fingerprint')} (seed {meta.get('seed')})")
+    return "\n".join(lines)
+
+
+def markdown(payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
+    runs, peers, meta = payload.get("runs", []), payload.get("peers", []), payload.get("meta", {})
+    parts = [f"# jspec benchmark: {payload.get('suite', '')}", ""]
+    if payload.get("command"):
+        parts += [f"Command: `{payload['command']}`", ""]
+    parts += [meta_block(meta), ""]
+    loads = []
+    for r in runs:
+        if r["load_name"] not in loads:
+            loads.append(r["load_name"])
+    for ln in loads:
+        parts += [f"## {ln}", "", results_table(runs, ln), ""]
+    parts += [
+        "Throughput counts emitted tokens only (accepted candidates + correction/bonus tokens; rejected "
+        "candidates never count). ITL: a round that emits n tokens gives one interval and n - 1 zero gaps "
+        "(bursts). acceptance = accepted / proposed candidates; tokens/round = emitted / rounds.",
+        "",
+    ]
+    if any(r.get("cost_model") for r in runs):
+        parts += ["## Cost model check (seed section 3)", "", cost_table(runs), ""]
+        parts += [
+            "Costs are separately jitted pieces on the serving shapes (medians of repeats). 'seed model' = "
+            "baseline x E[N] / (K d + verify + state) with E[N] from the measured per-position acceptance; "
+            "'measured-E[N] model' uses the measured tokens per round and weights rounds where nothing was "
+            "proposed (1-token verify) by their measured share. ratio = predicted / measured.",
+            "",
+        ]
+    if peers:
+        parts += ["## Peers (same checkpoint file, same prompt ids, measured in the same run)", ""]
+        parts += [peers_table(runs, peers), ""]
+    parts += ["## Quality on the same tasks", "", quality_table(runs, peers), ""]
+    parts += ["## Memory", "", memory_table(runs), ""]
+    if runs:
+        parts += [f"Memory: {runs[0]['memory']['how']}.", ""]
+    for extra in payload.get("markdown_extra", []):
+        parts += [extra, ""]
+    for p in plots:
+        parts += [f"![{os.path.basename(p)}]({os.path.basename(p)})", ""]
+    return "\n".join(parts)
+
+
+def write_markdown(path: str, payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
+    with open(path, "w") as f:
+        f.write(markdown(payload, plots))
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------
+# Plots
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cdf(ax, values, label):
+    import numpy as np
+
+    v = np.sort(np.asarray(values, float))
+    if v.size:
+        ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=label)
+
+
+def plot_latency(payload: dict[str, Any], path: str, load_name: str | None = None) -> str:
+    """CDFs of TTFT, inter-token interval and total latency per configuration (and peer)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for r in payload.get("runs", []):
+        if load_name is not None and r["load_name"] != load_name:
+            continue
+        reqs = [q for q in r.get("requests", []) if q["latency_s"] is not None]
+        lab = r["spec"]["label"] + ("" if load_name else f" ({r['load_name']})")
+        _cdf(axes[0], [q["ttft_s"] * 1e3 for q in reqs], lab)
+        _cdf(axes[1], r.get("itl_ms_all", []), lab)
+        _cdf(axes[2], [q["latency_s"] for q in reqs], lab)
+    for p in payload.get("peers", []):
+        if not p.get("available"):
+            continue
+        reqs = [q for q in p.get("requests", []) if q["latency_s"] is not None]
+        _cdf(axes[0], [q["ttft_s"] * 1e3 for q in reqs], p["label"])
+        _cdf(axes[1], p.get("itl_ms_all", []), p["label"])
+        _cdf(axes[2], [q["latency_s"] for q in reqs], p["label"])
+    axes[0].set_xlabel("time to first token (ms)")
+    axes[1].set_xlabel("inter-token interval (ms; bursts give 0)")
+    axes[1].set_xscale("symlog", linthresh=1.0)
+    axes[2].set_xlabel("request latency (s)")
+    for ax in axes:
+        ax.set_ylabel("fraction of requests / intervals")
+        ax.grid(alpha=0.3)
+    axes[2].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance_by_position(payload: dict[str, Any], path: str) -> str:
+    """accepted / proposed candidates at each draft position (tree: depth), per speculative run."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    for r in payload.get("runs", []):
+        acc = r["decode_stats"].get("acceptance_by_position") or []
+        if r["spec"]["kind"] == "plain" or not acc:
+            continue
+        xs = [i + 1 for i, a in enumerate(acc) if a is not None]
+        ax.plot(xs, [a for a in acc if a is not None], marker="o", label=f"{r['spec']['label']} ({r['load_name']})")
+    ax.set_xlabel("draft position (tree: depth)")
+    ax.set_ylabel("accepted / proposed")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def plot_speedup_vs_k(points: Sequence[dict[str, Any]], path: str, title: str = "") -> str:
+    """points: {"series", "k", "speedup", "predicted"?, "tokens_per_round"?}: measured speedup over plain
+    (same run) vs K, with the cost model's prediction dashed."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    series: dict[str, list] = {}
+    for p in points:
+        series.setdefault(p["series"], []).append(p)
+    for name, ps in series.items():
+        ps = sorted(ps, key=lambda p: p["k"])
+        (line,) = ax.plot([p["k"] for p in ps], [p["speedup"] for p in ps], marker="o", label=f"{name} measured")
+        pred = [(p["k"], p["predicted"]) for p in ps if p.get("predicted") is not None]
+        if pred:
+            ax.plot(*zip(*pred), ls="--", color=line.get_color(), alpha=0.7, label=f"{name} cost model")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("K (candidates per round)")
+    ax.set_ylabel("speedup over plain (output tok/s)")
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def plot_batch_sweep(points: Sequence[dict[str, Any]], path: str, title: str = "") -> str:
+    """points: {"series", "batch", "tokens_per_s", "speedup"?}: throughput and speedup vs batch size."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    series: dict[str, list] = {}
+    for p in points:
+        series.setdefault(p["series"], []).append(p)
+    for name, ps in series.items():
+        ps = sorted(ps, key=lambda p: p["batch"])
+        axes[0].plot([p["batch"] for p in ps], [p["tokens_per_s"] for p in ps], marker="o", label=name)
+        sp = [(p["batch"], p["speedup"]) for p in ps if p.get("speedup") is not None]
+        if sp:
+            axes[1].plot(*zip(*sp), marker="o", label=name)
+    axes[0].set_ylabel("output tokens/s")
+    axes[1].set_ylabel("speedup over plain at the same batch")
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (closed-loop concurrency)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

@@ -1,0 +1,422 @@
+"""``python -m jspec bench``: the default suite, and the building blocks the ``examples/bench_*.py`` scripts use.
+
+Default suite (a few minutes on a 2-core CPU with the default model):
+1. the four workloads (math, code, chat, grounded), ``--n`` requests each, tokenised with the chat template;
+2. plain decoding and n-gram (prompt-lookup) speculation, K = ``--gamma``, greedy, each served through the
+   continuous-batching engine at closed-loop concurrency 1 (low-load latency) and ``--concurrency`` (saturation
+   throughput), in separate runs, interleaved in one process so ratios share the machine's state;
+3. per-phase costs and the cost-model check next to each measured speedup, quality on the same tasks and
+   exact match with plain greedy;
+4. peers on the same checkpoint file and prompt ids when installed (transformers plain and prompt lookup;
+   llama-cpp-python plain and prompt lookup), at batch 1;
+5. ``<out>/<suite>.json`` (everything), ``<out>/<suite>.md`` (tables) and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import inspect
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jspec.bench import metrics, peers, report, runner, workloads
+from jspec.bench.runner import Load, RunResult, Sampling, Spec
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded checkpoint (through ``jspec.cli.model_loader()``) and where it came from."""
+
+    name: str
+    config: Any
+    params: Any
+    model: Any
+    tokenizer: Any
+    path: str | None
+    dtype: str
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = getattr(self.tokenizer, "eos_id", None)
+        return () if eos is None else (int(eos),)
+
+    def decode_text(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.config
+        cfg_d = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg)
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "config": cfg_d,
+            "params_bytes": metrics.tree_bytes(self.params),
+            **metrics.file_fingerprint(self.path),
+        }
+
+
+def _checkpoint_path(load, name: str) -> str | None:
+    """The checkpoint file behind ``name``: the path itself, or the loader module's ``resolve(name)`` when
+    it has one (the registered loader of this repository does), read without importing any model package."""
+    if os.path.exists(name):
+        return name
+    mod = inspect.getmodule(load)
+    resolve = getattr(mod, "resolve", None)
+    if callable(resolve):
+        try:
+            return os.fspath(resolve(name))
+        except Exception:
+            return None
+    return None
+
+
+def load_target(name: str = "smollm2-135m-instruct", dtype: str = "float32") -> Target:
+    from jspec.cli import model_loader
+
+    load = model_loader()
+    config, params, model, tok = load(name, dtype)
+    if tok is None:
+        raise SystemExit(f"'{name}' has no tokenizer; the benchmark workloads need one")
+    return Target(name, config, params, model, tok, _checkpoint_path(load, name), dtype)
+
+
+def tokenizer_info(tok) -> dict[str, Any]:
+    tmpl = getattr(tok, "chat_template", None)
+    return {
+        "type": type(tok).__name__,
+        "vocab_size": getattr(tok, "vocab_size", None),
+        "eos_id": getattr(tok, "eos_id", None),
+        "bos_id": getattr(tok, "bos_id", None),
+        "chat_template_sha256": hashlib.sha256(tmpl.encode()).hexdigest()[:16] if tmpl else None,
+        "summary": f"{type(tok).__name__} (vocab {getattr(tok, 'vocab_size', '?')}, EOS {getattr(tok, 'eos_id', '?')})",
+    }
+
+
+# --------------------------------------------------------------------------------------------------------
+# Specs
+
+
+def plain_spec() -> Spec:
+    return Spec("plain", peer="plain")
+
+
+def ngram_spec(target: Target, gamma: int = 4, max_ngram: int = 3, min_ngram: int = 1, adaptive=None) -> Spec:
+    from jspec.ngram import NgramDrafter
+
+    d = NgramDrafter(max_ngram, min_ngram, vocab_size=target.model.vocab_size)
+    label = f"ngram K={gamma}" + (" adaptive" if adaptive is not None else "")
+    return Spec(label, d, gamma, None, adaptive=adaptive, peer="prompt_lookup")
+
+
+def model_spec(label: str, draft_model, draft_params, gamma: int = 4, peer: str | None = "assisted") -> Spec:
+    from jspec.drafters import ModelDrafter
+
+    return Spec(label, ModelDrafter(draft_model), gamma, draft_params, peer=peer)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteConfig:
+    """Everything fixed across the runs of one suite (written into the result)."""
+
+    workloads: tuple[str, ...] = workloads.WORKLOADS
+    n_per_workload: int = 4
+    seed: int = 0
+    max_new_tokens: int = 96
+    max_len: int = 640
+    sampling: Sampling = Sampling()
+    chat_template: bool = True
+    bucket: int = 128
+    timeout_s: float | None = None
+    phase_repeats: int = 5
+    measure_phases: bool = True
+    max_wall_s: float | None = None
+
+
+def prepare_jobs(target: Target, cfg: SuiteConfig) -> tuple[list[runner.Job], dict[str, Any]]:
+    """Build and tokenise the prompt sets; returns the jobs and the workload description for the result."""
+    reqs = workloads.build(cfg.workloads, cfg.n_per_workload, cfg.seed)
+    jobs = runner.make_jobs(reqs, target.tokenizer, cfg.chat_template)
+    per: dict[str, Any] = {}
+    for w in cfg.workloads:
+        lens = [len(j.prompt) for j in jobs if j.workload == w and j.prompt is not None]
+        per[w] = {"n": sum(j.workload == w for j in jobs), "input_len": workloads.length_summary(lens)}
+    desc = {
+        "names": list(cfg.workloads),
+        "n_per_workload": cfg.n_per_workload,
+        "fingerprint": workloads.workload_fingerprint(reqs),
+        "per_workload": per,
+        "input_len": workloads.length_summary([len(j.prompt) for j in jobs if j.prompt is not None]),
+        "python_for_grounded_passages": sys.version.split()[0],
+    }
+    return jobs, desc
+
+
+def meta(target: Target, cfg: SuiteConfig, jobs_desc: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "environment": metrics.environment(),
+        "model": target.info(),
+        "tokenizer": tokenizer_info(target.tokenizer),
+        "chat_template": cfg.chat_template,
+        "sampling": dataclasses.asdict(cfg.sampling),
+        "stop_rules": {"eos_ids": list(target.eos_ids), "max_new_tokens": cfg.max_new_tokens},
+        "max_len": cfg.max_len,
+        "cache_policy": "index-masked KV cache, max_len slots per row, no prefix sharing",
+        "seed": cfg.seed,
+        "workloads": jobs_desc,
+        "suite_config": dataclasses.asdict(cfg),
+    }
+
+
+def _scorer(req, text):
+    return workloads.score(req, text)
+
+
+def run_one(target: Target, spec: Spec, load: Load, jobs, cfg: SuiteConfig, log=print) -> RunResult:
+    res = runner.run(
+        target.model,
+        target.params,
+        spec,
+        load,
+        jobs,
+        max_new_tokens=cfg.max_new_tokens,
+        max_len=cfg.max_len,
+        sampling=cfg.sampling,
+        eos_ids=target.eos_ids,
+        seed=cfg.seed,
+        bucket=cfg.bucket,
+        decode_text=target.decode_text,
+        scorer=_scorer,
+        max_wall_s=cfg.max_wall_s,
+    )
+    s = res.summary
+    log(
+        f"  {spec.label:<28} {load.name:<18} {s['output_tokens_per_s']:7.1f} tok/s  "
+        f"{s['finished']}/{s['submitted']} done  tokens/round {res.decode_stats['tokens_per_round']:.2f}  "
+        f"TTFT p50 {s['ttft_ms']['median'] or 0:.0f} ms  ITL p95 {s['itl_ms']['p95'] or 0:.1f} ms"
+    )
+    return res
+
+
+def attach_phases(target: Target, res: RunResult, cfg: SuiteConfig, context_len: int) -> None:
+    from jspec.decode import DecodeConfig
+
+    spec = res.spec
+    gamma = res.engine["gamma"]
+    config = DecodeConfig(gamma, cfg.max_len, target.eos_ids, False, spec.adaptive, spec.block_verify)
+    res.phases = metrics.measure_phases(
+        target.model,
+        target.params,
+        spec.drafter,
+        spec.draft_params,
+        config,
+        res.load.concurrency,
+        context_len,
+        temperature=cfg.sampling.temperature,
+        repeats=cfg.phase_repeats,
+    )
+    scratch = res.phases.get("round_scratch_bytes")
+    if scratch is not None:
+        res.memory["round_scratch_bytes"] = scratch
+        res.memory["device_bytes_with_scratch"] = res.memory["device_bytes"] + scratch
+
+
+def run_specs(
+    target: Target, specs: Sequence[Spec], loads: Sequence[Load], jobs, cfg: SuiteConfig, log=print
+) -> list[RunResult]:
+    """Every spec at every load (spec order interleaved within each load), then phases, quality vs plain and
+    the cost-model check. The first spec should be plain: it is the reference for speedups and exact match."""
+    results: list[RunResult] = []
+    ctx = int(np.median([len(j.prompt) for j in jobs if j.prompt is not None]) + cfg.max_new_tokens // 2)
+    for load in loads:
+        group = [run_one(target, s, load, jobs, cfg, log) for s in specs]
+        if cfg.measure_phases:
+            for r in group:
+                attach_phases(target, r, cfg, ctx)
+        plain = next((r for r in group if r.spec.kind == "plain"), None)
+        for r in group:
+            r.quality = runner.quality_summary(r, plain if r is not plain else None)
+            if plain is not None and r is not plain and r.phases and plain.phases:
+                r.cost_model = runner.cost_model_check(r, plain, r.phases, plain.phases)
+        results += group
+    return results
+
+
+def run_peer_set(
+    target: Target,
+    names: Sequence[str],
+    jobs,
+    cfg: SuiteConfig,
+    gamma: int,
+    plain: RunResult | None,
+    assistant_layers: int | None = None,
+    log=print,
+) -> list[peers.PeerRun]:
+    if not names:
+        return []
+    runs = peers.run_peers(
+        names,
+        target.path,
+        jobs,
+        assistant_layers=assistant_layers,
+        gamma=gamma,
+        max_new_tokens=cfg.max_new_tokens,
+        max_len=cfg.max_len,
+        eos_id=target.eos_ids[0] if target.eos_ids else None,
+        temperature=cfg.sampling.temperature,
+        top_k=cfg.sampling.top_k,
+        top_p=cfg.sampling.top_p,
+        decode_text=target.decode_text,
+        scorer=_scorer,
+        max_wall_s=cfg.max_wall_s,
+    )
+    for p in runs:
+        if not p.available:
+            log(f"  {p.label:<28} skipped: {p.reason}")
+            continue
+        as_run = RunResult(
+            plain_spec(), Load.closed(1), cfg.sampling, cfg.max_new_tokens, p.records, p.summary, {}, {}, {}
+        )
+        p.quality = runner.quality_summary(as_run, plain)
+        log(f"  {p.label:<28} {'closed c=1':<18} {p.summary['output_tokens_per_s']:7.1f} tok/s")
+    return runs
+
+
+def payload(
+    name: str,
+    argv: Sequence[str] | None,
+    meta_d: dict,
+    results: Sequence[RunResult],
+    peer_runs: Sequence[peers.PeerRun] = (),
+    **extra,
+) -> dict[str, Any]:
+    cmd = None
+    if argv is not None:
+        cmd = " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0]) or "python", *argv])
+    return {
+        "suite": name,
+        "command": extra.pop("command", None) or cmd,
+        "meta": meta_d,
+        "runs": [r.to_json() for r in results],
+        "peers": [p.to_json() for p in peer_runs],
+        **extra,
+    }
+
+
+def write_outputs(out_dir: str, name: str, pl: dict[str, Any], plots: Sequence[str] = ()) -> dict[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    js = report.write_json(os.path.join(out_dir, f"{name}.json"), pl)
+    md = report.write_markdown(os.path.join(out_dir, f"{name}.md"), pl, plots)
+    return {"json": js, "markdown": md}
+
+
+def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = ()) -> list[str]:
+    """One line per speculative run: its speedup over plain at the same load, and its ratio to peers."""
+    lines = []
+    for r in results:
+        if r.spec.kind == "plain":
+            continue
+        plain = next((p for p in results if p.spec.kind == "plain" and p.load == r.load), None)
+        if plain is None:
+            continue
+        sp = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
+        line = f"{r.spec.label} @ {r.load.name}: {sp:.2f}x plain"
+        cm = (r.cost_model or {}).get("measured_en") or {}
+        if cm:
+            line += f" (cost model {cm['speedup']:.2f}x)"
+        if r.load.mode == "closed" and r.load.concurrency == 1:
+            for p in peer_runs:
+                if p.available and p.technique == (r.spec.peer or r.spec.kind) and p.summary["output_tokens_per_s"]:
+                    line += f"; {r.summary['output_tokens_per_s'] / p.summary['output_tokens_per_s']:.2f}x {p.label}"
+        lines.append(line)
+    return lines
+
+
+# --------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf file or HF directory")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--workloads", default=",".join(workloads.WORKLOADS), help="comma-separated subset")
+    ap.add_argument("--n", type=int, default=4, help="requests per workload")
+    ap.add_argument("--seed", type=int, default=0, help="prompt-set and arrival seed")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-len", type=int, default=640, help="cache slots per row")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact match with plain is checked)")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--no-chat-template", action="store_true")
+    ap.add_argument("--timeout-s", type=float, default=None, help="per-request deadline from arrival")
+    ap.add_argument("--max-wall-s", type=float, default=None, help="stop admitting requests after this long")
+    ap.add_argument("--phase-repeats", type=int, default=5)
+    ap.add_argument("--no-phases", action="store_true", help="skip the per-phase timing (and the cost model)")
+    ap.add_argument("--out", default="results/bench", help="output directory (JSON, Markdown, PNG)")
+
+
+def config_from_args(args) -> SuiteConfig:
+    return SuiteConfig(
+        workloads=tuple(w for w in args.workloads.split(",") if w),
+        n_per_workload=args.n,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        max_len=args.max_len,
+        sampling=Sampling(args.temperature, args.top_k, args.top_p),
+        chat_template=not args.no_chat_template,
+        timeout_s=args.timeout_s,
+        phase_repeats=args.phase_repeats,
+        measure_phases=not args.no_phases,
+        max_wall_s=args.max_wall_s,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jspec bench", description=__doc__.splitlines()[0])
+    add_common_args(ap)
+    ap.add_argument("--gamma", type=int, default=4, help="K for the n-gram drafter")
+    ap.add_argument("--concurrency", type=int, default=8, help="saturation run's closed-loop concurrency")
+    ap.add_argument("--peers", default="transformers,llama_cpp", help="comma-separated; 'none' to skip")
+    ap.add_argument("--name", default="default_suite")
+    args = ap.parse_args(argv)
+    cfg = config_from_args(args)
+    t0 = time.perf_counter()
+    print(f"loading {args.model} ({args.dtype}) ...")
+    target = load_target(args.model, args.dtype)
+    jobs, desc = prepare_jobs(target, cfg)
+    print(f"{len(jobs)} requests ({', '.join(cfg.workloads)}), input tokens median {desc['input_len']['median']:.0f}")
+    specs = [plain_spec(), ngram_spec(target, args.gamma)]
+    loads = [Load.closed(1, cfg.timeout_s)]
+    if args.concurrency > 1:
+        loads.append(Load.closed(args.concurrency, cfg.timeout_s))
+    results = run_specs(target, specs, loads, jobs, cfg)
+    names = [] if args.peers in ("", "none") else args.peers.split(",")
+    plain1 = next(r for r in results if r.spec.kind == "plain" and r.load.concurrency == 1)
+    peer_runs = run_peer_set(target, names, jobs, cfg, args.gamma, plain1)
+    lines = headline(results, peer_runs)
+    cmd = "python -m jspec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    pl = payload(args.name, None, meta(target, cfg, desc), results, peer_runs, headline=lines, command=cmd.strip())
+    os.makedirs(args.out, exist_ok=True)
+    plots = [
+        report.plot_latency(pl, os.path.join(args.out, f"{args.name}_latency_c1.png"), loads[0].name),
+        report.plot_acceptance_by_position(pl, os.path.join(args.out, f"{args.name}_acceptance.png")),
+    ]
+    paths = write_outputs(args.out, args.name, pl, plots)
+    print("\n".join(["", *lines]))
+    print(f"\nwrote {paths['json']}, {paths['markdown']} and {len(plots)} plots in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
