@@ -482,7 +482,8 @@ def _prepare(target: Model, drafter, prompts, gamma, max_new_tokens, max_len):
     return prompt, plen, mnew.astype(np.int32), int(max_len)
 
 
-def _to_output(st: DecodeState) -> DecodeOutput:
+def to_output(st: DecodeState) -> DecodeOutput:
+    """Host-side tokens, stop reasons and statistics from a final ``DecodeState`` (blocks until ready)."""
     seq, seq_len, plen, stop = jax.device_get((st.seq, st.seq_len, st.prompt_len, st.stop))
     stats = jax.device_get(st.stats)
     tokens = [seq[i, plen[i] : seq_len[i]].tolist() for i in range(seq.shape[0])]
@@ -518,7 +519,7 @@ class PreparedDecode:
 
     def run(self, compiled=None) -> DecodeOutput:
         st = (compiled or self.fn)(*self.args)
-        return _to_output(st)
+        return to_output(st)
 
     def run_timed(self) -> DecodeOutput:
         """Compile, then run and time the execution alone; adds ``compile_seconds``, ``seconds`` (excluding
@@ -528,7 +529,7 @@ class PreparedDecode:
         jax.block_until_ready(self.args)
         t1 = time.perf_counter()
         st = jax.block_until_ready(compiled(*self.args))
-        out = _to_output(st)
+        out = to_output(st)
         t2 = time.perf_counter()
         total = sum(out.stats["new_tokens"])
         out.stats.update(compile_seconds=t1 - t0, seconds=t2 - t1, tokens_per_s=total / (t2 - t1))

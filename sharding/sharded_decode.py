@@ -331,7 +331,7 @@ def gather_output(st: DecodeState) -> DecodeOutput:
     host = dataclasses.replace(
         st, seq=seq, seq_len=seq_len, prompt_len=plen, stop=stop, stats=stats, cache=None, draft_state=None
     )
-    return jdecode._to_output(host)
+    return jdecode.to_output(host)
 
 
 def _agree_max(local: int) -> int:
