@@ -327,6 +327,11 @@ def _cdf(ax, values, label):
         ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=label)
 
 
+def _served(q: dict) -> bool:
+    """Finished normally: errors, timeouts and requests never run have no latency to plot."""
+    return q["error"] is None and not q["timed_out"] and q["ttft_s"] is not None and q["latency_s"] is not None
+
+
 def plot_latency(payload: dict[str, Any], path: str, load_name: str | None = None) -> str:
     """CDFs of TTFT, inter-token interval and total latency per configuration (and peer)."""
     plt = _plt()
@@ -334,7 +339,7 @@ def plot_latency(payload: dict[str, Any], path: str, load_name: str | None = Non
     for r in payload.get("runs", []):
         if load_name is not None and r["load_name"] != load_name:
             continue
-        reqs = [q for q in r.get("requests", []) if q["latency_s"] is not None]
+        reqs = [q for q in r.get("requests", []) if _served(q)]
         lab = r["spec"]["label"] + ("" if load_name else f" ({r['load_name']})")
         _cdf(axes[0], [q["ttft_s"] * 1e3 for q in reqs], lab)
         _cdf(axes[1], r.get("itl_ms_all", []), lab)
@@ -342,7 +347,7 @@ def plot_latency(payload: dict[str, Any], path: str, load_name: str | None = Non
     for p in payload.get("peers", []):
         if not p.get("available"):
             continue
-        reqs = [q for q in p.get("requests", []) if q["latency_s"] is not None]
+        reqs = [q for q in p.get("requests", []) if _served(q)]
         _cdf(axes[0], [q["ttft_s"] * 1e3 for q in reqs], p["label"])
         _cdf(axes[1], p.get("itl_ms_all", []), p["label"])
         _cdf(axes[2], [q["latency_s"] for q in reqs], p["label"])

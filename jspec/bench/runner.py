@@ -214,7 +214,7 @@ class RunResult:
 
 
 def _engine(target, params, spec: Spec, rows: int, max_len: int, eos_ids, seed: int, bucket: int) -> Engine:
-    return Engine(
+    eng = Engine(
         target,
         params,
         batch=rows,
@@ -228,6 +228,14 @@ def _engine(target, params, spec: Spec, rows: int, max_len: int, eos_ids, seed: 
         bucket=bucket,
         seed=seed,
     )
+    # A fresh Engine's state has a weak-typed leaf (its ``stop`` row flags) that the first insert or step
+    # makes strong, so each engine function would compile twice; strengthening it up front compiles once.
+    eng.state = jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype) if _weak(x) else x, eng.state)
+    return eng
+
+
+def _weak(x) -> bool:
+    return bool(getattr(x, "weak_type", False))
 
 
 def _warm(target, params, spec, load, max_len, eos_ids, bucket, prompt_lens, max_new, sampling):
@@ -588,7 +596,8 @@ def cost_model_check(spec_run: RunResult, plain_run: RunResult, phases: dict, pl
             out["seed"] = {"error": str(e)}
     en = ds["tokens_per_round"]
     f = ds.get("wide_verify_fraction")
-    f = 1.0 if f is None else f
+    # A tree round always verifies its N nodes (no 1-token fallback), so its cycle is always the wide one.
+    f = 1.0 if f is None or spec_run.spec.kind == "tree" else f
     cycle = f * (d + v + s) + (1 - f) * (d + plain_phases["plain_step_ms"] + s)
     if en >= 1 and cycle > 0:
         sp = base * en / cycle

@@ -1,0 +1,101 @@
+"""Chain vs tree speculation at EQUAL verification budget (seed section 6), same draft model, same prompts.
+
+For each budget N (positions the target verifies per round, the pending token included):
+- chain: K = N - 1 candidates from the draft (``ModelDrafter``), one K+1-wide target call;
+- static tree: ``TreeSpec((2, 1, 1, ...), budget=N)``, two branches at the root, N nodes verified under the
+  ancestor mask (``TreeModelDrafter``);
+- dynamic tree: EAGLE-2 style ``DynamicTreeDrafter(top_k, depth, budget=N)``.
+All greedy (the deterministic tree rule) and all through the continuous-batching engine, plain decoding as
+the reference, at closed-loop concurrency 1 and --concurrency. The tables report tokens per round (accepted
+path length + 1) next to throughput: a tree may accept longer paths and still lose on time, since it spends
+its budget on branches and on a per-level draft rollout.
+
+The draft is ``--draft-layers L`` (the target's first L layers, no training) or ``--draft NAME`` (distilled
+by examples/train_draft.py). Writes <out>/chain_vs_tree.{json,md} and plots.
+
+    python examples/bench_chain_vs_tree.py [--budgets 5,8] [--draft-layers 4] [--n 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import sys
+import time
+
+from bench_spec_vs_plain import distilled_draft, truncated_draft
+
+from jspec.bench import report, suite
+from jspec.bench.runner import Load, Spec
+from jspec.drafters import ModelDrafter
+from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec
+
+
+def static_tree(budget: int) -> TreeSpec:
+    """Two branches at the root, then single children, cut to ``budget`` nodes in breadth-first order."""
+    depth = max(1, math.ceil((budget - 1) / 2))
+    return TreeSpec((2,) + (1,) * (depth - 1), budget=budget)
+
+
+def specs_for_budget(model, params, n: int) -> list[Spec]:
+    chain = Spec(f"chain K={n - 1} (N={n})", ModelDrafter(model), n - 1, params, peer="chain")
+    st = static_tree(n)
+    tree = Spec(
+        f"static tree {st.branching} (N={st.num_nodes})",
+        TreeModelDrafter(model, st, TreeRule.DETERMINISTIC),
+        st.max_depth,
+        params,
+        peer="tree",
+    )
+    depth = max(2, min(n - 1, 4))
+    dyn = Spec(
+        f"dynamic tree k=4 d={depth} (N={n})",
+        DynamicTreeDrafter(model, top_k=min(4, n - 1), depth=depth, budget=n),
+        depth,
+        params,
+        peer="tree",
+    )
+    return [chain, tree, dyn]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    suite.add_common_args(ap)
+    ap.add_argument("--budgets", default="5,8", help="verification budgets N (positions per round)")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--draft-layers", type=int, default=4)
+    ap.add_argument("--draft", default=None, help="a distilled draft instead of the truncated target")
+    ap.set_defaults(out="results/chain_vs_tree", n=2)
+    args = ap.parse_args(argv)
+    cfg = suite.config_from_args(args)
+    t0 = time.perf_counter()
+    target = suite.load_target(args.model, args.dtype)
+    jobs, desc = suite.prepare_jobs(target, cfg)
+    if args.draft:
+        model, params = distilled_draft(target, args.draft)
+    else:
+        model, params = truncated_draft(target, args.draft_layers)
+    specs = [suite.plain_spec()]
+    for n in (int(x) for x in args.budgets.split(",")):
+        specs += specs_for_budget(model, params, n)
+    loads = [Load.closed(1, cfg.timeout_s)] + ([Load.closed(args.concurrency, cfg.timeout_s)] * (args.concurrency > 1))
+    results = suite.run_specs(target, specs, loads, jobs, cfg)
+    lines = suite.headline(results)
+    cmd = " ".join(["python examples/bench_chain_vs_tree.py", *map(shlex.quote, argv or sys.argv[1:])])
+    draft_name = args.draft or f"first {args.draft_layers} layers of the target"
+    pl = suite.payload("chain_vs_tree", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd,
+                       markdown_extra=[f"Draft model: {draft_name}. N = positions verified per round."])  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    plots = [
+        report.plot_acceptance_by_position(pl, os.path.join(args.out, "chain_vs_tree_acceptance.png")),
+        report.plot_latency(pl, os.path.join(args.out, "chain_vs_tree_latency_c1.png"), loads[0].name),
+    ]
+    paths = suite.write_outputs(args.out, "chain_vs_tree", pl, plots)
+    print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""Serving under load: closed loop at fixed concurrencies and open loop at fixed Poisson arrival rates,
+plain vs n-gram speculation, through the continuous-batching engine (a finished row takes the next waiting
+request while the others keep decoding).
+
+Low-load latency and saturation throughput are separate runs: the lowest concurrency / rate shows latency
+(TTFT, inter-token bursts, total), the highest shows throughput and queueing. Arrival times are a pure
+function of --seed (``runner.poisson_arrivals``); a per-request deadline (--timeout-s) records timeouts,
+and requests that fail are recorded as errors without stopping the run.
+
+Writes <out>/serving.{json,md} and one latency-CDF plot per load.
+
+    python examples/bench_serving.py [--closed 1,8] [--rates 0.5,4] [--rows 8] [--timeout-s 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+import time
+
+from jspec.bench import report, suite
+from jspec.bench.runner import Load
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    suite.add_common_args(ap)
+    ap.add_argument("--closed", default="1,8", help="closed-loop concurrencies ('' for none)")
+    ap.add_argument("--rates", default="0.5,4", help="open-loop Poisson rates, requests/s ('' for none)")
+    ap.add_argument("--rows", type=int, default=8, help="engine rows for the open-loop runs")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.set_defaults(out="results/serving", n=3)
+    args = ap.parse_args(argv)
+    cfg = suite.config_from_args(args)
+    t0 = time.perf_counter()
+    target = suite.load_target(args.model, args.dtype)
+    jobs, desc = suite.prepare_jobs(target, cfg)
+    loads = [Load.closed(int(c), cfg.timeout_s) for c in args.closed.split(",") if c]
+    loads += [Load.open(float(r), args.rows, args.seed, cfg.timeout_s) for r in args.rates.split(",") if r]
+    specs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma)]
+    results = suite.run_specs(target, specs, loads, jobs, cfg)
+    lines = suite.headline(results)
+    cmd = " ".join(["python examples/bench_serving.py", *map(shlex.quote, argv or sys.argv[1:])])
+    pl = suite.payload("serving", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd)
+    os.makedirs(args.out, exist_ok=True)
+    plots = []
+    for load in loads:
+        slug = re.sub(r"[^a-z0-9]+", "_", load.name.lower()).strip("_")
+        plots.append(report.plot_latency(pl, os.path.join(args.out, f"serving_latency_{slug}.png"), load.name))
+    paths = suite.write_outputs(args.out, "serving", pl, plots)
+    print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

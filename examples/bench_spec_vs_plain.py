@@ -1,0 +1,95 @@
+"""Speculation off vs on, for each drafter, on the four workloads, with peers measured in the same run.
+
+Configurations (all greedy by default, so every speculative run is also checked token for token against
+plain decoding): plain; n-gram prompt lookup at K = --gamma; optionally a draft model at K = --gamma:
+``--draft-layers L`` = the target's first L layers + its head (no training; the same truncated draft is
+given to transformers' assisted generation), ``--draft NAME`` = a distilled draft from
+``examples/train_draft.py``. Each runs through the continuous-batching engine at closed-loop concurrency 1
+(low-load latency) and --concurrency (saturation throughput), in separate runs.
+
+Writes <out>/spec_vs_plain.{json,md} and plots (latency CDFs at concurrency 1, acceptance by position).
+
+    python examples/bench_spec_vs_plain.py [--n 4] [--gamma 4] [--draft-layers 4] [--peers transformers,llama_cpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+
+import jax
+
+from jspec.bench import report, suite
+from jspec.bench.runner import Load
+
+
+def truncated_draft(target: suite.Target, layers: int):
+    """(Model, params) of the target's first ``layers`` decoder layers + final norm + LM head: a draft that
+    needs no training and shares the tokenizer. Its params are views of the target's (no copy of the head)."""
+    from models.llama import make_model
+
+    cfg = target.config.replace(num_layers=layers, name=f"{target.config.name}-first{layers}")
+    params = dict(target.params)
+    params["layers"] = jax.tree.map(lambda w: w[:layers], target.params["layers"])
+    return make_model(cfg), params
+
+
+def distilled_draft(target: suite.Target, name: str):
+    """(Model, params) of a draft trained by examples/train_draft.py (``models.draft``), checked against the
+    target's tokenizer."""
+    from models.draft import load_draft
+
+    d = load_draft(name, target_config=target.config, tokenizer=target.tokenizer)
+    return d.model, d.params
+
+
+def draft_specs(target: suite.Target, args, gamma: int) -> list:
+    specs = []
+    if getattr(args, "draft_layers", 0):
+        m, p = truncated_draft(target, args.draft_layers)
+        specs.append(suite.model_spec(f"draft {args.draft_layers}L K={gamma}", m, p, gamma, peer="assisted"))
+    if getattr(args, "draft", None):
+        m, p = distilled_draft(target, args.draft)
+        specs.append(suite.model_spec(f"draft {args.draft} K={gamma}", m, p, gamma, peer="assisted_distilled"))
+    return specs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    suite.add_common_args(ap)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=8, help="saturation run; 1 = latency run only")
+    ap.add_argument("--draft-layers", type=int, default=0, help="add a truncated-target draft model of L layers")
+    ap.add_argument("--draft", default=None, help="add a distilled draft (name or directory)")
+    ap.add_argument("--peers", default="transformers,llama_cpp", help="comma-separated; 'none' to skip")
+    ap.set_defaults(out="results/spec_vs_plain")
+    args = ap.parse_args(argv)
+    cfg = suite.config_from_args(args)
+    t0 = time.perf_counter()
+    target = suite.load_target(args.model, args.dtype)
+    jobs, desc = suite.prepare_jobs(target, cfg)
+    specs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma), *draft_specs(target, args, args.gamma)]
+    loads = [Load.closed(1, cfg.timeout_s)] + ([Load.closed(args.concurrency, cfg.timeout_s)] * (args.concurrency > 1))
+    results = suite.run_specs(target, specs, loads, jobs, cfg)
+    names = [] if args.peers in ("", "none") else args.peers.split(",")
+    plain1 = results[0]
+    peer_runs = suite.run_peer_set(target, names, jobs, cfg, args.gamma, plain1, assistant_layers=args.draft_layers)
+    lines = suite.headline(results, peer_runs)
+    cmd = " ".join(["python examples/bench_spec_vs_plain.py", *map(shlex.quote, argv or sys.argv[1:])])
+    pl = suite.payload("spec_vs_plain", None, suite.meta(target, cfg, desc), results, peer_runs, headline=lines,
+                       command=cmd)  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    plots = [
+        report.plot_latency(pl, os.path.join(args.out, "spec_vs_plain_latency_c1.png"), loads[0].name),
+        report.plot_acceptance_by_position(pl, os.path.join(args.out, "spec_vs_plain_acceptance.png")),
+    ]
+    paths = suite.write_outputs(args.out, "spec_vs_plain", pl, plots)
+    print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

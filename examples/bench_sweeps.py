@@ -1,0 +1,130 @@
+"""K sweep and batch sweep, each with plain decoding measured in the same run.
+
+- K sweep (closed loop, concurrency --k-concurrency): n-gram drafter (and a draft model with
+  ``--draft-layers``) at every K of --ks; speedup over plain vs K, with the cost model's prediction from the
+  measured acceptance and measured per-phase costs at that K, and acceptance by position.
+- batch sweep: closed loop at every concurrency of --batches (1..64), plain and n-gram at K = --gamma;
+  each batch serves max(--n x workloads, 2 x batch) requests so the rows stay full; output tokens/s and the
+  speedup over plain at the same batch.
+
+Writes <out>/sweeps.{json,md}, speedup_vs_k.png, acceptance_by_position.png, batch_sweep.png.
+
+    python examples/bench_sweeps.py [--ks 1,2,3,4,6,8] [--batches 1,4,16,64] [--draft-layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+import time
+
+from bench_spec_vs_plain import truncated_draft
+
+from jspec.bench import report, suite
+from jspec.bench.runner import Load
+
+
+def _point(series, r, plain, key, value):
+    sp = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
+    cm = (r.cost_model or {}).get("measured_en") or {}
+    seed = (r.cost_model or {}).get("seed") or {}
+    return {
+        "series": series,
+        key: value,
+        "speedup": sp,
+        "tokens_per_s": r.summary["output_tokens_per_s"],
+        "predicted": cm.get("speedup"),
+        "predicted_seed": seed.get("speedup"),
+        "tokens_per_round": r.decode_stats["tokens_per_round"],
+        "acceptance_rate": r.decode_stats["acceptance_rate"],
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    suite.add_common_args(ap)
+    ap.add_argument("--ks", default="1,2,3,4,6,8")
+    ap.add_argument("--k-concurrency", type=int, default=1)
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--gamma", type=int, default=4, help="K of the batch sweep")
+    ap.add_argument("--draft-layers", type=int, default=0, help="also sweep K for a truncated-target draft")
+    ap.add_argument("--skip-k", action="store_true")
+    ap.add_argument("--skip-batch", action="store_true")
+    ap.set_defaults(out="results/sweeps", n=2, max_new_tokens=64)
+    args = ap.parse_args(argv)
+    cfg = suite.config_from_args(args)
+    t0 = time.perf_counter()
+    target = suite.load_target(args.model, args.dtype)
+    jobs, desc = suite.prepare_jobs(target, cfg)
+    results, k_points, b_points = [], [], []
+
+    if not args.skip_k:
+        print("K sweep")
+        ks = [int(x) for x in args.ks.split(",")]
+        specs = [suite.plain_spec()] + [suite.ngram_spec(target, k) for k in ks]
+        draft = truncated_draft(target, args.draft_layers) if args.draft_layers else None
+        if draft is not None:
+            specs += [suite.model_spec(f"draft {args.draft_layers}L K={k}", *draft, k) for k in ks]
+        rs = suite.run_specs(target, specs, [Load.closed(args.k_concurrency)], jobs, cfg)
+        plain = rs[0]
+        for r in rs[1:]:
+            series = "ngram" if r.spec.label.startswith("ngram") else f"draft {args.draft_layers}L"
+            k_points.append(_point(series, r, plain, "k", r.spec.gamma))
+        results += rs
+
+    if not args.skip_batch:
+        print("batch sweep")
+        for b in (int(x) for x in args.batches.split(",")):
+            n_needed = max(cfg.n_per_workload, -(-2 * b // len(cfg.workloads)))
+            bcfg = dataclasses.replace(cfg, n_per_workload=n_needed)
+            bjobs, _ = suite.prepare_jobs(target, bcfg)
+            rs = suite.run_specs(target, [suite.plain_spec(), suite.ngram_spec(target, args.gamma)], [Load.closed(b)],
+                                 bjobs, bcfg)  # fmt: skip
+            plain = rs[0]
+            b_points.append({"series": "plain", "batch": b, "tokens_per_s": plain.summary["output_tokens_per_s"]})
+            b_points.append(_point(f"ngram K={args.gamma}", rs[1], plain, "batch", b))
+            results += rs
+
+    cmd = " ".join(["python examples/bench_sweeps.py", *map(shlex.quote, argv or sys.argv[1:])])
+    lines = suite.headline(results)
+    pl = suite.payload("sweeps", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd,
+                       sweeps={"k": k_points, "batch": b_points})  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    plots = []
+    if k_points:
+        plots.append(report.plot_speedup_vs_k(k_points, os.path.join(args.out, "speedup_vs_k.png"),
+                                              f"{target.name}, closed loop c={args.k_concurrency}"))  # fmt: skip
+        kpl = dict(pl, runs=[r.to_json(False) for r in results if r.load.concurrency == args.k_concurrency])
+        plots.append(report.plot_acceptance_by_position(kpl, os.path.join(args.out, "acceptance_by_position.png")))
+    if b_points:
+        plots.append(report.plot_batch_sweep(b_points, os.path.join(args.out, "batch_sweep.png"), target.name))
+    pl["markdown_extra"] = [_sweep_tables(k_points, b_points)]
+    paths = suite.write_outputs(args.out, "sweeps", pl, plots)
+    print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
+    return 0
+
+
+def _sweep_tables(k_points, b_points) -> str:
+    out = []
+    if k_points:
+        out.append("## K sweep\n")
+        rows = [[p["series"], p["k"], f"{p['speedup']:.2f}x", _x(p.get("predicted")), _x(p.get("predicted_seed")),
+                 f"{p['tokens_per_round']:.2f}", f"{100 * p['acceptance_rate']:.0f}%"] for p in k_points]  # fmt: skip
+        out.append(report._table(["drafter", "K", "measured", "cost model (measured E[N])", "seed model",
+                                  "tokens/round", "acceptance"], rows))  # fmt: skip
+    if b_points:
+        out.append("\n## Batch sweep\n")
+        rows = [[p["series"], p["batch"], f"{p['tokens_per_s']:.1f}", _x(p.get("speedup"))] for p in b_points]
+        out.append(report._table(["config", "batch", "out tok/s", "vs plain"], rows))
+    return "\n".join(out)
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

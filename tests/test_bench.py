@@ -1,0 +1,239 @@
+"""The benchmark runner on a toy model (fast): recorded fields, counts, latency percentiles, reproducible arrivals,
+errors and timeouts that do not stop a run; workloads, quality checks, phase costs, cost model, reports."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+from test_decode_core import DRAFT_PARAMS, DRAFTER, TARGET, TARGET_PARAMS
+
+from jspec.bench import metrics, peers, report, runner, workloads
+from jspec.bench.runner import Job, Load, Spec
+from jspec.decode import DecodeConfig
+
+MAX_LEN = 64  # the shapes of test_serve.py: its compiled engine functions are reused
+PLAIN = Spec("plain", peer="plain")
+CHAIN = Spec("model K=3", DRAFTER, 3, DRAFT_PARAMS, peer="assisted")
+
+
+def _jobs(n=8):
+    # Token ids of the 3-token toy vocabulary; prompt lengths 1..4; one request too long for the cache.
+    jobs = [Job(f"r{i}", ("a", "b")[i % 2], tuple([i % 3, 1, 2, 0][: 1 + i % 4])) for i in range(n)]
+    jobs.insert(3, Job("too-long", "a", (1,) * 60))
+    jobs.insert(5, Job("bad-tokenisation", "b", None, "ValueError: cannot encode"))
+    return jobs
+
+
+def _run(spec, load, jobs=None, **kw):
+    kw.setdefault("max_new_tokens", 9)
+    return runner.run(TARGET, TARGET_PARAMS, spec, load, jobs or _jobs(), max_len=MAX_LEN, **kw)
+
+
+@pytest.fixture(scope="module")
+def closed_runs():
+    return {spec.label: _run(spec, Load.closed(2)) for spec in (PLAIN, CHAIN)}
+
+
+def _check_dist(d):
+    assert d["n"] > 0
+    assert 0 <= d["median"] <= d["p95"] <= d["p99"] <= d["max"] + 1e-12
+    assert d["mean"] <= d["max"] + 1e-12
+
+
+@pytest.mark.parametrize("label", ["plain", "model K=3"])
+def test_closed_loop_records_every_field(closed_runs, label):
+    res = closed_runs[label]
+    s, ds = res.summary, res.decode_stats
+    for key in ("submitted", "finished", "errors", "timeouts", "not_run", "output_tokens", "wall_s",
+                "output_tokens_per_s", "finished_requests_per_s", "ttft_ms", "itl_ms", "latency_ms",
+                "queue_ms", "input_len", "output_len", "completion_rate", "stop_reasons"):  # fmt: skip
+        assert key in s, key
+    for key in ("rounds", "emitted", "proposed", "accepted", "rejected", "tokens_per_round", "acceptance_rate",
+                "accepted_at", "proposed_at", "acceptance_by_position", "definition"):  # fmt: skip
+        assert key in ds, key
+    for key in ("ttft_ms", "itl_ms", "latency_ms"):
+        _check_dist(s[key])
+    # Counts add up: every submitted request is finished, an error or a timeout.
+    assert s["submitted"] == 10 and s["errors"] == 2 and s["timeouts"] == 0
+    assert s["finished"] + s["errors"] + s["timeouts"] + s["not_run"] == s["submitted"]
+    assert sum(s["stop_reasons"].values()) == s["submitted"]
+    ok = [r for r in res.records if r.ok]
+    assert all(len(r.tokens) == 9 for r in ok)  # max_new_tokens, no EOS in the toy model
+    # Each request: the prefill's first token + what its rounds emitted; bursts add up to the tokens.
+    for r in ok:
+        assert len(r.tokens) == 1 + r.stats["emitted"]
+        assert sum(n for _, n in r.emissions) == len(r.tokens)
+        assert r.stats["accepted"] <= r.stats["proposed"]
+        assert r.ttft <= r.latency
+        assert all(t1 <= t2 for (t1, _), (t2, _) in zip(r.emissions, r.emissions[1:]))
+    # Throughput counts emitted tokens only, never rejected candidates.
+    assert s["output_tokens"] == sum(len(r.tokens) for r in res.records)
+    assert ds["emitted"] + len(ok) == s["output_tokens"]
+    assert math.isclose(s["output_tokens_per_s"], s["output_tokens"] / s["wall_s"])
+    assert ds["rounds"] == sum(r.stats["rounds"] for r in ok)
+    assert math.isclose(ds["tokens_per_round"], ds["emitted"] / ds["rounds"])
+    assert sum(ds["accepted_at"]) == ds["accepted"] and sum(ds["proposed_at"]) == ds["proposed"]
+    assert ds["rejected"] == ds["proposed"] - ds["accepted"]
+    # The ITL list has one entry per token after the first of every request: bursts give zero gaps.
+    assert s["itl_ms"]["n"] == sum(len(r.tokens) - 1 for r in ok)
+    json.dumps(res.to_json())  # everything serialises
+
+
+def test_speculative_run_is_speculative_and_matches_plain(closed_runs):
+    plain, spec = closed_runs["plain"], closed_runs["model K=3"]
+    ds = spec.decode_stats
+    assert ds["proposed"] > 0 and 0 < ds["acceptance_rate"] < 1 and ds["tokens_per_round"] > 1
+    assert ds["rounds"] < plain.decode_stats["rounds"]
+    assert plain.decode_stats["proposed"] == 0 and plain.decode_stats["tokens_per_round"] == 1.0
+    q = runner.quality_summary(spec, plain)
+    assert q["exact_match_vs_plain"] == 1.0 and q["exact_match_n"] == 8  # greedy: identical tokens
+    zero_gaps = [x for r in spec.records if r.ok for x in r.itl() if x == 0.0]
+    assert zero_gaps  # some round emitted a burst of several tokens
+
+
+def test_failing_requests_are_recorded_and_the_run_continues(closed_runs):
+    res = closed_runs["plain"]
+    by_id = {r.id: r for r in res.records}
+    assert by_id["too-long"].stop_reason == "error" and "must fit" in by_id["too-long"].error
+    assert by_id["bad-tokenisation"].error == "ValueError: cannot encode"
+    assert not by_id["too-long"].tokens and by_id["too-long"].ttft is None
+    assert all(by_id[f"r{i}"].ok for i in range(8))  # the ones after the failures were served
+    assert any("must fit" in m for m in res.summary["error_messages"])
+
+
+def test_poisson_arrivals_reproducible_from_seed():
+    a = runner.poisson_arrivals(5.0, 2000, seed=7)
+    assert np.array_equal(a, runner.poisson_arrivals(5.0, 2000, seed=7))
+    assert not np.array_equal(a, runner.poisson_arrivals(5.0, 2000, seed=8))
+    assert np.all(np.diff(a) > 0)
+    assert abs(2000 / a[-1] - 5.0) < 0.5  # rate
+    gaps = np.diff(a)
+    assert abs(np.std(gaps) / np.mean(gaps) - 1.0) < 0.1  # exponential gaps: CV 1
+
+
+def test_open_loop_uses_the_seeded_arrivals_and_queues():
+    jobs = _jobs(6)
+    res = _run(CHAIN, Load.open(rate=400.0, rows=2, seed=3), jobs)
+    expected = runner.poisson_arrivals(400.0, len(jobs), 3)
+    assert [r.arrival for r in res.records] == pytest.approx(list(expected))
+    s = res.summary
+    assert s["finished"] == 6 and s["errors"] == 2
+    _check_dist(s["queue_ms"])
+    assert all(r.admitted >= r.arrival for r in res.records if r.admitted is not None)
+
+
+def test_timeouts_are_recorded_without_stopping_the_run():
+    jobs = [Job(f"t{i}", "a", (0, 1, 2)) for i in range(6)]
+    res = _run(PLAIN, Load.closed(2, timeout_s=0.0), jobs, max_new_tokens=12)
+    s = res.summary
+    assert s["timeouts"] == 6 and s["finished"] == 0 and s["errors"] == 0
+    assert all(r.timed_out and r.stop_reason == "timeout" for r in res.records)
+    assert s["output_tokens_per_s"] >= 0 and s["submitted"] == 6
+
+
+def test_running_request_past_its_deadline_is_a_timeout():
+    """A fake clock (+10 ms per reading) makes the first requests overrun a 50 ms deadline while decoding:
+    they are recorded as timeouts with the tokens they got, their rows finish the decode (Engine has no
+    cancel), and the requests queued behind them time out in the queue."""
+    ticks = itertools.count()
+    jobs = [Job(f"d{i}", "a", (0, 1, 2)) for i in range(5)]
+    res = _run(PLAIN, Load.closed(2, timeout_s=0.05), jobs, max_new_tokens=12, warmup=False,
+               clock=lambda: next(ticks) * 0.01)  # fmt: skip
+    s = res.summary
+    assert s["timeouts"] == 5 and s["finished"] == 0
+    first = [r for r in res.records if r.admitted is not None]
+    assert len(first) == 2 and all(r.tokens and r.timed_out for r in first)
+    assert all(r.stats["emitted"] == 11 for r in first)  # the rows decoded to the end, tokens discarded
+    assert all(not r.tokens for r in res.records if r.admitted is None)
+
+
+def test_wall_limit_marks_the_rest_not_run():
+    res = _run(PLAIN, Load.closed(2), [Job(f"w{i}", "a", (0, 1)) for i in range(5)], max_wall_s=0.0, warmup=False)
+    s = res.summary
+    assert s["finished"] + s["not_run"] == 5 and s["not_run"] >= 2
+
+
+def test_inter_token_intervals_are_bursts():
+    em = [(1.0, 1), (1.5, 3), (1.75, 1), (2.0, 2)]
+    assert metrics.inter_token_intervals(em) == [0.5, 0.0, 0.0, 0.25, 0.25, 0.0]
+    d = metrics.dist_summary([0, 0, 1, 2, 10])
+    assert d["median"] == 1 and d["p95"] <= d["max"] == 10
+    assert metrics.dist_summary([])["median"] is None
+
+
+def test_workloads_are_seeded_and_checkable():
+    a = workloads.build(workloads.WORKLOADS, 5, seed=1)
+    assert workloads.workload_fingerprint(a) == workloads.workload_fingerprint(
+        workloads.build(workloads.WORKLOADS, 5, 1)
+    )
+    assert workloads.workload_fingerprint(a) != workloads.workload_fingerprint(
+        workloads.build(workloads.WORKLOADS, 5, 2)
+    )
+    assert [r.workload for r in a[:4]] == list(workloads.WORKLOADS)
+    for r in a:
+        assert r.messages[-1]["role"] == "user" and r.messages[-1]["content"]
+    math_r = next(r for r in a if r.kind == "math")
+    ans = math_r.check["answer"]
+    assert workloads.score(math_r, f"Step 1 ... so 3 + 4.\nThe answer is {ans:,}.")["correct"]
+    assert not workloads.score(math_r, f"The answer is {ans + 1}")["correct"]
+    grounded = [r for r in a if r.kind == "grounded"]
+    edit = next(r for r in grounded if "expected" in r.check)
+    sc = workloads.score(edit, edit.check["expected"])
+    assert sc["correct"] and sc["similarity"] == 1.0
+    assert workloads.length_summary([3, 1, 2])["median"] == 2
+
+
+def test_code_check_parses_runs_and_sandboxes():
+    tests = [[[3], 14], [[0], 0]]
+    good = "```python\ndef sum_of_squares(n):\n    return sum(i * i for i in range(1, n + 1))\n```"
+    r = workloads.check_code(good, "sum_of_squares", tests)
+    assert r["parses"] and r["correct"] and r["passed"] == 2
+    wrong = workloads.check_code("def sum_of_squares(n):\n    return n", "sum_of_squares", tests)
+    assert wrong["parses"] and not wrong["correct"]
+    assert not workloads.check_code("def f(:\n", "f", tests)["parses"]
+    evil = workloads.check_code("import os\ndef sum_of_squares(n):\n    return os.getpid()", "sum_of_squares", tests)
+    assert not evil["correct"] and "refused" in evil["error"]
+    loop = workloads.check_code("def sum_of_squares(n):\n    while True:\n        pass", "sum_of_squares", tests, 3.0)
+    assert not loop["correct"] and loop["error"]
+
+
+def test_phase_costs_and_cost_model(closed_runs):
+    config = DecodeConfig(3, MAX_LEN)
+    ph = metrics.measure_phases(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, config, 2, 6, repeats=2)
+    plain_ph = {"round_ms": ph["plain_step_ms"], "plain_step_ms": ph["plain_step_ms"]}  # saves compiling plain
+    for key in ("draft_ms", "verify_ms", "state_ms", "round_ms", "plain_step_ms"):
+        assert ph[key] > 0, key
+    assert ph["verify_positions"] == 4 and "how" in ph
+    cm = runner.cost_model_check(closed_runs["model K=3"], closed_runs["plain"], ph, plain_ph)
+    assert cm["measured_speedup"] > 0
+    assert cm["seed"]["speedup"] > 0 and cm["seed"]["ratio_to_measured"] > 0
+    assert cm["measured_en"]["expected_tokens"] == closed_runs["model K=3"].decode_stats["tokens_per_round"]
+
+
+def test_report_writes_json_markdown_and_plots(closed_runs, tmp_path):
+    runs = list(closed_runs.values())
+    runs[1].quality = runner.quality_summary(runs[1], runs[0])
+    skipped = peers.PeerRun("llama-cpp-python", "plain", "llama-cpp-python plain", False, "not installed")
+    pl = {"suite": "toy", "command": "pytest", "meta": {"environment": metrics.environment()},
+          "runs": [r.to_json() for r in runs], "peers": [skipped.to_json()]}  # fmt: skip
+    js = report.write_json(str(tmp_path / "toy.json"), pl)
+    assert json.load(open(js))["runs"][0]["spec"]["label"] == "plain"
+    png = report.plot_latency(pl, str(tmp_path / "lat.png"))
+    acc = report.plot_acceptance_by_position(pl, str(tmp_path / "acc.png"))
+    k = report.plot_speedup_vs_k([{"series": "m", "k": 1, "speedup": 1.1, "predicted": 1.2}], str(tmp_path / "k.png"))
+    md = report.markdown(pl, [png, acc, k])
+    assert "| plain |" in md and "model K=3" in md and "skipped: not installed" in md
+    assert all((tmp_path / p).stat().st_size > 0 for p in ("lat.png", "acc.png", "k.png"))
+
+
+def test_missing_peer_is_skipped_with_a_reason(monkeypatch):
+    monkeypatch.setattr(peers, "_missing", lambda mods: list(mods))
+    out = peers.run_peers(["llama_cpp", "transformers", "vllm"], "/x/model.gguf", [], max_new_tokens=4, eos_id=2)
+    assert [p.available for p in out] == [False] * len(out)
+    assert all(p.reason for p in out)
+    assert any("unknown peer" in p.reason for p in out)
+    assert peers.run_peers(["transformers"], None, [], max_new_tokens=4, eos_id=2)[0].reason.startswith("needs")
