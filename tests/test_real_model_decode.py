@@ -1,0 +1,94 @@
+"""SmolLM2-135M-Instruct (the real default model): speculative greedy decoding equals plain greedy decoding,
+and the command-line main job works end to end."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jspec import decode as dec
+from jspec.ngram import NgramDrafter, NgramTreeDrafter
+
+QUESTIONS = [
+    "Rewrite in plain words: The committee has decided that the meeting will be postponed until next week.",
+    "List three colours of the rainbow.",
+    "Repeat this line twice: the cat sat on the mat.",
+    "What is 12 plus 7?",
+]
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2):
+    tok = smollm2.tokenizer
+    return [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2, chat_prompts):
+    """Plain greedy continuations, two prompts per batch of 2 (prompts of different lengths in a batch)."""
+    out = []
+    for i in range(0, len(chat_prompts), 2):
+        out += dec.decode(
+            smollm2.model,
+            smollm2.params,
+            chat_prompts[i : i + 2],
+            max_new_tokens=40,
+            eos_ids=[smollm2.tokenizer.eos_id],
+        ).tokens
+    return out
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("ngram", dict(drafter="ngram", gamma=4)),
+        ("ngram-adaptive-block", dict(drafter="ngram", gamma=4, adaptive=True, block_verify=True)),
+        ("ngram-tree", dict(drafter="ngram-tree")),
+    ],
+)
+def test_greedy_speculative_equals_plain_real_model(smollm2, chat_prompts, plain, name, kwargs):
+    v = smollm2.model.vocab_size
+    kwargs = dict(kwargs)
+    kind = kwargs.pop("drafter")
+    drafter = NgramDrafter(3, 1, vocab_size=v) if kind == "ngram" else NgramTreeDrafter(3, 4, vocab_size=v)
+    got, proposed = [], 0
+    for i in range(0, len(chat_prompts), 2):
+        out = dec.decode(
+            smollm2.model,
+            smollm2.params,
+            chat_prompts[i : i + 2],
+            drafter=drafter,
+            max_new_tokens=40,
+            eos_ids=[smollm2.tokenizer.eos_id],
+            **kwargs,
+        )
+        got += out.tokens
+        proposed += out.stats["proposed"]
+    assert got == plain
+    assert proposed > 0
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "jspec", "generate", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_cli_json_main_job(smollm2_path):
+    r = _cli("--prompt", QUESTIONS[2], "--drafter", "ngram", "--max-new-tokens", "24", "--compare", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert isinstance(out["text"], str) and out["text"]
+    assert len(out["token_ids"]) == out["stats"]["new_tokens"] <= 24
+    for key in ("new_tokens", "rounds", "tokens_per_round", "acceptance_rate", "seconds", "tokens_per_s"):
+        assert key in out["stats"], key
+    assert out["stats"]["seconds"] > 0 and out["stats"]["tokens_per_s"] > 0
+    assert out["identical_to_plain"] is True and out["speedup"] > 0
+
+
+def test_cli_bad_input_is_a_clear_error(smollm2_path):
+    r = _cli("--prompt", "hi", "--top-p", "1.5", "--max-new-tokens", "4")
+    assert r.returncode == 2 and "top_p" in r.stderr
+    r = _cli("--prompt", "hi", "--model", "no-such-model")
+    assert r.returncode != 0 and "unknown model" in r.stderr
