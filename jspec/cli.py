@@ -154,8 +154,14 @@ def _stats_line(name, s) -> str:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # the benchmark suite has its own options
+        from jspec.bench.suite import main as bench_main
+
+        return bench_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m jspec", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", help="run the default benchmark suite (python -m jspec bench --help)")
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf file or HF directory")
     g.add_argument("--prompt", required=True)
