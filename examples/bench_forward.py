@@ -77,6 +77,18 @@ def main():
     print(f"jax fused greedy   ctx={args.ctx} new={args.new}: {ms:.1f} ms/token, {1e3 / ms:.1f} tok/s (median of {n})")
     jax_tokens = np.asarray(greedy(m.config, m.params, prompt, cache, args.new))[0].tolist()
 
+    # Memory floor under the same conditions: one pass reading every weight (a decode step must do at least
+    # this). On a loaded or noisy VM the ratio to it is more telling than the absolute time.
+    read_all = jax.jit(lambda p: sum(jnp.sum(x) for x in jax.tree.leaves(p)))
+    read_all(m.params).block_until_ready()
+    floor = []
+    for _ in range(args.repeats * 3):
+        t0 = time.perf_counter()
+        read_all(m.params).block_until_ready()
+        floor.append(time.perf_counter() - t0)
+    fms = statistics.median(floor) * 1e3
+    print(f"memory floor (read all weights once): {fms:.1f} ms; decode step / floor = {ms / fms:.2f}")
+
     if args.no_torch:
         return
     import torch

@@ -7,7 +7,7 @@ Parameters are a plain nested dict of arrays. Per-layer weights are stacked alon
 layer loop is one ``lax.scan``: it compiles once per shape instead of once per layer. The whole KV cache
 [L, B, Hkv, S, D] rides in the scan carry; each layer first writes its new K/V into the carry and only then
 reads its own layer slice for attention. How the write is expressed decides whether XLA:CPU keeps the carry
-in place: a vmapped scatter straight into [L, B, ...] copied the whole cache every layer (7x slower step),
+in place: a vmapped scatter straight into [L, B, ...] copied the whole cache every layer (4x slower step),
 while slice -> ``jspec.cache.write_layer`` -> dynamic_update_slice back compiles with no cache copy at all
 (checked in the optimised HLO for B in {1, 8}, T in {1, 5, 64}, S = 1024).
 
