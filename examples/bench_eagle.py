@@ -1,0 +1,242 @@
+"""Benchmark the EAGLE head against plain decoding and n-gram prompt lookup, in ONE process, on SmolLM2-135M.
+
+f32, batch 1, open chat prompts, greedy and T = 1. For every repetition, prompt and temperature the configs
+run back to back (interleaved, so the two timing levels JAX:CPU jumps between from process to process
+affect them alike); tokens/s come from ``PreparedDecode.run_timed()`` (compilation excluded) and the report
+quotes medians over prompts x repetitions of each config's tokens/s and of its ratio to plain decoding's
+tokens/s measured right before it. For the head it also reports:
+- acceptance per draft position (accepted/proposed, the survival probability, and the conditional rate);
+- the draft's share of a round: a jitted ``propose`` (catch-up + K head steps + q) and a jitted ``verify``
+  (the target's K+1-token pass with features) timed separately on a live decode state, against the round
+  time measured in the decode itself (seconds / rounds);
+- ``jspec.cost_model.predict`` from those measured values (draft ms per step = propose / K, verify ms, the
+  rest of the round as state ms, plain ms per token, measured conditional acceptance), next to the measured
+  speedup, with the ratio predicted / measured.
+
+    python examples/train_eagle.py                       # once: trains and caches the head
+    python examples/bench_eagle.py [--head smollm2-8k] [--ks 2,3,4] [--reps 2] [--max-new 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jspec import decode as dec  # noqa: E402
+from jspec.cost_model import conditional_rates_from_stats, predict  # noqa: E402
+from jspec.drafters import DraftContext  # noqa: E402
+from jspec.ngram import NgramDrafter  # noqa: E402
+from models import eagle as EG  # noqa: E402
+from models import registry  # noqa: E402
+
+PROMPTS = [
+    "What are some fun things to do on a rainy afternoon?",
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short poem about a city waking up in the morning.",
+    "What advice would you give to someone starting their first job?",
+    "Why is the sky blue? Explain it simply.",
+    "Tell me a short story about a fox who wants to fly.",
+]
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def time_round_parts(target, drafter, dparams, tparams, prompt_ids, k: int, eos: int, reps: int = 15) -> dict:
+    """Median ms of a jitted propose (catch-up + K head steps) and a jitted verify (K+1 target positions with
+    features) on a live state after a few rounds, and of a plain 1-token target step, interleaved."""
+    prepared = dec.prepare(
+        target, tparams, [prompt_ids], drafter=drafter, draft_params=dparams, gamma=k, max_new_tokens=64, eos_ids=[eos]
+    )
+    pre, step = dec._stream_fns(target, drafter, prepared.config)
+    st = pre(*prepared.args)
+    for _ in range(3):
+        st, _, _ = step(tparams, dparams, st)
+    b = 1
+    ctx = DraftContext(st.seq, st.seq_len, jnp.full((b,), k, jnp.int32), st.sampling)
+    propose = jax.jit(drafter.propose, static_argnums=4)
+    verify = jax.jit(drafter.verify, static_argnums=0)
+    plain = jax.jit(target.apply)
+    key = jax.random.key(0)
+    prop = jax.block_until_ready(propose(dparams, st.draft_state, ctx, key, k))
+    committed = st.seq_len - 1
+    pending = jnp.take_along_axis(st.seq, committed[:, None], axis=1)
+    tokens = jnp.concatenate([pending, prop.tokens], axis=1)
+    positions = committed[:, None] + jnp.arange(k + 1)[None, :]
+    jax.block_until_ready(verify(target, tparams, dparams, prop.state, tokens, positions, st.cache))
+    jax.block_until_ready(plain(tparams, pending, committed[:, None], st.cache))
+    t_p, t_v, t_1 = [], [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(propose(dparams, st.draft_state, ctx, key, k))
+        t1 = time.perf_counter()
+        jax.block_until_ready(verify(target, tparams, dparams, prop.state, tokens, positions, st.cache))
+        t2 = time.perf_counter()
+        jax.block_until_ready(plain(tparams, pending, committed[:, None], st.cache))
+        t3 = time.perf_counter()
+        t_p.append(t1 - t0)
+        t_v.append(t2 - t1)
+        t_1.append(t3 - t2)
+    return {"propose_ms": 1e3 * median(t_p), "verify_ms": 1e3 * median(t_v), "plain_step_ms": 1e3 * median(t_1)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--head", default="smollm2-8k", help="trained head: cache name or directory")
+    ap.add_argument("--ks", default="2,3,4", help="draft lengths K for the head")
+    ap.add_argument("--ngram-k", type=int, default=4)
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS))
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--out", default=None, help="write the full results as JSON here")
+    args = ap.parse_args(argv)
+    ks = [int(x) for x in args.ks.split(",")]
+    temps = [float(x) for x in args.temperatures.split(",")]
+
+    target = registry.load(args.model, dtype="float32")
+    cfg, tparams, model, tok = target
+    eos = tok.eos_id
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]
+    configs = {
+        "plain": (None, None, 0),
+        f"ngram K={args.ngram_k}": (NgramDrafter(3, 1, vocab_size=cfg.vocab_size), None, args.ngram_k),
+    }
+    for k in ks:
+        drafter, dparams = EG.load_eagle(args.head, cfg, tparams, max_draft=k)
+        configs[f"eagle K={k}"] = (drafter, dparams, k)
+    meta = EG.read_meta(args.head)
+    print(
+        f"head '{args.head}': N={drafter.ecfg.n} tokens, {EG.param_count(dparams[1]) / 1e6:.2f}M params read per "
+        f"draft step (rows included), trained on {meta.get('generated_tokens', '?')} generated tokens"
+    )
+
+    runs: dict = {(name, t): [] for name in configs for t in temps}
+    t_start = time.perf_counter()
+    for rep in range(args.reps):
+        for i, ids in enumerate(prompts):
+            for t in temps:
+                plain_tps = None
+                for name, (drafter, dparams, k) in configs.items():
+                    out = dec.prepare(
+                        model,
+                        tparams,
+                        [ids],
+                        drafter=drafter,
+                        draft_params=dparams,
+                        gamma=k,
+                        max_new_tokens=args.max_new,
+                        temperature=t,
+                        eos_ids=[eos],
+                        seed=1000 * rep + i,
+                    ).run_timed()
+                    s = out.stats
+                    if drafter is None:
+                        plain_tps = s["tokens_per_s"]
+                    runs[(name, t)].append(
+                        {
+                            "prompt": i,
+                            "rep": rep,
+                            "tokens": s["new_tokens"][0],
+                            "seconds": s["seconds"],
+                            "tokens_per_s": s["tokens_per_s"],
+                            "vs_plain": s["tokens_per_s"] / plain_tps,
+                            "rounds": s["rounds"][0],
+                            "accepted_at": s["accepted_at"],
+                            "proposed_at": s["proposed_at"],
+                            "compile_s": s["compile_seconds"],
+                        }
+                    )
+                print(
+                    f"rep {rep} prompt {i} T={t:g}: "
+                    + ", ".join(f"{n} {runs[(n, t)][-1]['tokens_per_s']:.1f}" for n in configs)
+                    + " tok/s",
+                    flush=True,
+                )
+    print(f"decode runs took {time.perf_counter() - t_start:.0f} s")
+
+    parts = {}
+    for name, (drafter, dparams, k) in configs.items():
+        if name.startswith("eagle"):
+            parts[name] = time_round_parts(model, drafter, dparams, tparams, prompts[0], k, eos)
+
+    report = {"args": vars(args), "results": {}}
+    ng = f"ngram K={args.ngram_k}"
+    for t in temps:
+        print(f"\n== T={t:g}, batch 1, {len(prompts)} prompts x {args.reps} reps, medians ==")
+        plain_tps = median([r["tokens_per_s"] for r in runs[("plain", t)]])
+        ng_tps = median([r["tokens_per_s"] for r in runs[(ng, t)]])
+        for name in configs:
+            rs = runs[(name, t)]
+            tps = median([r["tokens_per_s"] for r in rs])
+            ratio = median([r["vs_plain"] for r in rs])
+            acc = np.sum([r["accepted_at"] for r in rs], axis=0)
+            prop = np.sum([r["proposed_at"] for r in rs], axis=0)
+            rounds = sum(r["rounds"] for r in rs)
+            toks = sum(r["tokens"] for r in rs)
+            row = {
+                "tokens_per_s": tps,
+                "speedup_vs_plain": ratio,
+                "vs_ngram": tps / ng_tps,
+                "tokens_per_round": toks / max(rounds, 1),
+            }
+            line = f"{name:12s} {tps:7.1f} tok/s  x{ratio:.2f} plain  x{tps / ng_tps:.2f} n-gram"
+            if name != "plain":
+                surv = acc / np.maximum(prop, 1)
+                cond = conditional_rates_from_stats(acc.tolist(), prop.tolist())
+                row.update(
+                    accepted_at=acc.tolist(),
+                    proposed_at=prop.tolist(),
+                    survival=surv.tolist(),
+                    conditional=cond.tolist(),
+                )
+                line += f"  {row['tokens_per_round']:.2f} tok/round  accepted/proposed per position " + " ".join(
+                    f"{x:.2f}" for x in surv
+                )
+            if name in parts:
+                k = configs[name][2]
+                p = parts[name]
+                round_ms = 1e3 * median([r["seconds"] / max(r["rounds"], 1) for r in rs])
+                state_ms = max(round_ms - p["propose_ms"] - p["verify_ms"], 0.0)
+                pred = predict(
+                    baseline_ms_per_token=1e3 / plain_tps,
+                    draft_ms=p["propose_ms"] / k,
+                    verify_ms=p["verify_ms"],
+                    state_ms=state_ms,
+                    accept_at=list(cond)[:k] + [0.0] * (k - len(cond)),
+                )
+                row.update(
+                    parts=p,
+                    round_ms=round_ms,
+                    draft_share=p["propose_ms"] / round_ms,
+                    predicted_speedup=pred.speedup,
+                    predicted_over_measured=pred.ratio_to(ratio),
+                )
+                line += (
+                    f"\n{'':12s} round {round_ms:.1f} ms: propose {p['propose_ms']:.1f} ms "
+                    f"({100 * p['propose_ms'] / round_ms:.0f}% of the round), verify {p['verify_ms']:.1f} ms, "
+                    f"rest {state_ms:.1f} ms; plain step {p['plain_step_ms']:.1f} ms; cost model "
+                    f"x{pred.speedup:.2f} predicted vs x{ratio:.2f} measured (ratio {pred.ratio_to(ratio):.2f})"
+                )
+            print(line)
+            report["results"][f"{name} T={t:g}"] = row
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**report, "runs": {f"{n} T={t:g}": v for (n, t), v in runs.items()}}, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,534 @@
+"""Train an EAGLE draft head for SmolLM2-135M on the target's own text and features, then measure acceptance.
+
+1. On-policy data: the TARGET answers chat prompts (written below) and requests about Python standard-library
+   docstrings (real text shipped with Python) through ``jspec.decode``, batched, alternating greedy and
+   T = ``--temperature`` batches.
+2. Features: one target pass over prompt + answer gives f_t (final normed hidden) at every position; stored
+   as float16 next to the tokens (the target's next-token distribution is recomputed from f_t during training:
+   the LM head is a fixed linear map, so nothing else needs storing).
+3. Frequent-token map: the N (``--head-tokens``) most frequent tokens of the generated answers, EOS always in.
+4. Training (optax AdamW, warm-up + cosine): on windows of ``--window`` tokens, the head runs ``--unroll``
+   passes of training-time test (pass u feeds on pass u-1's predictions and attends as draft step u does,
+   ``models.eagle.head_unrolled``); loss per pass = smooth-L1(f^, f) + ``--ce-weight`` * KL(target restricted
+   to the N tokens || head), pass u weighted ``--pass-decay``^u. tqdm bar; resumable ``ocp.CheckpointManager``.
+5. Evaluation: acceptance per draft position with ``jspec.decode`` on held-out chat prompts, greedy and T = 1.
+
+Everything goes to ``${JSPEC_CACHE:-~/.cache/jspec}/eagle/<name>/`` (data, checkpoints, ``head/``,
+``eval.json``), never into the repository; a rerun with a finished head only prints its evaluation unless
+``--force``. Defaults are sized for ~10 minutes on a loaded 2-core CPU (the target's generation dominates;
+``--gen-batches`` sets the data budget).
+
+    python examples/train_eagle.py [--name smollm2-8k] [--head-tokens 8192] [--gen-batches 3] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import shutil
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jspec import decode as dec  # noqa: E402
+from jspec.cost_model import conditional_rates_from_stats  # noqa: E402
+from models import eagle as EG  # noqa: E402
+from models import llama, registry  # noqa: E402
+
+TOPICS = [
+    "bread baking", "the solar system", "learning a new language", "saving money", "running a marathon",
+    "growing tomatoes", "the French Revolution", "climate change", "writing a resume", "meditation",
+    "electric cars", "the human heart", "chess openings", "photography", "volcanoes", "time management",
+    "coffee", "the Roman Empire", "machine learning", "recycling", "dogs as pets", "public speaking",
+    "the water cycle", "healthy sleep", "the internet", "friendship", "camping", "jazz music",
+    "renewable energy", "the stock market", "ancient Egypt", "video games", "yoga", "bees", "the moon",
+    "cooking pasta", "job interviews", "rainforests", "smartphones", "the immune system", "painting",
+    "earthquakes", "kindness", "the Olympic Games", "budget travel", "vitamins", "cybersecurity",
+]  # fmt: skip
+TEMPLATES = [
+    "Can you explain {t} to a beginner?",
+    "What are the most important things to know about {t}?",
+    "Give me some practical tips about {t}.",
+    "Write a short story that involves {t}.",
+    "What are common misconceptions about {t}?",
+    "Write a short blog post about {t}.",
+    "What are the pros and cons of {t}?",
+    "How would you teach a child about {t}?",
+]
+DOC_MODULES = (
+    "json os collections itertools functools textwrap string random math statistics datetime pathlib re".split()
+)
+# Held out: never used for training data (open chat prompts, like the benchmark's).
+EVAL_PROMPTS = [
+    "What should I pack for a weekend trip to the mountains?",
+    "How can I become a better listener?",
+    "Explain the difference between weather and climate.",
+    "Write a friendly email inviting my neighbours to a picnic.",
+    "Give me ideas for a vegetarian dinner.",
+    "Why do leaves change colour in autumn?",
+]
+
+
+def docstring_prompts(max_chars: int = 600) -> list[str]:
+    """Requests about stdlib docstrings: real English text shipped with Python, no download."""
+    out = []
+    for mod_name in DOC_MODULES:
+        mod = importlib.import_module(mod_name)
+        for name, obj in inspect.getmembers(mod):
+            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            doc = inspect.getdoc(obj)
+            if doc and 150 <= len(doc) <= max_chars:
+                out.append(f"Explain in simple words what the Python function {mod_name}.{name} does:\n\n{doc}")
+    return out
+
+
+def training_prompts(seed: int, doc_every: int = 4) -> list[str]:
+    """Chat prompts with a docstring request every ``doc_every``-th entry, shuffled deterministically."""
+    rng = np.random.default_rng(seed)
+    chat = [tpl.format(t=t) for t in TOPICS for tpl in TEMPLATES]
+    docs = docstring_prompts()
+    rng.shuffle(chat)
+    rng.shuffle(docs)
+    out, d = [], 0
+    for i, c in enumerate(chat):
+        if i % doc_every == doc_every - 1 and d < len(docs):
+            out.append(docs[d])
+            d += 1
+        out.append(c)
+    return out
+
+
+def encode(tok, text: str, max_prompt: int) -> list[int]:
+    return tok.encode_chat([{"role": "user", "content": text}])[-max_prompt:]
+
+
+# ---- stages 1-2: target text and features ---------------------------------------------------------------
+
+
+def generate_data(args, target, data_dir: str) -> list[str]:
+    """One npz per batch: tokens [B, W] (prompt + answer, right-padded), lengths, prompt lengths, features
+    [B, W, E] float16. Existing batches are kept (a rerun resumes)."""
+    os.makedirs(data_dir, exist_ok=True)
+    tok, cfg = target.tokenizer, target.config
+    prompts = training_prompts(args.seed)
+    width = args.max_prompt + args.max_new
+
+    @jax.jit
+    def features(params, tokens):  # [B, W] -> [B, W, E]; params as an argument, never a baked-in constant
+        b, w = tokens.shape
+        pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+        _, f, _ = llama.forward(cfg, params, tokens, pos, llama.init_cache(cfg, b, w), return_hidden=True)
+        return f
+
+    files = []
+    bar = tqdm(range(args.gen_batches), desc="target text + features", unit="batch")
+    for i in bar:
+        path = os.path.join(data_dir, f"batch_{i:04d}.npz")
+        files.append(path)
+        if os.path.exists(path):
+            continue
+        chunk = prompts[i * args.gen_batch : (i + 1) * args.gen_batch]
+        ids = [encode(tok, p, args.max_prompt) for p in chunk]
+        temp = 0.0 if i % 2 == 0 else args.temperature  # greedy and sampled text: both decoding modes
+        out = dec.decode(
+            target.model,
+            target.params,
+            ids,
+            max_new_tokens=args.max_new,
+            temperature=temp,
+            eos_ids=[tok.eos_id],
+            seed=args.seed * 1000 + i,
+        )
+        seqs = [p + t for p, t in zip(ids, out.tokens)]
+        tokens = np.zeros((len(seqs), width), np.int32)
+        for r, s in enumerate(seqs):
+            tokens[r, : len(s)] = s
+        w = min(-(-max(len(s) for s in seqs) // 32) * 32, width)
+        feats = np.zeros((len(seqs), width, cfg.hidden), np.float16)
+        for r in range(0, len(seqs), args.feature_batch):  # [B, W, V] logits at once would take ~1 GB
+            feats[r : r + args.feature_batch, :w] = np.asarray(
+                features(target.params, jnp.asarray(tokens[r : r + args.feature_batch, :w]))
+            )
+        np.savez(
+            path + ".tmp.npz",
+            tokens=tokens,
+            lengths=np.array([len(s) for s in seqs], np.int32),
+            prompt_lengths=np.array([len(p) for p in ids], np.int32),
+            feats=feats,
+            temperature=np.float32(temp),
+        )
+        os.replace(path + ".tmp.npz", path)
+        bar.set_postfix(new_tokens=sum(out.stats["new_tokens"]))
+    return files
+
+
+def doc_answers(max_chars: int = 3000) -> list[tuple[str, str]]:
+    """(request, docstring) pairs from the standard library: real English prose, shipped with Python."""
+    out, seen = [], set()
+    for mod_name in sorted(sys.stdlib_module_names):
+        if mod_name.startswith("_") or mod_name in ("antigravity", "this", "idlelib", "tkinter", "turtle"):
+            continue
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception:  # a stdlib module this build lacks or cannot import here
+            continue
+        for name, obj in [(mod_name, mod)] + inspect.getmembers(mod):
+            if name.startswith("_") or not (inspect.ismodule(obj) or inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            doc = inspect.getdoc(obj)
+            if doc and 200 <= len(doc) <= max_chars and doc not in seen:
+                seen.add(doc)
+                full = name if inspect.ismodule(obj) else f"{mod_name}.{name}"
+                out.append((f"What does the Python {full} do?", doc))
+    return out
+
+
+def generate_doc_data(args, target, data_dir: str) -> list[str]:
+    """Off-policy real text, cheap: stdlib docstrings laid out as assistant answers of a chat, ~``--doc-tokens``
+    tokens; only a target forward per token (no generation), features stored like ``generate_data``. The
+    loss is distillation (the target's own distribution at every position), so the head learns the target's
+    feature dynamics on this text, not the text."""
+    if args.doc_tokens <= 0:
+        return []
+    os.makedirs(data_dir, exist_ok=True)
+    tok, cfg = target.tokenizer, target.config
+    width = args.doc_width
+    pairs = doc_answers()
+    np.random.default_rng(args.seed).shuffle(pairs)
+
+    @jax.jit
+    def features(params, tokens):
+        b, w = tokens.shape
+        pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+        _, f, _ = llama.forward(cfg, params, tokens, pos, llama.init_cache(cfg, b, w), return_hidden=True)
+        return f
+
+    rows_per_file = args.feature_batch * 4
+    n_files = -(-args.doc_tokens // (rows_per_file * width))
+    files, it = [], iter(pairs)
+    bar = tqdm(range(n_files), desc="docstring features", unit="file")
+    for i in bar:
+        path = os.path.join(data_dir, f"docs_{i:04d}.npz")
+        files.append(path)
+        seqs, plens = [], []
+        while len(seqs) < rows_per_file:
+            q, doc = next(it)
+            user = [{"role": "user", "content": q}]
+            prompt = tok.encode_chat(user)
+            full = tok.encode_chat(user + [{"role": "assistant", "content": doc}], add_generation_prompt=False)
+            seqs.append(full[:width])
+            plens.append(len(prompt))
+        if os.path.exists(path):  # the prompts above were still consumed: later files stay the same
+            continue
+        tokens = np.zeros((len(seqs), width), np.int32)
+        for r, sq in enumerate(seqs):
+            tokens[r, : len(sq)] = sq
+        feats = np.zeros((len(seqs), width, cfg.hidden), np.float16)
+        for r in range(0, len(seqs), args.feature_batch):
+            feats[r : r + args.feature_batch] = np.asarray(
+                features(target.params, jnp.asarray(tokens[r : r + args.feature_batch]))
+            )
+        np.savez(
+            path + ".tmp.npz",
+            tokens=tokens,
+            lengths=np.array([len(sq) for sq in seqs], np.int32),
+            prompt_lengths=np.array(plens, np.int32),
+            feats=feats,
+            temperature=np.float32(-1),
+        )
+        os.replace(path + ".tmp.npz", path)
+    return files
+
+
+def data_dir(args) -> str:
+    key = f"{args.model}-T{args.temperature:g}-p{args.max_prompt}-n{args.max_new}-b{args.gen_batch}-s{args.seed}"
+    return os.path.join(EG.cache_root(), "_data", key)
+
+
+def load_windows(files: list[str], window: int, prompt_loss: bool):
+    """Cut every sequence into windows of ``window`` pairs. Pair i of a window is (f_i, x_{i+1}) and its
+    targets f_{i+1}, x_{i+2}: a window holds window + 1 tokens/features. Returns dict of arrays
+    feats [M, w+1, E] float16, tokens [M, w+1], mask [M, w] (pair i is trained) plus the answers."""
+    feats, tokens, masks, answers = [], [], [], []
+    for f in files:
+        d = np.load(f)
+        for r in range(d["tokens"].shape[0]):
+            n, p = int(d["lengths"][r]), int(d["prompt_lengths"][r])
+            answers.append(d["tokens"][r, p:n])
+            first = 0 if prompt_loss else max(p - 2, 0)  # pair p-2 predicts the answer's first feature
+            for s in range(first, n - 1, window):
+                e = min(s + window + 1, n)
+                if e - s < 3:
+                    continue
+                tk = np.zeros(window + 1, np.int32)
+                ft = np.zeros((window + 1, d["feats"].shape[2]), np.float16)
+                tk[: e - s], ft[: e - s] = d["tokens"][r, s:e], d["feats"][r, s:e]
+                m = np.zeros(window, bool)
+                m[: e - s - 1] = True  # pair i needs x_{i+1} and f_{i+1} (whose LM head gives the CE target)
+                tokens.append(tk)
+                feats.append(ft)
+                masks.append(m)
+    return {"feats": np.stack(feats), "tokens": np.stack(tokens), "mask": np.stack(masks)}, answers
+
+
+# ---- stages 3-4: map, head, training --------------------------------------------------------------------
+
+
+def make_loss(ecfg: EG.EagleConfig, args):
+    decay = jnp.asarray([args.pass_decay**u for u in range(args.unroll)], jnp.float32)
+
+    def loss_fn(trainable, token_ids, target_params, rows, feats, tokens, mask, noise_key):
+        """feats [B, w+1, E], tokens [B, w+1], mask [B, w]; rows [N, E] the subset's LM-head rows."""
+        hp = {**trainable, "token_ids": token_ids}
+        f_in = feats[:, :-1].astype(jnp.float32)
+        if args.noise:  # EAGLE's feature noise: the rollout reads imperfect features
+            f_in = f_in + args.noise * jax.random.uniform(noise_key, f_in.shape, minval=-1.0, maxval=1.0)
+        f_hat = EG.head_unrolled(ecfg, hp, target_params, f_in, tokens[:, 1:], args.unroll)  # [U, B, w, E]
+        target = feats[:, 1:].astype(jnp.float32)  # f_{i+1}
+        reg = jnp.mean(optax.huber_loss(f_hat, target[None], delta=1.0), axis=-1)  # [U, B, w]
+        t_logp = jax.nn.log_softmax(EG.subset_logits(target, rows), axis=-1)  # [B, w, N] target on the subset
+        logq = jax.nn.log_softmax(EG.subset_logits(f_hat.reshape((-1,) + f_hat.shape[2:]), rows), axis=-1)
+        logq = logq.reshape(f_hat.shape[:3] + (-1,))
+        p = jnp.exp(t_logp)
+        kl = jnp.sum(p[None] * (t_logp[None] - logq), axis=-1)  # [U, B, w]
+        agree = (jnp.argmax(logq, -1) == jnp.argmax(t_logp, -1)[None]).astype(jnp.float32)
+        m = mask.astype(jnp.float32)[None]
+        denom = jnp.maximum(jnp.sum(m), 1.0)
+        per_pass = lambda x: jnp.sum(x * m, axis=(1, 2)) / denom  # noqa: E731
+        loss = jnp.sum(decay * (per_pass(reg) + args.ce_weight * per_pass(kl))) / jnp.sum(decay)
+        return loss, {"loss": loss, "reg": per_pass(reg), "kl": per_pass(kl), "agree": per_pass(agree)}
+
+    return loss_fn
+
+
+def train(args, target, data, token_ids, out_dir: str):
+    ecfg = EG.EagleConfig(target.config, args.head_tokens, args.ffn, name=args.name)
+    hp = EG.init_head(ecfg, target.params, jax.random.key(args.seed), token_ids)
+    trainable, ids = EG.split_trainable(hp)
+    rows = EG.EagleDrafter(ecfg).draft_params(target.params, hp)[1]["rows"]
+    m = data["tokens"].shape[0]
+    steps_per_epoch = max(m // args.batch, 1)
+    total = args.steps or args.epochs * steps_per_epoch
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(args.warmup, total // 4), total, args.lr * 0.05)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.98, weight_decay=args.weight_decay))
+    opt_state = opt.init(trainable)
+    loss_fn = make_loss(ecfg, args)
+    tparams = {"embed": target.params["embed"]}  # all the head reads of the target
+
+    @jax.jit
+    def step(trainable, opt_state, tparams, rows, feats, tokens, mask, key):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, metrics), grads = grad_fn(trainable, ids, tparams, rows, feats, tokens, mask, key)
+        updates, opt_state = opt.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, metrics
+
+    mgr = ocp.CheckpointManager(
+        os.path.abspath(os.path.join(out_dir, "ckpt")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=1, save_interval_steps=1),
+    )
+    start = 0
+    if mgr.latest_step() is not None:
+        start = mgr.latest_step()
+        state = mgr.restore(start, args=ocp.args.StandardRestore({"trainable": trainable, "opt": opt_state}))
+        trainable, opt_state = state["trainable"], state["opt"]
+        print(f"resumed from step {start}/{total}")
+    history = []
+    bar = tqdm(range(start, total), desc="train head", unit="step", initial=start, total=total)
+    for s in bar:
+        # Deterministic in (seed, step): a resumed run sees the batches it would have seen.
+        rng = np.random.default_rng((args.seed, s // steps_per_epoch))
+        perm = rng.permutation(m)
+        sel = np.sort(perm[(s % steps_per_epoch) * args.batch : (s % steps_per_epoch + 1) * args.batch])
+        trainable, opt_state, met = step(
+            trainable,
+            opt_state,
+            tparams,
+            rows,
+            jnp.asarray(data["feats"][sel]),
+            jnp.asarray(data["tokens"][sel]),
+            jnp.asarray(data["mask"][sel]),
+            jax.random.key(args.seed * 100_003 + s),
+        )
+        met = {k: np.asarray(v).tolist() for k, v in met.items()}
+        history.append(met)
+        bar.set_postfix(loss=f"{met['loss']:.3f}", agree=" ".join(f"{a:.2f}" for a in met["agree"]))
+        if (s + 1) % args.ckpt_every == 0 or s + 1 == total:
+            mgr.save(s + 1, args=ocp.args.StandardSave({"trainable": trainable, "opt": opt_state}))
+    mgr.wait_until_finished()
+    mgr.close()
+    return ecfg, {**trainable, "token_ids": ids}, history
+
+
+# ---- stage 5: evaluation ------------------------------------------------------------------------------
+
+
+def evaluate(target, path: str, gamma: int, max_new: int, seed: int = 0) -> dict:
+    """Acceptance per draft position on the held-out prompts, greedy and T = 1 (one decode each)."""
+    tok = target.tokenizer
+    drafter, dparams = EG.load_eagle(path, target.config, target.params, max_draft=gamma)
+    ids = [encode(tok, p, 512) for p in EVAL_PROMPTS]
+    res = {}
+    for label, temp in (("greedy", 0.0), ("T=1", 1.0)):
+        out = dec.decode(
+            target.model,
+            target.params,
+            ids,
+            drafter=drafter,
+            draft_params=dparams,
+            gamma=gamma,
+            max_new_tokens=max_new,
+            temperature=temp,
+            eos_ids=[tok.eos_id],
+            seed=seed,
+        )
+        st = out.stats
+        res[label] = {
+            "acceptance_rate": st["acceptance_rate"],
+            "tokens_per_round": st["tokens_per_round"],
+            "accepted_at": st["accepted_at"],
+            "proposed_at": st["proposed_at"],
+            "survival": [a / p if p else None for a, p in zip(st["accepted_at"], st["proposed_at"])],
+            "conditional": conditional_rates_from_stats(st["accepted_at"], st["proposed_at"]).tolist(),
+            "new_tokens": sum(st["new_tokens"]),
+            # Share of held-out output inside the draft vocabulary (the rest can only come from the residual).
+            "coverage": float(np.isin(np.concatenate(out.tokens), np.asarray(dparams[1]["token_ids"])).mean()),
+        }
+    return res
+
+
+def print_eval(ev: dict, gamma: int):
+    for label, r in ev.items():
+        surv = " ".join(f"{x:.2f}" if x is not None else "-" for x in r["survival"])
+        cond = " ".join(f"{x:.2f}" for x in r["conditional"])
+        print(
+            f"held-out {label:6s} K={gamma}: tokens/round {r['tokens_per_round']:.2f}, acceptance "
+            f"{r['acceptance_rate']:.3f}; per position: accepted/proposed [{surv}], conditional [{cond}] "
+            f"({r['new_tokens']} tokens, {100 * r.get('coverage', float('nan')):.1f}% inside the draft vocabulary)"
+        )
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--name", default=None, help="cache name (default: <model>-<N>)")
+    ap.add_argument("--head-tokens", type=int, default=8192, help="frequent-token draft vocabulary N; 0 = all")
+    ap.add_argument("--ffn", type=int, default=0, help="head layer FFN width (0: the target's)")
+    ap.add_argument("--gen-batches", type=int, default=3, help="target generation batches (the data budget)")
+    ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--max-prompt", type=int, default=192)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.8, help="of the odd (sampled) generation batches")
+    ap.add_argument("--feature-batch", type=int, default=8)
+    ap.add_argument("--doc-tokens", type=int, default=40000, help="off-policy stdlib docstring text (0: none)")
+    ap.add_argument("--doc-width", type=int, default=256)
+    ap.add_argument("--prompt-loss", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--unroll", type=int, default=3, help="training-time-test passes (draft steps trained)")
+    ap.add_argument("--pass-decay", type=float, default=0.8)
+    ap.add_argument("--ce-weight", type=float, default=0.5)
+    ap.add_argument("--noise", type=float, default=0.0, help="uniform noise on input features")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=0, help="override epochs")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--eval-max-new", type=int, default=64)
+    ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--force", action="store_true", help="retrain even if a finished head is cached")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.name is None:
+        n = args.head_tokens
+        args.name = f"{args.model}-{f'{n // 1024}k' if n and n % 1024 == 0 else (n or 'full')}"
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out_dir = os.path.join(EG.cache_root(), args.name)
+    final = os.path.join(out_dir, "head")
+    eval_path = os.path.join(out_dir, "eval.json")
+    if args.force and os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)  # the target data (data_dir) is kept
+    if os.path.isfile(os.path.join(final, "meta.json")) and os.path.isfile(eval_path):
+        with open(eval_path) as f:
+            report = json.load(f)
+        print(f"cached head at {final} (--force retrains)")
+        print_eval(report["eval"], report["gamma"])
+        return report
+
+    t0 = time.perf_counter()
+    target = registry.load(args.model, dtype="float32")
+    files = generate_data(args, target, data_dir(args))
+    doc_dir = os.path.join(EG.cache_root(), "_data", f"{args.model}-docs-w{args.doc_width}-s{args.seed}")
+    doc_files = generate_doc_data(args, target, doc_dir)
+    data, answers = load_windows(files + doc_files, args.window, args.prompt_loss)
+    answers = answers[: len(files) * args.gen_batch]  # the generated answers only (the frequent-token map)
+    t_data = time.perf_counter() - t0
+    n_ans = int(sum(len(a) for a in answers))
+    print(
+        f"data: {n_ans} generated tokens in {len(files)} batches + {len(doc_files)} docstring files; "
+        f"{int(data['mask'].sum())} trained pairs"
+    )
+    v = target.config.vocab_size
+    token_ids = None
+    if args.head_tokens and args.head_tokens < v:
+        counts = EG.token_counts(answers, v)
+        token_ids = EG.frequent_tokens(counts, args.head_tokens, always=[target.tokenizer.eos_id])
+        cover = counts[token_ids].sum() / max(counts.sum(), 1)
+        print(f"draft vocabulary: {args.head_tokens} most frequent tokens cover {cover:.4f} of the generated text")
+
+    t1 = time.perf_counter()
+    ecfg, hp, history = train(args, target, data, token_ids, out_dir)
+    t_train = time.perf_counter() - t1
+    k = max(len(history) // 10, 1)
+
+    def avg(h, key):
+        return np.mean([x[key] for x in h], axis=0) if h else np.nan
+
+    first, last = history[:k], history[-k:]
+    print(
+        f"trained {args.name}: data {t_data:.0f} s, training {t_train:.0f} s ({len(history)} steps); loss "
+        f"{avg(first, 'loss'):.3f} -> {avg(last, 'loss'):.3f}; per pass: KL {np.round(avg(last, 'kl'), 3).tolist()}, "
+        f"smooth-L1 {np.round(avg(last, 'reg'), 3).tolist()}, "
+        f"top-1 agreement {np.round(avg(last, 'agree'), 3).tolist()}"
+    )
+    report = {
+        "name": args.name,
+        "gamma": args.gamma,
+        "data_seconds": t_data,
+        "train_seconds": t_train,
+        "generated_tokens": n_ans,
+        "loss_start": float(avg(first, "loss")),
+        "loss_end": float(avg(last, "loss")),
+        "agree_end": np.asarray(avg(last, "agree")).tolist(),
+        "args": vars(args),
+        "eval": {},
+    }
+    EG.save_head(final, ecfg, hp, {k_: v_ for k_, v_ in report.items() if k_ != "eval"})
+    if not args.no_eval:
+        report["eval"] = evaluate(target, final, args.gamma, args.eval_max_new, args.seed)
+        print_eval(report["eval"], args.gamma)
+        with open(eval_path, "w") as f:
+            json.dump(report, f, indent=1)
+    print(f"total {time.perf_counter() - t0:.0f} s; head saved to {final}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

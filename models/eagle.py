@@ -1,0 +1,481 @@
+"""EAGLE-style draft head: one small transformer layer that drafts from the target's own hidden features.
+
+Dimension vocabulary: B batch, T tokens in a call, K draft length, V vocab, N tokens of the draft head's
+vocabulary (the frequent-token subset; N = V for a full head), E hidden width, S cache slots.
+
+Features. f_t is the target's final normed hidden state at position t, the vector its LM head turns into
+p(x_{t+1}) (``models.llama.forward(..., return_hidden=True)``).
+
+Head step. Pair i is (f_i, x_{i+1}): RMSNorm(emb(x_{i+1})) and RMSNorm(f_i) are concatenated, projected
+2E -> E, run through one Llama decoder layer (its own 1-layer KV cache, RoPE position i) and a final RMSNorm,
+giving f^_{i+1}, the head's guess of the target's next feature; its logits over the N frequent tokens are
+f^_{i+1} . rows, where rows [N, E] are the target's own LM-head rows of those tokens. Every other token gets
+q = 0: it is never proposed, and the verifier's residual max(0, p - q) supplies it, so decoding stays
+lossless (q is exactly what the head samples).
+
+Round (``EagleDrafter``). The drafter state holds the features of the last verified block [B, K+1, E] and the
+position where that block starts. ``propose`` first catches up: the pairs of the newly committed tokens
+(accepted drafts and the new pending token, n_accepted + 1 <= K + 1 of them, their features all in the
+stored block) go through the head as one block at the head cache's committed end, which is rewound by index
+masking alone (``KVCache.lengths``); then the head rolls out K steps on its own predicted features in a
+``lax.scan``. ``verify`` replaces the decoder's target call: one target pass over [pending, drafts] that
+also returns the features, which become the new state, so no target work is repeated. The prompt's features
+come from ``init``, which runs the target once more over the prompt (the decoder's own prefill does not
+return hidden states): one extra prompt pass per decode call.
+
+Parameters. Trainable head params (``init_head``): emb_norm, feat_norm, fc, layers (one stacked Llama
+block), out_norm, plus the frozen ``token_ids`` [N] (ascending). ``EagleDrafter.draft_params`` builds the
+runtime params once per target: (target params, head params + the gathered ``rows`` [N, E]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.cache import KVCache, take_rows
+from jspec.drafters import DraftContext, Proposal
+from jspec.model import Model
+from jspec.sampling import distribution, sample
+from models import llama
+from models.layerskip import head_rows, load_exit_meta, restore_exit_params, save_exit_params
+from models.llama import LlamaConfig, Params
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+    """Static description of a head (hashable: part of the drafter, a static jit argument).
+
+    target: the target's config (widths, vocabulary, RoPE, dtype). head_tokens: N, the size of the draft
+    vocabulary (0 or V: the full LM head). ffn: the head layer's feed-forward width (0: the target's).
+    """
+
+    target: LlamaConfig
+    head_tokens: int = 8192
+    ffn: int = 0
+    name: str = "eagle"
+
+    def __post_init__(self):
+        if not 0 <= self.head_tokens <= self.target.vocab_size:
+            raise ValueError(f"head_tokens={self.head_tokens} must be in [0, {self.target.vocab_size}]")
+
+    @property
+    def n(self) -> int:
+        return self.head_tokens or self.target.vocab_size
+
+    @property
+    def layer_cfg(self) -> LlamaConfig:
+        """The head's decoder layer: the target's attention shape, one layer, its own FFN width."""
+        return self.target.replace(num_layers=1, ffn=self.ffn or self.target.ffn, name=f"{self.name}-layer")
+
+    def to_json(self) -> dict:
+        return {"target": dataclasses.asdict(self.target), "head_tokens": self.head_tokens, "ffn": self.ffn}
+
+    @classmethod
+    def from_json(cls, d: dict, name: str = "eagle") -> EagleConfig:
+        return cls(LlamaConfig(**d["target"]), int(d["head_tokens"]), int(d["ffn"]), name)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Frequent-token map.
+
+
+def token_counts(token_lists: Iterable[Sequence[int]], vocab_size: int) -> np.ndarray:
+    """Occurrences [V] of every token id in some token lists (target-generated text)."""
+    counts = np.zeros(vocab_size, np.int64)
+    for toks in token_lists:
+        arr = np.asarray(toks, np.int64).reshape(-1)
+        if arr.size:
+            counts += np.bincount(arr, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def frequent_tokens(counts: np.ndarray, n: int, always: Sequence[int] = ()) -> np.ndarray:
+    """The N most frequent token ids [N] int32, ascending. counts [V].
+
+    Ties (most tokens are never seen in a few thousand generated tokens) go to the lower id: BPE ids follow
+    merge order, so a low id was frequent in the tokenizer's corpus. ``always`` (EOS) is kept whatever its
+    count: a head that cannot propose the end of an answer loses the last round of every reply.
+    """
+    counts = np.asarray(counts, np.float64)
+    v = counts.shape[0]
+    if not 0 < n <= v:
+        raise ValueError(f"N={n} must be in [1, V={v}]")
+    score = counts.copy()
+    score[np.asarray(always, np.int64)] = np.inf
+    order = np.lexsort((np.arange(v), -score))
+    return np.sort(order[:n]).astype(np.int32)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Head parameters and forward.
+
+
+def _rms(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * scale).astype(x.dtype)
+
+
+def init_head(ecfg: EagleConfig, target_params: Params, key: jax.Array, token_ids: np.ndarray | None = None) -> Params:
+    """Fresh head params (float32 numpy-drawn like ``llama.init_random_params``).
+
+    The layer's attention/MLP output projections start small so the untrained layer is close to the identity
+    on the fc output; fc starts as [0 | I]: f^_{i+1} = f_i plus a learned correction, a start that already
+    lives in the target's feature space. out_norm starts at the target's final-norm scale (the features are
+    that norm's output). token_ids default to the N lowest ids.
+    """
+    cfg = ecfg.target
+    e = cfg.hidden
+    layer = llama.init_random_params(ecfg.layer_cfg, key, std=0.02)["layers"]
+    layer = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), layer)
+    ids = np.arange(ecfg.n, dtype=np.int32) if token_ids is None else np.asarray(token_ids, np.int32)
+    if ids.shape != (ecfg.n,) or ids.min() < 0 or ids.max() >= cfg.vocab_size or np.any(np.diff(ids) <= 0):
+        raise ValueError(f"token_ids must be {ecfg.n} distinct ascending ids in [0, {cfg.vocab_size})")
+    fc = np.concatenate([np.zeros((e, e), np.float32), np.eye(e, dtype=np.float32)], axis=0)
+    return {
+        "emb_norm": {"scale": jnp.ones((e,), jnp.float32)},
+        "feat_norm": {"scale": jnp.ones((e,), jnp.float32)},
+        "fc": {"kernel": jnp.asarray(fc)},
+        "layers": layer,
+        "out_norm": {"scale": jnp.asarray(target_params["final_norm"]["scale"], jnp.float32)},
+        "token_ids": jnp.asarray(ids),
+    }
+
+
+def abstract_head(ecfg: EagleConfig) -> Params:
+    """ShapeDtypeStruct tree of the head params (what ``save_head`` writes), for a shape-checked restore."""
+    cfg = ecfg.target
+    shapes = llama.abstract_params(ecfg.layer_cfg)["layers"]
+    e = cfg.hidden
+
+    def f32(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    return {
+        "emb_norm": {"scale": f32(e)},
+        "feat_norm": {"scale": f32(e)},
+        "fc": {"kernel": f32(2 * e, e)},
+        "layers": jax.tree.map(lambda s: f32(*s.shape), shapes),
+        "out_norm": {"scale": f32(e)},
+        "token_ids": jax.ShapeDtypeStruct((ecfg.n,), jnp.int32),
+    }
+
+
+def split_trainable(hp: Params) -> tuple[Params, jax.Array]:
+    """(trainable params, frozen token_ids [N])."""
+    return {k: v for k, v in hp.items() if k != "token_ids"}, hp["token_ids"]
+
+
+def head_features(
+    ecfg: EagleConfig,
+    hp: Params,
+    target_params: Params,
+    feats: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+) -> tuple[jax.Array, KVCache]:
+    """The head on T pairs: feats [B, T, E] (f_i), tokens [B, T] (x_{i+1}), positions [B, T] (i) ->
+    (f^ [B, T, E] predicted next features, cache with the T entries written at ``lengths + t``, uncommitted)."""
+    cfg, lcfg = ecfg.target, ecfg.layer_cfg
+    dt = cfg.jdtype
+    emb = llama.embed(cfg, target_params, tokens)
+    x = jnp.concatenate(
+        [
+            _rms(emb, hp["emb_norm"]["scale"].astype(dt), cfg.rms_eps),
+            _rms(feats.astype(dt), hp["feat_norm"]["scale"].astype(dt), cfg.rms_eps),
+        ],
+        axis=-1,
+    )
+    x = x @ hp["fc"]["kernel"].astype(dt)
+    x, cache = llama.run_layers(lcfg, {"layers": hp["layers"]}, x, positions, cache)
+    return _rms(x, hp["out_norm"]["scale"].astype(dt), cfg.rms_eps), cache
+
+
+def unroll_mask(t: int, u: int) -> np.ndarray:
+    """[T, (u+1)T] bool: what pass u (0 = true features) of training-time test sees at position i, i.e.
+    what draft step u of a rollout sees at inference: the committed pairs j <= i - u (computed from true
+    features: slots j of pass 0), then the rollout's own entries, one per pass v in 1..u at j = i - (u - v)."""
+    i = np.arange(t)[:, None]
+    j = np.arange(t)[None, :]
+    blocks = [j <= i - u] + [j == i - (u - v) for v in range(1, u + 1)]
+    return np.concatenate(blocks, axis=1)
+
+
+def head_unrolled(
+    ecfg: EagleConfig, hp: Params, target_params: Params, feats: jax.Array, tokens: jax.Array, unroll: int
+) -> jax.Array:
+    """Training-time test (EAGLE-3): the head on every pair of whole sequences for ``unroll`` passes, pass u
+    feeding on pass u-1's predicted features and attending exactly as draft step u does in ``propose``.
+
+    feats [B, T, E] (true f_i), tokens [B, T] (x_{i+1}) -> f^ [U, B, T, E]; pass u at i predicts f_{i+1}.
+    """
+    cfg, lcfg = ecfg.target, ecfg.layer_cfg
+    dt = cfg.jdtype
+    b, t = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cos, sin = llama.rope_tables(pos, lcfg.head_dim, lcfg.rope_theta)
+    emb = _rms(llama.embed(cfg, target_params, tokens), hp["emb_norm"]["scale"].astype(dt), cfg.rms_eps)
+    cache = init_head_cache(ecfg, b, unroll * t)
+    k_all, v_all = cache.k, cache.v
+    block = llama.Block(lcfg)
+    layer = jax.tree.map(lambda w: w[0], hp["layers"])
+    f_in, outs = feats.astype(dt), []
+    for u in range(unroll):
+        x = jnp.concatenate([emb, _rms(f_in, hp["feat_norm"]["scale"].astype(dt), cfg.rms_eps)], axis=-1)
+        x = x @ hp["fc"]["kernel"].astype(dt)
+        mask = np.zeros((t, unroll * t), bool)
+        mask[:, : (u + 1) * t] = unroll_mask(t, u)
+        lengths = jnp.full((b,), u * t, jnp.int32)
+        x, k_all, v_all = block.apply(
+            {"params": layer},
+            x,
+            cos,
+            sin,
+            k_all,
+            v_all,
+            jnp.int32(0),
+            lengths,
+            jnp.broadcast_to(mask, (b, t, t * unroll)),
+        )
+        f_hat = _rms(x, hp["out_norm"]["scale"].astype(dt), cfg.rms_eps)
+        outs.append(f_hat)
+        # Position i of the next pass reads the prediction of f_i (made at i - 1); position 0 keeps f_0.
+        f_in = jnp.concatenate([feats[:, :1].astype(dt), f_hat[:, :-1]], axis=1)
+    return jnp.stack(outs)
+
+
+def subset_logits(f_hat: jax.Array, rows: jax.Array) -> jax.Array:
+    """f^ [B, T, E] . rows [N, E] -> logits over the head's tokens [B, T, N] float32. Only these N rows are
+    read: on SmolLM2-135M the full tied head (49152 rows) would cost 6x more than the 8k-row one."""
+    return jnp.einsum("bte,ne->btn", f_hat, rows.astype(f_hat.dtype), preferred_element_type=jnp.float32)
+
+
+def expand_to_vocab(q_sub: jax.Array, token_ids: jax.Array, vocab_size: int) -> jax.Array:
+    """[..., N] probabilities over the subset -> [..., V] with exactly 0 outside it."""
+    if q_sub.shape[-1] == vocab_size:  # full head: token_ids is arange(V)
+        return q_sub
+    full = jnp.zeros(q_sub.shape[:-1] + (vocab_size,), q_sub.dtype)
+    return full.at[..., token_ids].set(q_sub)
+
+
+def init_head_cache(ecfg: EagleConfig, batch: int, slots: int) -> KVCache:
+    """The head's own cache: k/v [1, B, Hkv, S, D]."""
+    return llama.init_cache(ecfg.layer_cfg, batch, slots)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The drafter.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EagleState:
+    """feats: [B, K+1, E] target features of the last verified block (position ``start + j`` at j);
+    start: [B] that block's first position (the pending token of the round that verified it);
+    cache: the head's KV cache, committed through pair ``start - 1`` (lengths = start) between rounds."""
+
+    feats: jax.Array
+    start: jax.Array
+    cache: KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter:
+    """EAGLE draft head (jspec drafter protocol with ``verify_updates_state``).
+
+    ecfg: the head's config (its ``target`` must be the target's config). max_draft: the largest K this
+    drafter is asked for (the state's feature block has a fixed width, K+1, before K is known).
+    draft params: ``draft_params(target_params, head_params)``.
+    """
+
+    ecfg: EagleConfig
+    max_draft: int = 8
+
+    verify_updates_state: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if self.max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1, got {self.max_draft}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.ecfg.target.vocab_size
+
+    def draft_params(self, target_params: Params, head_params: Params) -> tuple[Params, Params]:
+        """(target params, head params + ``rows`` [N, E]): the subset's LM-head rows gathered here, once per
+        target, not per draft step. JAX does not copy the target params passed twice."""
+        ids = jnp.asarray(head_params["token_ids"], jnp.int32)
+        if ids.shape != (self.ecfg.n,):
+            raise ValueError(f"head has {ids.shape[0]} token ids, config says N={self.ecfg.n}")
+        rows = head_rows(self.ecfg.target, target_params, ids).astype(self.ecfg.target.jdtype)
+        return target_params, {**head_params, "rows": rows}
+
+    def init(self, params, prompt: jax.Array, prompt_len: jax.Array, slots: int) -> EagleState:
+        """Runs the target over the prompt [B, P] once more to get its features (the decoder's prefill does not
+        return them), then the head over the prompt's pairs (f_i, x_{i+1}), i < prompt_len - 1."""
+        tparams, hp = params
+        cfg = self.ecfg.target
+        b, p = prompt.shape
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        _, feats, _ = llama.forward(cfg, tparams, prompt, pos, llama.init_cache(cfg, b, p), return_hidden=True)
+        # Room for the catch-up block (K+1) and the rollout past the last committed slot.
+        cache = init_head_cache(self.ecfg, b, slots + self.max_draft + 2)
+        if p > 1:
+            _, cache = head_features(self.ecfg, hp, tparams, feats[:, :-1], prompt[:, 1:], pos[:, :-1], cache)
+        last = take_rows(feats, prompt_len - 1)  # [B, E] f of the last prompt token
+        block = jnp.zeros((b, self.max_draft + 1, cfg.hidden), cfg.jdtype).at[:, 0].set(last)
+        return EagleState(block, prompt_len - 1, cache.with_lengths(prompt_len - 1))
+
+    def _catch_up(self, params, state: EagleState, ctx: DraftContext, width: int) -> tuple[jax.Array, KVCache]:
+        """Feed pairs start .. pending-1 (the stored features with the tokens that followed them) as one block
+        of ``width`` at the head cache's end, rewound to ``start``. Returns (f^ of the pending position [B, E],
+        the head cache committed through the pending token's pair)."""
+        tparams, hp = params
+        pend = ctx.seq_len - 1
+        start = state.start
+        j = jnp.arange(width, dtype=jnp.int32)[None, :]
+        pos = start[:, None] + j  # [B, width] pair index i
+        toks = take_rows(ctx.seq, jnp.minimum(pos + 1, ctx.seq.shape[1] - 1))  # x_{i+1}
+        f_hat, cache = head_features(
+            self.ecfg, hp, tparams, state.feats[:, :width], toks, pos, state.cache.with_lengths(start)
+        )
+        # A stopped row has pend == start (nothing new): its output is garbage that no one reads.
+        last = take_rows(f_hat, jnp.clip(pend - start - 1, 0, width - 1))
+        return last, cache.with_lengths(pend)
+
+    def observe(self, params, state: EagleState, ctx: DraftContext) -> EagleState:
+        # No proposals this round, but the committed tokens must still enter the head cache: the verify
+        # that follows moves ``start`` on and the pairs before it would otherwise be lost.
+        _, cache = self._catch_up(params, state, ctx, self.max_draft + 1)
+        return dataclasses.replace(state, cache=cache)
+
+    def propose(self, params, state: EagleState, ctx: DraftContext, key: jax.Array, k: int) -> Proposal:
+        """K drafts [B, K] with q [B, K, V] (zero outside the head's N tokens)."""
+        if k > self.max_draft:
+            raise ValueError(f"EagleDrafter(max_draft={self.max_draft}) asked for k={k} candidates")
+        tparams, hp = params
+        v = self.vocab_size
+        ids, rows = hp["token_ids"], hp["rows"]
+        pend = ctx.seq_len - 1
+        f0, cache = self._catch_up(params, state, ctx, k + 1)
+        keys = jax.random.split(key, k)
+
+        def draw(f, key_i):  # f [B, E] -> token [B], q over the subset [B, N]
+            q = distribution(subset_logits(f[:, None], rows)[:, 0], ctx.sampling)
+            return jnp.take(ids, sample(key_i, q)), q
+
+        x0, q0 = draw(f0, keys[0])
+
+        def step(carry, key_i):
+            cache, f, x, pos = carry
+            f_next, cache = head_features(
+                self.ecfg, hp, tparams, f[:, None], x[:, None], pos[:, None], cache.with_lengths(pos)
+            )
+            nx, q = draw(f_next[:, 0], key_i)
+            return (cache, f_next[:, 0], nx, pos + 1), (nx, q)
+
+        (cache, _, _, _), (xs, qs) = jax.lax.scan(step, (cache, f0, x0, pend), keys[1:])
+        tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)
+        q_sub = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
+        new_state = dataclasses.replace(state, cache=cache.with_lengths(pend))
+        return Proposal(tokens, expand_to_vocab(q_sub, ids, v), ctx.max_draft, new_state)
+
+    def verify(
+        self,
+        target: Model,
+        target_params: Params,
+        draft_params,
+        state: EagleState,
+        tokens: jax.Array,  # [B, K+1] pending token, then the K drafts
+        positions: jax.Array,  # [B, K+1]
+        cache: KVCache,
+    ) -> tuple[jax.Array, KVCache, EagleState]:
+        """The target's logits [B, K+1, V] and cache (one pass, exactly the decoder's own call) plus the
+        features of the block as the next state."""
+        cfg = self.ecfg.target
+        if target.vocab_size != cfg.vocab_size:
+            raise ValueError(f"target vocab {target.vocab_size} != head's target config {cfg.vocab_size}")
+        logits, feats, cache = llama.forward(cfg, target_params, tokens, positions, cache, return_hidden=True)
+        block = jnp.zeros_like(state.feats)
+        block = jax.lax.dynamic_update_slice_in_dim(block, feats.astype(block.dtype), 0, axis=1)
+        return logits, cache, EagleState(block, positions[:, 0], state.cache)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checkpoints (orbax, through models.layerskip's helpers) and the cache directory.
+
+
+def save_head(path: str | os.PathLike, ecfg: EagleConfig, hp: Params, meta: dict | None = None) -> str:
+    """Write ``path/params`` (orbax) and ``path/meta.json`` (config, frequent-token map size, metrics).
+    ``hp`` may carry runtime ``rows``; they are not saved (rebuilt from the target). Overwrites."""
+    hp = {k: v for k, v in hp.items() if k != "rows"}
+    meta = {**(meta or {}), "format": FORMAT_VERSION, "kind": "eagle", "config": ecfg.to_json()}
+    save_exit_params(path, hp, meta)
+    return os.fspath(path)
+
+
+def restore_head(path: str | os.PathLike, target_cfg: LlamaConfig | None = None) -> tuple[EagleConfig, Params]:
+    """Read what ``save_head`` wrote: (config, head params). With ``target_cfg`` the head must match it
+    (same widths and vocabulary; the dtype follows the target's)."""
+    meta = load_exit_meta(path)
+    if meta.get("kind") != "eagle" or meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"'{path}' is not an EAGLE head of format {FORMAT_VERSION}")
+    ecfg = EagleConfig.from_json(meta["config"], name=os.path.basename(os.path.normpath(os.fspath(path))))
+    if target_cfg is not None:
+        saved = ecfg.target
+        for f in ("vocab_size", "hidden", "num_heads", "num_kv_heads", "head_dim", "rope_theta"):
+            if getattr(saved, f) != getattr(target_cfg, f):
+                raise ValueError(
+                    f"head '{path}' was trained for {f}={getattr(saved, f)}, target has {getattr(target_cfg, f)}"
+                )
+        ecfg = dataclasses.replace(ecfg, target=target_cfg)
+    return ecfg, restore_exit_params(path, target=abstract_head(ecfg))
+
+
+def cache_root() -> str:
+    """``${JSPEC_CACHE:-~/.cache/jspec}/eagle``: trained heads live here, never in the repository."""
+    root = os.environ.get("JSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jspec")
+    return os.path.join(root, "eagle")
+
+
+def resolve_head(path_or_name: str | os.PathLike) -> str:
+    """A head directory, or a name under ``cache_root()`` (where examples/train_eagle.py writes)."""
+    s = os.fspath(path_or_name)
+    for cand in (s, os.path.join(cache_root(), s, "head")):
+        if os.path.isfile(os.path.join(cand, "meta.json")):
+            return cand
+    raise FileNotFoundError(
+        f"no EAGLE head '{s}': neither a head directory nor a trained head under {cache_root()} "
+        "(train one with: python examples/train_eagle.py)"
+    )
+
+
+def load_eagle(
+    path_or_name: str | os.PathLike, target_cfg: LlamaConfig, target_params: Params, max_draft: int = 8
+) -> tuple[EagleDrafter, tuple[Params, Params]]:
+    """(drafter, draft params) for ``jspec.decode`` from a saved head (directory or cache name)."""
+    ecfg, hp = restore_head(resolve_head(path_or_name), target_cfg)
+    drafter = EagleDrafter(ecfg, max_draft)
+    return drafter, drafter.draft_params(target_params, hp)
+
+
+def read_meta(path_or_name: str | os.PathLike) -> dict[str, Any]:
+    with open(os.path.join(resolve_head(path_or_name), "meta.json")) as f:
+        return json.load(f)
+
+
+def param_count(hp: Params) -> int:
+    """Trainable parameters read per draft step (the rows included when present)."""
+    leaves = [x for k, sub in hp.items() if k != "token_ids" for x in jax.tree.leaves(sub)]
+    return int(sum(math.prod(x.shape) for x in leaves))

@@ -1,0 +1,309 @@
+"""EAGLE draft head (models/eagle.py): greedy speculative == greedy plain (tiny random Llama, ragged batch, with
+and without adaptive K; the real SmolLM2 at batch 2), the features the head consumes == a fresh target pass
+over the committed tokens, the whole-sequence distribution at T > 0 with top-k / top-p and a reduced draft
+vocabulary against an exact enumeration, and the orbax checkpoint round trip."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from toy_models import chi2_critical, chi_square, ref_transform
+
+from jspec import decode as dec
+from jspec.adaptive import AdaptiveK
+from jspec.decode import decode, prepare
+from models import llama
+from models.eagle import (
+    EagleConfig,
+    EagleDrafter,
+    frequent_tokens,
+    head_features,
+    head_unrolled,
+    init_head,
+    init_head_cache,
+    restore_head,
+    save_head,
+    subset_logits,
+)
+
+TINY = llama.LlamaConfig(
+    vocab_size=48, hidden=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, ffn=128, name="tiny"
+)
+TINY_PARAMS = llama.init_random_params(TINY, jax.random.key(0), std=0.1)
+TINY_MODEL = llama.make_model(TINY)
+PROMPTS = [[1, 5, 9, 3, 7], [2, 4], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+def random_head(ecfg: EagleConfig, target_params, seed: int, scale: float = 0.1, token_ids=None):
+    """Head params with every trainable leaf random (an untrained head is close to the identity map)."""
+    hp = init_head(ecfg, target_params, jax.random.key(seed), token_ids)
+    rng = np.random.default_rng(seed)
+
+    def draw(path, x):
+        if x.dtype == jnp.int32:
+            return x
+        noise = rng.standard_normal(x.shape).astype(np.float32) * scale
+        return jnp.asarray(np.asarray(x) + noise) if "scale" in jax.tree_util.keystr(path) else jnp.asarray(noise)
+
+    return jax.tree_util.tree_map_with_path(draw, hp)
+
+
+def tiny_drafter(head_tokens=40, k=3, seed=3, scale=0.1):
+    ecfg = EagleConfig(TINY, head_tokens=head_tokens, name="tiny-eagle")
+    ids = np.sort(np.random.default_rng(seed).permutation(TINY.vocab_size)[:head_tokens]) if head_tokens else None
+    hp = random_head(ecfg, TINY_PARAMS, seed, scale, ids)
+    drafter = EagleDrafter(ecfg, max_draft=k)
+    return drafter, drafter.draft_params(TINY_PARAMS, hp), hp
+
+
+def test_frequent_tokens():
+    counts = np.array([0, 5, 1, 5, 0, 9])
+    assert frequent_tokens(counts, 3).tolist() == [1, 3, 5]
+    assert frequent_tokens(counts, 3, always=[4]).tolist() == [1, 4, 5]  # ties (1, 3) -> lower id
+    assert frequent_tokens(counts, 4).tolist() == [1, 2, 3, 5]
+    with pytest.raises(ValueError):
+        frequent_tokens(counts, 0)
+
+
+def test_greedy_identical_to_plain_tiny():
+    mnew = [24, 30, 17]
+    plain = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=mnew)
+    drafter, dparams, _ = tiny_drafter(k=4)
+    spec = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, gamma=4, max_new_tokens=mnew)
+    assert spec.tokens == plain.tokens
+    assert spec.stop_reason == plain.stop_reason
+    assert 0 < spec.stats["accepted"] < spec.stats["proposed"], spec.stats
+    # gamma < max_draft (narrower catch-up and feature block) and adaptive K (the observe path: rounds with
+    # no proposals must still feed the committed tokens to the head).
+    short = decode(
+        TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, gamma=2, max_new_tokens=mnew
+    )
+    assert short.tokens == plain.tokens
+    adaptive = decode(
+        TINY_MODEL,
+        TINY_PARAMS,
+        PROMPTS,
+        drafter=drafter,
+        draft_params=dparams,
+        gamma=4,
+        max_new_tokens=mnew,
+        adaptive=AdaptiveK(draft_cost=0.5),
+    )
+    assert adaptive.tokens == plain.tokens
+    assert 0 < adaptive.stats["proposed"] < spec.stats["proposed"]
+
+
+def _right_pad(rows: list[list[int]]) -> np.ndarray:
+    out = np.zeros((len(rows), max(len(r) for r in rows)), np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def test_head_consumes_fresh_target_features():
+    """After rounds with rejections: the stored feature block equals a fresh target pass over the committed
+    tokens, and the head cache the rollout reads (every committed pair, fed round by round from verification
+    by-products) equals a fresh head pass over (fresh features, next tokens)."""
+    k = 3
+    drafter, dparams, hp = tiny_drafter(k=k, seed=5)
+    prepared = prepare(
+        TINY_MODEL,
+        TINY_PARAMS,
+        PROMPTS,
+        drafter=drafter,
+        draft_params=dparams,
+        gamma=k,
+        max_new_tokens=40,
+        temperature=1.0,  # a random head is accepted often enough only when sampling
+        seed=2,
+    )
+    pre, step = dec._stream_fns(TINY_MODEL, drafter, prepared.config)
+    st = pre(*prepared.args)
+    for _ in range(6):
+        st, _, _ = step(TINY_PARAMS, dparams, st)
+    assert np.all(np.asarray(st.stop) == dec.StopReason.RUNNING)
+    stats = jax.device_get(st.stats)
+    assert 0 < stats.accepted.sum() < stats.proposed.sum()
+    seq, seq_len = np.asarray(st.seq), np.asarray(st.seq_len)
+    committed = seq_len - 1
+    rows = [seq[r, : committed[r]].tolist() for r in range(len(PROMPTS))]
+    toks = jnp.asarray(_right_pad(rows))
+    b, w = toks.shape
+    pos = jnp.broadcast_to(jnp.arange(w), (b, w))
+    _, fresh, _ = llama.forward(TINY, TINY_PARAMS, toks, pos, llama.init_cache(TINY, b, w), return_hidden=True)
+    ds = st.draft_state
+    start = np.asarray(ds.start)
+    for r in range(b):
+        n = committed[r] - start[r]  # accepted drafts + the pending token of the last verified block
+        assert 1 <= n <= k + 1
+        np.testing.assert_allclose(ds.feats[r, :n], fresh[r, start[r] : committed[r]], atol=1e-4, rtol=0)
+
+    # The head cache after next round's catch-up vs a fresh head pass over every committed pair.
+    ctx = dec.DraftContext(st.seq, st.seq_len, jnp.full((b,), k, jnp.int32), st.sampling)
+    observed = jax.jit(drafter.observe)(dparams, ds, ctx)
+    assert np.array_equal(np.asarray(observed.cache.lengths), committed)
+    ref_toks = jnp.asarray(_right_pad([seq[r, 1 : committed[r] + 1].tolist() for r in range(b)]))
+    _, ref_cache = head_features(
+        drafter.ecfg, hp, TINY_PARAMS, fresh, ref_toks, pos, init_head_cache(drafter.ecfg, b, w)
+    )
+    for r in range(b):
+        c = committed[r]
+        for name in ("k", "v"):
+            got = np.asarray(getattr(observed.cache, name))[:, r, :, :c]
+            want = np.asarray(getattr(ref_cache, name))[:, r, :, :c]
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_training_time_test_matches_rollout():
+    """Pass u of ``head_unrolled`` at position i is what draft step u computes at inference: the committed
+    pairs < i - u + 1 from true features in the head cache, then u rollout steps on predicted features."""
+    drafter, dparams, hp = tiny_drafter(seed=6, scale=0.2)
+    ecfg = drafter.ecfg
+    t, unroll = 9, 3
+    rng = np.random.default_rng(0)
+    feats = jnp.asarray(rng.normal(size=(2, t, TINY.hidden)), jnp.float32)
+    toks = jnp.asarray(rng.integers(0, TINY.vocab_size, (2, t)), jnp.int32)
+    passes = np.asarray(jax.jit(head_unrolled, static_argnums=(0, 5))(ecfg, hp, TINY_PARAMS, feats, toks, unroll))
+    pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+    for i in range(unroll - 1, t):
+        c = i - unroll + 1  # pairs [0, c] use true features (the catch-up), then the rollout continues
+        f, cache = head_features(
+            ecfg, hp, TINY_PARAMS, feats[:, : c + 1], toks[:, : c + 1], pos[:, : c + 1], init_head_cache(ecfg, 2, t)
+        )
+        cache = cache.with_lengths(jnp.full((2,), c + 1, jnp.int32))
+        np.testing.assert_allclose(passes[0, :, c], np.asarray(f[:, c]), atol=1e-5)
+        f_prev = f[:, c]
+        for u in range(1, unroll):
+            j = c + u
+            f_new, cache = head_features(
+                ecfg, hp, TINY_PARAMS, f_prev[:, None], toks[:, j : j + 1], pos[:, j : j + 1], cache
+            )
+            cache = cache.with_lengths(cache.lengths + 1)
+            np.testing.assert_allclose(passes[u, :, j], np.asarray(f_new[:, 0]), atol=1e-5)
+            f_prev = f_new[:, 0]
+
+
+# ---- the sampled distribution at T > 0 (top-k / top-p) with a reduced draft vocabulary ----
+
+# Vocabulary 6, the head covers 4 tokens: 3 and 5 are never proposed (q = 0) while the target often wants
+# them, so the residual must supply them.
+DIST = llama.LlamaConfig(
+    vocab_size=6, hidden=16, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=4, ffn=32, name="dist"
+)
+DIST_PARAMS = llama.init_random_params(DIST, jax.random.key(1), std=0.3)
+DIST_MODEL = llama.make_model(DIST)
+DIST_GROUPS = [dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8)]
+DIST_PROMPT = [2, 0]
+DIST_SUBSET = [0, 1, 2, 4]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _last_logits(cfg, params, rows):  # [M, T] -> [M, V] logits after each whole row, empty cache
+    m, t = rows.shape
+    logits, _ = llama.forward(cfg, params, rows, jnp.broadcast_to(jnp.arange(t), (m, t)), llama.init_cache(cfg, m, t))
+    return logits[:, -1]
+
+
+def exact_target_distribution(prompt, n_new, **sampling) -> dict:
+    """P(generated sequence) for every sequence of n_new tokens from the target's own logits after each prefix
+    (cache-free forwards) and the NumPy reference transform."""
+    v, probs = DIST.vocab_size, {(): 1.0}
+    for depth in range(n_new):
+        prefixes = [x for x in itertools.product(range(v), repeat=depth) if probs.get(x, 0.0) > 0]
+        rows = jnp.asarray([list(prompt) + list(x) for x in prefixes], jnp.int32)
+        logits = np.asarray(_last_logits(DIST, DIST_PARAMS, rows), np.float64)
+        nxt = {}
+        for pre, lg in zip(prefixes, logits):
+            dist = ref_transform(lg, **sampling)
+            for tok in range(v):
+                if dist[tok] > 0:
+                    nxt[pre + (tok,)] = probs[pre] * dist[tok]
+        probs = nxt
+    return probs
+
+
+def test_whole_sequence_distribution_equals_target():
+    """100k sequences per sampling setting, both settings in ONE jitted decode, against the exact
+    distribution; chi-square at a 1e-5 false-alarm level. K=3, 5 new tokens (the first from prefill)."""
+    k, n, n_new = 3, 100_000, 5
+    ecfg = EagleConfig(DIST, head_tokens=len(DIST_SUBSET), name="dist-eagle")
+    hp = random_head(ecfg, DIST_PARAMS, 7, scale=0.5, token_ids=DIST_SUBSET)
+    drafter = EagleDrafter(ecfg, max_draft=k)
+    cols = {
+        key: np.repeat([g.get(key, d) for g in DIST_GROUPS], n)
+        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
+    }
+    prompts = np.tile(np.asarray(DIST_PROMPT, np.int32), (n * len(DIST_GROUPS), 1))
+    out = decode(
+        DIST_MODEL,
+        DIST_PARAMS,
+        prompts,
+        drafter=drafter,
+        draft_params=drafter.draft_params(DIST_PARAMS, hp),
+        gamma=k,
+        max_new_tokens=n_new,
+        seed=5,
+        max_len=16,
+        **cols,
+    )
+    tokens = np.asarray(out.tokens)
+    assert tokens.shape == (n * len(DIST_GROUPS), n_new)
+    assert 0.2 < out.stats["acceptance_rate"] < 0.95, out.stats  # both branches of the acceptance rule
+    assert all(c > 0 for c in out.stats["accepted_at"])  # every draft position is accepted sometimes
+    outside = np.isin(tokens, [3, 5])
+    assert outside.mean() > 0.05  # tokens the head cannot propose still come out (through the residual)
+    for i, g in enumerate(DIST_GROUPS):
+        exact = exact_target_distribution(DIST_PROMPT, n_new, **g)
+        stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
+        assert stat < chi2_critical(df), (g, stat, df)
+
+
+# ---- the real model ----
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identical_to_plain(smollm2):
+    cfg, params, model, tok = smollm2
+    chats = [
+        "What are three good habits for staying focused while studying?",
+        "Write a short poem about the sea at night.",
+    ]
+    prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in chats]
+    kw = dict(max_new_tokens=40, eos_ids=[cfg.eos_id], max_len=128)
+    plain = decode(model, params, prompts, **kw)
+    ecfg = EagleConfig(cfg, head_tokens=8192, name="untrained")
+    drafter = EagleDrafter(ecfg, max_draft=4)
+    hp = init_head(ecfg, params, jax.random.key(0))  # untrained: equality holds for any head
+    spec = decode(model, params, prompts, drafter=drafter, draft_params=drafter.draft_params(params, hp), gamma=4, **kw)
+    assert spec.tokens == plain.tokens
+    assert min(plain.lengths) >= 20
+    assert spec.stats["proposed"] > 0
+
+
+# ---- checkpoints ----
+
+
+def test_checkpoint_round_trip(tmp_path):
+    drafter, dparams, hp = tiny_drafter(head_tokens=20, seed=4)
+    ecfg = drafter.ecfg
+    save_head(tmp_path / "head", ecfg, dparams[1], {"steps": 3})  # runtime rows are dropped on save
+    ecfg2, hp2 = restore_head(tmp_path / "head", TINY)
+    assert ecfg2.head_tokens == ecfg.head_tokens and ecfg2.target == TINY
+    assert jax.tree.structure(hp2) == jax.tree.structure(hp)
+    for a, b in zip(jax.tree.leaves(hp2), jax.tree.leaves(hp)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    feats = jax.random.normal(jax.random.key(9), (2, 5, TINY.hidden))
+    toks = jnp.asarray([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+
+    def logits(e, h):
+        f, _ = head_features(e, h, TINY_PARAMS, feats, toks, pos, init_head_cache(e, 2, 8))
+        return np.asarray(subset_logits(f, EagleDrafter(e).draft_params(TINY_PARAMS, h)[1]["rows"]))
+
+    np.testing.assert_array_equal(logits(ecfg2, hp2), logits(ecfg, hp))
+    with pytest.raises(ValueError, match="trained for"):
+        restore_head(tmp_path / "head", TINY.replace(hidden=32))
