@@ -5,7 +5,9 @@ Latency (per request, from the engine's round timestamps):
 - inter-token intervals: after the first token, a round that emits n tokens gives ONE interval (the time since
   the previous emission) followed by n - 1 zero gaps: speculation emits in bursts, and the zeros are kept so
   the distribution shows the bursts and the pauses between them instead of averaging them away.
-- total latency = arrival to last token.
+- total latency = arrival to last token; time per output token (TPOT) = (last - first token) / (tokens - 1),
+  and decode tokens/s = the same over all requests: the decode phase alone, which is what speculation
+  changes, while output tokens/s over the run's wall time also pays for prefills and queueing.
 
 Phase costs (``measure_phases``): the fused loop cannot be timed per phase from inside, so each phase is a
 separately jitted piece on the same shapes as the serving run (same batch, cache slots, context length):
@@ -106,6 +108,11 @@ class RequestRecord:
     def latency(self) -> float | None:
         return self.finished - self.arrival if self.finished is not None else None
 
+    @property
+    def decode_time(self) -> float | None:
+        """First token to last: the decode phase alone (prefill and queueing excluded)."""
+        return self.finished - self.emissions[0][0] if self.emissions and self.finished is not None else None
+
     def itl(self) -> list[float]:
         return inter_token_intervals(self.emissions)
 
@@ -143,6 +150,9 @@ def summarize_requests(records: Sequence[RequestRecord], wall_s: float) -> dict[
     out_tokens = sum(len(r.tokens) for r in records)
     ok_tokens = sum(len(r.tokens) for r in ok)
     itl = [x for r in ok for x in r.itl()]
+    dec = [r for r in ok if len(r.tokens) > 1 and r.decode_time]
+    dec_tokens = sum(len(r.tokens) - 1 for r in dec)
+    dec_time = sum(r.decode_time for r in dec)
     stops: dict[str, int] = {}
     for r in records:
         stops[r.stop_reason or "unfinished"] = stops.get(r.stop_reason or "unfinished", 0) + 1
@@ -160,6 +170,10 @@ def summarize_requests(records: Sequence[RequestRecord], wall_s: float) -> dict[
         "wall_s": wall_s,
         "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
         "finished_requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        # Decode phase only (tokens after the first / time after the first token), what speculation changes;
+        # output_tokens_per_s above also pays for prefills and queueing.
+        "decode_tokens_per_s": dec_tokens / dec_time if dec_time > 0 else 0.0,
+        "tpot_ms": dist_summary([r.decode_time / (len(r.tokens) - 1) for r in dec], 1e3),
         "ttft_ms": dist_summary([r.ttft for r in ok], 1e3),
         "itl_ms": dist_summary(itl, 1e3),
         "itl_nonzero_ms": dist_summary([x for x in itl if x > 0], 1e3),
@@ -228,9 +242,19 @@ def file_fingerprint(path: str | os.PathLike | None) -> dict[str, Any]:
     }
 
 
-def tree_bytes(tree: Any) -> int:
-    """Bytes of every array leaf of a pytree (params, caches, states)."""
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype")))
+def tree_bytes(tree: Any, shared_with: Any = None) -> int:
+    """Bytes of every array leaf of a pytree (params, caches, states). Leaves that are the very same array
+    objects as leaves of ``shared_with`` are not counted (a draft that reuses the target's embedding holds
+    no second copy of it)."""
+    shared = {id(x) for x in jax.tree.leaves(shared_with)} if shared_with is not None else set()
+    seen: set[int] = set()
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if not hasattr(x, "dtype") or id(x) in shared or id(x) in seen:
+            continue
+        seen.add(id(x))
+        total += x.size * x.dtype.itemsize
+    return int(total)
 
 
 def max_rss_bytes() -> int:
@@ -332,6 +356,73 @@ def _phase_fns(target, drafter, config: DecodeConfig):
     return pre, jax.jit(plain), jax.jit(draft), jax.jit(verify), jax.jit(update), jax.jit(round_)
 
 
+class PhaseTimer:
+    """The jitted pieces of one configuration's round, compiled and fed once, timed one sample at a time.
+
+    Several timers sampled in turn (``measure_phases_interleaved``) see the same machine state, so their
+    ratios are not biased by load that drifts over minutes (the noise these shared CPUs have)."""
+
+    def __init__(self, target, target_params, drafter, draft_params, config: DecodeConfig, batch: int,
+                 context_len: int, *, temperature: float = 0.0, seed: int = 0):  # fmt: skip
+        b, s = batch, config.slots
+        self.context_len = int(min(max(context_len, 2), s - config.gamma - 3))
+        rng = np.random.default_rng(seed)
+        prompt = jnp.asarray(rng.integers(0, target.vocab_size, size=(b, self.context_len)), jnp.int32)
+        plen = jnp.full((b,), self.context_len, jnp.int32)
+        max_new = jnp.full((b,), s, jnp.int32)
+        sampling = SamplingParams.make(b, temperature)
+        key = jax.random.key(seed)
+        pre, plain, draft, verify, update, round_ = _phase_fns(target, drafter, config)
+        st = jax.block_until_ready(pre(target_params, draft_params, prompt, plen, max_new, sampling, key))
+        tp, dp = target_params, draft_params
+        self.pieces: dict[str, Callable[[], Any]] = {"plain_step_ms": lambda: plain(tp, st)}
+        self.info: dict[str, Any] = {"batch": b, "context_len": self.context_len, "slots": s, "gamma": config.gamma}
+        if drafter is not None:
+            prop = draft(dp, st, key)
+            p, cache = verify(tp, st, prop)
+            self.pieces["draft_ms"] = lambda: draft(dp, st, key)
+            self.pieces["verify_ms"] = lambda: verify(tp, st, prop)
+            self.pieces["state_ms"] = lambda: update(st, prop, p, cache, key)
+            self.info["verify_positions"] = int(prop.tokens.shape[1] + (0 if getattr(drafter, "is_tree", False) else 1))
+        self.pieces["round_ms"] = lambda: round_(tp, dp, st)
+        for fn in self.pieces.values():  # compile and warm every piece before any sample is taken
+            jax.block_until_ready(fn())
+        self.samples: dict[str, list[float]] = {k: [] for k in self.pieces}
+        try:
+            mem = round_.lower(tp, dp, st).compile().memory_analysis()
+            self.info["round_scratch_bytes"] = int(mem.temp_size_in_bytes)
+        except Exception as e:  # memory_analysis is backend-dependent; record why it is missing
+            self.info["round_scratch_bytes"] = None
+            self.info["round_scratch_error"] = f"{type(e).__name__}: {e}"[:200]
+
+    def sample(self) -> None:
+        for name, fn in self.pieces.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            self.samples[name].append((time.perf_counter() - t0) * 1e3)
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.info)
+        out["repeats"] = len(self.samples["round_ms"])
+        out["how"] = "separately jitted pieces on the serving shapes, block_until_ready, median of repeats"
+        for name, xs in self.samples.items():
+            out[name] = float(statistics.median(xs))
+        if "draft_ms" not in out:  # plain decoding: its verification is the 1-token step
+            out.update(draft_ms=0.0, verify_ms=out["plain_step_ms"], state_ms=None)
+        out["other_ms"] = out["round_ms"] - sum(out[k] or 0.0 for k in ("draft_ms", "verify_ms", "state_ms"))
+        return out
+
+
+def measure_phases_interleaved(timers: Sequence[PhaseTimer], repeats: int = 7) -> list[dict[str, Any]]:
+    """``repeats`` rounds of one sample from every timer in turn; medians per timer."""
+    for _ in range(repeats):
+        for t in timers:
+            t.sample()
+    for t in timers:
+        t.info["interleaved_with"] = len(timers)
+    return [t.result() for t in timers]
+
+
 def measure_phases(
     target,
     target_params,
@@ -352,40 +443,6 @@ def measure_phases(
     Returns plain_step_ms, draft_ms (the whole rollout for K, or the tree), verify_ms, state_ms (accept +
     commit), round_ms (the fused round as the loop runs it), other_ms = round - draft - verify - state, and
     the round's scratch bytes."""
-    b, s = batch, config.slots
-    context_len = int(min(max(context_len, 2), s - config.gamma - 3))
-    rng = np.random.default_rng(seed)
-    prompt = jnp.asarray(rng.integers(0, target.vocab_size, size=(b, context_len)), jnp.int32)
-    plen = jnp.full((b,), context_len, jnp.int32)
-    max_new = jnp.full((b,), s, jnp.int32)
-    sampling = SamplingParams.make(b, temperature)
-    key = jax.random.key(seed)
-    pre, plain, draft, verify, update, round_ = _phase_fns(target, drafter, config)
-    st = jax.block_until_ready(pre(target_params, draft_params, prompt, plen, max_new, sampling, key))
-    out: dict[str, Any] = {
-        "batch": b,
-        "context_len": context_len,
-        "slots": s,
-        "gamma": config.gamma,
-        "repeats": repeats,
-        "how": "separately jitted pieces on the serving shapes, block_until_ready, median of repeats",
-    }
-    out["plain_step_ms"] = median_ms(lambda: plain(target_params, st), repeats)
-    if drafter is None:
-        out.update(draft_ms=0.0, verify_ms=out["plain_step_ms"], state_ms=None)
-    else:
-        prop = draft(draft_params, st, key)
-        p, cache = verify(target_params, st, prop)
-        out["draft_ms"] = median_ms(lambda: draft(draft_params, st, key), repeats)
-        out["verify_ms"] = median_ms(lambda: verify(target_params, st, prop), repeats)
-        out["state_ms"] = median_ms(lambda: update(st, prop, p, cache, key), repeats)
-        out["verify_positions"] = int(prop.tokens.shape[1] + (0 if getattr(drafter, "is_tree", False) else 1))
-    out["round_ms"] = median_ms(lambda: round_(target_params, draft_params, st), repeats)
-    out["other_ms"] = out["round_ms"] - sum(out[k] or 0.0 for k in ("draft_ms", "verify_ms", "state_ms"))
-    try:
-        mem = round_.lower(target_params, draft_params, st).compile().memory_analysis()
-        out["round_scratch_bytes"] = int(mem.temp_size_in_bytes)
-    except Exception as e:  # memory_analysis is backend-dependent; record why it is missing
-        out["round_scratch_bytes"] = None
-        out["round_scratch_error"] = f"{type(e).__name__}: {e}"[:200]
-    return out
+    timer = PhaseTimer(target, target_params, drafter, draft_params, config, batch, context_len,
+                       temperature=temperature, seed=seed)  # fmt: skip
+    return measure_phases_interleaved([timer], repeats)[0]

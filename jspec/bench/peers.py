@@ -146,17 +146,27 @@ def _load_transformers(gguf_path: str):
 
 
 def truncated_assistant(model, layers: int):
-    """The target's first ``layers`` decoder layers + its final norm and head, as a transformers model:
-    the same draft as ``examples/``' truncated jspec ``ModelDrafter`` (weights shared, not copied)."""
+    """The target's first ``layers`` decoder layers + its final norm and head, as a separate transformers
+    model: the same draft as ``examples/``' truncated jspec ``ModelDrafter``. A new module with copied
+    weights: a shallow copy would share the target's submodule registry, and truncating it would truncate
+    the target too."""
     import copy
 
-    import torch
-
-    assistant = copy.copy(model)
-    assistant.model = copy.copy(model.model)
-    assistant.model.layers = torch.nn.ModuleList(list(model.model.layers)[:layers])
-    assistant.config = copy.deepcopy(model.config)
-    assistant.config.num_hidden_layers = layers
+    cfg = copy.deepcopy(model.config)
+    cfg.num_hidden_layers = layers
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:layers]
+    assistant = type(model)(cfg).to(model.dtype).eval()
+    keep = {}
+    for name, t in model.state_dict().items():
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= layers:
+            continue
+        keep[name] = t
+    missing, unexpected = assistant.load_state_dict(keep, strict=False)
+    if unexpected or any(not m.startswith("lm_head") for m in missing):
+        raise ValueError(f"truncated assistant: missing {missing}, unexpected {unexpected}")
+    assistant.tie_weights()
     assistant.generation_config = copy.deepcopy(model.generation_config)
     return assistant
 

@@ -60,17 +60,20 @@ def results_table(runs: Sequence[dict], load_name: str) -> str:
     """One row per configuration at one load: throughput, its ratio to plain, latency percentiles, rounds."""
     plain = _plain_of(runs, load_name)
     base = plain["summary"]["output_tokens_per_s"] if plain else None
+    dbase = plain["summary"].get("decode_tokens_per_s") if plain else None
     rows = []
     for r in runs:
         if r["load_name"] != load_name:
             continue
         s, d, q = r["summary"], r["decode_stats"], r.get("quality") or {}
-        tps = s["output_tokens_per_s"]
+        tps, dps = s["output_tokens_per_s"], s.get("decode_tokens_per_s")
         rows.append(
             [
                 r["spec"]["label"],
                 _f(tps),
                 _f(tps / base, 2, "x") if base else "-",
+                _f(dps),
+                _f(dps / dbase, 2, "x") if dbase and dps else "-",
                 _f(s["finished_requests_per_s"], 2),
                 f"{_f(s['ttft_ms']['median'], 0)} / {_f(s['ttft_ms']['p95'], 0)}",
                 f"{_f(s['itl_ms']['median'], 1)} / {_f(s['itl_ms']['p95'], 1)}",
@@ -85,6 +88,8 @@ def results_table(runs: Sequence[dict], load_name: str) -> str:
     header = [
         "config",
         "out tok/s",
+        "vs plain",
+        "decode tok/s",
         "vs plain",
         "req/s",
         "TTFT p50/p95 ms",
@@ -108,6 +113,7 @@ def cost_table(runs: Sequence[dict]) -> str:
         rows.append(
             [
                 f"{r['spec']['label']} ({r['load_name']})",
+                _f(cm.get("measured_output_speedup"), 2, "x"),
                 _f(cm["measured_speedup"], 2, "x"),
                 _f(seed.get("speedup"), 2, "x"),
                 _f(seed.get("ratio_to_measured"), 2),
@@ -124,7 +130,8 @@ def cost_table(runs: Sequence[dict]) -> str:
         )
     header = [
         "config (load)",
-        "measured",
+        "measured end-to-end",
+        "measured decode",
         "seed model",
         "ratio",
         "measured-E[N] model",
@@ -201,35 +208,40 @@ def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
     rows = []
     for p in peers:
         if not p.get("available"):
-            rows.append([p["label"], "skipped: " + str(p.get("reason")), "", "", "", "", "", ""])
+            rows.append([p["label"], "skipped: " + str(p.get("reason")), *[""] * 8])
             continue
         s = p["summary"]
-        tps = s["output_tokens_per_s"]
+        tps, dps = s["output_tokens_per_s"], s.get("decode_tokens_per_s")
         mates = [r for r in c1 if (r["spec"].get("peer") or r["spec"]["kind"]) == p["technique"]]
         q = p.get("quality") or {}
         if not mates:
             mates = [None]
         for mate in mates:
             jt = mate["summary"]["output_tokens_per_s"] if mate else None
+            jd = mate["summary"].get("decode_tokens_per_s") if mate else None
             rows.append(
                 [
                     p["label"],
                     _f(tps),
+                    _f(dps),
                     f"{_f(s['ttft_ms']['median'], 0)} / {_f(s['itl_ms']['median'], 1)} / {_f(s['itl_ms']['p95'], 1)}",
                     mate["spec"]["label"] if mate else "-",
                     _f(jt),
                     _f(jt / tps, 2, "x") if jt and tps else "-",
+                    _f(jd / dps, 2, "x") if jd and dps else "-",
                     _pct(q.get("exact_match_vs_plain")),
                     f"{s['finished']}/{s['submitted']}",
                 ]
             )
     header = [
         "peer (batch 1)",
-        "peer tok/s",
+        "peer out tok/s",
+        "peer decode tok/s",
         "peer TTFT p50 / ITL p50 / p95 ms",
         "jspec row",
-        "jspec tok/s",
-        "jspec / peer",
+        "jspec out tok/s",
+        "jspec / peer (out)",
+        "jspec / peer (decode)",
         "= jspec plain",
         "finished",
     ]
@@ -273,8 +285,10 @@ def markdown(payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
         parts += [f"## {ln}", "", results_table(runs, ln), ""]
     parts += [
         "Throughput counts emitted tokens only (accepted candidates + correction/bonus tokens; rejected "
-        "candidates never count). ITL: a round that emits n tokens gives one interval and n - 1 zero gaps "
-        "(bursts). acceptance = accepted / proposed candidates; tokens/round = emitted / rounds.",
+        "candidates never count). out tok/s = all emitted tokens / run wall time (prefills and queueing "
+        "included); decode tok/s = tokens after each request's first / time after its first token. ITL: a "
+        "round that emits n tokens gives one interval and n - 1 zero gaps (bursts). acceptance = accepted / "
+        "proposed candidates; tokens/round = emitted / rounds.",
         "",
     ]
     if any(r.get("cost_model") for r in runs):
@@ -401,8 +415,11 @@ def plot_speedup_vs_k(points: Sequence[dict[str, Any]], path: str, title: str = 
         if pred:
             ax.plot(*zip(*pred), ls="--", color=line.get_color(), alpha=0.7, label=f"{name} cost model")
     ax.axhline(1.0, color="gray", lw=0.8)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("K (candidates per round)")
-    ax.set_ylabel("speedup over plain (output tok/s)")
+    ax.set_ylabel("speedup over plain (decode tok/s)")
     if title:
         ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)

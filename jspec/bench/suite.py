@@ -202,34 +202,32 @@ def run_one(target: Target, spec: Spec, load: Load, jobs, cfg: SuiteConfig, log=
     )
     s = res.summary
     log(
-        f"  {spec.label:<28} {load.name:<18} {s['output_tokens_per_s']:7.1f} tok/s  "
+        f"  {spec.label:<28} {load.name:<18} {s['output_tokens_per_s']:7.1f} tok/s "
+        f"(decode {s['decode_tokens_per_s']:6.1f})  "
         f"{s['finished']}/{s['submitted']} done  tokens/round {res.decode_stats['tokens_per_round']:.2f}  "
         f"TTFT p50 {s['ttft_ms']['median'] or 0:.0f} ms  ITL p95 {s['itl_ms']['p95'] or 0:.1f} ms"
     )
     return res
 
 
-def attach_phases(target: Target, res: RunResult, cfg: SuiteConfig, context_len: int) -> None:
+def attach_phases(target: Target, group: Sequence[RunResult], cfg: SuiteConfig, context_len: int) -> None:
+    """Per-phase costs of every run of one load, sampled interleaved (see ``metrics.PhaseTimer``)."""
     from jspec.decode import DecodeConfig
 
-    spec = res.spec
-    gamma = res.engine["gamma"]
-    config = DecodeConfig(gamma, cfg.max_len, target.eos_ids, False, spec.adaptive, spec.block_verify)
-    res.phases = metrics.measure_phases(
-        target.model,
-        target.params,
-        spec.drafter,
-        spec.draft_params,
-        config,
-        res.load.concurrency,
-        context_len,
-        temperature=cfg.sampling.temperature,
-        repeats=cfg.phase_repeats,
-    )
-    scratch = res.phases.get("round_scratch_bytes")
-    if scratch is not None:
-        res.memory["round_scratch_bytes"] = scratch
-        res.memory["device_bytes_with_scratch"] = res.memory["device_bytes"] + scratch
+    timers = []
+    for res in group:
+        spec = res.spec
+        config = DecodeConfig(res.engine["gamma"], cfg.max_len, target.eos_ids, False, spec.adaptive, spec.block_verify)
+        timers.append(
+            metrics.PhaseTimer(target.model, target.params, spec.drafter, spec.draft_params, config,
+                               res.load.concurrency, context_len, temperature=cfg.sampling.temperature)
+        )  # fmt: skip
+    for res, ph in zip(group, metrics.measure_phases_interleaved(timers, cfg.phase_repeats)):
+        res.phases = ph
+        scratch = ph.get("round_scratch_bytes")
+        if scratch is not None:
+            res.memory["round_scratch_bytes"] = scratch
+            res.memory["device_bytes_with_scratch"] = res.memory["device_bytes"] + scratch
 
 
 def run_specs(
@@ -242,8 +240,7 @@ def run_specs(
     for load in loads:
         group = [run_one(target, s, load, jobs, cfg, log) for s in specs]
         if cfg.measure_phases:
-            for r in group:
-                attach_phases(target, r, cfg, ctx)
+            attach_phases(target, group, cfg, ctx)
         plain = next((r for r in group if r.spec.kind == "plain"), None)
         for r in group:
             r.quality = runner.quality_summary(r, plain if r is not plain else None)
@@ -331,14 +328,19 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
         if plain is None:
             continue
         sp = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
-        line = f"{r.spec.label} @ {r.load.name}: {sp:.2f}x plain"
+        dsp = r.summary["decode_tokens_per_s"] / max(plain.summary["decode_tokens_per_s"], 1e-9)
+        line = f"{r.spec.label} @ {r.load.name}: {sp:.2f}x plain end-to-end, {dsp:.2f}x decode"
         cm = (r.cost_model or {}).get("measured_en") or {}
         if cm:
             line += f" (cost model {cm['speedup']:.2f}x)"
         if r.load.mode == "closed" and r.load.concurrency == 1:
             for p in peer_runs:
-                if p.available and p.technique == (r.spec.peer or r.spec.kind) and p.summary["output_tokens_per_s"]:
-                    line += f"; {r.summary['output_tokens_per_s'] / p.summary['output_tokens_per_s']:.2f}x {p.label}"
+                ps = p.summary
+                if p.available and p.technique == (r.spec.peer or r.spec.kind) and ps.get("decode_tokens_per_s"):
+                    line += (
+                        f"; vs {p.label}: {r.summary['output_tokens_per_s'] / ps['output_tokens_per_s']:.2f}x "
+                        f"end-to-end, {r.summary['decode_tokens_per_s'] / ps['decode_tokens_per_s']:.2f}x decode"
+                    )
         lines.append(line)
     return lines
 

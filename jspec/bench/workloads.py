@@ -401,7 +401,7 @@ def _load_passage(source: str, max_chars: int) -> str:
 def grounded_requests(n: int, seed: int = 0, max_chars: int = 600) -> list[Request]:
     rng = np.random.default_rng([seed, 4])
     order = rng.permutation(len(_PASSAGE_SOURCES))
-    tasks = ("rewrite", "summarise", "edit", "copy")
+    tasks = ("edit", "summarise", "copy", "rewrite")  # verbatim and free-form tasks alternate
     out = []
     for i in range(n):
         src = _PASSAGE_SOURCES[int(order[i % len(order)])]
