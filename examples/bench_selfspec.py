@@ -1,0 +1,199 @@
+"""Self-speculation (LayerSkip) against plain decoding on SmolLM2-135M, f32, batch 1, greedy, open chat prompts.
+
+    python examples/bench_selfspec.py                      # E=4 with K=1 and K=2, adapter if it is cached
+    python examples/bench_selfspec.py --settings 4:2,8:2 --adapter both --train --repeats 3
+
+Everything is measured in ONE process, interleaved (JAX CPU timings jump between two levels from process to
+process, so only ratios within a run are meaningful): each repeat decodes every prompt once per setting
+(plain first) with ``PreparedDecode.run_timed`` (compilation excluded, and done once per call). Printed per
+setting: tokens/s (total tokens / total time of a repeat, median over repeats), speedup over plain (median
+of the per-repeat ratios), acceptance per draft position, and the cost model (``jspec.cost_model.predict``)
+fed with the measured conditional acceptance and separately measured costs: one draft step (a jitted K-step
+``propose`` / K) and one verification (a jitted ``verify`` of K+1 tokens, reuse included), state cost 0. The
+gap between its prediction and the measurement is the per-round overhead the model leaves out (acceptance,
+commit, loop control), also printed per round.
+
+The exit adapter comes from ``examples/train_early_exit.py``'s cache (``--train`` trains it when missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec.cost_model import conditional_rates_from_stats, predict, survival_from_stats
+from jspec.decode import prepare
+from jspec.drafters import DraftContext
+from jspec.sampling import SamplingParams
+from models.layerskip import LayerSkipDrafter, default_cache_dir, exit_cache_path, restore_exit_params
+from models.registry import load
+
+CHATS = [
+    "Can you tell me a bit about the history of tea?",
+    "Write a short story about a dragon who is afraid of the dark.",
+    "What are some easy ways to reduce stress during a busy week?",
+    "Explain how the internet works to someone who has never used a computer.",
+    "I want to start running. How should I begin?",
+    "What makes a good friend?",
+]
+
+
+def exit_params_for(args, cfg, exit_layer: int, train: bool):
+    """(adapter exit params or None, token ids [N]) for this E, training the adapter first if asked."""
+    path = exit_cache_path(args.model, exit_layer, args.width, args.head_tokens)
+    if not os.path.exists(os.path.join(path, "meta.json")) and train:
+        from train_early_exit import main as train_main
+
+        train_main(
+            ["--model", args.model, "--exit-layer", str(exit_layer), "--width", str(args.width)]
+            + ["--head-tokens", str(args.head_tokens), "--no-eval"]
+        )
+    if os.path.exists(os.path.join(path, "meta.json")):
+        ex = restore_exit_params(path, cfg)
+        return ex, ex.get("token_ids")
+    # No trained head rows: BPE ids follow merge order, which roughly follows frequency.
+    return None, (jnp.arange(args.head_tokens, dtype=jnp.int32) if args.head_tokens else None)
+
+
+def time_ms(fn, *a, n: int = 10) -> float:
+    jax.block_until_ready(fn(*a))
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*a))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def component_costs(cfg, params, model, drafter, dparams, k: int, prompt: list[int], slots: int) -> dict:
+    """Median ms of one plain 1-token step, one K-step draft rollout and one K+1-token reusing verification,
+    after a prefill of ``prompt`` (a realistic cache length)."""
+    p = len(prompt)
+    cache = model.init_cache(1, slots)
+    toks = jnp.asarray([prompt], jnp.int32)
+    _, cache = jax.jit(model.apply)(params, toks, jnp.arange(p)[None], cache)
+    cache = cache.with_lengths(jnp.asarray([p - 1], jnp.int32))  # the last prompt token is pending
+    seq = jnp.zeros((1, slots + 1), jnp.int32).at[:, :p].set(toks)
+    ctx = DraftContext(seq, jnp.asarray([p]), jnp.asarray([k]), SamplingParams.make(1), cache)
+    state = drafter.init(dparams, toks, jnp.asarray([p]), slots)
+    propose = jax.jit(drafter.propose, static_argnums=4)
+    prop = propose(dparams, state, ctx, jax.random.key(0), k)
+    tokens = jnp.concatenate([toks[:, -1:], prop.tokens], axis=1)
+    positions = (p - 1) + jnp.arange(k + 1)[None]
+    verify = jax.jit(drafter.verify, static_argnums=0)
+    step = jax.jit(lambda prm, c: model.apply(prm, toks[:, -1:], jnp.asarray([[p - 1]]), c))
+    out = {"plain_step": [], "draft": [], "verify": []}
+    for _ in range(3):  # interleaved, medians
+        out["plain_step"].append(time_ms(step, params, cache))
+        out["draft"].append(time_ms(propose, dparams, state, ctx, jax.random.key(0), k))
+        out["verify"].append(time_ms(verify, model, params, dparams, prop.state, tokens, positions, prop.target_cache))
+    return {name: statistics.median(v) for name, v in out.items()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--settings", default="4:1,4:2", help="comma-separated E:K pairs")
+    ap.add_argument("--adapter", choices=("auto", "on", "off", "both"), default="auto")
+    ap.add_argument("--train", action="store_true", help="train a missing adapter first")
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--head-tokens", type=int, default=8192)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=len(CHATS))
+    args = ap.parse_args(argv)
+
+    cfg, params, model, tok = load(args.model, dtype="float32")
+    prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS[: args.prompts]]
+    kw = dict(max_new_tokens=args.max_new_tokens, eos_ids=[cfg.eos_id], max_len=256)
+
+    runs = {"plain": (None, None, 0)}  # name -> (drafter, draft params, K)
+    for item in args.settings.split(","):
+        e, k = (int(x) for x in item.split(":"))
+        ex, ids = exit_params_for(args, cfg, e, args.train and args.adapter != "off")
+        choices = {"auto": [ex is not None], "on": [True], "off": [False], "both": [False, True]}[args.adapter]
+        for use in choices:
+            if use and ex is None:
+                raise SystemExit(f"no trained adapter for E={e} in {default_cache_dir()}: run with --train")
+            d = LayerSkipDrafter(cfg, e, adapter=use, head_tokens=args.head_tokens, max_draft=k)
+            head = {"token_ids": ids} if args.head_tokens else {}
+            dp = d.draft_params(params, dict(head, adapter=ex["adapter"]) if use else head)
+            runs[f"E={e} K={k} {'adapter' if use else 'no adapter'}"] = (d, dp, k)
+
+    prepared = {
+        (name, i): prepare(model, params, [p], drafter=d, draft_params=dp, gamma=max(k, 1) if d else 0, **kw)
+        for name, (d, dp, k) in runs.items()
+        for i, p in enumerate(prompts)
+    }
+    for p in prepared.values():
+        # run_timed compiles before timing (excluded from the time); compile each call once, not every repeat.
+        p.compile = functools.cache(p.compile)
+    per_repeat = {name: [] for name in runs}  # (tokens, seconds) per repeat
+    stats = {name: None for name in runs}
+    reference = {}
+    for r in range(args.repeats + 1):  # repeat 0 compiles, warms up and checks the outputs
+        print(f"repeat {r}/{args.repeats}{' (warm-up)' if r == 0 else ''}", flush=True)
+        for i in range(len(prompts)):
+            for name in runs:
+                out = prepared[(name, i)].run_timed()
+                if r == 0:  # greedy: every setting must reproduce plain decoding token for token
+                    reference.setdefault(i, out.tokens)
+                    assert out.tokens == reference[i], f"{name}: output differs from plain decoding"
+                    continue
+                s = out.stats
+                tok_s = per_repeat[name]
+                if len(tok_s) < r:
+                    tok_s.append([0, 0.0, 0])
+                tok_s[r - 1][0] += sum(s["new_tokens"])
+                tok_s[r - 1][1] += s["seconds"]
+                tok_s[r - 1][2] += s["loop_rounds"]
+                if r == 1:
+                    acc = stats[name]
+                    stats[name] = (
+                        (np.asarray(s["accepted_at"]), np.asarray(s["proposed_at"]))
+                        if acc is None
+                        else (acc[0] + s["accepted_at"], acc[1] + s["proposed_at"])
+                    )
+
+    plain_tps = [t / sec for t, sec, _ in per_repeat["plain"]]
+    base_ms = 1e3 / statistics.median(plain_tps)
+    print(f"\n{cfg.name}: f32, batch 1, greedy, {len(prompts)} chat prompts, <= {args.max_new_tokens} new tokens")
+    print(f"plain: {statistics.median(plain_tps):.1f} tok/s ({base_ms:.1f} ms/token), repeats {plain_tps}")
+    for name, (d, dp, k) in runs.items():
+        if d is None:
+            continue
+        tps = [t / sec for t, sec, _ in per_repeat[name]]
+        ratios = [a / b for a, b in zip(tps, plain_tps)]
+        measured = statistics.median(ratios)
+        acc, prop = stats[name]
+        surv = survival_from_stats(acc, prop)
+        rates = conditional_rates_from_stats(acc, prop)
+        costs = component_costs(cfg, params, model, d, dp, k, prompts[0], 256)
+        draft_ms = costs["draft"] / k
+        pred = predict(
+            baseline_ms_per_token=base_ms, draft_ms=draft_ms, verify_ms=costs["verify"], accept_at=list(rates)
+        )
+        t, sec, rounds = (statistics.median(x) for x in zip(*per_repeat[name]))
+        round_ms = 1e3 * sec / rounds
+        overhead = round_ms - k * draft_ms - costs["verify"]
+        print(f"\n{name}: {statistics.median(tps):.1f} tok/s, speedup {measured:.3f}x (per repeat {ratios})")
+        print(f"  acceptance per position P(first i accepted) {np.round(surv, 3).tolist()}, ")
+        print(f"  conditional rates {np.round(rates, 3).tolist()}, tokens/round {t / rounds:.2f}")
+        print(
+            f"  costs: plain step {costs['plain_step']:.1f} ms, draft step {draft_ms:.1f} ms "
+            f"({draft_ms / costs['plain_step']:.2f} of a plain step), verify {costs['verify']:.1f} ms "
+            f"({costs['verify'] / costs['plain_step']:.2f}); measured round {round_ms:.1f} ms, draft share "
+            f"{k * draft_ms / round_ms:.0%}, unmodelled {overhead:.1f} ms/round"
+        )
+        print(f"  cost model: {pred.summary()}; predicted/measured {pred.ratio_to(measured):.2f}")
+
+
+if __name__ == "__main__":
+    main()
