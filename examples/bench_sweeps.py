@@ -33,7 +33,7 @@ def _point(series, r, plain, key, value):
     dec = r.summary["decode_tokens_per_s"] / max(plain.summary["decode_tokens_per_s"], 1e-9)
     e2e = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
     sp = dec if key == "k" else e2e
-    cm = (r.cost_model or {}).get("measured_en") or {}
+    cm = (r.cost_model or {}).get("measured_rounds") or {}
     seed = (r.cost_model or {}).get("seed") or {}
     return {
         "series": series,
@@ -119,7 +119,7 @@ def _sweep_tables(k_points, b_points) -> str:
         out.append("## K sweep\n")
         rows = [[p["series"], p["k"], f"{p['speedup']:.2f}x", _x(p.get("predicted")), _x(p.get("predicted_seed")),
                  f"{p['tokens_per_round']:.2f}", f"{100 * p['acceptance_rate']:.0f}%"] for p in k_points]  # fmt: skip
-        out.append(report._table(["drafter", "K", "measured (decode)", "cost model (measured E[N])", "seed model",
+        out.append(report._table(["drafter", "K", "measured (decode)", "cost model (whole rounds)", "seed model",
                                   "tokens/round", "acceptance"], rows))  # fmt: skip
     if b_points:
         out.append("\n## Batch sweep\n")

@@ -212,6 +212,7 @@ def test_phase_costs_and_cost_model(closed_runs):
     assert cm["measured_speedup"] > 0
     assert cm["seed"]["speedup"] > 0 and cm["seed"]["ratio_to_measured"] > 0
     assert cm["measured_en"]["expected_tokens"] == closed_runs["model K=3"].decode_stats["tokens_per_round"]
+    assert cm["measured_rounds"]["cycle_ms"] > 0 and cm["measured_rounds"]["ratio_to_measured"] > 0
 
 
 def test_report_writes_json_markdown_and_plots(closed_runs, tmp_path):

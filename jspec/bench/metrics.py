@@ -12,9 +12,12 @@ Latency (per request, from the engine's round timestamps):
 Phase costs (``measure_phases``): the fused loop cannot be timed per phase from inside, so each phase is a
 separately jitted piece on the same shapes as the serving run (same batch, cache slots, context length):
 a draft-only rollout, a verify-only target call (K + 1 positions, or the tree's N nodes under its ancestor
-mask), a plain 1-token target step, the accept + commit step, and the whole round; each is timed with
-``block_until_ready`` and reported as the median of repeats. The round minus the three phases is reported as
-"other" (fusion can make it negative).
+mask), a plain 1-token target step, the accept + commit step, and the whole fused round (``decode_round``,
+with every candidate proposed; for chain drafters also a round where nothing is proposed, the 1-token
+fallback a lookup miss takes); each is timed with ``block_until_ready`` and reported as the median of
+repeats, the configurations of one load sampled in turn. The round minus the three phases is reported as
+"other": what the pieces leave out (branching and buffer copies inside the fused round; fusion can also
+make it negative).
 
 Memory on CPU: ``device_bytes`` adds the bytes of the target params, the draft params, the KV cache (and the
 drafter's state) of the serving batch, plus the round's scratch (XLA's temp allocation of the compiled round,
@@ -365,10 +368,13 @@ class PhaseTimer:
     def __init__(self, target, target_params, drafter, draft_params, config: DecodeConfig, batch: int,
                  context_len: int, *, temperature: float = 0.0, seed: int = 0):  # fmt: skip
         b, s = batch, config.slots
-        self.context_len = int(min(max(context_len, 2), s - config.gamma - 3))
+        n = self.context_len = int(min(max(context_len, 2), s - config.gamma - 3))
         rng = np.random.default_rng(seed)
-        prompt = jnp.asarray(rng.integers(0, target.vocab_size, size=(b, self.context_len)), jnp.int32)
-        plen = jnp.full((b,), self.context_len, jnp.int32)
+        # A prompt that repeats a random block: every suffix n-gram occurs earlier, so a lookup drafter
+        # proposes its full K and the round takes its wide (K+1-position) path, as a model drafter always does.
+        block = rng.integers(0, target.vocab_size, size=(b, min(32, max(n // 2, 1))))
+        prompt = jnp.asarray(np.tile(block, (1, -(-n // block.shape[1])))[:, :n], jnp.int32)
+        plen = jnp.full((b,), n, jnp.int32)
         max_new = jnp.full((b,), s, jnp.int32)
         sampling = SamplingParams.make(b, temperature)
         key = jax.random.key(seed)
@@ -385,6 +391,12 @@ class PhaseTimer:
             self.pieces["state_ms"] = lambda: update(st, prop, p, cache, key)
             self.info["verify_positions"] = int(prop.tokens.shape[1] + (0 if getattr(drafter, "is_tree", False) else 1))
         self.pieces["round_ms"] = lambda: round_(tp, dp, st)
+        if drafter is not None and not getattr(drafter, "is_tree", False) and target.vocab_size >= n:
+            # Distinct tokens: no suffix occurs earlier, so a lookup drafter proposes nothing and the round
+            # takes its narrow path (a 1-token verification). For a model drafter it equals round_ms.
+            distinct = np.stack([rng.permutation(target.vocab_size)[:n] for _ in range(b)])
+            st_miss = pre(tp, dp, jnp.asarray(distinct, jnp.int32), plen, max_new, sampling, key)
+            self.pieces["round_narrow_ms"] = lambda: round_(tp, dp, st_miss)
         for fn in self.pieces.values():  # compile and warm every piece before any sample is taken
             jax.block_until_ready(fn())
         self.samples: dict[str, list[float]] = {k: [] for k in self.pieces}

@@ -109,7 +109,7 @@ def cost_table(runs: Sequence[dict]) -> str:
         cm, ph = r.get("cost_model"), r.get("phases") or {}
         if not cm:
             continue
-        seed, men = cm.get("seed") or {}, cm.get("measured_en") or {}
+        seed, men, mr = cm.get("seed") or {}, cm.get("measured_en") or {}, cm.get("measured_rounds") or {}
         rows.append(
             [
                 f"{r['spec']['label']} ({r['load_name']})",
@@ -119,13 +119,16 @@ def cost_table(runs: Sequence[dict]) -> str:
                 _f(seed.get("ratio_to_measured"), 2),
                 _f(men.get("speedup"), 2, "x"),
                 _f(men.get("ratio_to_measured"), 2),
+                _f(mr.get("speedup"), 2, "x"),
+                _f(mr.get("ratio_to_measured"), 2),
                 _f(men.get("expected_tokens"), 2),
                 _f(men.get("wide_fraction"), 2),
-                _f(ph.get("draft_ms"), 2),
-                _f(ph.get("verify_ms"), 2),
-                _f(ph.get("state_ms"), 2),
-                _f(ph.get("round_ms"), 2),
-                _f(cm.get("baseline_ms"), 2),
+                _f(ph.get("draft_ms"), 1),
+                _f(ph.get("verify_ms"), 1),
+                _f(ph.get("state_ms"), 1),
+                _f(ph.get("round_ms"), 1),
+                _f(ph.get("round_narrow_ms"), 1),
+                _f(cm.get("baseline_ms"), 1),
             ]
         )
     header = [
@@ -134,7 +137,9 @@ def cost_table(runs: Sequence[dict]) -> str:
         "measured decode",
         "seed model",
         "ratio",
-        "measured-E[N] model",
+        "pieces model",
+        "ratio",
+        "rounds model",
         "ratio",
         "E[N]",
         "wide share",
@@ -142,6 +147,7 @@ def cost_table(runs: Sequence[dict]) -> str:
         "verify ms",
         "state ms",
         "round ms",
+        "miss round ms",
         "plain round ms",
     ]
     return _table(header, rows) if rows else "(no speculative runs)"
@@ -294,10 +300,13 @@ def markdown(payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
     if any(r.get("cost_model") for r in runs):
         parts += ["## Cost model check (seed section 3)", "", cost_table(runs), ""]
         parts += [
-            "Costs are separately jitted pieces on the serving shapes (medians of repeats). 'seed model' = "
-            "baseline x E[N] / (K d + verify + state) with E[N] from the measured per-position acceptance; "
-            "'measured-E[N] model' uses the measured tokens per round and weights rounds where nothing was "
-            "proposed (1-token verify) by their measured share. ratio = predicted / measured.",
+            "Costs are separately jitted pieces on the serving shapes (medians of repeats, configurations "
+            "sampled in turn). 'seed model' = baseline x E[N] / (K d + verify + state) with E[N] from the "
+            "measured per-position acceptance; 'pieces model' uses the measured tokens per round (E[N]) and "
+            "weights rounds where nothing was proposed (a 1-token verify) by their measured share ('wide "
+            "share'); 'rounds model' does the same with the whole fused round timed (round ms with every "
+            "candidate proposed, miss round ms with none) instead of the sum of its pieces. baseline = the "
+            "plain round. ratio = predicted / measured decode speedup.",
             "",
         ]
     if peers:

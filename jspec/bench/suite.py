@@ -330,9 +330,12 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
         sp = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
         dsp = r.summary["decode_tokens_per_s"] / max(plain.summary["decode_tokens_per_s"], 1e-9)
         line = f"{r.spec.label} @ {r.load.name}: {sp:.2f}x plain end-to-end, {dsp:.2f}x decode"
-        cm = (r.cost_model or {}).get("measured_en") or {}
-        if cm:
-            line += f" (cost model {cm['speedup']:.2f}x)"
+        cm = r.cost_model or {}
+        if cm.get("measured_rounds"):
+            line += f" (cost model: {cm['measured_rounds']['speedup']:.2f}x from whole rounds"
+            if cm.get("seed", {}).get("speedup"):
+                line += f", {cm['seed']['speedup']:.2f}x seed formula"
+            line += ")"
         if r.load.mode == "closed" and r.load.concurrency == 1:
             for p in peer_runs:
                 ps = p.summary
