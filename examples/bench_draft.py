@@ -1,0 +1,240 @@
+"""Trained draft vs plain decoding on SmolLM2-135M (f32, batch 1, greedy), measured in one run.
+
+For every configuration (plain, then each draft at each K) and every open chat prompt below, one
+``jspec.decode.prepare(...).run_timed()`` (compile excluded); repeats are interleaved (JAX CPU timings jump
+between two levels from process to process and drift with the machine's load) and the speedup is the
+median over repeats of (plain time / speculative time) measured back to back. Greedy speculative output is
+checked to be token-for-token the plain output.
+
+Also printed: acceptance per draft position (accepted / proposed, and the conditional rates derived from
+them), measured tokens per round, and the cost model (``jspec.cost_model.predict``) fed with the measured
+conditional rates and measured costs: a draft step (one draft token: draft forward + sampling), a
+verification call over K + 1 positions, the plain per-token time as the baseline, and as state update the
+plain loop's per-token time not spent in the target call. measured / predicted says how much of the
+predicted gain the real loop keeps.
+
+A draft missing from the cache is trained first (``examples/train_draft.py`` defaults; minutes).
+
+    python examples/bench_draft.py [--drafts smollm2-2L-8k,smollm2-2L-full] [--gammas 2,3,4] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from jspec import cost_model  # noqa: E402
+from jspec import decode as dec  # noqa: E402
+from jspec.sampling import SamplingParams, distribution, sample  # noqa: E402
+from models import draft as D  # noqa: E402
+from models import registry  # noqa: E402
+
+PROMPTS = [
+    "What are three fun things to do on a rainy day?",
+    "Can you explain what a budget is and why it is useful?",
+    "Write a short note thanking a friend for their help with moving house.",
+    "What is the best way to learn to cook?",
+    "Tell me about the benefits of walking every day.",
+    "How do I make my small apartment feel more cozy?",
+]
+
+
+def get_draft(name: str, target, model: str):
+    try:
+        return D.load_draft(name, target_config=target.config, tokenizer=target.tokenizer)
+    except FileNotFoundError:
+        pass
+    import train_draft
+
+    argv = ["--name", name, "--model", model]
+    m = re.fullmatch(r".*-(\d+)L-(\d+k|\d+|full)", name)
+    if m:  # names like smollm2-2L-8k / smollm2-4L-full carry the draft's shape
+        head = m.group(2)
+        head = 0 if head == "full" else int(head[:-1]) * 1024 if head.endswith("k") else int(head)
+        argv += ["--layers", m.group(1), "--head-size", str(head)]
+    print(f"draft '{name}' is not cached: training it ({' '.join(argv)})", flush=True)
+    train_draft.main(argv)
+    return D.load_draft(name, target_config=target.config, tokenizer=target.tokenizer)
+
+
+def _median_ms(fn, *args, n: int = 15) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def measure_costs(target, drafts, gammas, slots: int, ctx: int) -> dict:
+    """Milliseconds of: one target step (1 token), one verification (K + 1 tokens) per K, one draft step per
+    draft (16 chained draft tokens in one jitted scan, divided by 16), all with ``ctx`` cached tokens."""
+    greedy = SamplingParams.make(1)
+    key = jax.random.key(0)
+
+    def target_call(t):
+        @jax.jit
+        def f(params, cache):
+            tokens = jnp.ones((1, t), jnp.int32)
+            pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+            logits, _ = target.model.apply(params, tokens, pos, cache)
+            return distribution(logits, greedy)
+
+        return f
+
+    cache = target.model.init_cache(1, slots).with_lengths(jnp.array([ctx], jnp.int32))
+    out = {"target_step_ms": _median_ms(target_call(1), target.params, cache)}
+    out["verify_ms"] = {k: _median_ms(target_call(k + 1), target.params, cache) for k in gammas}
+    out["draft_ms"] = {}
+    for name, loaded in drafts.items():
+        model = loaded.model
+
+        @jax.jit
+        def chain(params, cache, model=model):
+            def body(carry, _):
+                cache, x = carry
+                logits, cache = model.apply(params, x[:, None], cache.lengths[:, None], cache)
+                cache = cache.commit(jnp.ones((1,), jnp.int32))
+                return (cache, sample(key, distribution(logits[:, 0], greedy))), None
+
+            (_, x), _ = jax.lax.scan(body, (cache, jnp.ones((1,), jnp.int32)), None, length=16)
+            return x
+
+        dcache = model.init_cache(1, slots).with_lengths(jnp.array([ctx], jnp.int32))
+        out["draft_ms"][name] = _median_ms(chain, loaded.params, dcache) / 16
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--drafts", default="smollm2-2L-8k", help="comma-separated cached draft names")
+    ap.add_argument("--gammas", default="1,2,3,4")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    gammas = [int(g) for g in args.gammas.split(",")]
+
+    target = registry.load(args.model, dtype="float32")
+    tok = target.tokenizer
+    drafts = {name: get_draft(name, target, args.model) for name in args.drafts.split(",")}
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    common = dict(max_new_tokens=args.max_new, eos_ids=[tok.eos_id], temperature=0.0)
+
+    configs = [("plain", None, 0)] + [(n, d, k) for n, d in drafts.items() for k in gammas]
+    prepared = {}
+    for name, loaded, k in configs:
+        kw = {} if loaded is None else dict(drafter=loaded.drafter(), draft_params=loaded.params, gamma=k)
+        prepared[(name, k)] = [dec.prepare(target.model, target.params, [p], **common, **kw) for p in prompts]
+
+    print(f"compiling {len(configs)} configurations x {len(prompts)} prompts ...", flush=True)
+    for preps in prepared.values():
+        for p in preps:
+            p.compile()
+
+    runs = {key: [] for key in prepared}  # per repeat: (seconds, tokens, outputs)
+    order = list(prepared)
+    for r in range(args.repeats):
+        for key in order[r % len(order) :] + order[: r % len(order)]:  # rotate: no config always runs first
+            outs = [p.run_timed() for p in prepared[key]]
+            runs[key].append((sum(o.stats["seconds"] for o in outs), sum(sum(o.lengths) for o in outs), outs))
+        print(f"repeat {r + 1}/{args.repeats} done", flush=True)
+
+    plain = runs[("plain", 0)]
+    plain_tokens = [o.tokens for o in plain[0][2]]
+    slots = prepared[("plain", 0)][0].config.slots
+    ctx = int(np.mean([len(p) for p in prompts])) + args.max_new // 2
+    costs = measure_costs(target, drafts, gammas, slots, ctx)
+    plain_ms = 1000 * statistics.median(s / n for s, n, _ in plain)
+    state_ms = max(plain_ms - costs["target_step_ms"], 0.0)
+
+    print()
+    print(
+        f"SmolLM2-135M f32, batch 1, greedy, {len(prompts)} chat prompts x <= {args.max_new} tokens, "
+        f"{args.repeats} interleaved repeats (medians)"
+    )
+    print(
+        f"plain: {1000 / plain_ms:.1f} tok/s ({plain_ms:.2f} ms/token); costs: target step "
+        f"{costs['target_step_ms']:.2f} ms, verify "
+        + ", ".join(f"K={k}: {v:.2f} ms" for k, v in costs["verify_ms"].items())
+        + ", draft step "
+        + ", ".join(f"{n}: {v:.2f} ms" for n, v in costs["draft_ms"].items())
+        + f", state/loop {state_ms:.2f} ms"
+    )
+    rows = []
+    header = (
+        f"{'draft':22s} {'K':>2s} {'tok/s':>7s} {'speedup':>8s} {'accept':>7s} {'tok/round':>9s} "
+        f"{'predicted':>9s} {'meas/pred':>9s}  accepted/proposed per position | conditional rates"
+    )
+    print(header)
+    for name, _, k in configs[1:]:
+        rs = runs[(name, k)]
+        speedups = [ps / s for (ps, _, _), (s, _, _) in zip(plain, rs)]
+        ms_tok = 1000 * statistics.median(s / n for s, n, _ in rs)
+        acc = np.sum([o.stats["accepted_at"] for o in rs[0][2]], axis=0)
+        prop = np.sum([o.stats["proposed_at"] for o in rs[0][2]], axis=0)
+        accepted = int(acc.sum())
+        proposed = int(prop.sum())
+        rounds = sum(sum(o.stats["rounds"]) for o in rs[0][2])
+        emitted = sum(sum(o.stats["new_tokens"]) - 1 for o in rs[0][2])  # the first token comes from prefill
+        rates = cost_model.conditional_rates_from_stats(acc, prop)
+        pred = cost_model.predict(
+            baseline_ms_per_token=plain_ms,
+            draft_ms=costs["draft_ms"][name],
+            verify_ms=costs["verify_ms"][k],
+            state_ms=state_ms,
+            accept_at=list(rates),
+            gamma=min(k, len(rates)),
+        )
+        same = all(o.tokens == t for o, t in zip(rs[0][2], plain_tokens))
+        sp = statistics.median(speedups)
+        surv = " ".join(f"{a / p:.2f}" if p else "-" for a, p in zip(acc, prop))
+        cond = " ".join(f"{x:.2f}" for x in rates)
+        print(
+            f"{name:22s} {k:2d} {1000 / ms_tok:7.1f} {sp:7.2f}x {accepted / max(proposed, 1):7.3f} "
+            f"{emitted / max(rounds, 1):9.2f} {pred.speedup:8.2f}x {sp / pred.speedup:9.2f}  [{surv}] | [{cond}]"
+            + ("" if same else "  OUTPUT DIFFERS FROM PLAIN")
+        )
+        rows.append(
+            dict(
+                draft=name,
+                gamma=k,
+                tokens_per_s=1000 / ms_tok,
+                speedup=sp,
+                speedups=speedups,
+                acceptance_rate=accepted / max(proposed, 1),
+                accepted_at=acc.tolist(),
+                proposed_at=prop.tolist(),
+                conditional_rates=rates.tolist(),
+                tokens_per_round=emitted / max(rounds, 1),
+                predicted_speedup=pred.speedup,
+                predicted_expected_tokens=pred.expected_tokens,
+                measured_over_predicted=sp / pred.speedup,
+                identical_to_plain=same,
+            )
+        )
+    best = max(rows, key=lambda r: r["speedup"])
+    print(f"best: {best['draft']} K={best['gamma']}: {best['speedup']:.2f}x plain")
+    if args.json:
+        with open(args.json, "w") as f:
+            res = dict(plain_ms_per_token=plain_ms, state_ms=state_ms, costs=costs, rows=rows, prompts=PROMPTS)
+            json.dump(res, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

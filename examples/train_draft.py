@@ -1,0 +1,477 @@
+"""Distil a small draft from the target (DistillSpec-style, on-policy) and evaluate its acceptance.
+
+1. On-policy data: the TARGET answers prompts (chat questions written below, and requests about Python
+   standard-library docstrings, i.e. real text that ships with Python) with ``jspec.decode``, batched, at
+   temperature ``--temperature``. Each batch's target log-probabilities are computed once (one teacher
+   forward over prompt + answer), and their top ``--teacher-k`` are cached next to the tokens.
+2. The frequent-token head's map (``--head-size`` tokens) is counted on the generated answers.
+3. The draft (``--layers`` layers copied from the target, plus the target's embedding and head rows) is
+   trained with AdamW to minimise KL(target || draft) on those positions; ``ocp.CheckpointManager`` saves
+   every ``--ckpt-every`` steps and a rerun resumes from the last checkpoint.
+4. The draft is saved (``models.draft.save_draft``) and its acceptance measured with ``jspec.decode`` on
+   held-out chat prompts, greedy and at T = 1.
+
+The draft goes to ``${JSPEC_CACHE:-~/.cache/jspec}/draft/<name>``, the target data (shared by drafts
+trained from the same data settings) to ``.../draft/_data/<settings>``, never into the repository; a rerun
+with a finished draft only prints its evaluation unless ``--force``. Defaults take a few minutes on
+a 2-core CPU (the target's generation and teacher pass dominate: ``--gen-batches`` sets how much).
+
+    python examples/train_draft.py [--name smollm2-2L-8k] [--layers 2] [--head-size 8192] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import shutil
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jspec import decode as dec  # noqa: E402
+from jspec.drafters import ModelDrafter  # noqa: E402
+from models import draft as D  # noqa: E402
+from models import registry  # noqa: E402
+
+# ---- prompts ---------------------------------------------------------------------------------------------
+
+TOPICS = [
+    "bread baking", "the solar system", "learning a new language", "saving money", "running a marathon",
+    "growing tomatoes", "the French Revolution", "climate change", "writing a resume", "meditation",
+    "electric cars", "the human heart", "chess openings", "photography", "volcanoes", "time management",
+    "coffee", "the Roman Empire", "machine learning", "recycling", "dogs as pets", "public speaking",
+    "the water cycle", "healthy sleep", "the internet", "friendship", "camping", "jazz music",
+    "renewable energy", "the stock market", "ancient Egypt", "video games", "yoga", "bees", "the moon",
+    "cooking pasta", "job interviews", "rainforests", "smartphones", "the immune system", "painting",
+    "earthquakes", "kindness", "the Olympic Games", "budget travel", "vitamins", "cybersecurity",
+    "gardening in small spaces", "the history of writing", "bicycles", "ocean tides", "studying for exams",
+    "starting a small business", "black holes", "tea", "mountains", "team work", "first aid", "birds",
+    "the printing press",
+]  # fmt: skip
+TEMPLATES = [
+    "Can you explain {t} to a beginner?",
+    "What are the most important things to know about {t}?",
+    "Give me some practical tips about {t}.",
+    "Write a short story that involves {t}.",
+    "What are common misconceptions about {t}?",
+    "Why is {t} interesting? Answer in a few paragraphs.",
+    "Write a short blog post about {t}.",
+    "What are the pros and cons of {t}?",
+    "How would you teach a child about {t}?",
+    "Summarize the history of {t}.",
+]
+DOC_TEMPLATES = [
+    "Explain in simple words what this Python {kind} does:\n\n{name}: {doc}",
+    "Here is the documentation of the Python {kind} `{name}`. Give an example of when to use it.\n\n{doc}",
+]
+DOC_MODULES = (
+    "json os collections itertools functools textwrap string random math statistics datetime pathlib re "
+    "shutil heapq bisect dataclasses argparse logging csv calendar difflib fractions decimal queue threading "
+    "subprocess contextlib enum typing tempfile glob fnmatch zipfile tarfile gzip base64 hashlib secrets uuid "
+    "pprint copy operator inspect ast traceback warnings weakref socket sched urllib.parse html.parser "
+    "sqlite3 configparser locale unittest timeit asyncio io codecs struct zlib pickle mimetypes ipaddress shlex"
+).split()
+# Held out: never used for training data.
+EVAL_PROMPTS = [
+    "What should I pack for a weekend trip to the mountains?",
+    "How can I become a better listener?",
+    "Explain the difference between weather and climate.",
+    "Write a friendly email inviting my neighbours to a picnic.",
+    "What are some good habits for staying healthy while working at a desk?",
+    "Describe how a rainbow forms.",
+    "Give me ideas for a vegetarian dinner.",
+    "Why do leaves change colour in autumn?",
+]
+
+
+def chat_prompts() -> list[str]:
+    return [tpl.format(t=t) for t in TOPICS for tpl in TEMPLATES]
+
+
+def docstring_prompts(max_chars: int = 700) -> list[str]:
+    """Requests about stdlib docstrings: real English text shipped with Python, no download."""
+    out = []
+    for mod_name in DOC_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception:  # an optional stdlib module missing on this build
+            continue
+        for name, obj in inspect.getmembers(mod):
+            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            doc = inspect.getdoc(obj)
+            if doc and 150 <= len(doc) <= max_chars:
+                kind = "class" if inspect.isclass(obj) else "function"
+                tpl = DOC_TEMPLATES[len(out) % len(DOC_TEMPLATES)]
+                out.append(tpl.format(kind=kind, name=f"{mod_name}.{name}", doc=doc))
+    return out
+
+
+def training_prompts(seed: int, doc_fraction: float) -> list[str]:
+    rng = np.random.default_rng(seed)
+    chat = chat_prompts()
+    docs = docstring_prompts()
+    rng.shuffle(chat)
+    rng.shuffle(docs)
+    # Interleave so any prefix of the list (the number of batches is a budget) keeps the mix.
+    n_doc = int(round(len(chat) * doc_fraction / (1 - doc_fraction))) if doc_fraction < 1 else len(docs)
+    docs = docs[:n_doc]
+    out, i, j = [], 0, 0
+    while i < len(chat) or j < len(docs):
+        if j < len(docs) and (i >= len(chat) or j / max(len(docs), 1) < i / max(len(chat), 1)):
+            out.append(docs[j])
+            j += 1
+        else:
+            out.append(chat[i])
+            i += 1
+    return out
+
+
+# ---- stage 1: on-policy data with cached teacher log-probs ---------------------------------------------
+
+
+def encode(tok, text: str, max_prompt: int) -> list[int]:
+    ids = tok.encode_chat([{"role": "user", "content": text}])
+    return ids[-max_prompt:]  # keeps the chat header of the answer (the end) when a docstring is long
+
+
+def generate_data(args, target, data_dir: str, prompts: list[str]) -> list[str]:
+    """One npz per batch: tokens [B, W] (prompt + answer, right-padded), lengths, prompt lengths, teacher
+    top-k log-probs (float16) and ids [B, W, k]. Existing batches are kept (resume)."""
+    os.makedirs(data_dir, exist_ok=True)
+    tok = target.tokenizer
+    width = args.max_prompt + args.max_new
+    teacher = jax.jit(D.teacher_topk, static_argnums=(0, 3))
+    temps = [float(t) for t in str(args.temperature).split(",")]
+    files = []
+    bar = tqdm(range(args.gen_batches), desc="target data", unit="batch")
+    for i in bar:
+        path = os.path.join(data_dir, f"batch_{i:04d}.npz")
+        files.append(path)
+        if os.path.exists(path):
+            continue
+        chunk = prompts[i * args.gen_batch : (i + 1) * args.gen_batch]
+        if len(chunk) < args.gen_batch:
+            raise SystemExit(f"only {len(prompts)} training prompts: lower --gen-batches or --gen-batch")
+        ids = [encode(tok, p, args.max_prompt) for p in chunk]
+        out = dec.decode(
+            target.model,
+            target.params,
+            ids,
+            max_new_tokens=args.max_new,
+            temperature=[temps[r % len(temps)] for r in range(len(ids))],
+            eos_ids=[tok.eos_id],
+            seed=args.seed * 1000 + i,
+        )
+        seqs = [p + t for p, t in zip(ids, out.tokens)]
+        tokens = np.zeros((len(seqs), width), np.int32)
+        for r, s in enumerate(seqs):
+            tokens[r, : len(s)] = s
+        t_logp = np.zeros((len(seqs), width, args.teacher_k), np.float16)
+        t_ids = np.zeros((len(seqs), width, args.teacher_k), np.int32)
+        # Longest rows first so each teacher chunk is cut to its own width (rounded to 64 to bound the
+        # number of compiled shapes): padding is otherwise a third of the teacher's work. [B, W, V] logits in
+        # one call would take ~1 GB, hence the chunks.
+        order = np.argsort([-len(s) for s in seqs], kind="stable")
+        for r in range(0, len(seqs), args.teacher_batch):
+            rows = order[r : r + args.teacher_batch]
+            w = min(-(-max(len(seqs[j]) for j in rows) // 64) * 64, width)
+            lp, ti = teacher(target.config, target.params, jnp.asarray(tokens[rows, :w]), args.teacher_k)
+            t_logp[rows, :w] = np.asarray(lp, np.float16)
+            t_ids[rows, :w] = np.asarray(ti, np.int32)
+        np.savez(
+            path + ".tmp.npz",
+            tokens=tokens,
+            lengths=np.array([len(s) for s in seqs], np.int32),
+            prompt_lengths=np.array([len(p) for p in ids], np.int32),
+            t_logp=t_logp,
+            t_ids=t_ids,
+        )
+        os.replace(path + ".tmp.npz", path)
+        bar.set_postfix(new_tokens=sum(out.stats["new_tokens"]))
+    return files
+
+
+def data_dir(args) -> str:
+    """Shared by every draft trained from the same target data (it does not depend on the draft)."""
+    key = (
+        f"{args.model}-T{args.temperature}-p{args.max_prompt}-n{args.max_new}-b{args.gen_batch}"
+        f"-d{args.doc_fraction:g}-k{args.teacher_k}-s{args.seed}"
+    )
+    return os.path.join(D.cache_root(), "_data", key)
+
+
+def load_data(files: list[str], prompt_loss: bool):
+    parts = [dict(np.load(f)) for f in files]
+    data = {k: np.concatenate([p[k] for p in parts]) for k in ("tokens", "lengths", "prompt_lengths")}
+    data["t_logp"] = np.concatenate([p["t_logp"] for p in parts])
+    data["t_ids"] = np.concatenate([p["t_ids"] for p in parts])
+    n, w = data["tokens"].shape
+    j = np.arange(w)[None, :]
+    # Position j is trained to predict token j + 1; answers are on-policy, prompt text optional.
+    start = np.zeros(n, np.int32)[:, None] if prompt_loss else (data["prompt_lengths"] - 1)[:, None]
+    data["mask"] = (j >= start) & (j < data["lengths"][:, None] - 1)
+    return data
+
+
+# ---- stage 2-3: token map, draft, training -------------------------------------------------------------
+
+
+def batch_schedule(data, batch: int, epochs: int, seed: int) -> list[tuple[np.ndarray, int]]:
+    """(rows, width) per step for ``epochs`` shuffled passes. Rows are bucketed by length (two widths: most
+    chat rows fit the short one) so padding costs little, with at most two compiled shapes; a step never
+    mixes buckets. Deterministic in ``seed``, so a resumed run sees the same batches."""
+    width = data["tokens"].shape[1]
+    short = min(-(-int(np.percentile(data["lengths"], 75)) // 32) * 32, width)
+    buckets = [(np.nonzero(data["lengths"] <= short)[0], short), (np.nonzero(data["lengths"] > short)[0], width)]
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(epochs):
+        epoch = []
+        for rows, w in buckets:
+            rows = rng.permutation(rows)
+            epoch += [(rows[i : i + batch], w) for i in range(0, len(rows) - batch + 1, batch)]
+        out += [epoch[i] for i in rng.permutation(len(epoch))]
+    return out
+
+
+def train(args, target, data, out_dir: str):
+    tok = target.tokenizer
+    answers = [
+        data["tokens"][i, data["prompt_lengths"][i] : data["lengths"][i]] for i in range(data["tokens"].shape[0])
+    ]
+    dcfg = D.draft_config(target.config, args.layers, args.head_size, name=args.name)
+    token_map = None
+    if args.head_size:
+        counts = D.token_counts(answers, target.config.vocab_size)
+        token_map = D.frequent_token_map(counts, args.head_size, always=[tok.eos_id])
+        covered = counts[token_map].sum() / max(counts.sum(), 1)
+        print(f"frequent-token head: {args.head_size} tokens cover {covered:.4f} of the generated answers")
+    params = D.init_from_target(dcfg, target.params, token_map)
+    trainable, frozen = D.split_trainable(params)
+
+    schedule = batch_schedule(data, args.batch, args.epochs, args.seed)
+    total = args.steps or len(schedule)
+    while len(schedule) < total:  # --steps beyond the epochs: keep cycling with fresh shuffles
+        schedule += batch_schedule(data, args.batch, 1, args.seed + len(schedule))
+    sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(args.warmup, total // 4), total, args.lr * 0.05)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, b2=0.98, weight_decay=args.weight_decay))
+    opt_state = opt.init(trainable)
+    step_fn = D.make_train_step(dcfg, opt, args.frozen_layers)
+
+    mgr = ocp.CheckpointManager(
+        os.path.abspath(os.path.join(out_dir, "ckpt")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=1, save_interval_steps=1),
+    )
+    start = 0
+    if mgr.latest_step() is not None:
+        start = mgr.latest_step()
+        state = mgr.restore(start, args=ocp.args.StandardRestore({"trainable": trainable, "opt": opt_state}))
+        trainable, opt_state = state["trainable"], state["opt"]
+        print(f"resumed from step {start}/{total}")
+
+    dev = {k: jnp.asarray(v) for k, v in data.items() if k in ("tokens", "mask", "t_logp", "t_ids")}
+    history = []
+    bar = tqdm(range(start, total), desc="distil", unit="step", initial=start, total=total)
+    for s in bar:
+        rows, w = schedule[s]
+        rows = jnp.asarray(rows)
+        trainable, opt_state, m = step_fn(
+            trainable,
+            frozen,
+            opt_state,
+            dev["tokens"][rows, :w],
+            dev["mask"][rows, :w],
+            dev["t_logp"][rows, :w],
+            dev["t_ids"][rows, :w],
+        )
+        m = {key: float(v) for key, v in m.items()}
+        history.append(m)
+        bar.set_postfix(kl=f"{m['kl']:.3f}", agree=f"{m['agree']:.3f}")
+        if (s + 1) % args.ckpt_every == 0 or s + 1 == total:
+            mgr.save(s + 1, args=ocp.args.StandardSave({"trainable": trainable, "opt": opt_state}))
+    mgr.wait_until_finished()
+    mgr.close()
+    params = D.merge_params(trainable, frozen)
+    return dcfg, params, history
+
+
+# ---- stage 4: evaluation ----------------------------------------------------------------------------------
+
+
+def validate(dcfg, params, val, batch: int) -> dict:
+    """KL / top-1 agreement / head coverage on held-out target answers (teacher-forced, no decoding)."""
+    loss = jax.jit(D.distill_loss, static_argnums=0)
+    sums, weight = {}, 0.0
+    for i in range(0, val["tokens"].shape[0], batch):
+        sl = slice(i, i + batch)
+        n = float(val["mask"][sl].sum())
+        _, m = loss(dcfg, params, *(jnp.asarray(val[k][sl]) for k in ("tokens", "mask", "t_logp", "t_ids")))
+        for key, v in m.items():
+            sums[key] = sums.get(key, 0.0) + float(v) * n
+        weight += n
+    return {key: v / max(weight, 1.0) for key, v in sums.items()}
+
+
+def evaluate(target, loaded: D.LoadedDraft, gamma: int, max_new: int, seed: int = 0) -> dict:
+    tok = target.tokenizer
+    ids = [encode(tok, p, 512) for p in EVAL_PROMPTS]
+    res = {}
+    for label, temp in (("greedy", 0.0), ("T=1", 1.0)):
+        out = dec.decode(
+            target.model,
+            target.params,
+            ids,
+            drafter=ModelDrafter(loaded.model),
+            draft_params=loaded.params,
+            gamma=gamma,
+            max_new_tokens=max_new,
+            temperature=temp,
+            eos_ids=[tok.eos_id],
+            seed=seed,
+        )
+        st = out.stats
+        res[label] = {
+            "acceptance_rate": st["acceptance_rate"],
+            "tokens_per_round": st["tokens_per_round"],
+            "accepted_at": st["accepted_at"],
+            "proposed_at": st["proposed_at"],
+            "per_position": [a / p if p else None for a, p in zip(st["accepted_at"], st["proposed_at"])],
+            "new_tokens": sum(st["new_tokens"]),
+        }
+    return res
+
+
+def print_eval(ev: dict, gamma: int):
+    for label, r in ev.items():
+        per = " ".join(f"{x:.2f}" if x is not None else "-" for x in r["per_position"])
+        print(
+            f"held-out {label:6s} K={gamma}: acceptance {r['acceptance_rate']:.3f}  tokens/round "
+            f"{r['tokens_per_round']:.2f}  accepted/proposed per position [{per}]  ({r['new_tokens']} tokens)"
+        )
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--name", default=None, help="cache name (default: <model>-<layers>L-<head>)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--frozen-layers", type=int, default=0, help="leading draft layers kept as the target's")
+    ap.add_argument("--head-size", type=int, default=8192, help="frequent-token head size N; 0 = full head")
+    ap.add_argument("--gen-batches", type=int, default=8, help="target generation batches (the data budget)")
+    ap.add_argument("--gen-batch", type=int, default=16)
+    ap.add_argument("--max-prompt", type=int, default=160)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument(
+        "--temperature",
+        default="0.8",
+        help="sampling temperature of the target's answers; a comma list cycles over the rows of a batch",
+    )
+    ap.add_argument("--doc-fraction", type=float, default=0.25, help="share of docstring prompts")
+    ap.add_argument("--teacher-k", type=int, default=32)
+    ap.add_argument("--teacher-batch", type=int, default=4)
+    ap.add_argument("--val-batches", type=int, default=1, help="data batches held out for validation")
+    ap.add_argument("--prompt-loss", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=0, help="override epochs")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--ckpt-every", type=int, default=20)
+    ap.add_argument("--gamma", type=int, default=3)
+    ap.add_argument("--eval-max-new", type=int, default=64)
+    ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--data-only", action="store_true", help="stop after generating the data")
+    ap.add_argument("--force", action="store_true", help="retrain even if a finished draft is cached")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.name is None:
+        head = f"{args.head_size // 1024}k" if args.head_size and args.head_size % 1024 == 0 else args.head_size
+        args.name = f"{args.model}-{args.layers}L-{head or 'full'}"
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out_dir = os.path.join(D.cache_root(), args.name)
+    final = os.path.join(out_dir, "draft")
+    eval_path = os.path.join(out_dir, "eval.json")
+    if args.force and os.path.isdir(out_dir):
+        shutil.rmtree(out_dir)  # the target data lives elsewhere (data_dir) and is kept
+    if os.path.isfile(os.path.join(final, D.META_FILE)) and os.path.isfile(eval_path):
+        with open(eval_path) as f:
+            report = json.load(f)
+        print(f"cached draft at {final} (--force retrains)")
+        if "val" in report:
+            print(f"held-out target answers: top-1 agreement {report['val']['agree']:.3f}")
+        print_eval(report["eval"], report["gamma"])
+        return report
+
+    t0 = time.perf_counter()
+    target = registry.load(args.model, dtype="float32")
+    prompts = training_prompts(args.seed, args.doc_fraction)
+    files = generate_data(args, target, data_dir(args), prompts)
+    n_val = min(args.val_batches, len(files) - 1)
+    data = load_data(files[: len(files) - n_val], args.prompt_loss)
+    val = load_data(files[len(files) - n_val :], prompt_loss=False) if n_val else None
+    t_data = time.perf_counter() - t0
+    n_answer = int(sum(data["lengths"] - data["prompt_lengths"]))
+    print(f"data: {len(files)} batches, {n_answer} answer tokens, {int(data['mask'].sum())} trained positions")
+    if args.data_only:
+        return {"data_seconds": t_data}
+
+    t1 = time.perf_counter()
+    dcfg, params, history = train(args, target, data, out_dir)
+    t_train = time.perf_counter() - t1
+    D.save_draft(final, dcfg, params, target.tokenizer, extra={"args": vars(args)})
+    first = history[: max(len(history) // 10, 1)] if history else []
+    last = history[-max(len(history) // 10, 1) :] if history else []
+
+    def avg(h, key):
+        return float(np.mean([m[key] for m in h])) if h else float("nan")
+
+    print(
+        f"trained {dcfg.name}: data {t_data:.0f} s, training {t_train:.0f} s; KL {avg(first, 'kl'):.3f} -> "
+        f"{avg(last, 'kl'):.3f}, top-1 agreement {avg(first, 'agree'):.3f} -> {avg(last, 'agree'):.3f}, "
+        f"target mass in the head {avg(last, 'support'):.3f}"
+    )
+    report = {
+        "name": args.name,
+        "gamma": args.gamma,
+        "data_seconds": t_data,
+        "train_seconds": t_train,
+        "kl_start": avg(first, "kl"),
+        "kl_end": avg(last, "kl"),
+        "agree_end": avg(last, "agree"),
+        "eval": {},
+    }
+    if val is not None:
+        report["val"] = validate(dcfg, params, val, args.batch)
+        print(
+            f"held-out target answers ({n_val} batch): KL {report['val']['kl']:.3f}, top-1 agreement "
+            f"{report['val']['agree']:.3f}, target mass in the head {report['val']['support']:.3f}"
+        )
+    if not args.no_eval:
+        loaded = D.load_draft(final, target_config=target.config, tokenizer=target.tokenizer)
+        report["eval"] = evaluate(target, loaded, args.gamma, args.eval_max_new, args.seed)
+        print_eval(report["eval"], args.gamma)
+    with open(eval_path, "w") as f:  # marks the draft as finished: a rerun only prints this
+        json.dump(report, f, indent=1)
+    print(f"total {time.perf_counter() - t0:.0f} s; draft saved to {final}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
