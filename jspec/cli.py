@@ -14,22 +14,30 @@ import sys
 from importlib.metadata import entry_points
 
 from jspec.decode import prepare
+from jspec.model import Model
 
-DRAFTERS = ("none", "ngram", "ngram-tree", "model")
+# The last three come from the ``jspec.drafter_loaders`` entry points (this repository's ``models``).
+DRAFTERS = ("none", "ngram", "ngram-tree", "model", "draft", "layerskip", "eagle")
+TRAINED_DRAFTERS = ("draft", "layerskip", "eagle")
 
 
-def model_loader(group: str = "jspec.model_loaders"):
-    found = list(entry_points(group=group))
+def model_loader(group: str = "jspec.model_loaders", name: str | None = None):
+    found = [ep for ep in entry_points(group=group) if name is None or ep.name == name]
     if not found:
+        what = f"'{name}' loader" if name else "loader"
         raise SystemExit(
-            f"no model loader is registered in the '{group}' entry-point group; install this repository "
+            f"no {what} is registered in the '{group}' entry-point group; install this repository "
             "(pip install -e .) or a package that provides one"
         )
     return found[0].load()
 
 
-def build_drafter(args, target, load):
-    """-> (drafter, draft_params) for the --drafter choice."""
+def build_drafter(args, target, load, loaded=None):
+    """-> (drafter, draft_params) for the --drafter choice.
+
+    loaded: the target as its loader returned it (config, params, model, tokenizer); the trained drafters'
+    loaders need it (LayerSkip and EAGLE read the target's own weights; a draft is checked against its
+    tokenizer). A loader ``fn(spec, loaded, max_draft) -> (drafter or Model, draft params)``."""
     if args.drafter == "none":
         return None, None
     if args.drafter == "ngram":
@@ -47,6 +55,14 @@ def build_drafter(args, target, load):
             raise SystemExit("--drafter model needs --draft-model NAME_OR_PATH (a model sharing the tokenizer)")
         _, dparams, dmodel, _ = load(args.draft_model, args.dtype)
         return _model_drafter(args, dmodel), dparams
+    if args.drafter in TRAINED_DRAFTERS:
+        fn = model_loader("jspec.drafter_loaders", args.drafter)
+        drafter, dparams = fn(args.draft_model, loaded, args.gamma)
+        if isinstance(drafter, Model):  # a plain draft model: chain or tree as the flags say
+            drafter = _model_drafter(args, drafter)
+        elif args.tree or args.dynamic_tree:
+            raise SystemExit(f"--tree/--dynamic-tree apply to model drafters, not to --drafter {args.drafter}")
+        return drafter, dparams
     raise SystemExit(f"unknown drafter '{args.drafter}'; choose from {', '.join(DRAFTERS)}")
 
 
@@ -104,7 +120,8 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos):
 
 def generate(args) -> int:
     load = model_loader()
-    _, params, target, tok = load(args.model, args.dtype)
+    loaded = load(args.model, args.dtype)
+    _, params, target, tok = loaded
     if tok is None:
         raise SystemExit(f"'{args.model}' has no tokenizer; jspec generate needs one")
     if args.raw:
@@ -115,7 +132,7 @@ def generate(args) -> int:
         ]
         prompt_ids = tok.encode_chat(msgs)
     eos = [] if args.ignore_eos or tok.eos_id is None else [tok.eos_id]
-    drafter, dparams = build_drafter(args, target, load)
+    drafter, dparams = build_drafter(args, target, load, loaded)
     ids, stats = _run(target, params, prompt_ids, drafter, dparams, args, eos)
     stats.update(drafter=args.drafter, gamma=args.gamma if drafter is not None else 0)
     result = {
@@ -168,7 +185,12 @@ def main(argv=None) -> int:
     g.add_argument("--system", default=None, help="optional system message")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--drafter", default="ngram", choices=DRAFTERS)
-    g.add_argument("--draft-model", default=None, help="for --drafter model")
+    g.add_argument(
+        "--draft-model",
+        default=None,
+        help="--drafter model: a model sharing the tokenizer; draft/eagle: a trained draft or head (directory or "
+        "cache name); layerskip: a trained exit adapter, or exit:E for the bare first E layers",
+    )
     g.add_argument("--gamma", type=int, default=4, help="K, candidates per round")
     g.add_argument("--adaptive", action="store_true", help="per-row draft length from measured acceptance")
     g.add_argument("--block-verify", action="store_true", help="block verification of chains (Sun et al.)")
@@ -192,6 +214,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         return generate(args)
-    except ValueError as e:  # bad input: a clear message, not a traceback
+    except (ValueError, FileNotFoundError) as e:  # bad input: a clear message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

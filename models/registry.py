@@ -83,3 +83,61 @@ def load(name_or_path: str | os.PathLike, dtype="float32") -> LoadedModel:
         params = params_from_gguf(gf, cfg)
         tok = Tokenizer.from_gguf(gf) if "tokenizer.ggml.tokens" in gf.reader.fields else None
     return LoadedModel(cfg, params, make_model(cfg), tok)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Trained drafters for a loaded target (the ``jspec.drafter_loaders`` entry points behind
+# ``python -m jspec generate --drafter draft|layerskip|eagle --draft-model SPEC``).
+# Each returns (drafter or a bare jspec Model, draft params); a bare Model is wrapped by the CLI, so the tree
+# options apply to it.
+
+
+def _missing_spec(kind: str, root: str, train: str) -> ValueError:
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    names = [n for n in names if not n.startswith("_")]
+    have = f"trained ones under {root}: {', '.join(names)}" if names else f"none is trained yet under {root}"
+    return ValueError(f"--drafter {kind} needs --draft-model NAME_OR_PATH ({have}); train one with: {train}")
+
+
+def load_draft_drafter(spec: str | None, target: LoadedModel, max_draft: int):
+    """A distilled draft model (``examples/train_draft.py``): a directory or a name under its cache."""
+    from models import draft
+
+    if not spec:
+        raise _missing_spec("draft", draft.cache_root(), "python examples/train_draft.py")
+    loaded = draft.load_draft(spec, target_config=target.config, tokenizer=target.tokenizer, dtype=target.config.dtype)
+    return loaded.model, loaded.params
+
+
+def load_layerskip_drafter(spec: str | None, target: LoadedModel, max_draft: int):
+    """Self-speculation from the target's own first layers: ``exit:E`` (no adapter, full head), or a trained
+    exit adapter (``examples/train_early_exit.py``) as a directory or a name under its cache."""
+    from models import layerskip as ls
+
+    if not spec:
+        raise _missing_spec("layerskip", ls.default_cache_dir(), "python examples/train_early_exit.py (or exit:E)")
+    if spec.startswith("exit:"):
+        try:
+            exit_layer = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"--draft-model '{spec}': expected exit:E with an integer layer E") from None
+        drafter = ls.LayerSkipDrafter(target.config, exit_layer, max_draft=max_draft)
+        return drafter, drafter.draft_params(target.params)
+    path = spec if os.path.isfile(os.path.join(spec, "meta.json")) else os.path.join(ls.default_cache_dir(), spec)
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise _missing_spec("layerskip", ls.default_cache_dir(), "python examples/train_early_exit.py")
+    meta = ls.load_exit_meta(path)
+    ex = ls.restore_exit_params(path, target.config)
+    drafter = ls.LayerSkipDrafter(
+        target.config, int(meta["exit_layer"]), meta["adapter_width"] > 0, meta["head_tokens"], max_draft
+    )
+    return drafter, drafter.draft_params(target.params, ex)
+
+
+def load_eagle_drafter(spec: str | None, target: LoadedModel, max_draft: int):
+    """An EAGLE head (``examples/train_eagle.py``): a directory or a name under its cache."""
+    from models import eagle
+
+    if not spec:
+        raise _missing_spec("eagle", eagle.cache_root(), "python examples/train_eagle.py")
+    return eagle.load_eagle(spec, target.config, target.params, max_draft)

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from jspec import decode as dec
@@ -92,3 +93,42 @@ def test_cli_bad_input_is_a_clear_error(smollm2_path):
     assert r.returncode == 2 and "top_p" in r.stderr
     r = _cli("--prompt", "hi", "--model", "no-such-model")
     assert r.returncode != 0 and "unknown model" in r.stderr
+
+
+def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch, capsys):
+    """--drafter draft|layerskip|eagle through the CLI entry points, each greedy output identical to plain.
+    The artefacts are untrained (a 2-layer copy with a 4096-row head, the bare first 6 layers, a fresh EAGLE
+    head): losslessness must not depend on training, and rejections exercise the correction path."""
+    import numpy as np
+
+    from jspec import cli
+    from models import draft as D
+    from models import eagle as E
+
+    dcfg = D.draft_config(smollm2.config, 2, head_size=4096)
+    D.save_draft(tmp_path / "draft", dcfg, D.init_from_target(dcfg, smollm2.params), tokenizer=smollm2.tokenizer)
+    ecfg = E.EagleConfig(smollm2.config, head_tokens=4096, name="untrained")
+    E.save_head(tmp_path / "eagle", ecfg, E.init_head(ecfg, smollm2.params, jax.random.key(0)))
+    real = cli.model_loader
+    # The target comes from the session fixture (no second GGUF read); drafter loaders are the real ones.
+    monkeypatch.setattr(
+        cli,
+        "model_loader",
+        lambda group="jspec.model_loaders", name=None: (
+            (lambda *_: smollm2) if group == "jspec.model_loaders" else real(group, name)
+        ),
+    )
+    base = ["generate", "--prompt", QUESTIONS[1], "--max-new-tokens", "12", "--gamma", "3", "--compare", "--json"]
+    for drafter, spec in (("draft", tmp_path / "draft"), ("layerskip", "exit:6"), ("eagle", tmp_path / "eagle")):
+        assert cli.main([*base, "--drafter", drafter, "--draft-model", str(spec)]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["identical_to_plain"] is True, drafter
+        assert out["stats"]["proposed"] > 0 and out["stats"]["new_tokens"] == len(out["token_ids"]) > 0, drafter
+        assert np.sum(out["stats"]["proposed_at"]) == out["stats"]["proposed"], drafter
+    # Missing or malformed specs are clear errors naming the flag.
+    assert cli.main([*base, "--drafter", "eagle"]) == 2
+    assert "--drafter eagle needs --draft-model" in capsys.readouterr().err
+    assert cli.main([*base, "--drafter", "layerskip", "--draft-model", "exit:x"]) == 2
+    assert "expected exit:E" in capsys.readouterr().err
+    assert cli.main([*base, "--drafter", "draft", "--draft-model", str(tmp_path / "nothing")]) == 2
+    assert "no draft" in capsys.readouterr().err
