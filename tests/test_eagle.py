@@ -3,6 +3,7 @@ and without adaptive K; the real SmolLM2 at batch 2), the features the head cons
 over the committed tokens, the whole-sequence distribution at T > 0 with top-k / top-p and a reduced draft
 vocabulary against an exact enumeration, and the orbax checkpoint round trip."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -15,6 +16,7 @@ from toy_models import chi2_critical, chi_square, ref_transform
 from jspec import decode as dec
 from jspec.adaptive import AdaptiveK
 from jspec.decode import decode, prepare
+from jspec.sampling import SamplingParams
 from models import llama
 from models.eagle import (
     EagleConfig,
@@ -184,6 +186,147 @@ def test_training_time_test_matches_rollout():
             cache = cache.with_lengths(cache.lengths + 1)
             np.testing.assert_allclose(passes[u, :, j], np.asarray(f_new[:, 0]), atol=1e-5)
             f_prev = f_new[:, 0]
+
+
+# ---- the rollout inside jspec.decode == the training-time computation ----
+
+
+def near_identity_head(ecfg: EagleConfig, target_params, seed: int, scale: float, token_ids=None):
+    """``init_head`` (f^_{i+1} ~ f_i: "the pending token again", which a repetitive greedy target often
+    accepts) with every float leaf perturbed: greedy decoding then accepts 0..K drafts, ragged over rows."""
+    hp = init_head(ecfg, target_params, jax.random.key(seed), token_ids)
+    rng = np.random.default_rng(seed)
+
+    def draw(x):
+        if x.dtype == jnp.int32:
+            return x
+        return jnp.asarray(np.asarray(x) + rng.standard_normal(x.shape).astype(np.float32) * scale)
+
+    return jax.tree.map(draw, hp)
+
+
+class ShiftedPairingDrafter(EagleDrafter):
+    """A deliberately wrong drafter for the check below: its catch-up pairs f_i with x_i instead of x_{i+1}."""
+
+    def _catch_up(self, params, state, ctx, width):
+        seq = jnp.concatenate([ctx.seq[:, :1], ctx.seq[:, :-1]], axis=1)  # seq[i + 1] now reads x_i
+        return super()._catch_up(params, state, dataclasses.replace(ctx, seq=seq), width)
+
+
+def rollout_vs_training(drafter, hp, k: int, rounds: int, max_new: int = 40, **decode_kw):
+    """Greedy ``jspec.decode`` rounds (``decode_round``, stepped from Python) on the tiny target. Before every
+    round the drafter's ``propose`` is called on the round's own state, exactly as the loop calls it (the
+    loop's key: its greedy drafts must be the ones the round accepted), and once more at T = 1, whose q over
+    the head's tokens is softmax(draft logits). The reference is the training-time computation on the
+    committed prefix: ``head_unrolled`` over pairs (f_i, x_{i+1}) with f_i from one fresh target pass over the
+    final sequence, tokens the committed ones up to the pending token, then the drafts; draft position u + 1
+    is pass u at pair pend - 1 + u (pass 0 = the true features). Features at pairs >= pend are noise: a
+    correct rollout never reads them. Returns (max |q - q_ref|, greedy drafts == argmax of the reference,
+    accepted counts [rounds, B], rounds in which no row proposed)."""
+    b = len(PROMPTS)
+    ecfg = drafter.ecfg
+    dparams = drafter.draft_params(TINY_PARAMS, hp)
+    prepared = prepare(
+        TINY_MODEL,
+        TINY_PARAMS,
+        PROMPTS,
+        drafter=drafter,
+        draft_params=dparams,
+        gamma=k,
+        max_new_tokens=max_new,
+        temperature=0.0,
+        **decode_kw,
+    )
+    pre, step = dec._stream_fns(TINY_MODEL, drafter, prepared.config)
+    propose = jax.jit(drafter.propose, static_argnums=4)
+    soft = SamplingParams.make(b, 1.0)
+    st = pre(*prepared.args)
+    recs, accepted, idle = [], [], 0
+    for r in range(rounds):
+        assert np.all(np.asarray(st.stop) == dec.StopReason.RUNNING)
+        _, k_draft, _ = jax.random.split(jax.random.fold_in(st.key, st.stats.loop_rounds), 3)
+        ctx = dec.DraftContext(st.seq, st.seq_len, jnp.full((b,), k, jnp.int32), st.sampling)
+        greedy = propose(dparams, st.draft_state, ctx, k_draft, k)
+        sampled = propose(dparams, st.draft_state, dataclasses.replace(ctx, sampling=soft), jax.random.key(r), k)
+        pend = np.asarray(st.seq_len) - 1
+        proposed = int(np.asarray(st.stats.proposed).sum())
+        st, emitted, n_emit = step(TINY_PARAMS, dparams, st)
+        idle += int(np.asarray(st.stats.proposed).sum()) == proposed  # only ``observe`` ran
+        n_acc = np.asarray(n_emit) - 1
+        g_tok = np.asarray(greedy.tokens)
+        for row in range(b):  # these greedy drafts are the ones the round verified
+            np.testing.assert_array_equal(np.asarray(emitted)[row, : n_acc[row]], g_tok[row, : n_acc[row]])
+        accepted.append(n_acc)
+        recs.append((pend, g_tok, np.asarray(sampled.tokens), np.asarray(sampled.q)))
+
+    # Reference: every (round, row, greedy|sampled drafts) in one head_unrolled call of fixed width.
+    seq = np.asarray(st.seq)
+    w = int(max(rec[0].max() for rec in recs)) + k
+    pos = jnp.broadcast_to(jnp.arange(w + 1), (b, w + 1))
+    _, fresh, _ = llama.forward(
+        TINY, TINY_PARAMS, jnp.asarray(seq[:, : w + 1]), pos, llama.init_cache(TINY, b, w + 1), return_hidden=True
+    )
+    fresh = np.asarray(fresh)
+    noise = np.random.default_rng(0).normal(size=fresh.shape[1:]).astype(np.float32) * 3
+    feats, toks, where = [], [], []
+    for pend, g_tok, s_tok, _ in recs:
+        for row in range(b):
+            p = pend[row]
+            for drafts in (g_tok[row], s_tok[row]):
+                x = np.concatenate([seq[row, : p + 1], drafts[: k - 1], np.zeros(w, np.int32)])[1 : w + 1]
+                f = np.where(np.arange(w)[:, None] < p, fresh[row, :w], noise[:w])
+                feats.append(f)
+                toks.append(x)
+                where.append(p)
+    passes = jax.jit(head_unrolled, static_argnums=(0, 5))(
+        ecfg, hp, TINY_PARAMS, jnp.asarray(np.stack(feats)), jnp.asarray(np.stack(toks), jnp.int32), k
+    )  # [K, M, w, E]
+    m = len(where)
+    f_ref = np.asarray(passes)[:, np.arange(m)[:, None], np.asarray(where)[:, None] - 1 + np.arange(k)[None, :]]
+    f_ref = np.diagonal(f_ref, axis1=0, axis2=2).transpose(0, 2, 1)  # [M, K, E]: pass u at pend - 1 + u
+    logits = np.asarray(subset_logits(jnp.asarray(f_ref), dparams[1]["rows"]))  # [M, K, N]
+    ids = np.asarray(hp["token_ids"])
+    err, greedy_ok, i = 0.0, True, 0
+    for _, g_tok, _, q in recs:
+        for row in range(b):
+            greedy_ok &= bool(np.array_equal(ids[logits[i].argmax(-1)], g_tok[row]))
+            q_ref = np.asarray(jax.nn.softmax(logits[i + 1], axis=-1))
+            err = max(err, float(np.abs(q[row][:, ids] - q_ref).max()))
+            i += 2
+    return err, greedy_ok, np.stack(accepted), idle
+
+
+def _rollout_head():
+    ecfg = EagleConfig(TINY, head_tokens=40, name="tiny-eagle")
+    ids = np.sort(np.random.default_rng(6).permutation(TINY.vocab_size)[:40])
+    return ecfg, near_identity_head(ecfg, TINY_PARAMS, 6, 0.02, ids)
+
+
+@pytest.mark.parametrize("gamma,adaptive", [(3, None), (2, None), (3, AdaptiveK(draft_cost=0.4))])
+def test_rollout_equals_training_time_test(gamma, adaptive):
+    """Every draft position's logits that ``propose`` produces inside the decode loop (greedy, ragged
+    acceptance; K < max_draft; adaptive K, with rounds in which no row proposes and the head only
+    ``observe``s) equal ``head_unrolled`` on the committed prefix: no off-by-one in the (f_i, x_{i+1})
+    pairing, no rejected candidate's feature in the head cache, the right positions after ragged acceptance,
+    the correction token's pair included."""
+    ecfg, hp = _rollout_head()
+    rounds = 10 if adaptive else 6
+    err, greedy_ok, acc, idle = rollout_vs_training(
+        EagleDrafter(ecfg, max_draft=3), hp, gamma, rounds, adaptive=adaptive
+    )
+    assert err < 2e-5, err
+    assert greedy_ok
+    # The rounds mixed rejections and acceptances of several drafts, ragged across rows.
+    assert (acc == 0).any() and (acc >= 2).any(), acc
+    assert any(len(set(a.tolist())) > 1 for a in acc), acc
+    assert idle > 0 if adaptive else idle == 0
+
+
+def test_rollout_check_detects_shifted_pairing():
+    """The check above fails for a drafter whose catch-up pairs f_i with x_i (an off-by-one)."""
+    ecfg, hp = _rollout_head()
+    err, _, _, _ = rollout_vs_training(ShiftedPairingDrafter(ecfg, max_draft=3), hp, 3, 3)
+    assert err > 1e-3, err
 
 
 # ---- the sampled distribution at T > 0 (top-k / top-p) with a reduced draft vocabulary ----
