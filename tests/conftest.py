@@ -6,6 +6,7 @@ the project never needs them.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 
 import pytest
@@ -13,6 +14,23 @@ import pytest
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 TORCH_REASON = "torch/transformers not installed (reference implementation): pip install -e '.[test]'"
 requires_torch = pytest.mark.skipif(not HAVE_TORCH, reason=TORCH_REASON)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Free every compiled program after each test module.
+
+    XLA:CPU maps each executable into memory regions of its own (~3 per program, eager ops included). One
+    process running the whole suite compiles many thousands, and past Linux's vm.max_map_count (65530) the
+    compiler's mmap fails: the suite died with a segfault / abort inside XLA compilation near its end
+    (measured: ~15k maps by 12% of the suite). Clearing per module keeps the count at one module's worth;
+    shared fixtures only recompile what the next module calls.
+    """
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
