@@ -13,7 +13,7 @@ its budget on branches and on a per-level draft rollout.
 The draft is ``--draft-layers L`` (the target's first L layers, no training) or ``--draft NAME`` (distilled
 by examples/train_draft.py). Writes <out>/chain_vs_tree.{json,md} and plots.
 
-    python examples/bench_chain_vs_tree.py [--budgets 5,8] [--draft-layers 4] [--n 2]
+    python examples/bench_chain_vs_tree.py [--budgets 5,8] [--draft-layers 4] [--n 2] [--concurrency 4,16]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     suite.add_common_args(ap)
     ap.add_argument("--budgets", default="5,8", help="verification budgets N (positions per round)")
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--concurrency", default="4", help="comma-separated closed-loop batch sizes besides 1, e.g. 4,16")
     ap.add_argument("--draft-layers", type=int, default=4)
     ap.add_argument("--draft", default=None, help="a distilled draft instead of the truncated target")
     ap.set_defaults(out="results/chain_vs_tree", n=2)
@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     specs = [suite.plain_spec()]
     for n in (int(x) for x in args.budgets.split(",")):
         specs += specs_for_budget(model, params, n)
-    loads = [Load.closed(1, cfg.timeout_s)] + ([Load.closed(args.concurrency, cfg.timeout_s)] * (args.concurrency > 1))
+    batches = [int(c) for c in str(args.concurrency).split(",") if c and int(c) > 1]
+    loads = [Load.closed(1, cfg.timeout_s)] + [Load.closed(c, cfg.timeout_s) for c in batches]
     results = suite.run_specs(target, specs, loads, jobs, cfg)
     lines = suite.headline(results)
     cmd = " ".join(["python examples/bench_chain_vs_tree.py", *map(shlex.quote, argv or sys.argv[1:])])
