@@ -60,6 +60,21 @@ def specs_for_budget(model, params, n: int) -> list[Spec]:
     return [chain, tree, dyn]
 
 
+def ngram_specs_for_budget(target, n: int) -> list[Spec]:
+    """The n-gram drafter at budget N: a K = N - 1 chain vs trees of b continuations x depth (1 + b*depth <= N),
+    for each b in (2, 3) that fits."""
+    from jspec.ngram import NgramDrafter, NgramTreeDrafter
+
+    v = target.config.vocab_size
+    specs = [Spec(f"ngram chain K={n - 1} (N={n})", NgramDrafter(vocab_size=v), n - 1, None, peer="chain")]
+    for b in (2, 3):
+        depth = (n - 1) // b
+        if depth >= 1:
+            d = NgramTreeDrafter(b, depth, vocab_size=v)
+            specs.append(Spec(f"ngram tree {b}x{depth} (N={1 + b * depth})", d, depth, None, peer="tree"))
+    return specs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     suite.add_common_args(ap)
@@ -67,25 +82,27 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="4", help="comma-separated closed-loop batch sizes besides 1, e.g. 4,16")
     ap.add_argument("--draft-layers", type=int, default=4)
     ap.add_argument("--draft", default=None, help="a distilled draft instead of the truncated target")
+    ap.add_argument("--ngram", action="store_true", help="n-gram chain vs n-gram trees instead of a draft model")
     ap.set_defaults(out="results/chain_vs_tree", n=2)
     args = ap.parse_args(argv)
     cfg = suite.config_from_args(args)
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype)
     jobs, desc = suite.prepare_jobs(target, cfg)
-    if args.draft:
-        model, params = distilled_draft(target, args.draft)
-    else:
-        model, params = truncated_draft(target, args.draft_layers)
     specs = [suite.plain_spec()]
-    for n in (int(x) for x in args.budgets.split(",")):
-        specs += specs_for_budget(model, params, n)
+    if args.ngram:
+        for n in (int(x) for x in args.budgets.split(",")):
+            specs += ngram_specs_for_budget(target, n)
+    else:
+        draft = distilled_draft(target, args.draft) if args.draft else truncated_draft(target, args.draft_layers)
+        for n in (int(x) for x in args.budgets.split(",")):
+            specs += specs_for_budget(*draft, n)
     batches = [int(c) for c in str(args.concurrency).split(",") if c and int(c) > 1]
     loads = [Load.closed(1, cfg.timeout_s)] + [Load.closed(c, cfg.timeout_s) for c in batches]
     results = suite.run_specs(target, specs, loads, jobs, cfg)
     lines = suite.headline(results)
     cmd = " ".join(["python examples/bench_chain_vs_tree.py", *map(shlex.quote, argv or sys.argv[1:])])
-    draft_name = args.draft or f"first {args.draft_layers} layers of the target"
+    draft_name = "n-gram lookup" if args.ngram else args.draft or f"first {args.draft_layers} layers of the target"
     pl = suite.payload("chain_vs_tree", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd,
                        markdown_extra=[f"Draft model: {draft_name}. N = positions verified per round."])  # fmt: skip
     os.makedirs(args.out, exist_ok=True)

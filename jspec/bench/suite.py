@@ -230,6 +230,19 @@ def attach_phases(target: Target, group: Sequence[RunResult], cfg: SuiteConfig, 
             res.memory["device_bytes_with_scratch"] = res.memory["device_bytes"] + scratch
 
 
+def free_compiled() -> None:
+    """Drop every compiled program. XLA:CPU maps each program's code into memory regions of its own (one set
+    per kernel), and a long benchmark compiling dozens of engines passed Linux's vm.max_map_count (65530):
+    "LLVM ERROR: Unable to allocate section memory". Nothing compiled is shared between configurations, and
+    compilation is never timed, so freeing between them costs nothing measured."""
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 def run_specs(
     target: Target, specs: Sequence[Spec], loads: Sequence[Load], jobs, cfg: SuiteConfig, log=print
 ) -> list[RunResult]:
@@ -238,9 +251,13 @@ def run_specs(
     results: list[RunResult] = []
     ctx = int(np.median([len(j.prompt) for j in jobs if j.prompt is not None]) + cfg.max_new_tokens // 2)
     for load in loads:
-        group = [run_one(target, s, load, jobs, cfg, log) for s in specs]
+        group = []
+        for s in specs:
+            group.append(run_one(target, s, load, jobs, cfg, log))
+            free_compiled()
         if cfg.measure_phases:
             attach_phases(target, group, cfg, ctx)
+            free_compiled()
         plain = next((r for r in group if r.spec.kind == "plain"), None)
         for r in group:
             r.quality = runner.quality_summary(r, plain if r is not plain else None)
