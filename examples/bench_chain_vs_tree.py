@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     specs = [suite.plain_spec()]
     if args.ngram:
         for n in (int(x) for x in args.budgets.split(",")):
-            specs += ngram_specs_for_budget(target, n)
+            specs += [s for s in ngram_specs_for_budget(target, n) if s.label not in {t.label for t in specs}]
     else:
         draft = distilled_draft(target, args.draft) if args.draft else truncated_draft(target, args.draft_layers)
         for n in (int(x) for x in args.budgets.split(",")):
