@@ -34,7 +34,6 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -45,6 +44,7 @@ from jspec.cache import KVCache, take_rows
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
 from jspec.sampling import distribution, sample
+from models import draft as _draft
 from models import llama
 from models.layerskip import head_rows, load_exit_meta, restore_exit_params, save_exit_params
 from models.llama import LlamaConfig, Params
@@ -90,31 +90,10 @@ class EagleConfig:
 # Frequent-token map.
 
 
-def token_counts(token_lists: Iterable[Sequence[int]], vocab_size: int) -> np.ndarray:
-    """Occurrences [V] of every token id in some token lists (target-generated text)."""
-    counts = np.zeros(vocab_size, np.int64)
-    for toks in token_lists:
-        arr = np.asarray(toks, np.int64).reshape(-1)
-        if arr.size:
-            counts += np.bincount(arr, minlength=vocab_size)[:vocab_size]
-    return counts
-
-
-def frequent_tokens(counts: np.ndarray, n: int, always: Sequence[int] = ()) -> np.ndarray:
-    """The N most frequent token ids [N] int32, ascending. counts [V].
-
-    Ties (most tokens are never seen in a few thousand generated tokens) go to the lower id: BPE ids follow
-    merge order, so a low id was frequent in the tokenizer's corpus. ``always`` (EOS) is kept whatever its
-    count: a head that cannot propose the end of an answer loses the last round of every reply.
-    """
-    counts = np.asarray(counts, np.float64)
-    v = counts.shape[0]
-    if not 0 < n <= v:
-        raise ValueError(f"N={n} must be in [1, V={v}]")
-    score = counts.copy()
-    score[np.asarray(always, np.int64)] = np.inf
-    order = np.lexsort((np.arange(v), -score))
-    return np.sort(order[:n]).astype(np.int32)
+# One rule for every restricted head (see ``models.draft.frequent_token_map``): counts descending, ties to the
+# lower id, EOS always kept.
+token_counts = _draft.token_counts
+frequent_tokens = _draft.frequent_token_map
 
 
 # --------------------------------------------------------------------------------------------------------
