@@ -15,7 +15,7 @@ from test_decode_core import (
     TARGET_PARAMS,
     TARGET_TABLE,
 )
-from toy_models import chi2_critical, chi_square, exact_sequence_distribution
+from toy_models import chi2_critical, chi_square, exact_sequence_distribution, grouped_rows
 
 from jspec import decode as dec
 from jspec.verify import verify_block, verify_chain
@@ -55,11 +55,7 @@ def test_single_proposal_is_token_wise():
 @pytest.mark.parametrize("gamma", [3])
 def test_block_whole_sequence_distribution(gamma):
     n, n_new = N_PER_GROUP, gamma + 2
-    cols = {
-        key: np.repeat([g.get(key, d) for g in GROUPS], n)
-        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
-    }
-    prompts = np.tile(np.asarray(PROMPT, np.int32), (n * len(GROUPS), 1))
+    prompts, cols = grouped_rows(PROMPT, GROUPS, n)
     kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=gamma, max_new_tokens=n_new, seed=5, **cols)
     out = dec.decode(TARGET, TARGET_PARAMS, prompts, block_verify=True, **kw)
     tokens = np.asarray(out.tokens)

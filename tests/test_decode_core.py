@@ -6,7 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from toy_models import chi2_critical, chi_square, exact_sequence_distribution, make_table_model, random_table
+from toy_models import (
+    chi2_critical,
+    chi_square,
+    exact_sequence_distribution,
+    grouped_rows,
+    make_table_model,
+    random_table,
+)
 
 from jspec import decode as dec
 from jspec.drafters import ModelDrafter, Proposal
@@ -38,11 +45,7 @@ def test_whole_sequence_distribution_equals_target(gamma):
     sequence distribution enumerated from the target table. Chi-square at a 1e-5 false-alarm level."""
     n = N_PER_GROUP
     n_new = gamma + 2  # the first token comes from prefill; then a round can use all K positions
-    cols = {
-        key: np.repeat([g.get(key, d) for g in GROUPS], n)
-        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
-    }
-    prompts = np.tile(np.asarray(PROMPT, np.int32), (n * len(GROUPS), 1))
+    prompts, cols = grouped_rows(PROMPT, GROUPS, n)
     out = dec.decode(
         TARGET,
         TARGET_PARAMS,
@@ -293,11 +296,7 @@ def test_adaptive_k_distribution():
     """Per-row draft lengths that change from round to round must not change what is sampled."""
     groups = [GROUPS[0], GROUPS[3]]
     n, n_new = N_PER_GROUP, 5
-    cols = {
-        key: np.repeat([g.get(key, d) for g in groups], n)
-        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
-    }
-    prompts = np.tile(np.asarray(PROMPT, np.int32), (n * len(groups), 1))
+    prompts, cols = grouped_rows(PROMPT, groups, n)
     out = dec.decode(
         TARGET,
         TARGET_PARAMS,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from toy_models import chi2_critical, chi_square, ref_transform
+from toy_models import chi2_critical, chi_square, grouped_rows, ref_transform
 
 from jspec import decode as dec
 from jspec.adaptive import AdaptiveK
@@ -375,11 +375,7 @@ def test_whole_sequence_distribution_equals_target():
     ecfg = EagleConfig(DIST, head_tokens=len(DIST_SUBSET), name="dist-eagle")
     hp = random_head(ecfg, DIST_PARAMS, 7, scale=0.5, token_ids=DIST_SUBSET)
     drafter = EagleDrafter(ecfg, max_draft=k)
-    cols = {
-        key: np.repeat([g.get(key, d) for g in DIST_GROUPS], n)
-        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
-    }
-    prompts = np.tile(np.asarray(DIST_PROMPT, np.int32), (n * len(DIST_GROUPS), 1))
+    prompts, cols = grouped_rows(DIST_PROMPT, DIST_GROUPS, n)
     out = decode(
         DIST_MODEL,
         DIST_PARAMS,

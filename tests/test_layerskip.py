@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from toy_models import chi2_critical, chi_square, ref_transform
+from toy_models import chi2_critical, chi_square, grouped_rows, ref_transform
 
 from jspec.adaptive import AdaptiveK
 from jspec.decode import decode
@@ -248,11 +248,7 @@ def test_whole_sequence_distribution_equals_target():
     drafter = LayerSkipDrafter(DIST, 1, adapter=True, head_tokens=4, max_draft=k)
     adapter = random_exit(DIST, drafter, 2, scale=0.1)["adapter"]
     ex = {"adapter": adapter, "token_ids": jnp.asarray([0, 1, 2, 4], jnp.int32)}
-    cols = {
-        key: np.repeat([g.get(key, d) for g in DIST_GROUPS], n)
-        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
-    }
-    prompts = np.tile(np.asarray(DIST_PROMPT, np.int32), (n * len(DIST_GROUPS), 1))
+    prompts, cols = grouped_rows(DIST_PROMPT, DIST_GROUPS, n)
     out = decode(
         DIST_MODEL,
         DIST_PARAMS,

@@ -14,7 +14,7 @@ from test_decode_core import (
     TARGET_PARAMS,
     TARGET_TABLE,
 )
-from toy_models import chi2_critical, chi_square, exact_sequence_distribution
+from toy_models import chi2_critical, chi_square, exact_sequence_distribution, grouped_rows
 
 from jspec import decode as dec
 from jspec.ngram import NgramTreeDrafter
@@ -86,11 +86,7 @@ def test_tree_whole_sequence_distribution(name):
     """Static trees under each rule and dynamic trees: >= 100k sampled sequences per setting, chi-square."""
     n, n_new = N_PER_GROUP, 5
     groups = [GROUPS[0], GROUPS[3]]  # T 0.7 with top-k, T 1.3 with top-p
-    cols = {
-        key: np.repeat([g.get(key, d) for g in groups], n)
-        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
-    }
-    prompts = np.tile(np.asarray(PROMPT, np.int32), (n * len(groups), 1))
+    prompts, cols = grouped_rows(PROMPT, groups, n)
     out = dec.decode(
         TARGET,
         TARGET_PARAMS,

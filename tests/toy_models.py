@@ -133,3 +133,13 @@ def chi2_critical(df: int, z: float = 4.265) -> float:
     one-sided 1e-5 quantile of the standard normal (a false alarm once in 100,000 runs)."""
     c = 2.0 / (9.0 * df)
     return df * (1 - c + z * np.sqrt(c)) ** 3
+
+
+def grouped_rows(prompt: list[int], groups: list[dict], n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """n rows per sampling group, all in one batch: (prompts [n * G, P] int32, per-row ``temperature`` /
+    ``top_k`` / ``top_p`` columns [n * G] for ``jspec.decode``), group g owning rows [g * n, (g + 1) * n)."""
+    cols = {
+        key: np.repeat([g.get(key, d) for g in groups], n)
+        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
+    }
+    return np.tile(np.asarray(prompt, np.int32), (n * len(groups), 1)), cols
