@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cfg = suite.config_from_args(args)
     t0 = time.perf_counter()
-    target = suite.load_target(args.model, args.dtype)
+    target = suite.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite.prepare_jobs(target, cfg)
     specs = [suite.plain_spec()]
     if args.ngram:

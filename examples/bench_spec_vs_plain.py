@@ -33,7 +33,8 @@ def truncated_draft(target: suite.Target, layers: int):
 
     cfg = target.config.replace(num_layers=layers, name=f"{target.config.name}-first{layers}")
     params = dict(target.params)
-    params["layers"] = jax.tree.map(lambda w: w[:layers], target.params["layers"])
+    stack = target.params["layers"]
+    params["layers"] = stack[:layers] if isinstance(stack, tuple) else jax.tree.map(lambda w: w[:layers], stack)
     return make_model(cfg), params
 
 
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cfg = suite.config_from_args(args)
     t0 = time.perf_counter()
-    target = suite.load_target(args.model, args.dtype)
+    target = suite.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite.prepare_jobs(target, cfg)
     specs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma), *draft_specs(target, args, args.gamma)]
     loads = [Load.closed(1, cfg.timeout_s)] + ([Load.closed(args.concurrency, cfg.timeout_s)] * (args.concurrency > 1))

@@ -2,14 +2,16 @@
 
 The core never imports a model zoo: checkpoints are found through the ``jspec.model_loaders`` entry-point
 group (this repository's ``models`` package registers ``llama``), so any installed package can provide them.
-A loader is ``load(name_or_path, dtype) -> (config, params, model: jspec.model.Model, tokenizer)``; the
-tokenizer needs ``encode``, ``decode``, ``encode_chat(messages)`` and ``eos_id``.
+A loader is ``load(name_or_path, dtype, unstacked=False) -> (config, params, model: jspec.model.Model,
+tokenizer)``; ``unstacked`` asks for the parameter layout that decodes fastest on CPU at a longer compile
+(``--layers``). The tokenizer needs ``encode``, ``decode``, ``encode_chat(messages)`` and ``eos_id``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib.metadata import entry_points
 
@@ -120,7 +122,7 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos):
 
 def generate(args) -> int:
     load = model_loader()
-    loaded = load(args.model, args.dtype)
+    loaded = load(args.model, args.dtype, unstacked=args.layers == "unstacked")
     _, params, target, tok = loaded
     if tok is None:
         raise SystemExit(f"'{args.model}' has no tokenizer; jspec generate needs one")
@@ -159,6 +161,23 @@ def generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def enable_compile_cache(path: str | None) -> str | None:
+    """Keep compiled programs on disk (JAX's persistent cache), so a repeated command does not recompile.
+    ``path`` None/'none' disables it; JAX_COMPILATION_CACHE_DIR, when set, wins. Returns the directory used."""
+    import jax
+
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    if not path or path.lower() in ("none", "off"):
+        return None
+    path = os.path.expanduser(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Our programs compile in seconds on CPU; JAX's default threshold (1 s) would skip the smaller ones.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
 
 
 def _stats_line(name, s) -> str:
@@ -209,9 +228,22 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    g.add_argument(
+        "--layers",
+        default="unstacked",
+        choices=("stacked", "unstacked"),
+        help="target layer weights: unstacked decodes ~1.2x faster on CPU, stacked compiles ~2-3x faster",
+    )
+    g.add_argument(
+        "--compile-cache",
+        default=os.environ.get("JSPEC_COMPILE_CACHE", os.path.join("~", ".cache", "jspec", "xla")),
+        help="persistent XLA compilation cache directory ('none' to disable; env JSPEC_COMPILE_CACHE): a "
+        "second run with the same shapes skips compilation",
+    )
     g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    enable_compile_cache(args.compile_cache)
     try:
         return generate(args)
     except (ValueError, FileNotFoundError) as e:  # bad input: a clear message, not a traceback

@@ -36,7 +36,17 @@ import numpy as np
 import optax
 
 from jspec.model import Model
-from models.llama import LlamaConfig, Params, embed, final_norm, init_cache, lm_head, param_logical_axes, run_layers
+from models.llama import (
+    LlamaConfig,
+    Params,
+    embed,
+    final_norm,
+    init_cache,
+    lm_head,
+    param_logical_axes,
+    run_layers,
+    stack_layers,
+)
 from models.llama import forward as llama_forward
 
 FORMAT_VERSION = 1
@@ -146,7 +156,7 @@ def init_from_target(dcfg: DraftConfig, target_params: Params, token_map: np.nda
     dt = cfg.jdtype
     params: Params = {
         "embed": {"embedding": jnp.asarray(target_params["embed"]["embedding"], dt)},
-        "layers": jax.tree.map(lambda w: jnp.asarray(w[idx], dt), target_params["layers"]),
+        "layers": jax.tree.map(lambda w: jnp.asarray(w[idx], dt), stack_layers(target_params)["layers"]),
         "final_norm": {"scale": jnp.asarray(target_params["final_norm"]["scale"], dt)},
     }
     untied = "lm_head" in target_params

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.cache import KVCache, attention_mask, write_layer
+from jspec.cache import KVCache, attention_mask, scratch_slots, write_layer
 from jspec.model import Model
 
 Params = dict[str, Any]
@@ -132,6 +132,17 @@ def _write_layer_kv(all_kv: jax.Array, layer: jax.Array, new: jax.Array, lengths
     dynamic_update_slice at the layer index (always in range, so its clamping is harmless). This form stays
     in place in the scan carry; see the module docstring.
     """
+    if isinstance(layer, int):
+        # Unstacked layers (straight-line code, no scan carry): the slice -> write -> update form copied the
+        # whole cache at every layer there; one scatter into the full array stays in place.
+        idx = scratch_slots(lengths, jnp.arange(new.shape[1], dtype=jnp.int32)[None, :], all_kv.shape[3])
+
+        def one_row(row, upd, i):  # row [L, Hkv, S, D], upd [T, Hkv, D], i [T]
+            # (numpy indexing: the int and the array index are split by a slice, so the indexed window is
+            # [T, Hkv, D], the layout ``upd`` already has)
+            return row.at[layer, :, i, :].set(upd.astype(row.dtype), mode="drop")
+
+        return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(all_kv, new, idx)
     layer_kv = jax.lax.dynamic_index_in_dim(all_kv, layer, 0, keepdims=False)  # [B, Hkv, S, D]
     layer_kv = write_layer(layer_kv, new.transpose(0, 2, 1, 3), lengths)
     return jax.lax.dynamic_update_index_in_dim(all_kv, layer_kv, layer, 0)
@@ -319,6 +330,34 @@ def abstract_params(cfg: LlamaConfig) -> Params:
 
 
 # --------------------------------------------------------------------------------------------------------
+# Two layouts of the layer weights. Stacked ([L, ...] leaves, the canonical layout: loaders, checkpoints,
+# sharding rules, drafts built from the target) runs as one ``lax.scan``. XLA:CPU copies each layer's
+# weights out of the stack before its matmuls (a dynamic-slice fusion per weight, per layer, per step): for
+# SmolLM2 that copy took more time than the matmuls themselves. Unstacked (a tuple of L per-layer dicts)
+# runs as a Python loop over separate arrays, so the matmuls read the weights in place: a decode step was
+# ~1.4x faster, at ~5x the compile time per shape (``examples/bench_forward.py`` measures both).
+
+
+def unstack_layers(params: Params) -> Params:
+    """Stacked -> unstacked: ``params["layers"]`` becomes a tuple of L per-layer dicts (fresh arrays, so the
+    stacked ones can be freed). Unstacked params pass through."""
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    split = jax.jit(lambda ls: tuple(jax.tree.map(lambda w, i=i: w[i], ls) for i in range(n)))
+    return {**params, "layers": split(layers)}
+
+
+def stack_layers(params: Params) -> Params:
+    """Unstacked -> stacked ([L, ...] leaves); stacked params pass through."""
+    layers = params["layers"]
+    if not isinstance(layers, (tuple, list)):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *ws: jnp.stack(ws), *layers)}
+
+
+# --------------------------------------------------------------------------------------------------------
 # Forward pieces. ``cfg`` is static everywhere; all functions are pure and jit-friendly.
 
 
@@ -339,6 +378,7 @@ def run_layers(
 ) -> tuple[jax.Array, KVCache]:
     """Run decoder layers [start, stop) (static ints) on hidden states.
 
+    Stacked layer weights run as one ``lax.scan``, unstacked ones (``unstack_layers``) as a Python loop.
     h [B, T, E]; positions [B, T] int32; cache k/v [L, B, Hkv, S, D] (layers outside [start, stop) are left
     untouched); tree_mask [B, T, T] bool or None (causal). Returns (h [B, T, E], cache with this call's
     entries written into layers [start, stop), lengths unchanged).
@@ -347,12 +387,19 @@ def run_layers(
     if not 0 <= start < stop <= cfg.num_layers:
         raise ValueError(f"layer range [{start}, {stop}) outside [0, {cfg.num_layers})")
     layers = params["layers"]
-    if (start, stop) != (0, cfg.num_layers):
-        layers = jax.tree.map(lambda w: w[start:stop], layers)
     t, s = h.shape[1], cache.k.shape[3]
     mask = attention_mask(cache.lengths, t, s, tree_mask)  # [B, T, S]
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     block = Block(cfg)
+    if isinstance(layers, (tuple, list)):  # unstacked (see ``unstack_layers``): one code copy per layer
+        if len(layers) != cfg.num_layers:
+            raise ValueError(f"params have {len(layers)} unstacked layers, the config {cfg.num_layers}")
+        k_all, v_all = cache.k, cache.v
+        for i in range(start, stop):
+            h, k_all, v_all = block.apply({"params": layers[i]}, h, cos, sin, k_all, v_all, i, cache.lengths, mask)
+        return h, dataclasses.replace(cache, k=k_all, v=v_all)
+    if (start, stop) != (0, cfg.num_layers):
+        layers = jax.tree.map(lambda w: w[start:stop], layers)
 
     def body(carry, xs):
         x, k_all, v_all = carry

@@ -29,9 +29,31 @@ SLOTS = 24
 STD = 0.3
 
 
-@pytest.fixture(scope="module")
-def params():
-    return init_random_params(CFG, jax.random.key(0), std=STD)
+@pytest.fixture(scope="module", params=["stacked", "unstacked"])
+def params(request):
+    """Every cache/mask test runs on both layer layouts: one ``lax.scan`` over stacked weights, and the
+    Python loop over per-layer arrays with its own in-place cache write."""
+    p = init_random_params(CFG, jax.random.key(0), std=STD)
+    return p if request.param == "stacked" else llama.unstack_layers(p)
+
+
+def test_unstack_and_stack_are_inverse():
+    p = init_random_params(CFG, jax.random.key(0), std=STD)
+    u = llama.unstack_layers(p)
+    assert isinstance(u["layers"], tuple) and len(u["layers"]) == CFG.num_layers
+    np.testing.assert_array_equal(np.asarray(u["layers"][2]["mlp"]["w_up"]), np.asarray(p["layers"]["mlp"]["w_up"][2]))
+    back = llama.stack_layers(u)
+    assert jax.tree.structure(back) == jax.tree.structure(p)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(p), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert llama.unstack_layers(u) is u and llama.stack_layers(p) is p
+    with pytest.raises(ValueError, match="2 unstacked layers"):
+        make_model(CFG).apply(
+            {**u, "layers": u["layers"][:2]},
+            jnp.zeros((1, 1), jnp.int32),
+            _pos(0, 1),
+            make_model(CFG).init_cache(1, SLOTS),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +219,7 @@ def test_layer_range_composes_and_returns_hidden(params, model):
 
 
 def test_logical_axes_cover_every_param(params):
+    params = llama.stack_layers(params)  # the axes describe the canonical (stacked) layout
     axes = param_logical_axes(CFG)
     vocab = {"batch", "layers", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "cache_seq"}
     assert jax.tree.structure(params) == jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple))

@@ -2,6 +2,7 @@
 and the command-line main job works end to end."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 
 from jspec import decode as dec
 from jspec.ngram import NgramDrafter, NgramTreeDrafter
+from models.llama import unstack_layers
 
 QUESTIONS = [
     "Rewrite in plain words: The committee has decided that the meeting will be postponed until next week.",
@@ -46,18 +48,21 @@ def plain(smollm2, chat_prompts):
         ("ngram", dict(drafter="ngram", gamma=4)),
         ("ngram-adaptive-block", dict(drafter="ngram", gamma=4, adaptive=True, block_verify=True)),
         ("ngram-tree", dict(drafter="ngram-tree")),
+        # The CLI's default target layout (per-layer arrays) against the stacked plain reference.
+        ("ngram-unstacked", dict(drafter="ngram", gamma=4, unstacked=True)),
     ],
 )
 def test_greedy_speculative_equals_plain_real_model(smollm2, chat_prompts, plain, name, kwargs):
     v = smollm2.model.vocab_size
     kwargs = dict(kwargs)
     kind = kwargs.pop("drafter")
+    params = unstack_layers(smollm2.params) if kwargs.pop("unstacked", False) else smollm2.params
     drafter = NgramDrafter(3, 1, vocab_size=v) if kind == "ngram" else NgramTreeDrafter(3, 4, vocab_size=v)
     got, proposed = [], 0
     for i in range(0, len(chat_prompts), 2):
         out = dec.decode(
             smollm2.model,
-            smollm2.params,
+            params,
             chat_prompts[i : i + 2],
             drafter=drafter,
             max_new_tokens=40,
@@ -70,15 +75,25 @@ def test_greedy_speculative_equals_plain_real_model(smollm2, chat_prompts, plain
     assert proposed > 0
 
 
-def _cli(*args):
+def _cli(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "jspec", "generate", *args], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "jspec", "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
-def test_cli_json_main_job(smollm2_path):
-    r = _cli("--prompt", QUESTIONS[2], "--drafter", "ngram", "--max-new-tokens", "24", "--compare", "--json")
+def test_cli_json_main_job(smollm2_path, tmp_path):
+    # The defaults (unstacked target layers, a persistent compilation cache), with the cache in a temp dir.
+    cache_dir = tmp_path / "xla"
+    r = _cli(
+        "--prompt", QUESTIONS[2], "--drafter", "ngram", "--max-new-tokens", "24", "--compare", "--json",
+        env={"JSPEC_COMPILE_CACHE": str(cache_dir)},
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
+    assert any(cache_dir.iterdir()), "the compiled programs were not written to the persistent cache"
     out = json.loads(r.stdout)
     assert isinstance(out["text"], str) and out["text"]
     assert len(out["token_ids"]) == out["stats"]["new_tokens"] <= 24
@@ -115,10 +130,11 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
         cli,
         "model_loader",
         lambda group="jspec.model_loaders", name=None: (
-            (lambda *_: smollm2) if group == "jspec.model_loaders" else real(group, name)
+            (lambda *_, **__: smollm2) if group == "jspec.model_loaders" else real(group, name)
         ),
     )
     base = ["generate", "--prompt", QUESTIONS[1], "--max-new-tokens", "12", "--gamma", "3", "--compare", "--json"]
+    base += ["--compile-cache", "none"]
     for drafter, spec in (("draft", tmp_path / "draft"), ("layerskip", "exit:6"), ("eagle", tmp_path / "eagle")):
         assert cli.main([*base, "--drafter", drafter, "--draft-model", str(spec)]) == 0
         out = json.loads(capsys.readouterr().out)

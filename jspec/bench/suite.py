@@ -78,11 +78,14 @@ def _checkpoint_path(load, name: str) -> str | None:
     return None
 
 
-def load_target(name: str = "smollm2-135m-instruct", dtype: str = "float32") -> Target:
+def load_target(name: str = "smollm2-135m-instruct", dtype: str = "float32", layers: str = "stacked") -> Target:
+    """layers: "stacked" or "unstacked" (per-layer arrays: faster CPU decode steps, longer compiles)."""
     from jspec.cli import model_loader
 
+    if layers not in ("stacked", "unstacked"):
+        raise ValueError(f"layers must be 'stacked' or 'unstacked', got {layers!r}")
     load = model_loader()
-    config, params, model, tok = load(name, dtype)
+    config, params, model, tok = load(name, dtype, unstacked=layers == "unstacked")
     if tok is None:
         raise SystemExit(f"'{name}' has no tokenizer; the benchmark workloads need one")
     return Target(name, config, params, model, tok, _checkpoint_path(load, name), dtype)
@@ -388,28 +391,20 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="results/bench", help="output directory (JSON, Markdown, PNG)")
     ap.add_argument(
         "--compile-cache",
-        default=os.path.join("~", ".cache", "jspec", "xla"),
+        default=os.environ.get("JSPEC_COMPILE_CACHE", os.path.join("~", ".cache", "jspec", "xla")),
         help="persistent XLA compilation cache directory ('none' to disable): reruns skip recompiling",
+    )
+    ap.add_argument(
+        "--layers",
+        default="unstacked",
+        choices=("stacked", "unstacked"),
+        help="target layer weights (as python -m jspec generate --layers)",
     )
 
 
-def enable_compile_cache(path: str | None) -> str | None:
-    """Point JAX's persistent compilation cache at ``path`` (kept unless JAX_COMPILATION_CACHE_DIR is set).
-    Compilation is never timed, so this only shortens the set-up of later runs."""
-    import jax
-
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return os.environ["JAX_COMPILATION_CACHE_DIR"]
-    if not path or path == "none":
-        return None
-    path = os.path.expanduser(path)
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return path
-
-
 def config_from_args(args) -> SuiteConfig:
+    from jspec.cli import enable_compile_cache
+
     enable_compile_cache(args.compile_cache)
     return SuiteConfig(
         workloads=tuple(w for w in args.workloads.split(",") if w),
@@ -437,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(args)
     t0 = time.perf_counter()
     print(f"loading {args.model} ({args.dtype}) ...")
-    target = load_target(args.model, args.dtype)
+    target = load_target(args.model, args.dtype, args.layers)
     jobs, desc = prepare_jobs(target, cfg)
     print(f"{len(jobs)} requests ({', '.join(cfg.workloads)}), input tokens median {desc['input_len']['median']:.0f}")
     specs = [plain_spec(), ngram_spec(target, args.gamma)]
