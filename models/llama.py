@@ -134,15 +134,15 @@ def _write_layer_kv(all_kv: jax.Array, layer: jax.Array, new: jax.Array, lengths
     """
     if isinstance(layer, int):
         # Unstacked layers (straight-line code, no scan carry): the slice -> write -> update form copied the
-        # whole cache at every layer there; one scatter into the full array stays in place.
-        idx = scratch_slots(lengths, jnp.arange(new.shape[1], dtype=jnp.int32)[None, :], all_kv.shape[3])
-
-        def one_row(row, upd, i):  # row [L, Hkv, S, D], upd [T, Hkv, D], i [T]
-            # (numpy indexing: the int and the array index are split by a slice, so the indexed window is
-            # [T, Hkv, D], the layout ``upd`` already has)
-            return row.at[layer, :, i, :].set(upd.astype(row.dtype), mode="drop")
-
-        return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(all_kv, new, idx)
+        # whole cache at every layer there, and a scatter vmapped over the batch axis made XLA pick a
+        # batch-major cache layout and convert to and from it. One scatter with explicit (row, slot) indices
+        # into the full array stays in place.
+        b, t = new.shape[:2]
+        slots = scratch_slots(lengths, jnp.arange(t, dtype=jnp.int32)[None, :], all_kv.shape[3])  # [B, T]
+        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        # numpy indexing: the advanced indices (layer, rows, slots) are split by a slice, so the indexed
+        # window is [B, T, Hkv, D], the layout ``new`` already has.
+        return all_kv.at[layer, rows, :, slots, :].set(new.astype(all_kv.dtype), mode="drop")
     layer_kv = jax.lax.dynamic_index_in_dim(all_kv, layer, 0, keepdims=False)  # [B, Hkv, S, D]
     layer_kv = write_layer(layer_kv, new.transpose(0, 2, 1, 3), lengths)
     return jax.lax.dynamic_update_index_in_dim(all_kv, layer_kv, layer, 0)
