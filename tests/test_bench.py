@@ -238,3 +238,23 @@ def test_missing_peer_is_skipped_with_a_reason(monkeypatch):
     assert all(p.reason for p in out)
     assert any("unknown peer" in p.reason for p in out)
     assert peers.run_peers(["transformers"], None, [], max_new_tokens=4, eos_id=2)[0].reason.startswith("needs")
+
+
+def test_warmup_compiles_everything_the_timed_run_calls():
+    """With warm-up, the timed part of a run compiles nothing: a compile there once cost a first step seconds.
+    Warm-up must use the run's own EOS ids (static in the decode config) and step even when every warm
+    request ends at its first token."""
+    from jspec.serve import _engine_fns
+
+    eos, max_new, load = (2,), 9, Load.closed(2)
+    jobs = [j for j in _jobs() if j.prompt is not None and len(j.prompt) + max_new <= MAX_LEN]
+    lens = [len(j.prompt) for j in jobs]
+    runner._warm(TARGET, TARGET_PARAMS, CHAIN, load, MAX_LEN, eos, 64, lens, max_new, runner.Sampling())
+    config = runner._engine(TARGET, TARGET_PARAMS, CHAIN, load.concurrency, MAX_LEN, eos, 0, 64).config
+    fns = _engine_fns(TARGET, DRAFTER, config)
+    before = [f._cache_size() for f in fns]
+    assert before[1] > 0 and before[2] > 0  # insert and step were compiled for this config
+    res = runner.run(TARGET, TARGET_PARAMS, CHAIN, load, jobs, max_len=MAX_LEN, max_new_tokens=max_new,
+                     eos_ids=eos, warmup=False)  # fmt: skip
+    assert all(r.error is None for r in res.records)
+    assert [f._cache_size() for f in fns] == before

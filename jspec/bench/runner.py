@@ -249,6 +249,8 @@ def _warm(target, params, spec, load, max_len, eos_ids, bucket, prompt_lens, max
     lens += [2] * (load.concurrency + 1)
     new = max(1, min(3, max_new))
     jobs = [Job(f"warm{i}", "warmup", (0,) * n) for i, n in enumerate(lens)]
+    # The real EOS ids: they are part of the static decode config, so warming with others compiled programs the
+    # timed run never calls, and its first step then compiled inside the timed region.
     run(
         target,
         params,
@@ -258,11 +260,16 @@ def _warm(target, params, spec, load, max_len, eos_ids, bucket, prompt_lens, max
         max_new_tokens=new,
         max_len=max_len,
         sampling=sampling,
-        eos_ids=(),
+        eos_ids=tuple(eos_ids),
         seed=0,
         bucket=bucket,
         warmup=False,
     )
+    # A warm request that ends at its first token (EOS) is never stepped: step one explicitly (a stopped row
+    # steps as a no-op through the same program).
+    eng = _engine(target, params, spec, load.concurrency, max_len, eos_ids, 0, bucket)
+    eng.add(0, (0,) * lens[-1], new, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+    eng.step()
 
 
 def run(
