@@ -90,3 +90,14 @@ def test_sample_frequencies():
     freq = np.bincount(draws, minlength=4) / n
     se = np.sqrt(p * (1 - p) / n)
     assert np.all(np.abs(freq - p) < 4 * se), (freq, p)
+
+
+def test_argmax_matches_numpy_including_ties():
+    from jspec.sampling import argmax
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 4, size=(6, 5, 50)).astype(np.float32)  # few distinct values: many ties
+    x[0, 0] = 7.0  # a row that is all one value
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+    y = rng.standard_normal((3, 49152)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(y))), np.argmax(y, axis=-1))
