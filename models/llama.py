@@ -335,7 +335,7 @@ def abstract_params(cfg: LlamaConfig) -> Params:
 # weights out of the stack before its matmuls (a dynamic-slice fusion per weight, per layer, per step): for
 # SmolLM2 that copy took more time than the matmuls themselves. Unstacked (a tuple of L per-layer dicts)
 # runs as a Python loop over separate arrays, so the matmuls read the weights in place: a decode step was
-# ~1.4x faster, at ~5x the compile time per shape (``examples/bench_forward.py`` measures both).
+# 1.2-1.3x faster, at 2-3x the compile time per shape (``examples/bench_forward.py`` measures both).
 
 
 def unstack_layers(params: Params) -> Params:
