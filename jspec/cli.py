@@ -2,14 +2,15 @@
 
 The core never imports a model zoo: checkpoints are found through the ``jspec.model_loaders`` entry-point
 group (this repository's ``models`` package registers ``llama``), so any installed package can provide them.
-A loader is ``load(name_or_path, dtype, unstacked=False) -> (config, params, model: jspec.model.Model,
-tokenizer)``; ``unstacked`` asks for the parameter layout that decodes fastest on CPU at a longer compile
-(``--layers``). The tokenizer needs ``encode``, ``decode``, ``encode_chat(messages)`` and ``eos_id``.
+A loader is ``load(name_or_path, dtype) -> (config, params, model: jspec.model.Model, tokenizer)``; one that
+also takes ``unstacked=`` is asked for the parameter layout that decodes fastest on CPU (``--layers``). The
+tokenizer needs ``encode``, ``decode``, ``encode_chat(messages)`` and ``eos_id``.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -32,6 +33,20 @@ def model_loader(group: str = "jspec.model_loaders", name: str | None = None):
             "(pip install -e .) or a package that provides one"
         )
     return found[0].load()
+
+
+COMPILE_CACHE_DEFAULT = os.environ.get("JSPEC_COMPILE_CACHE", os.path.join("~", ".cache", "jspec", "xla"))
+
+
+def load_model(load, name: str, dtype: str, unstacked: bool):
+    """Call a ``jspec.model_loaders`` loader; ``unstacked`` is passed only to loaders that accept it (a loader
+    written against the two-argument contract keeps working, in its own layout)."""
+    try:
+        params = inspect.signature(load).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes = "unstacked" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return load(name, dtype, unstacked=unstacked) if takes else load(name, dtype)
 
 
 def build_drafter(args, target, load, loaded=None):
@@ -122,7 +137,7 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos):
 
 def generate(args) -> int:
     load = model_loader()
-    loaded = load(args.model, args.dtype, unstacked=args.layers == "unstacked")
+    loaded = load_model(load, args.model, args.dtype, unstacked=args.layers == "unstacked")
     _, params, target, tok = loaded
     if tok is None:
         raise SystemExit(f"'{args.model}' has no tokenizer; jspec generate needs one")
@@ -236,7 +251,7 @@ def main(argv=None) -> int:
     )
     g.add_argument(
         "--compile-cache",
-        default=os.environ.get("JSPEC_COMPILE_CACHE", os.path.join("~", ".cache", "jspec", "xla")),
+        default=COMPILE_CACHE_DEFAULT,
         help="persistent XLA compilation cache directory ('none' to disable; env JSPEC_COMPILE_CACHE): a "
         "second run with the same shapes skips compilation",
     )

@@ -47,6 +47,17 @@ def test_unstack_and_stack_are_inverse():
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(p), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert llama.unstack_layers(u) is u and llama.stack_layers(p) is p
+    # Both layouts compute the same thing: a ragged batch of 3-token calls under a tree mask.
+    m = make_model(CFG)
+    cache = m.init_cache(2, SLOTS).with_lengths(jnp.array([2, 6], jnp.int32))
+    toks = jnp.asarray(np.stack([_tokens(50, 3), _tokens(51, 3)]))
+    pos = jnp.asarray([[2, 3, 3], [6, 7, 7]], jnp.int32)
+    tree = jnp.asarray(np.broadcast_to(np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool), (2, 3, 3)))
+    apply = jax.jit(m.apply)
+    (ls, cs), (lu, cu) = apply(p, toks, pos, cache, tree), apply(u, toks, pos, cache, tree)
+    np.testing.assert_allclose(np.asarray(lu), np.asarray(ls), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(cu.k), np.asarray(cs.k), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(cu.v), np.asarray(cs.v), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="2 unstacked layers"):
         make_model(CFG).apply(
             {**u, "layers": u["layers"][:2]},

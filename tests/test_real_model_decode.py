@@ -148,3 +148,13 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     assert "expected exit:E" in capsys.readouterr().err
     assert cli.main([*base, "--drafter", "draft", "--draft-model", str(tmp_path / "nothing")]) == 2
     assert "no draft" in capsys.readouterr().err
+
+
+def test_loader_layout_argument_only_reaches_loaders_that_take_it():
+    from jspec.cli import load_model
+
+    seen = []
+    assert load_model(lambda name, dtype: (name, dtype), "m", "float32", unstacked=True) == ("m", "float32")
+    load_model(lambda name, dtype, unstacked=False: seen.append(unstacked), "m", "float32", unstacked=True)
+    load_model(lambda name, dtype, **kw: seen.append(kw), "m", "float32", unstacked=False)
+    assert seen == [True, {"unstacked": False}]

@@ -29,6 +29,7 @@ import numpy as np
 
 from jspec.bench import metrics, peers, report, runner, workloads
 from jspec.bench.runner import Load, RunResult, Sampling, Spec
+from jspec.cli import COMPILE_CACHE_DEFAULT
 
 
 @dataclasses.dataclass
@@ -80,12 +81,12 @@ def _checkpoint_path(load, name: str) -> str | None:
 
 def load_target(name: str = "smollm2-135m-instruct", dtype: str = "float32", layers: str = "stacked") -> Target:
     """layers: "stacked" or "unstacked" (per-layer arrays: faster CPU decode steps, longer compiles)."""
-    from jspec.cli import model_loader
+    from jspec.cli import load_model, model_loader
 
     if layers not in ("stacked", "unstacked"):
         raise ValueError(f"layers must be 'stacked' or 'unstacked', got {layers!r}")
     load = model_loader()
-    config, params, model, tok = load(name, dtype, unstacked=layers == "unstacked")
+    config, params, model, tok = load_model(load, name, dtype, unstacked=layers == "unstacked")
     if tok is None:
         raise SystemExit(f"'{name}' has no tokenizer; the benchmark workloads need one")
     return Target(name, config, params, model, tok, _checkpoint_path(load, name), dtype)
@@ -391,7 +392,7 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="results/bench", help="output directory (JSON, Markdown, PNG)")
     ap.add_argument(
         "--compile-cache",
-        default=os.environ.get("JSPEC_COMPILE_CACHE", os.path.join("~", ".cache", "jspec", "xla")),
+        default=COMPILE_CACHE_DEFAULT,
         help="persistent XLA compilation cache directory ('none' to disable): reruns skip recompiling",
     )
     ap.add_argument(
