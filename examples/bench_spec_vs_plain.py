@@ -29,12 +29,12 @@ from jspec.bench.runner import Load
 def truncated_draft(target: suite.Target, layers: int):
     """(Model, params) of the target's first ``layers`` decoder layers + final norm + LM head: a draft that
     needs no training and shares the tokenizer. Its params are views of the target's (no copy of the head)."""
-    from models.llama import make_model
+    from models.llama import is_unstacked, make_model
 
     cfg = target.config.replace(num_layers=layers, name=f"{target.config.name}-first{layers}")
     params = dict(target.params)
-    stack = target.params["layers"]
-    params["layers"] = stack[:layers] if isinstance(stack, tuple) else jax.tree.map(lambda w: w[:layers], stack)
+    first = target.params["layers"]
+    params["layers"] = first[:layers] if is_unstacked(params) else jax.tree.map(lambda w: w[:layers], first)
     return make_model(cfg), params
 
 

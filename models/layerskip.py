@@ -76,7 +76,7 @@ def run_layer_range(
     """
     if not 0 <= start < stop <= cfg.num_layers:
         raise ValueError(f"layer range [{start}, {stop}) outside [0, {cfg.num_layers})")
-    if isinstance(params["layers"], (tuple, list)):  # unstacked: no slicing, the Python loop takes the range
+    if llama.is_unstacked(params):  # no slicing: the Python loop takes the range
         return llama.run_layers(cfg, params, h, positions, cache, start=start, stop=stop)
     t, s = h.shape[1], cache.k.shape[3]
     mask = attention_mask(cache.lengths, t, s)  # [B, T, S]

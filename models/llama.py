@@ -338,12 +338,17 @@ def abstract_params(cfg: LlamaConfig) -> Params:
 # 1.2-1.3x faster, at 2-3x the compile time per shape (``examples/bench_forward.py`` measures both).
 
 
+def is_unstacked(params: Params) -> bool:
+    """Whether ``params["layers"]`` holds per-layer dicts (``unstack_layers``) rather than [L, ...] leaves."""
+    return isinstance(params["layers"], (tuple, list))
+
+
 def unstack_layers(params: Params) -> Params:
     """Stacked -> unstacked: ``params["layers"]`` becomes a tuple of L per-layer dicts (fresh arrays, so the
     stacked ones can be freed). Unstacked params pass through."""
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):
+    if is_unstacked(params):
         return params
+    layers = params["layers"]
     n = jax.tree.leaves(layers)[0].shape[0]
     split = jax.jit(lambda ls: tuple(jax.tree.map(lambda w, i=i: w[i], ls) for i in range(n)))
     return {**params, "layers": split(layers)}
@@ -351,10 +356,9 @@ def unstack_layers(params: Params) -> Params:
 
 def stack_layers(params: Params) -> Params:
     """Unstacked -> stacked ([L, ...] leaves); stacked params pass through."""
-    layers = params["layers"]
-    if not isinstance(layers, (tuple, list)):
+    if not is_unstacked(params):
         return params
-    return {**params, "layers": jax.tree.map(lambda *ws: jnp.stack(ws), *layers)}
+    return {**params, "layers": jax.tree.map(lambda *ws: jnp.stack(ws), *params["layers"])}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -391,7 +395,7 @@ def run_layers(
     mask = attention_mask(cache.lengths, t, s, tree_mask)  # [B, T, S]
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
     block = Block(cfg)
-    if isinstance(layers, (tuple, list)):  # unstacked (see ``unstack_layers``): one code copy per layer
+    if is_unstacked(params):  # see ``unstack_layers``: one code copy per layer
         if len(layers) != cfg.num_layers:
             raise ValueError(f"params have {len(layers)} unstacked layers, the config {cfg.num_layers}")
         k_all, v_all = cache.k, cache.v
