@@ -40,6 +40,7 @@ from models.llama import (
     LlamaConfig,
     Params,
     embed,
+    embedding_rows,
     final_norm,
     init_cache,
     lm_head,
@@ -155,7 +156,7 @@ def init_from_target(dcfg: DraftConfig, target_params: Params, token_map: np.nda
     idx = np.asarray(layers)
     dt = cfg.jdtype
     params: Params = {
-        "embed": {"embedding": jnp.asarray(target_params["embed"]["embedding"], dt)},
+        "embed": {"embedding": jnp.asarray(embedding_rows(target_params), dt)},
         "layers": jax.tree.map(lambda w: jnp.asarray(w[idx], dt), stack_layers(target_params)["layers"]),
         "final_norm": {"scale": jnp.asarray(target_params["final_norm"]["scale"], dt)},
     }
@@ -169,7 +170,7 @@ def init_from_target(dcfg: DraftConfig, target_params: Params, token_map: np.nda
         raise ValueError(f"token_map must be {dcfg.head_size} ids in [0, {cfg.vocab_size}), got shape {ids.shape}")
     if np.unique(ids).size != ids.size:
         raise ValueError("token_map has repeated ids")
-    rows = target_params["lm_head"]["kernel"].T if untied else target_params["embed"]["embedding"]  # [V, E]
+    rows = target_params["lm_head"]["kernel"].T if untied else embedding_rows(target_params)  # [V, E]
     params["head"] = _head_leaves(ids, jnp.take(jnp.asarray(rows), jnp.asarray(ids), axis=0), cfg.vocab_size, dt)
     return params
 

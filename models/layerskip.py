@@ -136,7 +136,7 @@ def apply_adapter(cfg: LlamaConfig, adapter: Params, h: jax.Array) -> jax.Array:
 def head_rows(cfg: LlamaConfig, target_params: Params, token_ids: jax.Array) -> jax.Array:
     """The LM head's rows for a token subset: token_ids [N] -> [N, Dm] (tied: embedding rows)."""
     if cfg.tie_embeddings:
-        return jnp.take(target_params["embed"]["embedding"], token_ids, axis=0)
+        return llama.embedding_rows(target_params, token_ids)
     return jnp.take(target_params["lm_head"]["kernel"], token_ids, axis=1).T
 
 

@@ -180,22 +180,33 @@ class Attention(nn.Module):
             q = q + param("bq", (h, d), ("heads", "head_dim")).astype(dt)
             k = k + param("bk", (hkv, d), ("kv_heads", "head_dim")).astype(dt)
             v = v + param("bv", (hkv, d), ("kv_heads", "head_dim")).astype(dt)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-
-        # Write first, then read the layer slice: see the module docstring for why the order matters.
-        k_all = _write_layer_kv(k_all, layer, k, lengths)
-        v_all = _write_layer_kv(v_all, layer, v, lengths)
-        k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)  # [B, Hkv, S, D]
-        v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
-
-        qg = q.reshape(b, t, hkv, h // hkv, d)  # query heads grouped under their shared KV head
-        scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_layer.astype(dt), preferred_element_type=jnp.float32)
-        scores = scores * (1.0 / math.sqrt(d))
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgts,bksd->btkgd", probs, v_layer.astype(dt)).reshape(b, t, h * d)
+        out, k_all, v_all = _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask)
         return out @ wo.reshape(h * d, e).astype(dt), k_all, v_all
+
+
+def _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask):
+    """Attention after the projections, shared by both layer layouts.
+
+    q [B, T, H, D]; k, v [B, T, Hkv, D] (before RoPE); k_all/v_all [L, B, Hkv, S, D]; mask [B, T, S].
+    Returns (out [B, T, H*D] before the output projection, k_all, v_all with this call's K/V written).
+    """
+    b, t, h, d = q.shape
+    hkv, dt = cfg.num_kv_heads, q.dtype
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    # Write first, then read the layer slice: see the module docstring for why the order matters.
+    k_all = _write_layer_kv(k_all, layer, k, lengths)
+    v_all = _write_layer_kv(v_all, layer, v, lengths)
+    k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)  # [B, Hkv, S, D]
+    v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
+
+    qg = q.reshape(b, t, hkv, h // hkv, d)  # query heads grouped under their shared KV head
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_layer.astype(dt), preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(d))
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v_layer.astype(dt)).reshape(b, t, h * d)
+    return out, k_all, v_all
 
 
 class MLP(nn.Module):
@@ -330,12 +341,15 @@ def abstract_params(cfg: LlamaConfig) -> Params:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Two layouts of the layer weights. Stacked ([L, ...] leaves, the canonical layout: loaders, checkpoints,
-# sharding rules, drafts built from the target) runs as one ``lax.scan``. XLA:CPU copies each layer's
-# weights out of the stack before its matmuls (a dynamic-slice fusion per weight, per layer, per step): for
-# SmolLM2 that copy took more time than the matmuls themselves. Unstacked (a tuple of L per-layer dicts)
-# runs as a Python loop over separate arrays, so the matmuls read the weights in place: a decode step was
-# 1.2-1.3x faster, at 2-3x the compile time per shape (``examples/bench_forward.py`` measures both).
+# Two layouts of the weights. Stacked ([L, ...] leaves, the canonical layout: loaders, checkpoints, sharding
+# rules, drafts built from the target) runs as one ``lax.scan``. XLA:CPU copies each layer's weights out of
+# the stack before its matmuls (a dynamic-slice fusion per weight, per layer, per step): for SmolLM2 that copy
+# took more time than the matmuls themselves. Unstacked is the decode layout for CPU: a tuple of L per-layer
+# dicts run as a Python loop over separate arrays, so the matmuls read the weights in place (1.2-1.3x faster
+# per step, at 2-3x the compile time per shape). Within it, q/k/v are one [E, H + 2 Hkv, D] matrix and
+# gate/up one [E, 2F] matrix, and a tied embedding is stored transposed ([E, V]) for the LM head: at one token
+# per call XLA:CPU's matrix-vector product streams a few large matrices faster than many small ones, and the
+# head faster from [E, V] than from [V, E] (SmolLM2 step 28-35 -> 24-30 ms; ``examples/bench_forward.py``).
 
 
 def is_unstacked(params: Params) -> bool:
@@ -343,22 +357,83 @@ def is_unstacked(params: Params) -> bool:
     return isinstance(params["layers"], (tuple, list))
 
 
+def _fuse_layer(lp: Params) -> Params:
+    """One layer of the stacked layout (leading [L] axis already indexed away) -> the unstacked layout."""
+    a, m = lp["attn"], lp["mlp"]
+    attn = {"wqkv": jnp.concatenate([a["wq"], a["wk"], a["wv"]], axis=1), "wo": a["wo"]}  # [E, H + 2 Hkv, D]
+    if "bq" in a:
+        attn["bqkv"] = jnp.concatenate([a["bq"], a["bk"], a["bv"]], axis=0)  # [H + 2 Hkv, D]
+    mlp = {"w_gate_up": jnp.concatenate([m["w_gate"], m["w_up"]], axis=1), "w_down": m["w_down"]}  # [E, 2F]
+    return {"attn_norm": lp["attn_norm"], "mlp_norm": lp["mlp_norm"], "attn": attn, "mlp": mlp}
+
+
+def _split_layer(lp: Params) -> Params:
+    """Inverse of ``_fuse_layer`` (head counts read off wo [H, D, E] and the fused width)."""
+    a, m = lp["attn"], lp["mlp"]
+    h = a["wo"].shape[0]
+    hkv = (a["wqkv"].shape[1] - h) // 2
+    attn = {"wq": a["wqkv"][:, :h], "wk": a["wqkv"][:, h : h + hkv], "wv": a["wqkv"][:, h + hkv :], "wo": a["wo"]}
+    if "bqkv" in a:
+        attn |= {"bq": a["bqkv"][:h], "bk": a["bqkv"][h : h + hkv], "bv": a["bqkv"][h + hkv :]}
+    f = m["w_gate_up"].shape[1] // 2
+    mlp = {"w_gate": m["w_gate_up"][:, :f], "w_up": m["w_gate_up"][:, f:], "w_down": m["w_down"]}
+    return {"attn_norm": lp["attn_norm"], "mlp_norm": lp["mlp_norm"], "attn": attn, "mlp": mlp}
+
+
 def unstack_layers(params: Params) -> Params:
-    """Stacked -> unstacked: ``params["layers"]`` becomes a tuple of L per-layer dicts (fresh arrays, so the
-    stacked ones can be freed). Unstacked params pass through."""
+    """Stacked -> unstacked (the CPU decode layout above): ``params["layers"]`` becomes a tuple of L per-layer
+    dicts with fused q/k/v and gate/up weights, and a tied embedding (no ``lm_head``) becomes
+    ``embed["embedding_t"]`` [E, V]. All arrays are fresh, so the stacked ones can be freed. Unstacked params
+    pass through. Read the embedding through ``embed`` / ``lm_head`` / ``embedding_rows`` (both layouts)."""
     if is_unstacked(params):
         return params
-    layers = params["layers"]
-    n = jax.tree.leaves(layers)[0].shape[0]
-    split = jax.jit(lambda ls: tuple(jax.tree.map(lambda w, i=i: w[i], ls) for i in range(n)))
-    return {**params, "layers": split(layers)}
+
+    tied = "lm_head" not in params
+
+    def convert(layers, emb):
+        n = jax.tree.leaves(layers)[0].shape[0]
+        split = tuple(_fuse_layer(jax.tree.map(lambda w, i=i: w[i], layers)) for i in range(n))
+        return split, ({"embedding_t": emb["embedding"].T} if tied else emb)
+
+    layers, emb = jax.jit(convert)(params["layers"], params["embed"])
+    return {**params, "layers": layers, "embed": emb}
 
 
 def stack_layers(params: Params) -> Params:
-    """Unstacked -> stacked ([L, ...] leaves); stacked params pass through."""
+    """Unstacked -> stacked ([L, ...] leaves, separate q/k/v and gate/up, embedding [V, E]); stacked params
+    pass through."""
     if not is_unstacked(params):
         return params
-    return {**params, "layers": jax.tree.map(lambda *ws: jnp.stack(ws), *params["layers"])}
+    layers = [_split_layer(lp) for lp in params["layers"]]
+    emb = params["embed"]
+    if "embedding_t" in emb:
+        emb = {"embedding": emb["embedding_t"].T}
+    return {**params, "layers": jax.tree.map(lambda *ws: jnp.stack(ws), *layers), "embed": emb}
+
+
+def embedding_rows(params: Params, token_ids: jax.Array | None = None) -> jax.Array:
+    """The token embedding matrix [V, E] (or its rows for ``token_ids`` [N] -> [N, E]) in either layout."""
+    emb = params["embed"]
+    if "embedding_t" in emb:
+        return emb["embedding_t"].T if token_ids is None else jnp.take(emb["embedding_t"], token_ids, axis=1).T
+    return emb["embedding"] if token_ids is None else jnp.take(emb["embedding"], token_ids, axis=0)
+
+
+def _fused_block(cfg: LlamaConfig, lp: Params, x, cos, sin, k_all, v_all, layer, lengths, mask):
+    """``Block`` on one layer of the unstacked layout (fused q/k/v and gate/up); same arguments and results."""
+    b, t, e = x.shape
+    h, hkv, d, f, dt = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn, x.dtype
+    a, m = lp["attn"], lp["mlp"]
+    y = RMSNorm(cfg.rms_eps).apply({"params": lp["attn_norm"]}, x)
+    qkv = (y @ a["wqkv"].reshape(e, (h + 2 * hkv) * d).astype(dt)).reshape(b, t, h + 2 * hkv, d)
+    if cfg.qkv_bias:
+        qkv = qkv + a["bqkv"].astype(dt)
+    q, k, v = qkv[:, :, :h], qkv[:, :, h : h + hkv], qkv[:, :, h + hkv :]
+    out, k_all, v_all = _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask)
+    x = x + out @ a["wo"].reshape(h * d, e).astype(dt)
+    y = RMSNorm(cfg.rms_eps).apply({"params": lp["mlp_norm"]}, x)
+    gu = y @ m["w_gate_up"].astype(dt)  # [B, T, 2F]
+    return x + (jax.nn.silu(gu[..., :f]) * gu[..., f:]) @ m["w_down"].astype(dt), k_all, v_all
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -367,6 +442,8 @@ def stack_layers(params: Params) -> Params:
 
 def embed(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] int32 -> hidden [B, T, E] in cfg.dtype."""
+    if "embedding_t" in params["embed"]:  # unstacked layout: [E, V]
+        return jnp.moveaxis(jnp.take(params["embed"]["embedding_t"], tokens, axis=1), 0, -1).astype(cfg.jdtype)
     return Embed(cfg.vocab_size, cfg.hidden).apply({"params": params["embed"]}, tokens).astype(cfg.jdtype)
 
 
@@ -394,16 +471,16 @@ def run_layers(
     t, s = h.shape[1], cache.k.shape[3]
     mask = attention_mask(cache.lengths, t, s, tree_mask)  # [B, T, S]
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
-    block = Block(cfg)
     if is_unstacked(params):  # see ``unstack_layers``: one code copy per layer
         if len(layers) != cfg.num_layers:
             raise ValueError(f"params have {len(layers)} unstacked layers, the config {cfg.num_layers}")
         k_all, v_all = cache.k, cache.v
         for i in range(start, stop):
-            h, k_all, v_all = block.apply({"params": layers[i]}, h, cos, sin, k_all, v_all, i, cache.lengths, mask)
+            h, k_all, v_all = _fused_block(cfg, layers[i], h, cos, sin, k_all, v_all, i, cache.lengths, mask)
         return h, dataclasses.replace(cache, k=k_all, v=v_all)
     if (start, stop) != (0, cfg.num_layers):
         layers = jax.tree.map(lambda w: w[start:stop], layers)
+    block = Block(cfg)
 
     def body(carry, xs):
         x, k_all, v_all = carry
@@ -422,6 +499,9 @@ def final_norm(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
 
 def lm_head(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
     """Normed hidden [B, T, E] -> logits [B, T, V] float32 (tied: the embedding matrix)."""
+    if cfg.tie_embeddings and "embedding_t" in params["embed"]:  # unstacked layout: [E, V]
+        w = params["embed"]["embedding_t"].astype(h.dtype)
+        return jnp.einsum("bte,ev->btv", h, w, preferred_element_type=jnp.float32)
     if cfg.tie_embeddings:
         return Embed(cfg.vocab_size, cfg.hidden).apply({"params": params["embed"]}, h, method=Embed.attend)
     return LMHead(cfg.vocab_size).apply({"params": params["lm_head"]}, h)
