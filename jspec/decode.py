@@ -207,21 +207,24 @@ def _chain_step(
         ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling, st.cache if shares else None)
         v = target.vocab_size
 
-        def propose(_):
-            prop: Proposal = drafter.propose(draft_params, st.draft_state, ctx, k_draft, k)
-            tcache = prop.target_cache if shares else st.cache
+        def propose(c):
+            prop: Proposal = drafter.propose(draft_params, c[3], ctx, k_draft, k)
+            tcache = prop.target_cache if shares else c[4]
             return prop.tokens, prop.q, jnp.minimum(prop.n_draft, max_draft), prop.state, tcache
 
-        def skip_draft(_):
+        def skip_draft(c):
             # No row may propose (adaptive K at 0, or the budget is nearly spent): the drafter only keeps its
             # state in step with the committed sequence instead of rolling out K steps.
-            state = st.draft_state
+            state = c[3]
             if hasattr(drafter, "observe"):
                 state = drafter.observe(draft_params, state, ctx)
-            uniform = jnp.ones((b, k, v), jnp.float32) / v
-            return jnp.zeros((b, k), jnp.int32), uniform, jnp.zeros((b,), jnp.int32), state, st.cache
+            return c[0], c[1], c[2], state, c[4]
 
-        draft_tokens, q, n_draft, draft_state, tcache = jax.lax.cond(jnp.any(max_draft > 0), propose, skip_draft, None)
+        uniform = jnp.ones((b, k, v), jnp.float32) / v  # q of no proposal: finite, never read as a candidate
+        none = (jnp.zeros((b, k), jnp.int32), uniform, jnp.zeros((b,), jnp.int32), st.draft_state, st.cache)
+        draft_tokens, q, n_draft, draft_state, tcache = _cond_in_place(
+            jnp.any(max_draft > 0), propose, skip_draft, none
+        )
 
         def verify_wide(cache):
             tokens = jnp.concatenate([pending[:, None], draft_tokens], axis=1)  # [B, K+1]
@@ -251,10 +254,32 @@ def _chain_step(
         if updates_state:
             p, cache, draft_state = verify_wide(tcache)
         else:
-            p, cache, draft_state = jax.lax.cond(jnp.any(n_draft > 0), verify_wide, verify_narrow, tcache)
+            p0 = jnp.zeros((b, k + 1, v), jnp.float32)
+            p, cache, draft_state = _cond_in_place(
+                jnp.any(n_draft > 0),
+                lambda c: verify_wide(c[1]),
+                lambda c: verify_narrow(c[1]),
+                (p0, tcache, draft_state),
+            )
     res = verify_chain_key(k_verify, p, q, draft_tokens, n_draft, block=config.block_verify)
     proposed_at = (jnp.arange(k)[None, :] < n_draft[:, None]).astype(jnp.int32)
     return draft_tokens, res.n_accepted, res.next_token, None, cache, draft_state, proposed_at, res.bad_proposal
+
+
+def _cond_in_place(pred: jax.Array, true_fn, false_fn, carry):
+    """``lax.cond(pred, true_fn, false_fn, carry)`` for branches that rewrite a large buffer of ``carry`` (the KV
+    cache): run as two while loops of 0 or 1 trips. XLA updates while-loop carries in place, whereas a cond
+    copied the whole cache into or out of its branch and once more after it (4 cache copies per round in the
+    optimised HLO, ~1/3 of a SmolLM2 decode step). Both functions map ``carry`` to a value of its structure."""
+
+    def once(fn, go):
+        def body(c):
+            return c[0] + 1, fn(c[1])
+
+        return lambda c: jax.lax.while_loop(lambda c: c[0] < go, body, (jnp.int32(0), c))[1]
+
+    carry = once(false_fn, jnp.where(pred, 0, 1))(carry)
+    return once(true_fn, jnp.where(pred, 1, 0))(carry)
 
 
 def _tree_step(
