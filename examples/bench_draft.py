@@ -51,9 +51,9 @@ PROMPTS = [
 ]
 
 
-def get_draft(name: str, target, model: str):
+def get_draft(name: str, target, model: str, unstacked: bool = False):
     try:
-        return D.load_draft(name, target_config=target.config, tokenizer=target.tokenizer)
+        return D.load_draft(name, target_config=target.config, tokenizer=target.tokenizer, unstacked=unstacked)
     except FileNotFoundError:
         pass
     import train_draft
@@ -66,7 +66,7 @@ def get_draft(name: str, target, model: str):
         argv += ["--layers", m.group(1), "--head-size", str(head)]
     print(f"draft '{name}' is not cached: training it ({' '.join(argv)})", flush=True)
     train_draft.main(argv)
-    return D.load_draft(name, target_config=target.config, tokenizer=target.tokenizer)
+    return D.load_draft(name, target_config=target.config, tokenizer=target.tokenizer, unstacked=unstacked)
 
 
 def _median_ms(fn, *args, n: int = 15) -> float:
@@ -126,12 +126,19 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument(
+        "--layers",
+        default="unstacked",
+        choices=("stacked", "unstacked"),
+        help="target (and draft) layer layout, see models.llama.unstack_layers",
+    )
     args = ap.parse_args(argv)
     gammas = [int(g) for g in args.gammas.split(",")]
 
-    target = registry.load(args.model, dtype="float32")
+    unstacked = args.layers == "unstacked"
+    target = registry.load(args.model, dtype="float32", unstacked=unstacked)
     tok = target.tokenizer
-    drafts = {name: get_draft(name, target, args.model) for name in args.drafts.split(",")}
+    drafts = {name: get_draft(name, target, args.model, unstacked) for name in args.drafts.split(",")}
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     common = dict(max_new_tokens=args.max_new, eos_ids=[tok.eos_id], temperature=0.0)
 

@@ -102,11 +102,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--out", default=None, help="write the full results as JSON here")
+    ap.add_argument(
+        "--layers",
+        default="unstacked",
+        choices=("stacked", "unstacked"),
+        help="target layer layout, see models.llama.unstack_layers",
+    )
     args = ap.parse_args(argv)
     ks = [int(x) for x in args.ks.split(",")]
     temps = [float(x) for x in args.temperatures.split(",")]
 
-    target = registry.load(args.model, dtype="float32")
+    target = registry.load(args.model, dtype="float32", unstacked=args.layers == "unstacked")
     cfg, tparams, model, tok = target
     eos = tok.eos_id
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]

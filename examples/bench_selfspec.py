@@ -108,9 +108,15 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=len(CHATS))
+    ap.add_argument(
+        "--layers",
+        default="unstacked",
+        choices=("stacked", "unstacked"),
+        help="target layer layout, see models.llama.unstack_layers",
+    )
     args = ap.parse_args(argv)
 
-    cfg, params, model, tok = load(args.model, dtype="float32")
+    cfg, params, model, tok = load(args.model, dtype="float32", unstacked=args.layers == "unstacked")
     prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS[: args.prompts]]
     kw = dict(max_new_tokens=args.max_new_tokens, eos_ids=[cfg.eos_id], max_len=256)
 

@@ -42,8 +42,9 @@ def distilled_draft(target: suite.Target, name: str):
     """(Model, params) of a draft trained by examples/train_draft.py (``models.draft``), checked against the
     target's tokenizer."""
     from models.draft import load_draft
+    from models.llama import is_unstacked
 
-    d = load_draft(name, target_config=target.config, tokenizer=target.tokenizer)
+    d = load_draft(name, target_config=target.config, tokenizer=target.tokenizer, unstacked=is_unstacked(target.params))
     return d.model, d.params
 
 

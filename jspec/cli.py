@@ -70,7 +70,7 @@ def build_drafter(args, target, load, loaded=None):
     if args.drafter == "model":
         if not args.draft_model:
             raise SystemExit("--drafter model needs --draft-model NAME_OR_PATH (a model sharing the tokenizer)")
-        _, dparams, dmodel, _ = load(args.draft_model, args.dtype)
+        _, dparams, dmodel, _ = load_model(load, args.draft_model, args.dtype, unstacked=args.layers == "unstacked")
         return _model_drafter(args, dmodel), dparams
     if args.drafter in TRAINED_DRAFTERS:
         fn = model_loader("jspec.drafter_loaders", args.drafter)

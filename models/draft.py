@@ -47,6 +47,7 @@ from models.llama import (
     param_logical_axes,
     run_layers,
     stack_layers,
+    unstack_layers,
 )
 from models.llama import forward as llama_forward
 
@@ -572,11 +573,13 @@ def load_draft(
     tokenizer=None,
     sharding: ShardingSpec = None,
     dtype: Any = None,
+    unstacked: bool = False,
 ) -> LoadedDraft:
     """Load a saved draft (directory or cache name) and check it against the target.
 
     target_config / tokenizer: the target's; a vocabulary size, tokenizer or special-id mismatch raises
     ``DraftMismatchError`` naming it (a draft saved without a tokenizer is checked on size only).
+    unstacked: return the params in the CPU decode layout (``models.llama.unstack_layers``), as for the target.
     """
     path = resolve_draft(path_or_name)
     meta = read_meta(path)
@@ -602,4 +605,6 @@ def load_draft(
             draft_special={k: tok_meta.get(k) for k in ("eos_id", "bos_id")} if tok_meta else None,
         )
     dcfg, params = restore_draft(path, sharding, dtype)
+    if unstacked:
+        params = unstack_layers(params)
     return LoadedDraft(dcfg, params, make_draft_model(dcfg), path, meta)

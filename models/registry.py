@@ -14,7 +14,7 @@ from jspec.model import Model
 from models.checkpoint import CheckpointError
 from models.gguf_loader import config_from_gguf, open_gguf, params_from_gguf
 from models.hf_loader import config_from_hf, params_from_hf
-from models.llama import LlamaConfig, Params, make_model, unstack_layers
+from models.llama import LlamaConfig, Params, is_unstacked, make_model, unstack_layers
 from models.tokenizer import Tokenizer
 
 
@@ -104,12 +104,19 @@ def _missing_spec(kind: str, root: str, train: str) -> ValueError:
 
 
 def load_draft_drafter(spec: str | None, target: LoadedModel, max_draft: int):
-    """A distilled draft model (``examples/train_draft.py``): a directory or a name under its cache."""
+    """A distilled draft model (``examples/train_draft.py``): a directory or a name under its cache, in the
+    target's layer layout (an unstacked target gets an unstacked draft: its steps are faster the same way)."""
     from models import draft
 
     if not spec:
         raise _missing_spec("draft", draft.cache_root(), "python examples/train_draft.py")
-    loaded = draft.load_draft(spec, target_config=target.config, tokenizer=target.tokenizer, dtype=target.config.dtype)
+    loaded = draft.load_draft(
+        spec,
+        target_config=target.config,
+        tokenizer=target.tokenizer,
+        dtype=target.config.dtype,
+        unstacked=is_unstacked(target.params),
+    )
     return loaded.model, loaded.params
 
 

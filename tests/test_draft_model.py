@@ -111,6 +111,10 @@ def test_checkpoint_round_trip_identical_logits(distilled, tmp_path):
     _, placed = D.restore_draft(tmp_path / "d", sharding=jax.sharding.SingleDeviceSharding(dev))
     assert all(leaf.sharding.device_set == {dev} for leaf in jax.tree.leaves(placed))
     np.testing.assert_array_equal(np.asarray(_logits(dcfg, placed, tokens)), want)
+    # In the CPU decode layout (per-layer fused weights), as an unstacked target loads its draft.
+    flat = D.load_draft(tmp_path / "d", target_config=TARGET_CFG, unstacked=True).params
+    assert isinstance(flat["layers"], tuple) and "w_gate_up" in flat["layers"][0]["mlp"]
+    np.testing.assert_allclose(np.asarray(_logits(dcfg, flat, tokens)), want, atol=1e-5, rtol=1e-5)
     # In bfloat16: float leaves cast, integer maps untouched.
     bcfg, bf = D.restore_draft(tmp_path / "d", dtype="bfloat16")
     assert bf["layers"]["attn"]["wq"].dtype == jnp.bfloat16 and bf["head"]["ids"].dtype == jnp.int32
