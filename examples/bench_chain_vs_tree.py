@@ -2,8 +2,9 @@
 
 For each budget N (positions the target verifies per round, the pending token included):
 - chain: K = N - 1 candidates from the draft (``ModelDrafter``), one K+1-wide target call;
-- static tree: ``TreeSpec((2, 1, 1, ...), budget=N)``, two branches at the root, N nodes verified under the
-  ancestor mask (``TreeModelDrafter``);
+- static trees: ``TreeSpec((w, 1, 1, ...), budget=N)`` for w = 2 and 4 branches at the root, N nodes
+  verified under the ancestor mask (``TreeModelDrafter``); the wide one suits a draft whose first guess is
+  often wrong but whose top 4 often hold the target's token;
 - dynamic tree: EAGLE-2 style ``DynamicTreeDrafter(top_k, depth, budget=N)``.
 All greedy (the deterministic tree rule) and all through the continuous-batching engine, plain decoding as
 the reference, at closed-loop concurrency 1 and --concurrency. The tables report tokens per round (accepted
@@ -33,22 +34,21 @@ from jspec.drafters import ModelDrafter
 from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec
 
 
-def static_tree(budget: int) -> TreeSpec:
-    """Two branches at the root, then single children, cut to ``budget`` nodes in breadth-first order."""
-    depth = max(1, math.ceil((budget - 1) / 2))
-    return TreeSpec((2,) + (1,) * (depth - 1), budget=budget)
+def static_tree(budget: int, width: int = 2) -> TreeSpec:
+    """``width`` branches at the root (at most budget - 1), then single children, cut to ``budget`` nodes in
+    breadth-first order."""
+    width = min(width, budget - 1)
+    depth = max(1, math.ceil((budget - 1) / width))
+    return TreeSpec((width,) + (1,) * (depth - 1), budget=budget)
 
 
 def specs_for_budget(model, params, n: int) -> list[Spec]:
     chain = Spec(f"chain K={n - 1} (N={n})", ModelDrafter(model), n - 1, params, peer="chain")
-    st = static_tree(n)
-    tree = Spec(
-        f"static tree {st.branching} (N={st.num_nodes})",
-        TreeModelDrafter(model, st, TreeRule.DETERMINISTIC),
-        st.max_depth,
-        params,
-        peer="tree",
-    )
+    trees = []
+    for width in (2, 4):
+        st = static_tree(n, width)
+        name = f"static tree {st.branching} (N={st.num_nodes})"
+        trees.append(Spec(name, TreeModelDrafter(model, st, TreeRule.DETERMINISTIC), st.max_depth, params, peer="tree"))
     depth = max(2, min(n - 1, 4))
     dyn = Spec(
         f"dynamic tree k=4 d={depth} (N={n})",
@@ -57,7 +57,7 @@ def specs_for_budget(model, params, n: int) -> list[Spec]:
         params,
         peer="tree",
     )
-    return [chain, tree, dyn]
+    return [chain, *trees, dyn]
 
 
 def ngram_specs_for_budget(target, n: int) -> list[Spec]:

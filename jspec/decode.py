@@ -269,8 +269,9 @@ def _chain_step(
 def _cond_in_place(pred: jax.Array, true_fn, false_fn, carry):
     """``lax.cond(pred, true_fn, false_fn, carry)`` for branches that rewrite a large buffer of ``carry`` (the KV
     cache): run as two while loops of 0 or 1 trips. XLA updates while-loop carries in place, whereas a cond
-    copied the whole cache into or out of its branch and once more after it (4 cache copies per round in the
-    optimised HLO, ~1/3 of a SmolLM2 decode step). Both functions map ``carry`` to a value of its structure."""
+    copied k and v into or out of the taken branch and again after it (SmolLM2, n-gram K=4: 4 whole-cache
+    copies per round in the optimised HLO; 48.1 -> 46.4 ms per round without them). Both functions map
+    ``carry`` to a value of its structure."""
 
     def once(fn, go):
         def body(c):
