@@ -125,12 +125,14 @@ def commit_path(cache, path: jax.Array, n: jax.Array):
     dst_off = jnp.where(dst_off < n[:, None], dst_off, slots)  # entries beyond n are not moved
     dst = scratch_slots(cache.lengths, dst_off, slots)
 
-    def move(arr):  # [L, B, Hkv, S, D]
-        def one_row(row, s_idx, d_idx):  # row [L, Hkv, S, D]
-            vals = jnp.take(row, jnp.minimum(s_idx, slots - 1), axis=2)
-            return row.at[:, :, d_idx, :].set(vals, mode="drop")
+    rows = jnp.broadcast_to(jnp.arange(path.shape[0], dtype=jnp.int32)[:, None], path.shape)  # [B, P]
 
-        return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(arr, src, dst)
+    def move(arr):  # [L, B, Hkv, S, D]
+        # One gather and one scatter with explicit (row, slot) indices. The advanced indices are split by a
+        # slice, so the moved window is [B, P, L, Hkv, D] on both sides. A scatter vmapped over the batch axis
+        # made XLA:CPU convert the whole cache to a batch-major layout and back every round.
+        vals = arr[:, rows, :, jnp.minimum(src, slots - 1), :]
+        return arr.at[:, rows, :, dst, :].set(vals, mode="drop")
 
     return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v), lengths=cache.lengths + n.astype(jnp.int32))
 

@@ -129,6 +129,31 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, v - 1)
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(x, k)`` over the last axis: (values [..., k] descending, indices [..., k] int32), the
+    lower index first among equal values. For k <= 16 it runs as k max/min passes: XLA:CPU lowers
+    ``lax.top_k`` to a full sort of every row, which took 45 ms of a 166 ms tree round for [4, 2, 49152]
+    draft logits."""
+    if k > 16:
+        vals, idx = jax.lax.top_k(x, k)
+        return vals, idx.astype(jnp.int32)
+    v = x.shape[-1]
+    if not 0 <= k <= v:
+        raise ValueError(f"top_k: k={k} outside [0, {v}]")
+    iota = jnp.arange(v, dtype=jnp.int32)
+    taken = jnp.zeros(x.shape, bool)
+    vals, idxs = [], []
+    for _ in range(k):
+        rest = jnp.where(taken, -jnp.inf, x)
+        top = jnp.max(rest, axis=-1, keepdims=True)
+        # Among untaken entries equal to the max (all -inf ones too, once only those are left), the lowest.
+        i = jnp.min(jnp.where((rest == top) & ~taken, iota, v), axis=-1)
+        vals.append(top[..., 0])
+        idxs.append(i)
+        taken = taken | (iota == i[..., None])
+    return jnp.stack(vals, axis=-1).astype(x.dtype), jnp.stack(idxs, axis=-1).astype(jnp.int32)
+
+
 def sample_from(probs: jax.Array, u: jax.Array) -> jax.Array:
     """Inverse-CDF draw: probs [..., V] (need not be normalised), u [...] uniforms in [0, 1) -> ids [...].
 

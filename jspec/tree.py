@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.cache import take_rows
-from jspec.sampling import distribution, sample_from
+from jspec.sampling import distribution, sample_from, top_k
 
 
 class TreeRule(enum.IntEnum):
@@ -228,14 +228,14 @@ class TreeProposal:
 def _gumbel_top(key, logq: jax.Array, c: int) -> jax.Array:
     """[..., V] log-probabilities -> [..., c] tokens drawn without replacement, in draw order."""
     g = jax.random.gumbel(key, logq.shape)
-    return jax.lax.top_k(logq + g, c)[1].astype(jnp.int32)
+    return top_k(logq + g, c)[1]
 
 
 def choose_children(key, logits: jax.Array, q: jax.Array, c: int, rule: TreeRule):
     """Children for nodes with draft logits / distributions [B, M, V]: -> (tokens [B, M, c], ok [B, M, c])."""
     if rule == TreeRule.DETERMINISTIC:
         # Ranked by the raw draft logits: under greedy q is one-hot, but the runner-up guesses still help.
-        return jax.lax.top_k(logits, c)[1].astype(jnp.int32), jnp.ones(logits.shape[:-1] + (c,), bool)
+        return top_k(logits, c)[1], jnp.ones(logits.shape[:-1] + (c,), bool)
     if rule == TreeRule.IID:
         u = jax.random.uniform(key, q.shape[:-1] + (c,))
         cdf = jnp.cumsum(q, axis=-1)
@@ -373,7 +373,7 @@ class DynamicTreeDrafter(TreeModelDrafter):
         f_pool = jnp.zeros((b, dd * k), jnp.int32)  # pool index of each frontier node
         # Candidate pool: tokens, parent pool index (-1 = root), score (cumulative log-prob), depth.
         logq = jax.nn.log_softmax(root_logits.astype(jnp.float32), axis=-1)
-        score, tok = jax.lax.top_k(logq, k)
+        score, tok = top_k(logq, k)
         p_tok, p_par, p_score = [tok], [jnp.full((b, k), -1, jnp.int32)], [score]
         p_dep = [jnp.ones((b, k), jnp.int32)]
         f_tok = f_tok.at[:, :k].set(tok)
@@ -388,7 +388,7 @@ class DynamicTreeDrafter(TreeModelDrafter):
             logits, _ = self.model.apply(params, f_tok, pend[:, None] + f_dep, cache, mask)
             lvl = logits[:, (d - 1) * k : d * k]  # [B, k, V]
             logq = jax.nn.log_softmax(lvl.astype(jnp.float32), axis=-1)
-            c_score, c_tok = jax.lax.top_k(logq, k)  # [B, k, k]
+            c_score, c_tok = top_k(logq, k)  # [B, k, k]
             c_score = (f_score[:, :, None] + c_score).reshape(b, k * k)
             c_tok = c_tok.reshape(b, k * k)
             c_par_f = jnp.repeat(jnp.arange((d - 1) * k, d * k), k)[None, :]  # frontier index of the parent

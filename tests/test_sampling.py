@@ -101,3 +101,20 @@ def test_argmax_matches_numpy_including_ties():
     np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
     y = rng.standard_normal((3, 49152)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(y))), np.argmax(y, axis=-1))
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_top_k_matches_a_stable_sort_including_ties_and_neg_inf(k):
+    """Reference: numpy's stable argsort of -x (descending values, lower index first among equals)."""
+    from jspec.sampling import top_k
+
+    rng = np.random.default_rng(4)
+    x = rng.integers(0, 3, size=(4, 3, 20)).astype(np.float32)  # many ties
+    x[0, 0] = -np.inf  # a row with nothing finite: the k lowest indices
+    x[1, 1, 5:] = -np.inf  # fewer finite entries than k = 8
+    vals, idx = top_k(jnp.asarray(x), k)
+    want = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+    np.testing.assert_array_equal(np.asarray(idx), want)
+    np.testing.assert_array_equal(np.asarray(vals), np.take_along_axis(x, want, axis=-1))
+    y = rng.standard_normal((2, 49152)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(top_k(jnp.asarray(y), k)[1]), np.argsort(-y, axis=-1)[..., :k])
