@@ -266,6 +266,9 @@ def _chain_step(
     return draft_tokens, res.n_accepted, res.next_token, None, cache, draft_state, proposed_at, res.bad_proposal
 
 
+AT_MOST_ONCE = "at_most_once"
+
+
 def _cond_in_place(pred: jax.Array, true_fn, false_fn, carry):
     """``lax.cond(pred, true_fn, false_fn, carry)`` for branches that rewrite a large buffer of ``carry`` (the KV
     cache): run as two while loops of 0 or 1 trips. XLA updates while-loop carries in place, whereas a cond
@@ -279,8 +282,11 @@ def _cond_in_place(pred: jax.Array, true_fn, false_fn, carry):
 
         return lambda c: jax.lax.while_loop(lambda c: c[0] < go, body, (jnp.int32(0), c))[1]
 
-    carry = once(false_fn, jnp.where(pred, 0, 1))(carry)
-    return once(true_fn, jnp.where(pred, 1, 0))(carry)
+    # The scope name marks these loops in the compiled HLO, so analyses (``sharding.hlo``) can count them as
+    # branches taken at most once rather than as data-dependent loops.
+    with jax.named_scope(AT_MOST_ONCE):
+        carry = once(false_fn, jnp.where(pred, 0, 1))(carry)
+        return once(true_fn, jnp.where(pred, 1, 0))(carry)
 
 
 def _tree_step(

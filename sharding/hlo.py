@@ -4,7 +4,9 @@ Static counts (ops in the program text) say little about a loop: a collective in
 once per layer, one inside the decode ``while`` once per round. ``analyze`` therefore walks the call graph
 from the entry computation, multiplying by known trip counts (XLA records ``known_trip_count`` for scans),
 taking the larger branch of a conditional (the worst-case round), and reporting the data-dependent loop
-(the decode loop: no known trip count) separately as "per round".
+(the decode loop: no known trip count) separately as "per round". A while loop whose metadata carries
+``jspec.decode.AT_MOST_ONCE`` is a branch written as a loop of 0 or 1 trips: counted as one trip, like the
+taken branch of a conditional.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import Counter
+
+from jspec.decode import AT_MOST_ONCE
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -115,6 +119,10 @@ def analyze(hlo: str) -> Analysis:
                 trip = _TRIP.search(line)
                 if trip:  # a scan: its body runs a known number of times per execution of this computation
                     once += _scale(body_once + cond_once, int(trip.group(1)))
+                    per += body_per + cond_per
+                    loops += bl + cl
+                elif AT_MOST_ONCE in line:  # a branch as a loop (``jspec.decode._cond_in_place``): worst case
+                    once += body_once + cond_once
                     per += body_per + cond_per
                     loops += bl + cl
                 else:  # the decode loop: what one iteration costs

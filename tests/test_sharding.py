@@ -129,8 +129,18 @@ HLO = """HloModule m
   ROOT %r = f32[2] copy(%p)
 }
 
+%once_body (p: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %ar1 = f32[2]{0} all-reduce(%x), channel_id=7, to_apply=%add
+  ROOT %t = tuple()
+}
+
+%once_cond (p: (s32[], f32[2])) -> pred[] {
+  ROOT %c = pred[] compare()
+}
+
 %loop_body (p: (s32[], f32[2])) -> (s32[], f32[2]) {
   %w = (s32[], f32[2,4]) while(%init), condition=%cond.1, body=%body.1, backend_config={"known_trip_count":{"n":"3"}}
+  %w1 = (s32[], f32[2]) while(%i1), condition=%once_cond, body=%once_body, metadata={op_name="f/at_most_once/while"}
   %cp = s32[4]{0} collective-permute(%z), channel_id=4, source_target_pairs={{0,1},{1,0}}
   %cnd = f32[2] conditional(%pr, %a, %b), branch_computations={%branch_a, %branch_b}
   ROOT %t = tuple()
@@ -152,11 +162,12 @@ ENTRY %main (a: f32[2]) -> f32[2] {
 def test_hlo_analysis_counts_per_round():
     a = hlo.analyze(HLO)
     s = a.summary()
-    assert s["decode_loops"] == 1
+    assert s["decode_loops"] == 1  # the at-most-once loop inside the round is a branch, not a second loop
     assert s["outside_loop"] == {"all-reduce": 1}
-    # per round: 3 scan iterations x 1 all-reduce + permute + the larger branch (2 all-gathers) + loop cond
-    assert s["per_round"] == {"all-gather": 2, "all-reduce": 4, "collective-permute": 1}
-    assert s["static_total"] == 6
+    # per round: 3 scan iterations x 1 all-reduce + the at-most-once loop's all-reduce + permute + the larger
+    # branch (2 all-gathers) + loop cond
+    assert s["per_round"] == {"all-gather": 2, "all-reduce": 5, "collective-permute": 1}
+    assert s["static_total"] == 7
     assert [c.op for c in hlo.cache_collectives(HLO, slots=48, head_dim=16)] == ["all-gather", "all-gather"]
     assert hlo.cache_collectives(HLO, slots=64, head_dim=16) == []
 
