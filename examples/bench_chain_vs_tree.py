@@ -42,10 +42,10 @@ def static_tree(budget: int, width: int = 2) -> TreeSpec:
     return TreeSpec((width,) + (1,) * (depth - 1), budget=budget)
 
 
-def specs_for_budget(model, params, n: int) -> list[Spec]:
+def specs_for_budget(model, params, n: int, widths=(2, 4), dynamic: bool = True) -> list[Spec]:
     chain = Spec(f"chain K={n - 1} (N={n})", ModelDrafter(model), n - 1, params, peer="chain")
     trees = []
-    for width in (2, 4):
+    for width in widths:
         st = static_tree(n, width)
         name = f"static tree {st.branching} (N={st.num_nodes})"
         trees.append(Spec(name, TreeModelDrafter(model, st, TreeRule.DETERMINISTIC), st.max_depth, params, peer="tree"))
@@ -57,7 +57,7 @@ def specs_for_budget(model, params, n: int) -> list[Spec]:
         params,
         peer="tree",
     )
-    return [chain, *trees, dyn]
+    return [chain, *trees, *([dyn] if dynamic else [])]
 
 
 def ngram_specs_for_budget(target, n: int) -> list[Spec]:
@@ -83,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-layers", type=int, default=4)
     ap.add_argument("--draft", default=None, help="a distilled draft instead of the truncated target")
     ap.add_argument("--ngram", action="store_true", help="n-gram chain vs n-gram trees instead of a draft model")
+    ap.add_argument("--widths", default="2,4", help="root widths of the static trees (draft model only)")
+    ap.add_argument("--no-dynamic", action="store_true", help="skip the dynamic tree (draft model only)")
     ap.set_defaults(out="results/chain_vs_tree", n=2)
     args = ap.parse_args(argv)
     cfg = suite.config_from_args(args)
@@ -96,7 +98,8 @@ def main(argv=None) -> int:
     else:
         draft = distilled_draft(target, args.draft) if args.draft else truncated_draft(target, args.draft_layers)
         for n in (int(x) for x in args.budgets.split(",")):
-            specs += specs_for_budget(*draft, n)
+            widths = tuple(int(w) for w in args.widths.split(",") if w)
+            specs += specs_for_budget(*draft, n, widths, dynamic=not args.no_dynamic)
     batches = [int(c) for c in str(args.concurrency).split(",") if c and int(c) > 1]
     loads = [Load.closed(1, cfg.timeout_s)] + [Load.closed(c, cfg.timeout_s) for c in batches]
     results = suite.run_specs(target, specs, loads, jobs, cfg)

@@ -77,8 +77,14 @@ def build_drafter(args, target, load, loaded=None):
         drafter, dparams = fn(args.draft_model, loaded, args.gamma)
         if isinstance(drafter, Model):  # a plain draft model: chain or tree as the flags say
             drafter = _model_drafter(args, drafter)
+        elif (args.tree or args.dynamic_tree) and hasattr(drafter, "as_model"):
+            # A drafter that can also run as a stand-alone draft model (LayerSkip's exit) builds trees as one.
+            dmodel, dparams = drafter.as_model(dparams)
+            drafter = _model_drafter(args, dmodel)
         elif args.tree or args.dynamic_tree:
-            raise SystemExit(f"--tree/--dynamic-tree apply to model drafters, not to --drafter {args.drafter}")
+            raise ValueError(
+                f"--tree/--dynamic-tree apply to model drafters and LayerSkip, not to --drafter {args.drafter}"
+            )
         return drafter, dparams
     raise SystemExit(f"unknown drafter '{args.drafter}'; choose from {', '.join(DRAFTERS)}")
 
@@ -228,7 +234,9 @@ def main(argv=None) -> int:
     g.add_argument("--gamma", type=int, default=4, help="K, candidates per round")
     g.add_argument("--adaptive", action="store_true", help="per-row draft length from measured acceptance")
     g.add_argument("--block-verify", action="store_true", help="block verification of chains (Sun et al.)")
-    g.add_argument("--tree", default=None, help="static tree for a model drafter: branching per depth, e.g. 3,2,1")
+    g.add_argument(
+        "--tree", default=None, help="static tree (model drafters, LayerSkip): branching per depth, e.g. 3,2,1"
+    )
     g.add_argument("--tree-budget", type=int, default=None, help="keep the first N nodes of --tree")
     g.add_argument("--tree-rule", default="deterministic", choices=("deterministic", "iid", "without-replacement"))
     g.add_argument("--dynamic-tree", default=None, help="EAGLE-2 style tree: TOP_K,DEPTH,BUDGET")

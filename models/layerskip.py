@@ -27,6 +27,7 @@ draft params too (JAX does not copy them); ``ex`` is None or the dict built by `
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -155,6 +156,29 @@ def exit_logits(cfg: LlamaConfig, target_params: Params, ex: dict | None, h: jax
     return full.at[:, :, ex["token_ids"]].set(sub)
 
 
+@functools.cache
+def exit_model(cfg: LlamaConfig, exit_layer: int) -> Model:
+    """The exit as a stand-alone draft ``Model``: layers [0, E) with a cache of their own ([E, B, Hkv, S, D]),
+    then (adapter) + final norm + LM head (``exit_logits``). Its params are ``(target params cut to E layers,
+    ex)`` (``LayerSkipDrafter.as_model``). This is what the candidate-tree drafters run: a tree's nodes are
+    scratch entries of the draft's own cache, so the chain's sharing of the target cache does not carry over
+    and the verification runs all L layers. One ``Model`` per (config, E), so jit sees one static identity."""
+    if not 1 <= exit_layer < cfg.num_layers:
+        raise ValueError(f"exit_layer={exit_layer} must be in [1, {cfg.num_layers - 1}]")
+    cfg_e = cfg.replace(num_layers=exit_layer, name=f"{cfg.name}-exit{exit_layer}")
+
+    def apply(params, tokens, positions, cache, tree_mask=None):
+        tparams, ex = params
+        h = llama.embed(cfg_e, tparams, tokens)
+        h, cache = llama.run_layers(cfg_e, tparams, h, positions, cache, tree_mask)
+        return exit_logits(cfg_e, tparams, ex, h), cache
+
+    def make_cache(batch: int, slots: int) -> KVCache:
+        return llama.init_cache(cfg_e, batch, slots)
+
+    return Model(apply=apply, init_cache=make_cache, vocab_size=cfg.vocab_size, name=cfg_e.name)
+
+
 # --------------------------------------------------------------------------------------------------------
 # The drafter.
 
@@ -209,6 +233,16 @@ class LayerSkipDrafter:
             out["token_ids"] = ids
             out["head"] = head_rows(self.cfg, target_params, ids)
         return target_params, (out or None)
+
+    def as_model(self, draft_params: tuple[Params, dict | None]) -> tuple[Model, tuple[Params, dict | None]]:
+        """This exit as a stand-alone draft model (``exit_model``) and its params, from what ``draft_params``
+        returned: for ``jspec.tree.TreeModelDrafter`` / ``DynamicTreeDrafter``, which build candidate trees
+        from any draft ``Model``. Unstacked layers are shared with the target; stacked ones are sliced once
+        here (an [E, ...] copy), not per call."""
+        tparams, ex = draft_params
+        e, layers = self.exit_layer, tparams["layers"]
+        first = layers[:e] if llama.is_unstacked(tparams) else jax.tree.map(lambda w: w[:e], layers)
+        return exit_model(self.cfg, e), ({**tparams, "layers": first}, ex)
 
     def init(self, params, prompt: jax.Array, prompt_len: jax.Array, slots: int) -> jax.Array:
         """Nothing to prefill (the target's prefill filled every layer); the state is the layer-E hidden

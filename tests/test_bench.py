@@ -258,3 +258,23 @@ def test_warmup_compiles_everything_the_timed_run_calls():
                      eos_ids=eos, warmup=False)  # fmt: skip
     assert all(r.error is None for r in res.records)
     assert [f._cache_size() for f in fns] == before
+
+
+def test_chain_vs_tree_budgets():
+    """bench_chain_vs_tree compares shapes at one verification budget N: every static tree has exactly N nodes
+    (the root included), the node a budget cut keeps below a wide root hangs under the top-ranked child, and
+    --widths / --no-dynamic choose the rows."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import bench_chain_vs_tree as bench
+
+    for budget, width, branching in [(5, 3, (3, 1)), (5, 4, (4,)), (5, 9, (4,)), (8, 2, (2, 1, 1, 1))]:
+        st = bench.static_tree(budget, width)
+        assert (st.branching, st.num_nodes) == (branching, budget)
+    parent, depth, rank = bench.static_tree(5, 3).arrays
+    assert (list(parent), list(depth), list(rank)) == ([-1, 0, 0, 0, 1], [0, 1, 1, 1, 2], [0, 0, 1, 2, 0])
+    labels = [s.label for s in bench.specs_for_budget(DRAFTER.model, DRAFT_PARAMS, 5, widths=(3,), dynamic=False)]
+    assert labels == ["chain K=4 (N=5)", "static tree (3, 1) (N=5)"]
+    assert len(bench.specs_for_budget(DRAFTER.model, DRAFT_PARAMS, 5)) == 4  # chain, (2, 1), (4,), dynamic

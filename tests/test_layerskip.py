@@ -16,6 +16,7 @@ from jspec.adaptive import AdaptiveK
 from jspec.decode import decode
 from jspec.drafters import DraftContext
 from jspec.sampling import SamplingParams, distribution
+from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec
 from models import llama
 from models.layerskip import (
     LayerSkipDrafter,
@@ -198,6 +199,38 @@ def test_greedy_identical_to_plain_decoding():
             assert 0 < adaptive.stats["proposed"] < spec.stats["proposed"]
 
 
+def test_exit_model_matches_the_exit_and_builds_greedy_trees():
+    """``as_model``: the exit as a stand-alone draft model with its own E-layer cache. Its distribution for a
+    prefix fed in pieces (sibling nodes under a tree mask included) equals the independent whole-row early
+    exit, and static and dynamic trees drafted with it decode exactly as plain greedy decoding."""
+    drafter = LayerSkipDrafter(TINY, 2, adapter=True, head_tokens=40, max_draft=4)
+    dparams = drafter.draft_params(TINY_PARAMS, random_exit(TINY, drafter, 11, scale=0.05))
+    model, mparams = drafter.as_model(dparams)
+    assert model is drafter.as_model(dparams)[0]  # one static identity per (config, E): no recompiles
+    rows = jnp.asarray([[1, 5, 9, 3, 7, 2], [2, 4, 6, 8, 10, 12]], jnp.int32)
+    cache = model.init_cache(2, 8)
+    assert cache.k.shape[0] == 2  # E layers, not L
+    _, cache = model.apply(mparams, rows[:, :4], jnp.broadcast_to(jnp.arange(4), (2, 4)), cache)
+    # Tokens 4 and 5 as two siblings at position 4: each sees the prefix and itself, not the other.
+    siblings = jnp.broadcast_to(jnp.eye(2, dtype=bool), (2, 2, 2))
+    logits, _ = model.apply(mparams, rows[:, 4:], jnp.full((2, 2), 4), cache.with_lengths(jnp.full((2,), 4)), siblings)
+    sampling = SamplingParams.make(2, 1.0)
+    got = distribution(logits, sampling)
+    want0 = early_exit_q(2, dparams[1], rows[:, :5], sampling)[:, -1]
+    want1 = early_exit_q(2, dparams[1], jnp.concatenate([rows[:, :4], rows[:, 5:]], 1), sampling)[:, -1]
+    np.testing.assert_allclose(got[:, 0], want0, atol=1e-5)
+    np.testing.assert_allclose(got[:, 1], want1, atol=1e-5)
+
+    plain = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=[24, 30, 17])
+    for tree in (
+        TreeModelDrafter(model, TreeSpec((2, 1)), TreeRule.DETERMINISTIC),
+        DynamicTreeDrafter(model, top_k=2, depth=3, budget=6),
+    ):
+        out = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=tree, draft_params=mparams, max_new_tokens=[24, 30, 17])
+        assert out.tokens == plain.tokens, tree
+        assert out.stats["tokens_per_round"] > 1.1, out.stats
+
+
 # ---- the sampled distribution at T > 0 (top-k / top-p) equals the target's, exactly enumerated ----
 
 # Vocabulary 5 so whole sequences can be enumerated; std 0.3 gives spread-out, position-dependent distributions
@@ -276,6 +309,29 @@ def test_whole_sequence_distribution_equals_target():
             draft = exact_exit_distribution(drafter, ex, n_new, **g)
             div = sum((draft.get(s, 0.0) - p) ** 2 / p for s, p in exact.items())
             assert n * div > 10 * chi2_critical(df), n * div
+
+
+def test_exit_model_tree_sequence_distribution_equals_target():
+    """A self-speculative tree (the exit through ``as_model``, its head without token 3, children drawn
+    without replacement) at T 0.7 with top-k and T 1.3 with top-p: 100k sampled sequences per setting against
+    the exact enumeration, chi-square at a 1e-5 false-alarm level."""
+    n, n_new = 100_000, 4
+    drafter = LayerSkipDrafter(DIST, 1, adapter=True, head_tokens=4, max_draft=2)
+    adapter = random_exit(DIST, drafter, 2, scale=0.1)["adapter"]
+    ex = {"adapter": adapter, "token_ids": jnp.asarray([0, 1, 2, 4], jnp.int32)}
+    model, mparams = drafter.as_model(drafter.draft_params(DIST_PARAMS, ex))
+    groups = DIST_GROUPS[:2]
+    prompts, cols = grouped_rows(DIST_PROMPT, groups, n)
+    tree = TreeModelDrafter(model, TreeSpec((2, 1)), TreeRule.WITHOUT_REPLACEMENT)
+    out = decode(DIST_MODEL, DIST_PARAMS, prompts, drafter=tree, draft_params=mparams, max_new_tokens=n_new,
+                 seed=9, max_len=16, **cols)  # fmt: skip
+    tokens = np.asarray(out.tokens)
+    assert out.stats["tokens_per_round"] > 1.2, out.stats  # paths of the tree were accepted
+    assert np.mean(tokens == 3) > 0.02  # the token the draft head cannot propose is still produced
+    for i, g in enumerate(groups):
+        exact = exact_llama_distribution(DIST, DIST_PARAMS, DIST_PROMPT, n_new, **g)
+        stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
+        assert stat < chi2_critical(df), (g, stat, df)
 
 
 def exact_exit_distribution(drafter, ex, n_new, **sampling) -> dict:

@@ -135,8 +135,13 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     )
     base = ["generate", "--prompt", QUESTIONS[1], "--max-new-tokens", "12", "--gamma", "3", "--compare", "--json"]
     base += ["--compile-cache", "none"]
-    for drafter, spec in (("draft", tmp_path / "draft"), ("layerskip", "exit:6"), ("eagle", tmp_path / "eagle")):
-        assert cli.main([*base, "--drafter", drafter, "--draft-model", str(spec)]) == 0
+    for drafter, spec, extra in (
+        ("draft", tmp_path / "draft", []),
+        ("layerskip", "exit:6", []),
+        ("layerskip", "exit:6", ["--tree", "2,1"]),  # the exit as a stand-alone tree draft (as_model)
+        ("eagle", tmp_path / "eagle", []),
+    ):
+        assert cli.main([*base, "--drafter", drafter, "--draft-model", str(spec), *extra]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["identical_to_plain"] is True, drafter
         assert out["stats"]["proposed"] > 0 and out["stats"]["new_tokens"] == len(out["token_ids"]) > 0, drafter
@@ -144,6 +149,8 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     # Missing or malformed specs are clear errors naming the flag.
     assert cli.main([*base, "--drafter", "eagle"]) == 2
     assert "--drafter eagle needs --draft-model" in capsys.readouterr().err
+    assert cli.main([*base, "--drafter", "eagle", "--draft-model", str(tmp_path / "eagle"), "--tree", "2,1"]) == 2
+    assert "not to --drafter eagle" in capsys.readouterr().err
     assert cli.main([*base, "--drafter", "layerskip", "--draft-model", "exit:x"]) == 2
     assert "expected exit:E" in capsys.readouterr().err
     assert cli.main([*base, "--drafter", "draft", "--draft-model", str(tmp_path / "nothing")]) == 2
