@@ -12,9 +12,12 @@ path length + 1) next to throughput: a tree may accept longer paths and still lo
 its budget on branches and on a per-level draft rollout.
 
 The draft is ``--draft-layers L`` (the target's first L layers, no training) or ``--draft NAME`` (distilled
-by examples/train_draft.py). Writes <out>/chain_vs_tree.{json,md} and plots.
+by examples/train_draft.py); ``--layerskip NAME|exit:E`` compares LayerSkip's own chain (early-layer K/V shared
+with the target) with trees drafted by the same exit as a stand-alone model; ``--ngram`` the n-gram drafter.
+Writes <out>/chain_vs_tree.{json,md} and plots.
 
-    python examples/bench_chain_vs_tree.py [--budgets 5,8] [--draft-layers 4] [--n 2] [--concurrency 4,16]
+    python examples/bench_chain_vs_tree.py [--budgets 5,8] [--draft-layers 4 | --draft NAME | --layerskip NAME]
+        [--widths 2,4] [--no-dynamic] [--n 2] [--concurrency 4,16]
 """
 
 from __future__ import annotations
@@ -60,6 +63,23 @@ def specs_for_budget(model, params, n: int, widths=(2, 4), dynamic: bool = True)
     return [chain, *trees, *([dyn] if dynamic else [])]
 
 
+def layerskip_specs_for_budget(target, spec: str, n: int, widths=(2, 4)) -> list[Spec]:
+    """LayerSkip self-speculation at budget N: its chain (K = N - 1, early-layer K/V shared with the target)
+    vs static trees drafted by the same exit as a stand-alone model (``LayerSkipDrafter.as_model``)."""
+    from models.registry import load_layerskip_drafter
+
+    drafter, dparams = load_layerskip_drafter(spec, target, n - 1)
+    specs = [Spec(f"layerskip chain K={n - 1} (N={n})", drafter, n - 1, dparams, peer="chain")]
+    model, mparams = drafter.as_model(dparams)
+    for width in widths:
+        st = static_tree(n, width)
+        name = f"layerskip tree {st.branching} (N={st.num_nodes})"
+        specs.append(
+            Spec(name, TreeModelDrafter(model, st, TreeRule.DETERMINISTIC), st.max_depth, mparams, peer="tree")
+        )
+    return specs
+
+
 def ngram_specs_for_budget(target, n: int) -> list[Spec]:
     """The n-gram drafter at budget N: a K = N - 1 chain vs trees of b continuations x depth (1 + b*depth <= N),
     for each b in (2, 3) that fits."""
@@ -85,6 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram", action="store_true", help="n-gram chain vs n-gram trees instead of a draft model")
     ap.add_argument("--widths", default="2,4", help="root widths of the static trees (draft model only)")
     ap.add_argument("--no-dynamic", action="store_true", help="skip the dynamic tree (draft model only)")
+    ap.add_argument(
+        "--layerskip", default=None, help="LayerSkip exit (trained adapter name or exit:E) instead of a draft"
+    )
     ap.set_defaults(out="results/chain_vs_tree", n=2)
     args = ap.parse_args(argv)
     cfg = suite.config_from_args(args)
@@ -95,6 +118,10 @@ def main(argv=None) -> int:
     if args.ngram:
         for n in (int(x) for x in args.budgets.split(",")):
             specs += [s for s in ngram_specs_for_budget(target, n) if s.label not in {t.label for t in specs}]
+    elif args.layerskip:
+        widths = tuple(int(w) for w in args.widths.split(",") if w)
+        for n in (int(x) for x in args.budgets.split(",")):
+            specs += layerskip_specs_for_budget(target, args.layerskip, n, widths)
     else:
         draft = distilled_draft(target, args.draft) if args.draft else truncated_draft(target, args.draft_layers)
         for n in (int(x) for x in args.budgets.split(",")):
@@ -105,7 +132,13 @@ def main(argv=None) -> int:
     results = suite.run_specs(target, specs, loads, jobs, cfg)
     lines = suite.headline(results)
     cmd = " ".join(["python examples/bench_chain_vs_tree.py", *map(shlex.quote, argv or sys.argv[1:])])
-    draft_name = "n-gram lookup" if args.ngram else args.draft or f"first {args.draft_layers} layers of the target"
+    draft_name = (
+        "n-gram lookup"
+        if args.ngram
+        else f"LayerSkip {args.layerskip}"
+        if args.layerskip
+        else args.draft or f"first {args.draft_layers} layers of the target"
+    )
     pl = suite.payload("chain_vs_tree", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd,
                        markdown_extra=[f"Draft model: {draft_name}. N = positions verified per round."])  # fmt: skip
     os.makedirs(args.out, exist_ok=True)

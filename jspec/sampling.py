@@ -66,8 +66,57 @@ def _expand(x: jax.Array, ndim: int) -> jax.Array:
     return x.reshape(x.shape + (1,) * (ndim - 1))
 
 
+def _bits(p: jax.Array) -> jax.Array:
+    """Non-negative float32 -> int32 with the same order (IEEE-754: the bit pattern of a non-negative float
+    grows with its value), so value thresholds can be found by bisection on integers, exactly."""
+    return jax.lax.bitcast_convert_type(p.astype(jnp.float32), jnp.int32)
+
+
+def _kth_largest(probs: jax.Array, k: jax.Array) -> jax.Array:
+    """probs [..., V] >= 0, k [..., 1] in [1, V] -> [..., 1] the k-th largest value, counted with
+    multiplicity: the largest t with #{p >= t} >= k. 32 bisection steps over the bit patterns, each one
+    counting pass over V."""
+    bits = _bits(probs)
+    k = jnp.broadcast_to(k, probs.shape[:-1] + (1,))
+    lo = jnp.zeros(k.shape, jnp.int32)  # #{p >= +0.0} = V >= k
+    hi = jnp.max(bits, axis=-1, keepdims=True) + 1  # #{p >= above the max} = 0 < k
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = jnp.sum(bits >= mid, axis=-1, keepdims=True, dtype=jnp.int32) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    return jax.lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _top_p_threshold(kept: jax.Array, top_p: jax.Array) -> jax.Array:
+    """kept [..., V] >= 0 (0 = filtered out), top_p [..., 1] in (0, 1) -> [..., 1] the smallest kept value x
+    whose strictly larger values hold less than top_p of the kept mass: the last value the descending
+    cumulative sum reaches before top_p, so keeping p >= x keeps the smallest prefix reaching top_p (with
+    its whole tie group). 32 bisection steps, each one masked sum over V."""
+    bits = _bits(kept)
+    target = top_p * jnp.sum(kept, axis=-1, keepdims=True)
+    lo = jnp.full(target.shape, -1, jnp.int32)  # mass above -1 (all of it) >= target: not ok
+    hi = jnp.max(bits, axis=-1, keepdims=True)  # mass above the max is 0 < target: ok
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = jnp.sum(jnp.where(bits > mid, kept, 0.0), axis=-1, keepdims=True) < target
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    _, hi = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    return jax.lax.bitcast_convert_type(hi, jnp.float32)
+
+
 def _filtered(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature-scaled probabilities with top-k/top-p/min-p applied (renormalised). [B, ..., V]."""
+    """Temperature-scaled probabilities with top-k/top-p/min-p applied (renormalised). [B, ..., V].
+
+    Thresholds are values, so ties are kept whole. They are found by bisection over the probabilities' bit
+    patterns, not by sorting: XLA:CPU sorts a 49152-entry row in ~10 ms, which made a top-p round at batch 16
+    with K=4 cost ~0.8 s; 64 passes over the row cost well under a millisecond."""
     nd = logits.ndim
     temp = _expand(params.temperature, nd)
     scaled = logits / jnp.where(temp > 0, temp, 1.0)
@@ -75,28 +124,20 @@ def _filtered(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
     def with_filters(probs):
         v = probs.shape[-1]
-        # One descending sort serves both top-k and top-p; thresholds are values, so ties are kept whole.
-        sorted_p = -jnp.sort(-probs, axis=-1)
         k = _expand(params.top_k, nd)
-        k_eff = jnp.where((k > 0) & (k < v), k, v)
-        kth = jnp.take_along_axis(sorted_p, k_eff - 1, axis=-1)
-        keep = probs >= kth
-        # top-p on the top-k result: renormalise the kept mass, find the smallest prefix reaching top_p.
-        sorted_kept = jnp.where(jnp.arange(v) < k_eff, sorted_p, 0.0)
-        sorted_kept = sorted_kept / jnp.sum(sorted_kept, axis=-1, keepdims=True)
-        before = jnp.cumsum(sorted_kept, axis=-1) - sorted_kept  # mass strictly above each sorted entry
+        kth = jnp.where((k > 0) & (k < v), _kth_largest(probs, jnp.clip(k, 1, v)), 0.0)
+        kept = jnp.where(probs >= kth, probs, 0.0)
+        # top-p on the top-k result (the threshold is relative to the kept mass, so no renormalising first).
         top_p = _expand(params.top_p, nd)
-        n_keep = jnp.maximum(jnp.sum((before < top_p) & (sorted_kept > 0), axis=-1, keepdims=True), 1)
-        pth = jnp.take_along_axis(sorted_p, n_keep - 1, axis=-1)
-        keep &= probs >= pth
-        kept = jnp.where(keep, probs, 0.0)
+        pth = jnp.where(top_p < 1.0, _top_p_threshold(kept, jnp.clip(top_p, 1e-30, 1.0)), 0.0)
+        kept = jnp.where(kept >= pth, kept, 0.0)
         kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
         # min-p is relative to the largest remaining probability, which the earlier filters never remove.
         min_p = _expand(params.min_p, nd)
         kept = jnp.where(kept >= min_p * jnp.max(kept, axis=-1, keepdims=True), kept, 0.0)
         return kept / jnp.sum(kept, axis=-1, keepdims=True)
 
-    # The sort over V costs more than the rest of the sampler; skip it when no row filters (the usual case).
+    # Rows without filters (the usual case) skip the threshold searches entirely.
     needs_filter = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0) | jnp.any(params.min_p > 0)
     return jax.lax.cond(needs_filter, with_filters, lambda x: x, probs)
 

@@ -29,9 +29,18 @@ def _insert_state(big: DecodeState, row: jax.Array, one: DecodeState) -> DecodeS
 
     draft = big.draft_state
     if draft is not None:
-        if not hasattr(draft, "insert"):
-            raise TypeError(f"the drafter state {type(draft).__name__} has no insert(): no continuous batching")
-        draft = draft.insert(row, one.draft_state)
+        if hasattr(draft, "insert"):
+            draft = draft.insert(row, one.draft_state)
+        else:
+            # Without insert(), a drafter state must be per-row arrays with a leading [B] axis (LayerSkip's
+            # layer-E hidden states); anything else cannot be split by row.
+            b = big.seq.shape[0]
+            if not all(getattr(a, "ndim", 0) >= 1 and a.shape[0] == b for a in jax.tree.leaves(draft)):
+                raise TypeError(
+                    f"the drafter state {type(draft).__name__} has no insert() and is not per-row [B, ...] "
+                    "arrays: no continuous batching"
+                )
+            draft = jax.tree.map(put, draft, one.draft_state)
     stats = dataclasses.replace(
         big.stats,
         rounds=put(big.stats.rounds, one.stats.rounds),

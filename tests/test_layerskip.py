@@ -16,6 +16,7 @@ from jspec.adaptive import AdaptiveK
 from jspec.decode import decode
 from jspec.drafters import DraftContext
 from jspec.sampling import SamplingParams, distribution
+from jspec.serve import Engine
 from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec
 from models import llama
 from models.layerskip import (
@@ -229,6 +230,18 @@ def test_exit_model_matches_the_exit_and_builds_greedy_trees():
         out = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=tree, draft_params=mparams, max_new_tokens=[24, 30, 17])
         assert out.tokens == plain.tokens, tree
         assert out.stats["tokens_per_round"] > 1.1, out.stats
+
+
+def test_continuous_batching_matches_single_requests():
+    """LayerSkip in the serving engine (its state: per-row hidden states, inserted by row): requests dropped
+    into free rows of a batch-2 engine decode exactly as each does alone."""
+    from test_serve import BUDGETS, REQUESTS, _serve
+
+    drafter = LayerSkipDrafter(TINY, 2, adapter=True, max_draft=3)
+    dparams = drafter.draft_params(TINY_PARAMS, random_exit(TINY, drafter, 5, scale=0.05))
+    kw = dict(drafter=drafter, draft_params=dparams, gamma=3)
+    alone = [decode(TINY_MODEL, TINY_PARAMS, [r], max_new_tokens=m, **kw).tokens[0] for r, m in zip(REQUESTS, BUDGETS)]
+    assert _serve(Engine(TINY_MODEL, TINY_PARAMS, batch=2, max_len=64, **kw)) == alone
 
 
 # ---- the sampled distribution at T > 0 (top-k / top-p) equals the target's, exactly enumerated ----

@@ -118,3 +118,26 @@ def test_top_k_matches_a_stable_sort_including_ties_and_neg_inf(k):
     np.testing.assert_array_equal(np.asarray(vals), np.take_along_axis(x, want, axis=-1))
     y = rng.standard_normal((2, 49152)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(top_k(jnp.asarray(y), k)[1]), np.argsort(-y, axis=-1)[..., :k])
+
+
+def test_filters_keep_tie_groups_whole_and_match_the_reference_on_vocab_rows():
+    """The threshold searches (bisection, no sort) against the float64 reference: logits with few distinct
+    values, where top-k and top-p cut through tie groups (the whole group is kept), a row whose filtered set
+    is every token, and SmolLM2-sized rows (V = 49152) with top-k 50 / top-p 0.9 / min-p."""
+    rng = np.random.default_rng(5)
+    ties = rng.integers(0, 5, size=(4, 2, 40)).astype(np.float64)
+    ties[3, 1] = 1.0  # one value everywhere: every filter keeps all 40
+    cases = [dict(temperature=1.0, top_k=7), dict(temperature=0.8, top_p=0.6),
+             dict(temperature=1.0, top_k=12, top_p=0.7), dict(temperature=1.0, top_k=3, top_p=0.3)]  # fmt: skip
+    big = rng.normal(size=(2, 1, 49152)) * 3.0
+    big_cases = [dict(temperature=1.0, top_k=50, top_p=0.9), dict(temperature=0.7, top_p=0.95, min_p=0.02)]
+    for logits, cs in ((ties, cases), (big, big_cases)):
+        cols = {k: [c.get(k, d) for c in cs] for k, d in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))}
+        params = SamplingParams.make(len(cs), [c["temperature"] for c in cs], **cols)
+        got = np.asarray(distribution(jnp.asarray(logits, jnp.float32), params))
+        for b, case in enumerate(cs):
+            for t in range(logits.shape[1]):
+                want = ref_transform(logits[b, t], **case)
+                np.testing.assert_array_equal(got[b, t] > 0, want > 0, err_msg=str(case))
+                np.testing.assert_allclose(got[b, t], want, atol=2e-6, err_msg=str(case))
+    assert 1 < np.count_nonzero(got[0, 0]) < 50  # top-p 0.9 cut inside the top 50 of a broad row
