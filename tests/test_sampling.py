@@ -141,3 +141,15 @@ def test_filters_keep_tie_groups_whole_and_match_the_reference_on_vocab_rows():
                 np.testing.assert_array_equal(got[b, t] > 0, want > 0, err_msg=str(case))
                 np.testing.assert_allclose(got[b, t], want, atol=2e-6, err_msg=str(case))
     assert 1 < np.count_nonzero(got[0, 0]) < 50  # top-p 0.9 cut inside the top 50 of a broad row
+
+
+def test_bench_sampler_agrees_with_its_sort_based_reference(capsys):
+    """examples/bench_sampler.py checks that both filters keep the same tokens before it times them."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import bench_sampler
+
+    assert bench_sampler.main(["--vocab", "300", "--shapes", "2x3,1x1", "--repeats", "1"]) == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.strip().endswith("x")]) == 6
