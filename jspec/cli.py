@@ -21,7 +21,7 @@ from jspec.model import Model
 
 # The last three come from the ``jspec.drafter_loaders`` entry points (this repository's ``models``).
 DRAFTERS = ("none", "ngram", "ngram-tree", "model", "draft", "layerskip", "eagle")
-TRAINED_DRAFTERS = ("draft", "layerskip", "eagle")
+TRAINED_DRAFTERS = ("model", "draft", "layerskip", "eagle")  # loaded through jspec.drafter_loaders
 
 
 def model_loader(group: str = "jspec.model_loaders", name: str | None = None):
@@ -67,11 +67,6 @@ def build_drafter(args, target, load, loaded=None):
         return NgramTreeDrafter(
             args.branches, args.gamma, args.ngram_max, args.ngram_min, vocab_size=target.vocab_size
         ), None
-    if args.drafter == "model":
-        if not args.draft_model:
-            raise SystemExit("--drafter model needs --draft-model NAME_OR_PATH (a model sharing the tokenizer)")
-        _, dparams, dmodel, _ = load_model(load, args.draft_model, args.dtype, unstacked=args.layers == "unstacked")
-        return _model_drafter(args, dmodel), dparams
     if args.drafter in TRAINED_DRAFTERS:
         fn = model_loader("jspec.drafter_loaders", args.drafter)
         drafter, dparams = fn(args.draft_model, loaded, args.gamma)

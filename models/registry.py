@@ -91,7 +91,7 @@ def load(name_or_path: str | os.PathLike, dtype="float32", unstacked: bool = Fal
 
 # --------------------------------------------------------------------------------------------------------
 # Trained drafters for a loaded target (the ``jspec.drafter_loaders`` entry points behind
-# ``python -m jspec generate --drafter draft|layerskip|eagle --draft-model SPEC``).
+# ``python -m jspec generate --drafter model|draft|layerskip|eagle --draft-model SPEC``).
 # Each returns (drafter or a bare jspec Model, draft params); a bare Model is wrapped by the CLI, so the tree
 # options apply to it.
 
@@ -101,6 +101,19 @@ def _missing_spec(kind: str, root: str, train: str) -> ValueError:
     names = [n for n in names if not n.startswith("_")]
     have = f"trained ones under {root}: {', '.join(names)}" if names else f"none is trained yet under {root}"
     return ValueError(f"--drafter {kind} needs --draft-model NAME_OR_PATH ({have}); train one with: {train}")
+
+
+def load_model_drafter(spec: str | None, target: LoadedModel, max_draft: int):
+    """Any checkpoint ``load`` reads (registry name, .gguf file, Hugging Face directory) as a draft model, in
+    the target's layer layout and dtype; refused with ``models.draft.DraftMismatchError`` unless it shares
+    the target's tokenizer (vocabulary size, every token string when both have a tokenizer, special ids)."""
+    from models import draft
+
+    if not spec:
+        raise ValueError("--drafter model needs --draft-model NAME_OR_PATH (a model sharing the target's tokenizer)")
+    loaded = load(spec, target.config.dtype, unstacked=is_unstacked(target.params))
+    draft.check_models_compatible(target, loaded)
+    return loaded.model, loaded.params
 
 
 def load_draft_drafter(spec: str | None, target: LoadedModel, max_draft: int):

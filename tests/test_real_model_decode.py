@@ -140,12 +140,15 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
         ("layerskip", "exit:6", []),
         ("layerskip", "exit:6", ["--tree", "2,1"]),  # the exit as a stand-alone tree draft (as_model)
         ("eagle", tmp_path / "eagle", []),
+        ("model", "smollm2-135m-instruct", []),  # the target as its own draft: every proposal is accepted
     ):
         assert cli.main([*base, "--drafter", drafter, "--draft-model", str(spec), *extra]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["identical_to_plain"] is True, drafter
         assert out["stats"]["proposed"] > 0 and out["stats"]["new_tokens"] == len(out["token_ids"]) > 0, drafter
         assert np.sum(out["stats"]["proposed_at"]) == out["stats"]["proposed"], drafter
+        if drafter == "model":
+            assert out["stats"]["accepted"] == out["stats"]["proposed"], out["stats"]
     # Missing or malformed specs are clear errors naming the flag.
     assert cli.main([*base, "--drafter", "eagle"]) == 2
     assert "--drafter eagle needs --draft-model" in capsys.readouterr().err
@@ -155,6 +158,15 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     assert "expected exit:E" in capsys.readouterr().err
     assert cli.main([*base, "--drafter", "draft", "--draft-model", str(tmp_path / "nothing")]) == 2
     assert "no draft" in capsys.readouterr().err
+    # --drafter model refuses a checkpoint with another tokenizer (here another vocabulary) before decoding.
+    pytest.importorskip("transformers")
+    from test_models_hf import tiny_model
+
+    tiny_model("llama", tied=True).save_pretrained(tmp_path / "other")
+    assert cli.main([*base, "--drafter", "model", "--draft-model", str(tmp_path / "other")]) == 2
+    assert "vocabulary mismatch" in capsys.readouterr().err
+    assert cli.main([*base, "--drafter", "model"]) == 2
+    assert "--drafter model needs --draft-model" in capsys.readouterr().err
 
 
 def test_loader_layout_argument_only_reaches_loaders_that_take_it():
