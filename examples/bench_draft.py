@@ -26,7 +26,6 @@ import os
 import re
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jspec import cost_model  # noqa: E402
 from jspec import decode as dec  # noqa: E402
+from jspec.bench import metrics  # noqa: E402
 from jspec.sampling import SamplingParams, distribution, sample  # noqa: E402
 from models import draft as D  # noqa: E402
 from models import registry  # noqa: E402
@@ -70,13 +70,7 @@ def get_draft(name: str, target, model: str, unstacked: bool = False):
 
 
 def _median_ms(fn, *args, n: int = 15) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return metrics.median_ms(lambda: fn(*args), repeats=n)
 
 
 def measure_costs(target, drafts, gammas, slots: int, ctx: int) -> dict:

@@ -10,13 +10,13 @@ this cost is paid every round whenever a filter is on. XLA:CPU sorts a 49152-ent
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.bench.metrics import median_ms
 from jspec.sampling import SamplingParams, distribution
 
 
@@ -44,16 +44,6 @@ def sorted_filter(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return out / jnp.sum(out, axis=-1, keepdims=True)
 
 
-def timed(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=49152)
@@ -76,8 +66,8 @@ def main(argv=None) -> int:
             a, r = ours(logits, params), ref(logits, params)
             if not np.array_equal(np.asarray(a) > 0, np.asarray(r) > 0):
                 raise SystemExit(f"{shape} {name}: the two filters keep different tokens")
-            ms_ours = timed(ours, logits, params, repeats=args.repeats)
-            ms_ref = timed(ref, logits, params, repeats=args.repeats)
+            ms_ours = median_ms(functools.partial(ours, logits, params), repeats=args.repeats)
+            ms_ref = median_ms(functools.partial(ref, logits, params), repeats=args.repeats)
             print(f"{shape:>7} {name:<34} {ms_ours:9.2f} {ms_ref:9.2f} {ms_ref / ms_ours:8.1f}x", flush=True)
     return 0
 

@@ -22,12 +22,12 @@ import argparse
 import functools
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.bench import metrics
 from jspec.cost_model import conditional_rates_from_stats, predict, survival_from_stats
 from jspec.decode import prepare
 from jspec.drafters import DraftContext
@@ -63,13 +63,7 @@ def exit_params_for(args, cfg, exit_layer: int, train: bool):
 
 
 def time_ms(fn, *a, n: int = 10) -> float:
-    jax.block_until_ready(fn(*a))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*a))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    return metrics.median_ms(lambda: fn(*a), repeats=n)
 
 
 def component_costs(cfg, params, model, drafter, dparams, k: int, prompt: list[int], slots: int) -> dict:
