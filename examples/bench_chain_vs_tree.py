@@ -45,13 +45,19 @@ def static_tree(budget: int, width: int = 2) -> TreeSpec:
     return TreeSpec((width,) + (1,) * (depth - 1), budget=budget)
 
 
-def specs_for_budget(model, params, n: int, widths=(2, 4), dynamic: bool = True) -> list[Spec]:
+def _rule_suffix(rule: TreeRule, rules) -> str:
+    """Labels name the rule only when a run compares several (the default, deterministic, stays unnamed)."""
+    return "" if len(rules) == 1 and rule == TreeRule.DETERMINISTIC else f" {rule.name.lower().replace('_', '-')}"
+
+
+def specs_for_budget(model, params, n: int, widths=(2, 4), dynamic: bool = True, rules=(TreeRule.DETERMINISTIC,)):
     chain = Spec(f"chain K={n - 1} (N={n})", ModelDrafter(model), n - 1, params, peer="chain")
     trees = []
     for width in widths:
         st = static_tree(n, width)
-        name = f"static tree {st.branching} (N={st.num_nodes})"
-        trees.append(Spec(name, TreeModelDrafter(model, st, TreeRule.DETERMINISTIC), st.max_depth, params, peer="tree"))
+        for rule in rules:
+            name = f"static tree {st.branching} (N={st.num_nodes})" + _rule_suffix(rule, rules)
+            trees.append(Spec(name, TreeModelDrafter(model, st, rule), st.max_depth, params, peer="tree"))
     depth = max(2, min(n - 1, 4))
     dyn = Spec(
         f"dynamic tree k=4 d={depth} (N={n})",
@@ -106,6 +112,11 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", default="2,4", help="root widths of the static trees (draft model only)")
     ap.add_argument("--no-dynamic", action="store_true", help="skip the dynamic tree (draft model only)")
     ap.add_argument(
+        "--rules",
+        default="deterministic",
+        help="static-tree verification rules to compare (draft model only): deterministic,iid,without-replacement",
+    )
+    ap.add_argument(
         "--layerskip", default=None, help="LayerSkip exit (trained adapter name or exit:E) instead of a draft"
     )
     ap.set_defaults(out="results/chain_vs_tree", n=2)
@@ -126,7 +137,8 @@ def main(argv=None) -> int:
         draft = distilled_draft(target, args.draft) if args.draft else truncated_draft(target, args.draft_layers)
         for n in (int(x) for x in args.budgets.split(",")):
             widths = tuple(int(w) for w in args.widths.split(",") if w)
-            specs += specs_for_budget(*draft, n, widths, dynamic=not args.no_dynamic)
+            rules = tuple(TreeRule[r.strip().upper().replace("-", "_")] for r in args.rules.split(",") if r.strip())
+            specs += specs_for_budget(*draft, n, widths, dynamic=not args.no_dynamic, rules=rules)
     batches = [int(c) for c in str(args.concurrency).split(",") if c and int(c) > 1]
     loads = [Load.closed(1, cfg.timeout_s)] + [Load.closed(c, cfg.timeout_s) for c in batches]
     results = suite.run_specs(target, specs, loads, jobs, cfg)

@@ -270,6 +270,8 @@ def test_chain_vs_tree_budgets():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import bench_chain_vs_tree as bench
 
+    from jspec.tree import TreeRule
+
     for budget, width, branching in [(5, 3, (3, 1)), (5, 4, (4,)), (5, 9, (4,)), (8, 2, (2, 1, 1, 1))]:
         st = bench.static_tree(budget, width)
         assert (st.branching, st.num_nodes) == (branching, budget)
@@ -278,3 +280,10 @@ def test_chain_vs_tree_budgets():
     labels = [s.label for s in bench.specs_for_budget(DRAFTER.model, DRAFT_PARAMS, 5, widths=(3,), dynamic=False)]
     assert labels == ["chain K=4 (N=5)", "static tree (3, 1) (N=5)"]
     assert len(bench.specs_for_budget(DRAFTER.model, DRAFT_PARAMS, 5)) == 4  # chain, (2, 1), (4,), dynamic
+    rules = (TreeRule.DETERMINISTIC, TreeRule.WITHOUT_REPLACEMENT)
+    specs = bench.specs_for_budget(DRAFTER.model, DRAFT_PARAMS, 5, widths=(4,), dynamic=False, rules=rules)
+    assert [s.label for s in specs[1:]] == [
+        "static tree (4,) (N=5) deterministic",
+        "static tree (4,) (N=5) without-replacement",
+    ]
+    assert [s.drafter.rule for s in specs[1:]] == list(rules)
