@@ -19,7 +19,7 @@ from importlib.metadata import entry_points
 from jspec.decode import prepare
 from jspec.model import Model
 
-# The last three come from the ``jspec.drafter_loaders`` entry points (this repository's ``models``).
+# The last four come from the ``jspec.drafter_loaders`` entry points (this repository's ``models``).
 DRAFTERS = ("none", "ngram", "ngram-tree", "model", "draft", "layerskip", "eagle")
 TRAINED_DRAFTERS = ("model", "draft", "layerskip", "eagle")  # loaded through jspec.drafter_loaders
 
