@@ -50,14 +50,20 @@ def _rule_suffix(rule: TreeRule, rules) -> str:
     return "" if len(rules) == 1 and rule == TreeRule.DETERMINISTIC else f" {rule.name.lower().replace('_', '-')}"
 
 
-def specs_for_budget(model, params, n: int, widths=(2, 4), dynamic: bool = True, rules=(TreeRule.DETERMINISTIC,)):
-    chain = Spec(f"chain K={n - 1} (N={n})", ModelDrafter(model), n - 1, params, peer="chain")
-    trees = []
+def static_tree_specs(model, params, n: int, widths, rules=(TreeRule.DETERMINISTIC,), prefix="static tree"):
+    """One ``TreeModelDrafter`` row per (root width, rule) at budget N, drafted by ``model``."""
+    specs = []
     for width in widths:
         st = static_tree(n, width)
         for rule in rules:
-            name = f"static tree {st.branching} (N={st.num_nodes})" + _rule_suffix(rule, rules)
-            trees.append(Spec(name, TreeModelDrafter(model, st, rule), st.max_depth, params, peer="tree"))
+            name = f"{prefix} {st.branching} (N={st.num_nodes})" + _rule_suffix(rule, rules)
+            specs.append(Spec(name, TreeModelDrafter(model, st, rule), st.max_depth, params, peer="tree"))
+    return specs
+
+
+def specs_for_budget(model, params, n: int, widths=(2, 4), dynamic: bool = True, rules=(TreeRule.DETERMINISTIC,)):
+    chain = Spec(f"chain K={n - 1} (N={n})", ModelDrafter(model), n - 1, params, peer="chain")
+    trees = static_tree_specs(model, params, n, widths, rules)
     depth = max(2, min(n - 1, 4))
     dyn = Spec(
         f"dynamic tree k=4 d={depth} (N={n})",
@@ -75,15 +81,9 @@ def layerskip_specs_for_budget(target, spec: str, n: int, widths=(2, 4)) -> list
     from models.registry import load_layerskip_drafter
 
     drafter, dparams = load_layerskip_drafter(spec, target, n - 1)
-    specs = [Spec(f"layerskip chain K={n - 1} (N={n})", drafter, n - 1, dparams, peer="chain")]
+    chain = Spec(f"layerskip chain K={n - 1} (N={n})", drafter, n - 1, dparams, peer="chain")
     model, mparams = drafter.as_model(dparams)
-    for width in widths:
-        st = static_tree(n, width)
-        name = f"layerskip tree {st.branching} (N={st.num_nodes})"
-        specs.append(
-            Spec(name, TreeModelDrafter(model, st, TreeRule.DETERMINISTIC), st.max_depth, mparams, peer="tree")
-        )
-    return specs
+    return [chain, *static_tree_specs(model, mparams, n, widths, prefix="layerskip tree")]
 
 
 def ngram_specs_for_budget(target, n: int) -> list[Spec]:
@@ -126,18 +126,17 @@ def main(argv=None) -> int:
     target = suite.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite.prepare_jobs(target, cfg)
     specs = [suite.plain_spec()]
+    widths = tuple(int(w) for w in args.widths.split(",") if w)
+    rules = tuple(TreeRule[r.strip().upper().replace("-", "_")] for r in args.rules.split(",") if r.strip())
     if args.ngram:
         for n in (int(x) for x in args.budgets.split(",")):
             specs += [s for s in ngram_specs_for_budget(target, n) if s.label not in {t.label for t in specs}]
     elif args.layerskip:
-        widths = tuple(int(w) for w in args.widths.split(",") if w)
         for n in (int(x) for x in args.budgets.split(",")):
             specs += layerskip_specs_for_budget(target, args.layerskip, n, widths)
     else:
         draft = distilled_draft(target, args.draft) if args.draft else truncated_draft(target, args.draft_layers)
         for n in (int(x) for x in args.budgets.split(",")):
-            widths = tuple(int(w) for w in args.widths.split(",") if w)
-            rules = tuple(TreeRule[r.strip().upper().replace("-", "_")] for r in args.rules.split(",") if r.strip())
             specs += specs_for_budget(*draft, n, widths, dynamic=not args.no_dynamic, rules=rules)
     batches = [int(c) for c in str(args.concurrency).split(",") if c and int(c) > 1]
     loads = [Load.closed(1, cfg.timeout_s)] + [Load.closed(c, cfg.timeout_s) for c in batches]

@@ -49,7 +49,7 @@ def load_model(load, name: str, dtype: str, unstacked: bool):
     return load(name, dtype, unstacked=unstacked) if takes else load(name, dtype)
 
 
-def build_drafter(args, target, load, loaded=None):
+def build_drafter(args, target, loaded=None):
     """-> (drafter, draft_params) for the --drafter choice.
 
     loaded: the target as its loader returned it (config, params, model, tokenizer); the trained drafters'
@@ -150,7 +150,7 @@ def generate(args) -> int:
         ]
         prompt_ids = tok.encode_chat(msgs)
     eos = [] if args.ignore_eos or tok.eos_id is None else [tok.eos_id]
-    drafter, dparams = build_drafter(args, target, load, loaded)
+    drafter, dparams = build_drafter(args, target, loaded)
     ids, stats = _run(target, params, prompt_ids, drafter, dparams, args, eos)
     stats.update(drafter=args.drafter, gamma=args.gamma if drafter is not None else 0)
     result = {
