@@ -352,12 +352,27 @@ def load_exit_meta(path: str | os.PathLike) -> dict:
 def restore_exit_params(path: str | os.PathLike, cfg: LlamaConfig | None = None, target: Any = None) -> dict:
     """Read what ``save_exit_params`` wrote. With ``target`` (a tree of ``jax.ShapeDtypeStruct``, e.g. from
     ``abstract_exit_params``) orbax restores into exactly those shapes, dtypes and shardings; with ``cfg``
-    only, the target is built from ``meta.json``."""
+    only, the target is built from ``meta.json``; with neither, from the checkpoint's own metadata. Leaves
+    without a sharding land on the default device, whatever device wrote them."""
     path = os.path.abspath(os.fspath(path))
+    ckpt = ocp.StandardCheckpointer()
     if target is None and cfg is not None:
         meta = load_exit_meta(path)
         target = abstract_exit_params(cfg, meta["adapter_width"], meta["head_tokens"])
-    return ocp.StandardCheckpointer().restore(os.path.join(path, "params"), target)
+    elif target is None:
+        tree = ckpt.metadata(os.path.join(path, "params"))
+        tree = getattr(getattr(tree, "item_metadata", tree), "tree", tree)  # orbax >= 0.11 wraps the tree
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
+    # A leaf without a sharding goes to the default device. Left to orbax, it would take the sharding
+    # recorded at save time, and a file written on one host's cpu:0 would not load on a GPU host.
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda x: (
+            x if getattr(x, "sharding", None) is not None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default)
+        ),
+        target,
+    )
+    return ckpt.restore(os.path.join(path, "params"), target)
 
 
 def default_cache_dir() -> str:

@@ -427,3 +427,49 @@ def test_exit_params_checkpoint_round_trip(tmp_path):
     # A target of the wrong shape is refused rather than silently reshaped.
     with pytest.raises(ValueError, match="not compatible"):
         restore_exit_params(tmp_path / "exit", target=abstract_exit_params(TINY, 16, 20))
+
+
+_SAVE_ON_LAST_DEVICE = """
+import sys, jax, numpy as np
+from models.layerskip import save_exit_params
+arrays = dict(np.load(sys.argv[2]))
+dev = jax.devices()[-1]  # a device the restoring process does not have
+tree = {"adapter": {k[2:]: jax.device_put(v, dev) for k, v in arrays.items() if k.startswith("a.")},
+        "token_ids": jax.device_put(arrays["token_ids"], dev)}
+save_exit_params(sys.argv[1], tree, {"exit_layer": 2})
+print("saved on", dev)
+"""
+
+
+def test_exit_params_saved_on_another_device_restore_here(tmp_path):
+    """A checkpoint written on a device this process lacks (cpu:3 of 4 fake CPU devices, as a file trained
+    on one host's CPU is for a GPU host) restores onto the default device, whichever target is given. orbax
+    alone would look for the saving device ("Device cpu:3 was not found")."""
+    import os
+    import subprocess
+    import sys
+
+    ex = random_exit(TINY, LayerSkipDrafter(TINY, 2, adapter=True, head_tokens=20), 4)
+    flat = {f"a.{k}": np.asarray(v) for k, v in ex["adapter"].items()} | {"token_ids": np.asarray(ex["token_ids"])}
+    np.savez(tmp_path / "ex.npz", **flat)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SAVE_ON_LAST_DEVICE, str(tmp_path / "exit"), str(tmp_path / "ex.npz")],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "saved on cpu:3" in proc.stdout, proc.stdout + proc.stderr
+    assert len(jax.devices()) < 4  # else the saving device would exist here and the test would prove nothing
+    for restored in (
+        restore_exit_params(tmp_path / "exit", TINY),
+        restore_exit_params(tmp_path / "exit", target=abstract_exit_params(TINY, 32, 20)),
+        restore_exit_params(tmp_path / "exit"),  # targets from the checkpoint's own metadata
+    ):
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(ex)):
+            assert a.devices() == {jax.devices()[0]}
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

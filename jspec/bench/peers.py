@@ -130,7 +130,17 @@ class _TimingStreamer:
         pass
 
 
-def _load_transformers(gguf_path: str):
+def _torch_device(device: str | None) -> str:
+    """The peer runs where jspec runs: on the GPU when JAX's backend is one and torch sees it, else CPU."""
+    if device:
+        return device
+    import jax
+    import torch
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
+def _load_transformers(gguf_path: str, device: str = "cpu"):
     import torch
     import transformers.modeling_utils as modeling_utils
     from transformers import AutoModelForCausalLM
@@ -142,7 +152,7 @@ def _load_transformers(gguf_path: str):
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf_path) or ".", gguf_file=os.path.basename(gguf_path), dtype=torch.float32
     )
-    return model.eval()
+    return model.to(device).eval()
 
 
 def truncated_assistant(model, layers: int):
@@ -156,7 +166,7 @@ def truncated_assistant(model, layers: int):
     cfg.num_hidden_layers = layers
     if isinstance(getattr(cfg, "layer_types", None), list):
         cfg.layer_types = cfg.layer_types[:layers]
-    assistant = type(model)(cfg).to(model.dtype).eval()
+    assistant = type(model)(cfg).to(device=model.device, dtype=model.dtype).eval()
     keep = {}
     for name, t in model.state_dict().items():
         parts = name.split(".")
@@ -188,8 +198,12 @@ def run_transformers(
     decode_text=None,
     scorer=None,
     max_wall_s: float | None = None,
+    device: str | None = None,
 ) -> list[PeerRun]:
-    """transformers' plain / prompt-lookup / assisted generation on the same GGUF, one request at a time."""
+    """transformers' plain / prompt-lookup / assisted generation on the same GGUF, one request at a time.
+
+    device: torch device; None = "cuda" when JAX runs on a GPU that torch also sees, else "cpu". f32 matmuls
+    stay f32 on the GPU (torch's TF32 switch is off by default, and left so)."""
     lib = "transformers"
     missing = _missing(["torch", "transformers"])
     if missing:
@@ -201,7 +215,8 @@ def run_transformers(
 
         if threads:
             torch.set_num_threads(threads)
-        model = _load_transformers(gguf_path)
+        device = _torch_device(device)
+        model = _load_transformers(gguf_path, device)
     except Exception as e:
         reason = f"failed to load {gguf_path}: {type(e).__name__}: {e}"[:300]
         return [PeerRun(lib, t, f"{lib} {t}", False, reason) for t in techniques]
@@ -209,6 +224,7 @@ def run_transformers(
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "device": device,
         "dtype": "float32",
         "weights": "transformers' GGUF converter, dequantised to f32 (same file as jspec)",
     }
@@ -241,7 +257,7 @@ def run_transformers(
         )
 
         def generate_one(prompt, rec, t0, kw=kw, sample=sample):
-            ids = torch.tensor([list(prompt)], dtype=torch.long)
+            ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
             with torch.inference_mode():
                 model.generate(
                     input_ids=ids,
