@@ -76,24 +76,36 @@ def build_drafter(args, target, loaded=None):
             # A drafter that can also run as a stand-alone draft model (LayerSkip's exit) builds trees as one.
             dmodel, dparams = drafter.as_model(dparams)
             drafter = _model_drafter(args, dmodel)
+        elif args.tree and hasattr(drafter, "as_tree"):
+            # A drafter with a tree form of its own (EAGLE: the head needs the target's features per node).
+            drafter = drafter.as_tree(*_tree_spec(args))
         elif args.tree or args.dynamic_tree:
+            flag = "--dynamic-tree" if args.dynamic_tree else "--tree"
             raise ValueError(
-                f"--tree/--dynamic-tree apply to model drafters and LayerSkip, not to --drafter {args.drafter}"
+                f"{flag} does not apply to --drafter {args.drafter}"
+                + (" (it builds static trees: use --tree)" if hasattr(drafter, "as_tree") else "")
             )
         return drafter, dparams
     raise SystemExit(f"unknown drafter '{args.drafter}'; choose from {', '.join(DRAFTERS)}")
 
 
+def _tree_spec(args):
+    """(TreeSpec, TreeRule) from --tree, --tree-budget and --tree-rule."""
+    from jspec.tree import TreeRule, TreeSpec
+
+    spec = TreeSpec(tuple(int(c) for c in args.tree.split(",")), args.tree_budget)
+    return spec, TreeRule[args.tree_rule.upper().replace("-", "_")]
+
+
 def _model_drafter(args, dmodel):
     """A chain drafter, or a tree drafter when --tree / --dynamic-tree is given."""
     from jspec.drafters import ModelDrafter
-    from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec
+    from jspec.tree import DynamicTreeDrafter, TreeModelDrafter
 
     if args.tree and args.dynamic_tree:
         raise SystemExit("--tree and --dynamic-tree are exclusive")
     if args.tree:
-        spec = TreeSpec(tuple(int(c) for c in args.tree.split(",")), args.tree_budget)
-        return TreeModelDrafter(dmodel, spec, TreeRule[args.tree_rule.upper().replace("-", "_")])
+        return TreeModelDrafter(dmodel, *_tree_spec(args))
     if args.dynamic_tree:
         top_k, depth, budget = (int(c) for c in args.dynamic_tree.split(","))
         return DynamicTreeDrafter(dmodel, top_k=top_k, depth=depth, budget=budget)
@@ -230,7 +242,7 @@ def main(argv=None) -> int:
     g.add_argument("--adaptive", action="store_true", help="per-row draft length from measured acceptance")
     g.add_argument("--block-verify", action="store_true", help="block verification of chains (Sun et al.)")
     g.add_argument(
-        "--tree", default=None, help="static tree (model drafters, LayerSkip): branching per depth, e.g. 3,2,1"
+        "--tree", default=None, help="static tree (model drafters, LayerSkip, EAGLE): branching per depth, e.g. 3,2,1"
     )
     g.add_argument("--tree-budget", type=int, default=None, help="keep the first N nodes of --tree")
     g.add_argument("--tree-rule", default="deterministic", choices=("deterministic", "iid", "without-replacement"))

@@ -308,15 +308,25 @@ def _tree_step(
         valid = valid.at[:, i].set(own_ok[:, i] & par_ok)
     valid = valid.at[:, 0].set(True)
     positions = committed[:, None] + prop.depth
-    logits, cache = target.apply(target_params, tokens, positions, st.cache, ancestor_mask(prop.parent))
+    mask = ancestor_mask(prop.parent)
+    # A drafter that reads the verification's by-products (an EAGLE head's target features) runs the call
+    # itself and, once a path is accepted, keeps what belongs to that path only (``follow_path``).
+    updates_state = getattr(drafter, "verify_updates_state", False)
+    if updates_state:
+        logits, cache, verified = drafter.verify(
+            target, target_params, draft_params, prop.state, tokens, positions, st.cache, mask
+        )
+    else:
+        logits, cache = target.apply(target_params, tokens, positions, st.cache, mask)
     p = distribution(logits, st.sampling)
     res = verify_tree_key(
         k_verify, p, prop.q, tokens, prop.parent, valid, drafter.rule, drafter.max_depth, drafter.max_children
     )
+    state = drafter.follow_path(prop.state, verified, res.path) if updates_state else prop.state
     path_tokens = take_rows(tokens, res.path[:, 1:])  # [B, D]
     depth_hot = jax.nn.one_hot(prop.depth - 1, drafter.max_depth, dtype=jnp.int32)  # [B, N, D]; root -> none
     proposed_at = jnp.einsum("bnd,bn->bd", depth_hot, valid.astype(jnp.int32))  # candidate nodes per depth
-    return path_tokens, res.n_accepted, res.next_token, res.path, cache, prop.state, proposed_at, jnp.zeros((b,), bool)
+    return path_tokens, res.n_accepted, res.next_token, res.path, cache, state, proposed_at, jnp.zeros((b,), bool)
 
 
 def decode_round(

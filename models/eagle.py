@@ -44,6 +44,7 @@ from jspec.cache import KVCache, take_rows
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
 from jspec.sampling import distribution, sample
+from jspec.tree import TreeProposal, TreeRule, TreeSpec, ancestor_mask, choose_children
 from models import draft as _draft
 from models import llama
 from models.layerskip import head_rows, load_exit_meta, restore_exit_params, save_exit_params
@@ -163,9 +164,11 @@ def head_features(
     tokens: jax.Array,
     positions: jax.Array,
     cache: KVCache,
+    tree_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """The head on T pairs: feats [B, T, E] (f_i), tokens [B, T] (x_{i+1}), positions [B, T] (i) ->
-    (f^ [B, T, E] predicted next features, cache with the T entries written at ``lengths + t``, uncommitted)."""
+    (f^ [B, T, E] predicted next features, cache with the T entries written at ``lengths + t``, uncommitted).
+    tree_mask [B, T, T] bool: which of the T pairs each pair sees (default causal), for candidate trees."""
     cfg, lcfg = ecfg.target, ecfg.layer_cfg
     dt = cfg.jdtype
     emb = llama.embed(cfg, target_params, tokens)
@@ -177,7 +180,7 @@ def head_features(
         axis=-1,
     )
     x = x @ hp["fc"]["kernel"].astype(dt)
-    x, cache = llama.run_layers(lcfg, {"layers": hp["layers"]}, x, positions, cache)
+    x, cache = llama.run_layers(lcfg, {"layers": hp["layers"]}, x, positions, cache, tree_mask)
     return _rms(x, hp["out_norm"]["scale"].astype(dt), cfg.rms_eps), cache
 
 
@@ -300,6 +303,10 @@ class EagleDrafter:
         rows = head_rows(self.ecfg.target, target_params, ids).astype(self.ecfg.target.jdtype)
         return target_params, {**head_params, "rows": rows}
 
+    def as_tree(self, spec: TreeSpec, rule: TreeRule = TreeRule.DETERMINISTIC) -> EagleTreeDrafter:
+        """The same head drafting candidate trees of shape ``spec``; it takes the same draft params."""
+        return EagleTreeDrafter(self.ecfg, spec=spec, rule=rule)
+
     def init(self, params, prompt: jax.Array, prompt_len: jax.Array, slots: int) -> EagleState:
         """Runs the target over the prompt [B, P] once more to get its features (the decoder's prefill does not
         return them), then the head over the prompt's pairs (f_i, x_{i+1}), i < prompt_len - 1."""
@@ -308,13 +315,16 @@ class EagleDrafter:
         b, p = prompt.shape
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         _, feats, _ = llama.forward(cfg, tparams, prompt, pos, llama.init_cache(cfg, b, p), return_hidden=True)
-        # Room for the catch-up block (K+1) and the rollout past the last committed slot.
-        cache = init_head_cache(self.ecfg, b, slots + self.max_draft + 2)
+        cache = init_head_cache(self.ecfg, b, slots + self._scratch_slots())
         if p > 1:
             _, cache = head_features(self.ecfg, hp, tparams, feats[:, :-1], prompt[:, 1:], pos[:, :-1], cache)
         last = take_rows(feats, prompt_len - 1)  # [B, E] f of the last prompt token
         block = jnp.zeros((b, self.max_draft + 1, cfg.hidden), cfg.jdtype).at[:, 0].set(last)
         return EagleState(block, prompt_len - 1, cache.with_lengths(prompt_len - 1))
+
+    def _scratch_slots(self) -> int:
+        # Room past the last committed slot for the catch-up block (K+1) and the rollout.
+        return self.max_draft + 2
 
     def _catch_up(self, params, state: EagleState, ctx: DraftContext, width: int) -> tuple[jax.Array, KVCache]:
         """Feed pairs start .. pending-1 (the stored features with the tokens that followed them) as one block
@@ -389,6 +399,117 @@ class EagleDrafter:
         block = jnp.zeros_like(state.feats)
         block = jax.lax.dynamic_update_slice_in_dim(block, feats.astype(block.dtype), 0, axis=1)
         return logits, cache, EagleState(block, positions[:, 0], state.cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleTreeDrafter(EagleDrafter):
+    """The EAGLE head expanding a static candidate tree (``jspec.tree.TreeSpec``), level by level.
+
+    A node's children come from the head's predicted feature at that node: f^ of the root is the catch-up's
+    output at the pending position; f^ of node i is the head on the pair (f^ of i's parent, x_i) at position
+    ``pending + depth_i - 1``, attending to the committed pairs and to i's ancestors only (never a sibling).
+    The target verifies every node in one call under the ancestor mask and returns each node's features;
+    after acceptance, ``follow_path`` keeps those of the accepted path (root first), so the next catch-up
+    feeds the head exactly the pairs a chain over that path would have given it. Scratch entries of the
+    tree stay past the head cache's committed length and are overwritten.
+
+    rule: how children are chosen (``TreeRule``); with the frequent-token head, children are drawn from
+    the N tokens it covers and q is 0 elsewhere, so every rule stays lossless.
+    """
+
+    spec: TreeSpec | None = None
+    rule: TreeRule | None = None  # None = DETERMINISTIC
+    is_tree: bool = dataclasses.field(default=True, init=False)
+
+    def __post_init__(self):
+        if not isinstance(self.spec, TreeSpec):
+            raise TypeError(f"EagleTreeDrafter needs spec=jspec.tree.TreeSpec, got {type(self.spec).__name__}")
+        object.__setattr__(self, "rule", TreeRule.DETERMINISTIC if self.rule is None else TreeRule(self.rule))
+        # The feature block holds the accepted path: the root and at most max_depth accepted nodes.
+        object.__setattr__(self, "max_draft", self.spec.max_depth)
+        super().__post_init__()
+
+    @property
+    def max_depth(self) -> int:
+        return self.spec.max_depth
+
+    @property
+    def max_children(self) -> int:
+        return self.spec.max_children
+
+    def _scratch_slots(self) -> int:
+        return max(self.max_draft + 2, self.spec.num_nodes + 1)
+
+    def propose(self, *args, **kwargs):
+        raise TypeError("EagleTreeDrafter proposes trees (propose_tree); use EagleDrafter for chains")
+
+    def propose_tree(self, params, state: EagleState, ctx: DraftContext, key: jax.Array):
+        """-> ``jspec.tree.TreeProposal``: tokens/parent/depth/valid [B, N], q [B, N, V] (node i's children's
+        distribution, 0 outside the head's tokens), state (the head cache committed through the pending pair)."""
+        tparams, hp = params
+        ids, rows = hp["token_ids"], hp["rows"]
+        parent_np, depth_np, _ = self.spec.arrays
+        n, dmax = len(parent_np), self.spec.max_depth
+        b, v = ctx.seq.shape[0], self.vocab_size
+        pend = ctx.seq_len - 1
+        f0, cache = self._catch_up(params, state, ctx, dmax + 1)
+        parent = jnp.broadcast_to(jnp.asarray(parent_np, jnp.int32), (b, n))
+        depth = jnp.broadcast_to(jnp.asarray(depth_np, jnp.int32), (b, n))
+        sub_mask = ancestor_mask(parent)[:, 1:, 1:]  # non-root nodes: their non-root ancestors and themselves
+        pair_pos = pend[:, None] + depth[:, 1:] - 1  # the pair (f^ parent, x_i) sits at the parent's position
+        tokens = jnp.zeros((b, n), jnp.int32)
+        valid = jnp.ones((b, n), bool)
+        q_all = jnp.zeros((b, n, v), jnp.float32)
+        node_f = jnp.zeros((b, n) + f0.shape[1:], f0.dtype).at[:, 0].set(f0)
+        keys = jax.random.split(key, dmax)
+        for d in range(dmax):
+            level = np.nonzero(depth_np == d)[0]
+            kids_per_node = [np.nonzero(parent_np == i)[0] for i in level]
+            c = max(len(k_) for k_ in kids_per_node)
+            if c == 0:
+                break
+            logits = subset_logits(node_f[:, level], rows)  # [B, M, N_head]
+            q_sub = distribution(logits, ctx.sampling)
+            q_all = q_all.at[:, level].set(expand_to_vocab(q_sub, ids, v))
+            idx, ok = choose_children(keys[d], logits, q_sub, c, self.rule)
+            toks = jnp.take(ids, idx)
+            for m, kids in enumerate(kids_per_node):
+                if len(kids):
+                    tokens = tokens.at[:, kids].set(toks[:, m, : len(kids)])
+                    valid = valid.at[:, kids].set(ok[:, m, : len(kids)])
+            if np.any(depth_np == d + 2):
+                # Every non-root node in one head call; only those at depth d+1 have their inputs yet (their
+                # parents' f^ came from the previous level), and the mask keeps the others from them.
+                in_f = jnp.take_along_axis(node_f, parent[:, 1:, None], axis=1)
+                f_hat, _ = head_features(self.ecfg, hp, tparams, in_f, tokens[:, 1:], pair_pos, cache, sub_mask)
+                nxt = np.nonzero(depth_np == d + 1)[0]
+                node_f = node_f.at[:, nxt].set(f_hat[:, nxt - 1])
+        return TreeProposal(tokens, q_all, parent, depth, valid, dataclasses.replace(state, cache=cache))
+
+    def verify(
+        self,
+        target: Model,
+        target_params: Params,
+        draft_params,
+        state: EagleState,
+        tokens: jax.Array,  # [B, N] the pending token at the root, then the tree's candidates
+        positions: jax.Array,  # [B, N] committed + depth
+        cache: KVCache,
+        tree_mask: jax.Array | None = None,  # [B, N, N] ancestor mask
+    ) -> tuple[jax.Array, KVCache, tuple[jax.Array, jax.Array]]:
+        """The target's logits [B, N, V] and cache (exactly the decoder's own tree call) plus what
+        ``follow_path`` needs: every node's features [B, N, E] and the root's position [B]."""
+        cfg = self.ecfg.target
+        if target.vocab_size != cfg.vocab_size:
+            raise ValueError(f"target vocab {target.vocab_size} != head's target config {cfg.vocab_size}")
+        logits, feats, cache = llama.forward(cfg, target_params, tokens, positions, cache, tree_mask, True)
+        return logits, cache, (feats, positions[:, 0])
+
+    def follow_path(self, state: EagleState, verified: tuple[jax.Array, jax.Array], path: jax.Array) -> EagleState:
+        """The accepted path's features (path [B, D+1] node indices, root first) as the next feature block."""
+        feats, start = verified
+        block = jnp.take_along_axis(feats, path[:, :, None], axis=1).astype(state.feats.dtype)
+        return EagleState(block, start, state.cache)
 
 
 # --------------------------------------------------------------------------------------------------------

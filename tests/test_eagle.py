@@ -1,7 +1,9 @@
 """EAGLE draft head (models/eagle.py): greedy speculative == greedy plain (tiny random Llama, ragged batch, with
 and without adaptive K; the real SmolLM2 at batch 2), the features the head consumes == a fresh target pass
 over the committed tokens, the whole-sequence distribution at T > 0 with top-k / top-p and a reduced draft
-vocabulary against an exact enumeration, and the orbax checkpoint round trip."""
+vocabulary against an exact enumeration, and the orbax checkpoint round trip. The same for the head drafting
+candidate trees (``EagleTreeDrafter``): every node's draft distribution equals the training-time computation
+on its own root-to-node path, the accepted path's features (not a sibling's) feed the next round."""
 
 import dataclasses
 import functools
@@ -17,10 +19,12 @@ from jspec import decode as dec
 from jspec.adaptive import AdaptiveK
 from jspec.decode import decode, prepare
 from jspec.sampling import SamplingParams
+from jspec.tree import TreeRule, TreeSpec
 from models import llama
 from models.eagle import (
     EagleConfig,
     EagleDrafter,
+    EagleTreeDrafter,
     frequent_tokens,
     head_features,
     head_unrolled,
@@ -329,6 +333,160 @@ def test_rollout_check_detects_shifted_pairing():
     assert err > 1e-3, err
 
 
+# ---- candidate trees ----
+
+
+@pytest.mark.parametrize(
+    "spec,rules",
+    [
+        (TreeSpec((2, 2, 1)), (TreeRule.DETERMINISTIC, TreeRule.WITHOUT_REPLACEMENT)),
+        (TreeSpec.chain(3), (TreeRule.DETERMINISTIC,)),
+    ],
+    ids=["2x2x1", "chain3"],
+)
+def test_tree_greedy_identical_to_plain_tiny(spec, rules):
+    mnew = [24, 30, 17]
+    plain = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=mnew)
+    ecfg, hp = _rollout_head()
+    chain = EagleDrafter(ecfg, max_draft=spec.max_depth)
+    for rule in rules:
+        drafter = chain.as_tree(spec, rule)
+        out = decode(
+            TINY_MODEL,
+            TINY_PARAMS,
+            PROMPTS,
+            drafter=drafter,
+            draft_params=chain.draft_params(TINY_PARAMS, hp),
+            max_new_tokens=mnew,
+        )
+        assert out.tokens == plain.tokens, rule
+        assert out.stop_reason == plain.stop_reason
+        assert 0 < out.stats["accepted"] < out.stats["proposed"], (rule, out.stats)
+    if spec.max_children == 1:  # a one-child-per-node tree is the chain: the same drafts, the same acceptance
+        ref = decode(
+            TINY_MODEL,
+            TINY_PARAMS,
+            PROMPTS,
+            drafter=chain,
+            draft_params=chain.draft_params(TINY_PARAMS, hp),
+            gamma=spec.max_depth,
+            max_new_tokens=mnew,
+        )
+        assert out.stats["accepted_at"] == ref.stats["accepted_at"] and out.stats["rounds"] == ref.stats["rounds"]
+
+
+def _path_tokens(tokens: np.ndarray, parent: np.ndarray, i: int) -> list[int]:
+    out = []
+    while i > 0:
+        out.append(int(tokens[i]))
+        i = int(parent[i])
+    return out[::-1]
+
+
+def test_tree_rollout_equals_training_time_test():
+    """Greedy tree rounds stepped from Python. Before each round, ``propose_tree`` on the round's own state at
+    T = 1 (children are the head's top-c, so the tree is the one the round verifies; q is softmax of the
+    node's draft logits). Every node with children, siblings included, must have the q that
+    ``head_unrolled`` gives on the committed prefix followed by that node's own root-to-node path (pass d at
+    pair pend - 1 + d): a node seeing a sibling, a wrong position, or a previous round's rejected branch (or
+    a sibling of the accepted node) in the features or the head cache changes it. The rounds must accept
+    through a non-first child at least once, so the accepted path is not simply the leftmost one."""
+    spec = TreeSpec((2, 2, 1))
+    ecfg, hp = _rollout_head()
+    drafter = EagleTreeDrafter(ecfg, spec=spec)
+    dparams = drafter.draft_params(TINY_PARAMS, hp)
+    b, dmax = len(PROMPTS), spec.max_depth
+    prepared = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, max_new_tokens=40)
+    pre, step = dec._stream_fns(TINY_MODEL, drafter, prepared.config)
+    propose = jax.jit(drafter.propose_tree)
+    soft = SamplingParams.make(b, 1.0)
+    parent_np, depth_np, _ = spec.arrays
+    st = pre(*prepared.args)
+    recs, accepted, sibling_taken = [], [], 0
+    for r in range(8):
+        assert np.all(np.asarray(st.stop) == dec.StopReason.RUNNING)
+        ctx = dec.DraftContext(st.seq, st.seq_len, jnp.full((b,), dmax, jnp.int32), soft)
+        prop = propose(dparams, st.draft_state, ctx, jax.random.key(r))
+        pend = np.asarray(st.seq_len) - 1
+        st, emitted, n_emit = step(TINY_PARAMS, dparams, st)
+        toks, emitted, n_acc = np.asarray(prop.tokens), np.asarray(emitted), np.asarray(n_emit) - 1
+        for row in range(b):  # the accepted drafts form a root-to-node path of this tree
+            paths = [_path_tokens(toks[row], parent_np, i) for i in range(len(parent_np))]
+            assert emitted[row, : n_acc[row]].tolist() in paths
+            leftmost = _path_tokens(toks[row], parent_np, int(np.nonzero(depth_np == dmax)[0][0]))
+            sibling_taken += emitted[row, : n_acc[row]].tolist() != leftmost[: n_acc[row]]
+        accepted.append(n_acc)
+        recs.append((pend, toks, np.asarray(prop.q)))
+    accepted = np.stack(accepted)
+    assert (accepted == 0).any() and (accepted >= 2).any(), accepted
+    assert sibling_taken > 0, accepted
+
+    seq = np.asarray(st.seq)
+    w = int(max(rec[0].max() for rec in recs)) + dmax
+    pos = jnp.broadcast_to(jnp.arange(w + 1), (b, w + 1))
+    _, fresh, _ = llama.forward(
+        TINY, TINY_PARAMS, jnp.asarray(seq[:, : w + 1]), pos, llama.init_cache(TINY, b, w + 1), return_hidden=True
+    )
+    fresh = np.asarray(fresh)
+    noise = np.random.default_rng(0).normal(size=fresh.shape[1:]).astype(np.float32) * 3
+    inner = [i for i in range(len(parent_np)) if (parent_np == i).any()]  # nodes with children: q is read
+    feats, xs, where, got = [], [], [], []
+    for pend, toks, q in recs:
+        for row in range(b):
+            p = pend[row]
+            for i in inner:
+                path = _path_tokens(toks[row], parent_np, i)
+                x = np.concatenate([seq[row, : p + 1], path, np.zeros(w, np.int32)])[1 : w + 1]
+                feats.append(np.where(np.arange(w)[:, None] < p, fresh[row, :w], noise[:w]))
+                xs.append(x)
+                where.append(p - 1 + depth_np[i])
+                got.append((depth_np[i], q[row, i]))
+    passes = np.asarray(
+        jax.jit(head_unrolled, static_argnums=(0, 5))(
+            ecfg, hp, TINY_PARAMS, jnp.asarray(np.stack(feats)), jnp.asarray(np.stack(xs), jnp.int32), dmax
+        )
+    )  # [D, M, w, E]
+    ids = np.asarray(hp["token_ids"])
+    err = 0.0
+    for m, (d, q) in enumerate(got):
+        logits = np.asarray(subset_logits(jnp.asarray(passes[d, m, where[m]][None, None]), dparams[1]["rows"]))[0, 0]
+        err = max(err, float(np.abs(q[ids] - np.asarray(jax.nn.softmax(logits))).max()))
+        assert np.all(np.delete(q, ids) == 0)  # nothing outside the head's tokens
+    assert err < 2e-5, err
+
+
+def test_tree_from_the_command_line_flags(tmp_path):
+    """``--drafter eagle --tree 2,1 --tree-rule ...`` builds the tree form of a saved head (jspec.cli's own
+    builder, through the installed drafter loader); --dynamic-tree is refused with a message naming --tree."""
+    import argparse
+
+    from jspec import cli
+    from models.registry import LoadedModel
+
+    ecfg, hp = _rollout_head()
+    save_head(tmp_path / "head", ecfg, hp)
+    args = argparse.Namespace(
+        drafter="eagle",
+        draft_model=str(tmp_path / "head"),
+        gamma=3,
+        tree="2,1",
+        tree_budget=None,
+        tree_rule="without-replacement",
+        dynamic_tree=None,
+    )
+    loaded = LoadedModel(TINY, TINY_PARAMS, TINY_MODEL, None)
+    drafter, dparams = cli.build_drafter(args, TINY_MODEL, loaded)
+    assert isinstance(drafter, EagleTreeDrafter) and drafter.rule == TreeRule.WITHOUT_REPLACEMENT
+    assert drafter.spec.branching == (2, 1) and drafter.max_draft == 2
+    plain = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=20)
+    out = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, max_new_tokens=20)
+    assert out.tokens == plain.tokens and out.stats["accepted"] > 0
+    with pytest.raises(ValueError, match="--dynamic-tree does not apply to --drafter eagle .*use --tree"):
+        cli.build_drafter(
+            argparse.Namespace(**{**vars(args), "tree": None, "dynamic_tree": "2,2,4"}), TINY_MODEL, loaded
+        )
+
+
 # ---- the sampled distribution at T > 0 (top-k / top-p) with a reduced draft vocabulary ----
 
 # Vocabulary 6, the head covers 4 tokens: 3 and 5 are never proposed (q = 0) while the target often wants
@@ -400,6 +558,37 @@ def test_whole_sequence_distribution_equals_target():
         assert stat < chi2_critical(df), (g, stat, df)
 
 
+def test_tree_whole_sequence_distribution_equals_target():
+    """As above, for a (2, 1) tree whose children are drawn from the head's reduced vocabulary without
+    replacement (the rule whose q changes after each rejection; every rule's own maths is tested on
+    enumerated trees in tests/test_tree.py)."""
+    rule = TreeRule.WITHOUT_REPLACEMENT
+    n, n_new = 100_000, 5
+    ecfg = EagleConfig(DIST, head_tokens=len(DIST_SUBSET), name="dist-eagle")
+    hp = random_head(ecfg, DIST_PARAMS, 7, scale=0.5, token_ids=DIST_SUBSET)
+    drafter = EagleTreeDrafter(ecfg, spec=TreeSpec((2, 1)), rule=rule)
+    prompts, cols = grouped_rows(DIST_PROMPT, DIST_GROUPS, n)
+    out = decode(
+        DIST_MODEL,
+        DIST_PARAMS,
+        prompts,
+        drafter=drafter,
+        draft_params=drafter.draft_params(DIST_PARAMS, hp),
+        max_new_tokens=n_new,
+        seed=6,
+        max_len=16,
+        **cols,
+    )
+    tokens = np.asarray(out.tokens)
+    assert tokens.shape == (n * len(DIST_GROUPS), n_new)
+    assert all(c > 0 for c in out.stats["accepted_at"]), out.stats  # both depths are accepted sometimes
+    assert np.isin(tokens, [3, 5]).mean() > 0.05  # tokens the head cannot propose come from the residual
+    for i, g in enumerate(DIST_GROUPS):
+        exact = exact_target_distribution(DIST_PROMPT, n_new, **g)
+        stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
+        assert stat < chi2_critical(df), (g, stat, df)
+
+
 # ---- the real model ----
 
 
@@ -416,10 +605,14 @@ def test_smollm2_greedy_identical_to_plain(smollm2):
     ecfg = EagleConfig(cfg, head_tokens=8192, name="untrained")
     drafter = EagleDrafter(ecfg, max_draft=4)
     hp = init_head(ecfg, params, jax.random.key(0))  # untrained: equality holds for any head
-    spec = decode(model, params, prompts, drafter=drafter, draft_params=drafter.draft_params(params, hp), gamma=4, **kw)
+    dparams = drafter.draft_params(params, hp)
+    spec = decode(model, params, prompts, drafter=drafter, draft_params=dparams, gamma=4, **kw)
     assert spec.tokens == plain.tokens
     assert min(plain.lengths) >= 20
     assert spec.stats["proposed"] > 0
+    tree = decode(model, params, prompts, drafter=drafter.as_tree(TreeSpec((2, 1))), draft_params=dparams, **kw)
+    assert tree.tokens == plain.tokens
+    assert tree.stats["proposed"] > 0
 
 
 # ---- checkpoints ----

@@ -152,8 +152,11 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     # Missing or malformed specs are clear errors naming the flag.
     assert cli.main([*base, "--drafter", "eagle"]) == 2
     assert "--drafter eagle needs --draft-model" in capsys.readouterr().err
-    assert cli.main([*base, "--drafter", "eagle", "--draft-model", str(tmp_path / "eagle"), "--tree", "2,1"]) == 2
-    assert "not to --drafter eagle" in capsys.readouterr().err
+    eagle = [*base, "--drafter", "eagle", "--draft-model", str(tmp_path / "eagle")]
+    assert cli.main([*eagle, "--dynamic-tree", "2,2,4"]) == 2  # EAGLE builds static trees (--tree) only
+    assert "--dynamic-tree does not apply to --drafter eagle (it builds static trees: use --tree)" in (
+        capsys.readouterr().err
+    )
     assert cli.main([*base, "--drafter", "layerskip", "--draft-model", "exit:x"]) == 2
     assert "expected exit:E" in capsys.readouterr().err
     assert cli.main([*base, "--drafter", "draft", "--draft-model", str(tmp_path / "nothing")]) == 2
