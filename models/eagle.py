@@ -271,6 +271,14 @@ class EagleState:
     start: jax.Array
     cache: KVCache
 
+    def insert(self, row: jax.Array, one: EagleState) -> EagleState:
+        """Put the single-row state ``one`` into row ``row`` (the serving engine's continuous batching)."""
+        return EagleState(
+            self.feats.at[row].set(one.feats[0]),
+            self.start.at[row].set(one.start[0]),
+            self.cache.insert(row, one.cache),
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter:

@@ -487,6 +487,24 @@ def test_tree_from_the_command_line_flags(tmp_path):
         )
 
 
+def test_continuous_batching_matches_single_requests():
+    """The head, chain and tree, in the serving engine: requests dropped into free rows of a batch-2 engine
+    (the head's state inserted by row) decode exactly as each does alone."""
+    from test_serve import BUDGETS, REQUESTS, _serve
+
+    from jspec.serve import Engine
+
+    ecfg, hp = _rollout_head()
+    chain = EagleDrafter(ecfg, max_draft=3)
+    dparams = chain.draft_params(TINY_PARAMS, hp)
+    for drafter in (chain, chain.as_tree(TreeSpec((2, 1)))):
+        kw = dict(drafter=drafter, draft_params=dparams, gamma=3)
+        alone = [
+            decode(TINY_MODEL, TINY_PARAMS, [r], max_new_tokens=m, **kw).tokens[0] for r, m in zip(REQUESTS, BUDGETS)
+        ]
+        assert _serve(Engine(TINY_MODEL, TINY_PARAMS, batch=2, max_len=64, **kw)) == alone, drafter
+
+
 # ---- the sampled distribution at T > 0 (top-k / top-p) with a reduced draft vocabulary ----
 
 # Vocabulary 6, the head covers 4 tokens: 3 and 5 are never proposed (q = 0) while the target often wants
