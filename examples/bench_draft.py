@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jspec import cost_model  # noqa: E402
 from jspec import decode as dec  # noqa: E402
 from jspec.bench import metrics  # noqa: E402
+from jspec.cli import wants_unstacked  # noqa: E402
 from jspec.sampling import SamplingParams, distribution, sample  # noqa: E402
 from models import draft as D  # noqa: E402
 from models import registry  # noqa: E402
@@ -122,14 +123,14 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument(
         "--layers",
-        default="unstacked",
-        choices=("stacked", "unstacked"),
-        help="target (and draft) layer layout, see models.llama.unstack_layers",
+        default="auto",
+        choices=("auto", "stacked", "unstacked"),
+        help="target (and draft) layer layout, see models.llama.unstack_layers (auto: unstacked on CPU only)",
     )
     args = ap.parse_args(argv)
     gammas = [int(g) for g in args.gammas.split(",")]
 
-    unstacked = args.layers == "unstacked"
+    unstacked = wants_unstacked(args.layers)
     target = registry.load(args.model, dtype="float32", unstacked=unstacked)
     tok = target.tokenizer
     drafts = {name: get_draft(name, target, args.model, unstacked) for name in args.drafts.split(",")}

@@ -14,7 +14,7 @@ tokens/s measured right before it. For the head it also reports:
   speedup, with the ratio predicted / measured.
 
     python examples/train_eagle.py                       # once: trains and caches the head
-    python examples/bench_eagle.py [--head smollm2-8k] [--ks 2,3,4] [--reps 2] [--max-new 96]
+    python examples/bench_eagle.py [--head smollm2-8k] [--ks 2,3,4] [--trees '2,1;2,2,1'] [--reps 2] [--max-new 96]
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jspec import decode as dec  # noqa: E402
+from jspec.cli import wants_unstacked  # noqa: E402
 from jspec.cost_model import conditional_rates_from_stats, predict  # noqa: E402
 from jspec.drafters import DraftContext  # noqa: E402
 from jspec.ngram import NgramDrafter  # noqa: E402
+from jspec.tree import TreeRule, TreeSpec  # noqa: E402
 from models import eagle as EG  # noqa: E402
 from models import registry  # noqa: E402
 
@@ -96,6 +98,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--head", default="smollm2-8k", help="trained head: cache name or directory")
     ap.add_argument("--ks", default="2,3,4", help="draft lengths K for the head")
+    ap.add_argument(
+        "--trees",
+        default="",
+        help="static trees for the head, ';'-separated branchings (e.g. '2,1;2,2,1'); children are the head's "
+        "top-c at T = 0 (deterministic rule) and drawn without replacement at T > 0",
+    )
     ap.add_argument("--ngram-k", type=int, default=4)
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--reps", type=int, default=2)
@@ -104,15 +112,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="write the full results as JSON here")
     ap.add_argument(
         "--layers",
-        default="unstacked",
-        choices=("stacked", "unstacked"),
-        help="target layer layout, see models.llama.unstack_layers",
+        default="auto",
+        choices=("auto", "stacked", "unstacked"),
+        help="target layer layout, see models.llama.unstack_layers (auto: unstacked on CPU only)",
     )
     args = ap.parse_args(argv)
     ks = [int(x) for x in args.ks.split(",")]
     temps = [float(x) for x in args.temperatures.split(",")]
 
-    target = registry.load(args.model, dtype="float32", unstacked=args.layers == "unstacked")
+    target = registry.load(args.model, dtype="float32", unstacked=wants_unstacked(args.layers))
     cfg, tparams, model, tok = target
     eos = tok.eos_id
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]
@@ -123,6 +131,11 @@ def main(argv=None) -> dict:
     for k in ks:
         drafter, dparams = EG.load_eagle(args.head, cfg, tparams, max_draft=k)
         configs[f"eagle K={k}"] = (drafter, dparams, k)
+    for branching in filter(None, args.trees.split(";")):
+        spec = TreeSpec(tuple(int(c) for c in branching.split(",")))
+        chain, dparams = EG.load_eagle(args.head, cfg, tparams, max_draft=spec.max_depth)
+        trees = (chain.as_tree(spec, TreeRule.DETERMINISTIC), chain.as_tree(spec, TreeRule.WITHOUT_REPLACEMENT))
+        configs[f"eagle tree {branching}"] = (trees, dparams, spec.max_depth)
     meta = EG.read_meta(args.head)
     print(
         f"head '{args.head}': N={drafter.ecfg.n} tokens, {EG.param_count(dparams[1]) / 1e6:.2f}M params read per "
@@ -136,6 +149,8 @@ def main(argv=None) -> dict:
             for t in temps:
                 plain_tps = None
                 for name, (drafter, dparams, k) in configs.items():
+                    if isinstance(drafter, tuple):  # a tree: (greedy rule, sampling rule)
+                        drafter = drafter[1] if t > 0 else drafter[0]
                     out = dec.prepare(
                         model,
                         tparams,
@@ -175,7 +190,7 @@ def main(argv=None) -> dict:
 
     parts = {}
     for name, (drafter, dparams, k) in configs.items():
-        if name.startswith("eagle"):
+        if name.startswith("eagle K="):
             parts[name] = time_round_parts(model, drafter, dparams, tparams, prompts[0], k, eos)
 
     report = {"args": vars(args), "results": {}}
@@ -198,7 +213,7 @@ def main(argv=None) -> dict:
                 "vs_ngram": tps / ng_tps,
                 "tokens_per_round": toks / max(rounds, 1),
             }
-            line = f"{name:12s} {tps:7.1f} tok/s  x{ratio:.2f} plain  x{tps / ng_tps:.2f} n-gram"
+            line = f"{name:18s} {tps:7.1f} tok/s  x{ratio:.2f} plain  x{tps / ng_tps:.2f} n-gram"
             if name != "plain":
                 surv = acc / np.maximum(prop, 1)
                 cond = conditional_rates_from_stats(acc.tolist(), prop.tolist())
@@ -231,7 +246,7 @@ def main(argv=None) -> dict:
                     predicted_over_measured=pred.ratio_to(ratio),
                 )
                 line += (
-                    f"\n{'':12s} round {round_ms:.1f} ms: propose {p['propose_ms']:.1f} ms "
+                    f"\n{'':18s} round {round_ms:.1f} ms: propose {p['propose_ms']:.1f} ms "
                     f"({100 * p['propose_ms'] / round_ms:.0f}% of the round), verify {p['verify_ms']:.1f} ms, "
                     f"rest {state_ms:.1f} ms; plain step {p['plain_step_ms']:.1f} ms; cost model "
                     f"x{pred.speedup:.2f} predicted vs x{ratio:.2f} measured (ratio {pred.ratio_to(ratio):.2f})"

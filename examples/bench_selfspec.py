@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.bench import metrics
+from jspec.cli import wants_unstacked
 from jspec.cost_model import conditional_rates_from_stats, predict, survival_from_stats
 from jspec.decode import prepare
 from jspec.drafters import DraftContext
@@ -104,13 +105,13 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=len(CHATS))
     ap.add_argument(
         "--layers",
-        default="unstacked",
-        choices=("stacked", "unstacked"),
-        help="target layer layout, see models.llama.unstack_layers",
+        default="auto",
+        choices=("auto", "stacked", "unstacked"),
+        help="target layer layout, see models.llama.unstack_layers (auto: unstacked on CPU only)",
     )
     args = ap.parse_args(argv)
 
-    cfg, params, model, tok = load(args.model, dtype="float32", unstacked=args.layers == "unstacked")
+    cfg, params, model, tok = load(args.model, dtype="float32", unstacked=wants_unstacked(args.layers))
     prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS[: args.prompts]]
     kw = dict(max_new_tokens=args.max_new_tokens, eos_ids=[cfg.eos_id], max_len=256)
 

@@ -180,3 +180,17 @@ def test_loader_layout_argument_only_reaches_loaders_that_take_it():
     load_model(lambda name, dtype, unstacked=False: seen.append(unstacked), "m", "float32", unstacked=True)
     load_model(lambda name, dtype, **kw: seen.append(kw), "m", "float32", unstacked=False)
     assert seen == [True, {"unstacked": False}]
+
+
+def test_layers_auto_is_unstacked_on_cpu_only(monkeypatch):
+    import jax
+
+    from jspec.cli import wants_unstacked
+
+    assert wants_unstacked("unstacked") and not wants_unstacked("stacked")
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert wants_unstacked("auto")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not wants_unstacked("auto")
+    with pytest.raises(ValueError, match="--layers must be one of auto, stacked, unstacked, got 'fused'"):
+        wants_unstacked("fused")

@@ -81,12 +81,12 @@ def _checkpoint_path(load, name: str) -> str | None:
 
 def load_target(name: str = "smollm2-135m-instruct", dtype: str = "float32", layers: str = "stacked") -> Target:
     """layers: "stacked" or "unstacked" (per-layer arrays: faster CPU decode steps, longer compiles)."""
-    from jspec.cli import load_model, model_loader
+    from jspec.cli import load_model, model_loader, wants_unstacked
 
     if layers not in ("stacked", "unstacked"):
         raise ValueError(f"layers must be 'stacked' or 'unstacked', got {layers!r}")
     load = model_loader()
-    config, params, model, tok = load_model(load, name, dtype, unstacked=layers == "unstacked")
+    config, params, model, tok = load_model(load, name, dtype, unstacked=wants_unstacked(layers))
     if tok is None:
         raise SystemExit(f"'{name}' has no tokenizer; the benchmark workloads need one")
     return Target(name, config, params, model, tok, _checkpoint_path(load, name), dtype)
@@ -397,9 +397,9 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--layers",
-        default="unstacked",
-        choices=("stacked", "unstacked"),
-        help="target layer weights (as python -m jspec generate --layers)",
+        default="auto",
+        choices=("auto", "stacked", "unstacked"),
+        help="target layer weights (as python -m jspec generate --layers; auto = unstacked on CPU only)",
     )
 
 
