@@ -79,6 +79,7 @@ class DecodeStats:
     accepted_at: jax.Array  # [K]
     proposed_at: jax.Array  # [K]
     loop_rounds: jax.Array  # [] while-loop iterations (max over rows of rounds)
+    wide_rounds: jax.Array  # [] iterations in which some row proposed (a K+1-wide verification)
 
 
 @jax.tree_util.register_dataclass
@@ -142,6 +143,7 @@ def prefill(
         accepted_at=jnp.zeros((k,), jnp.int32),
         proposed_at=jnp.zeros((k,), jnp.int32),
         loop_rounds=jnp.zeros((), jnp.int32),
+        wide_rounds=jnp.zeros((), jnp.int32),
     )
     stop = _stop_reason(
         config,
@@ -388,6 +390,7 @@ def decode_round(
         accepted_at=st.stats.accepted_at + jnp.sum(accepted_mask, axis=0, dtype=jnp.int32),
         proposed_at=st.stats.proposed_at + jnp.sum(proposed_at, axis=0, dtype=jnp.int32),
         loop_rounds=st.stats.loop_rounds + 1,
+        wide_rounds=st.stats.wide_rounds + jnp.any(n_draft > 0).astype(jnp.int32),
     )
     bad = st.bad_proposal | jnp.any(bad_rows & active)
     ema = st.accept_ema

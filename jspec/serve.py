@@ -69,8 +69,13 @@ class Engine:
     """B rows of decoding with per-row requests.
 
     ``add(prompt, ...)`` puts a request into a free row (prefill + insert, one jitted call per prompt-width
-    bucket); ``step()`` runs one round for every row and returns {row: tokens emitted this round};
+    bucket); ``step()`` runs rounds for every row and returns {row: tokens emitted by them};
     ``finished()`` lists rows whose request ended since the last call, with the stop reason.
+
+    rounds_per_sync: rounds one ``step()`` runs on the device before returning to the host (multi-step
+    scheduling). Each return is a host sync; on a GPU at small batch it costs about as much as a round. A
+    step still returns right after the round in which some running row stops, so its row is refilled as
+    soon as with one round per step. Tokens then reach the caller up to R rounds at a time.
     """
 
     target: Model
@@ -85,15 +90,21 @@ class Engine:
     adaptive: AdaptiveK | None = None
     bucket: int = 64
     seed: int = 0
+    rounds_per_sync: int = 1
 
     def __post_init__(self):
+        if self.rounds_per_sync < 1:
+            raise ValueError(f"rounds_per_sync must be >= 1, got {self.rounds_per_sync}")
         gamma = 0 if self.drafter is None else self.gamma
         if getattr(self.drafter, "is_tree", False):
             gamma = self.drafter.max_depth
         self.config = DecodeConfig(
             gamma, self.max_len, tuple(int(e) for e in self.eos_ids), False, self.adaptive, self.block_verify
         )
-        self._prefill, self._insert, self._step = _engine_fns(self.target, self.drafter, self.config)
+        self._prefill, self._insert, self._step = _engine_fns(
+            self.target, self.drafter, self.config, self.rounds_per_sync
+        )
+        self.last_rounds = 0  # rounds the last step() ran
         # Every row starts idle: a 1-token dummy prefill gives the state its shapes.
         b = self.batch
         dummy = jnp.zeros((b, 1), jnp.int32)
@@ -151,19 +162,49 @@ class Engine:
         return int(first)
 
     def step(self) -> dict[int, list[int]]:
-        """One round for all rows; returns the tokens each running row emitted."""
+        """Up to ``rounds_per_sync`` rounds for all rows; returns the tokens each running row emitted."""
         running = self._stop == StopReason.RUNNING
-        self.state, emitted, n_emit = self._step(self.target_params, self.draft_params, self.state)
-        emitted, n_emit, stop = jax.device_get((emitted, n_emit, self.state.stop))
+        self.state, emitted, n_emit, n_rounds = self._step(self.target_params, self.draft_params, self.state)
+        emitted, n_emit, n_rounds, stop = jax.device_get((emitted, n_emit, n_rounds, self.state.stop))
         self._stop = np.asarray(stop).copy()
-        return {int(r): emitted[r, : n_emit[r]].tolist() for r in np.nonzero(running)[0]}
+        self.last_rounds = int(n_rounds)
+        return {
+            int(r): [t for i in range(self.last_rounds) for t in emitted[i, r, : n_emit[i, r]].tolist()]
+            for r in np.nonzero(running)[0]
+        }
 
     def stop_reason(self, row: int) -> StopReason:
         return StopReason(int(self._stop[row]))
 
 
+def _step_rounds(target, drafter, config, rounds: int, target_params, draft_params, state):
+    """Up to ``rounds`` decode rounds on the device: -> (state, emitted [R, B, K+1], n_emit [R, B], rounds
+    run). Stops early after a round in which a row that was running stopped (its row can be refilled) and
+    when no row runs."""
+    b = state.seq.shape[0]
+    running0 = state.stop == StopReason.RUNNING
+    emitted = jnp.zeros((rounds, b, config.gamma + 1), jnp.int32)
+    n_emit = jnp.zeros((rounds, b), jnp.int32)
+    if rounds == 1:  # no loop around a single round
+        st, e, n = decode_round(target, drafter, config, target_params, draft_params, state)
+        return st, emitted.at[0].set(e), n_emit.at[0].set(n), jnp.int32(1)
+
+    def cond(c):
+        i, st, _, _ = c
+        running = st.stop == StopReason.RUNNING
+        return (i < rounds) & jnp.all(running | ~running0) & jnp.any(running)
+
+    def body(c):
+        i, st, em, ne = c
+        st, e, n = decode_round(target, drafter, config, target_params, draft_params, st)
+        return i + 1, st, em.at[i].set(e), ne.at[i].set(n)
+
+    i, st, emitted, n_emit = jax.lax.while_loop(cond, body, (jnp.int32(0), state, emitted, n_emit))
+    return st, emitted, n_emit, i
+
+
 @functools.lru_cache(maxsize=32)
-def _engine_fns(target, drafter, config):
+def _engine_fns(target, drafter, config, rounds: int = 1):
     pre = jax.jit(functools.partial(prefill, target, drafter, config))
 
     def insert(target_params, draft_params, state, row, prompt, plen, max_new, sampling, key):
@@ -171,5 +212,5 @@ def _engine_fns(target, drafter, config):
         first = one.seq[0, plen[0]]
         return _insert_state(state, row, one), first, one.stop[0]
 
-    step = functools.partial(decode_round, target, drafter, config)
+    step = functools.partial(_step_rounds, target, drafter, config, rounds)
     return pre, jax.jit(insert, donate_argnums=(2,)), jax.jit(step, donate_argnums=(2,))

@@ -251,7 +251,7 @@ def test_warmup_compiles_everything_the_timed_run_calls():
     lens = [len(j.prompt) for j in jobs]
     runner._warm(TARGET, TARGET_PARAMS, CHAIN, load, MAX_LEN, eos, 64, lens, max_new, runner.Sampling())
     config = runner._engine(TARGET, TARGET_PARAMS, CHAIN, load.concurrency, MAX_LEN, eos, 0, 64).config
-    fns = _engine_fns(TARGET, DRAFTER, config)
+    fns = _engine_fns(TARGET, DRAFTER, config, 1)
     before = [f._cache_size() for f in fns]
     assert before[1] > 0 and before[2] > 0  # insert and step were compiled for this config
     res = runner.run(TARGET, TARGET_PARAMS, CHAIN, load, jobs, max_len=MAX_LEN, max_new_tokens=max_new,

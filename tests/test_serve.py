@@ -15,10 +15,12 @@ def _serve(engine):
     while queue or owner:
         for row in engine.free_rows():
             owner.pop(row, None)
-            if queue:
+            while queue:  # a request that ends at its first token leaves the row free for the next one
                 i = queue.pop(0)
                 owner[row] = i
                 out[i] = [engine.add(row, REQUESTS[i], BUDGETS[i])]
+                if engine.stop_reason(row) == dec.StopReason.RUNNING:
+                    break
         if not any(engine.stop_reason(r) == dec.StopReason.RUNNING for r in owner):
             owner = {r: i for r, i in owner.items() if engine.stop_reason(r) == dec.StopReason.RUNNING}
             if not queue:
@@ -37,6 +39,25 @@ def test_continuous_batching_matches_single_requests(speculative):
     ]
     engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, **kw)
     assert _serve(engine) == alone
+    # Several rounds per host sync: the same tokens, fewer steps, and no step runs past a round in which a
+    # running row stopped (its row is refilled as early as with one round per step).
+    multi = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, rounds_per_sync=4, **kw)
+    rounds, stepped = [], multi.step
+    stops = []
+
+    def step():
+        running = [r for r in range(2) if multi.stop_reason(r) == dec.StopReason.RUNNING]
+        out = stepped()
+        rounds.append(multi.last_rounds)
+        stops.append(any(multi.stop_reason(r) != dec.StopReason.RUNNING for r in running))
+        return out
+
+    multi.step = step
+    assert _serve(multi) == alone
+    assert max(rounds) == 4 and all(r == 4 or s for r, s in zip(rounds, stops)), (rounds, stops)
+    # Refills happen after the same rounds as with one round per step, so the total rounds match too.
+    single_rounds = int(engine.state.stats.loop_rounds)
+    assert sum(rounds) == int(multi.state.stats.loop_rounds) == single_rounds and len(rounds) < single_rounds
 
 
 def test_engine_rejects_bad_requests():

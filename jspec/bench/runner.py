@@ -213,7 +213,9 @@ class RunResult:
         return out
 
 
-def _engine(target, params, spec: Spec, rows: int, max_len: int, eos_ids, seed: int, bucket: int) -> Engine:
+def _engine(
+    target, params, spec: Spec, rows: int, max_len: int, eos_ids, seed: int, bucket: int, rounds_per_sync: int = 1
+) -> Engine:
     eng = Engine(
         target,
         params,
@@ -227,6 +229,7 @@ def _engine(target, params, spec: Spec, rows: int, max_len: int, eos_ids, seed: 
         adaptive=spec.adaptive,
         bucket=bucket,
         seed=seed,
+        rounds_per_sync=rounds_per_sync,
     )
     # A fresh Engine's state has a weak-typed leaf (its ``stop`` row flags) that the first insert or step
     # makes strong, so each engine function would compile twice; strengthening it up front compiles once.
@@ -238,7 +241,7 @@ def _weak(x) -> bool:
     return bool(getattr(x, "weak_type", False))
 
 
-def _warm(target, params, spec, load, max_len, eos_ids, bucket, prompt_lens, max_new, sampling):
+def _warm(target, params, spec, load, max_len, eos_ids, bucket, prompt_lens, max_new, sampling, rounds_per_sync=1):
     """Compile everything the timed run will call, by serving a few short dummy requests the same way: one
     prompt per width bucket, more requests than rows (so requests enter both a fresh engine and rows freed
     while others decode: the state's weak types differ between the two, and each variant compiles once)."""
@@ -264,10 +267,11 @@ def _warm(target, params, spec, load, max_len, eos_ids, bucket, prompt_lens, max
         seed=0,
         bucket=bucket,
         warmup=False,
+        rounds_per_sync=rounds_per_sync,
     )
     # A warm request that ends at its first token (EOS) is never stepped: step one explicitly (a stopped row
     # steps as a no-op through the same program).
-    eng = _engine(target, params, spec, load.concurrency, max_len, eos_ids, 0, bucket)
+    eng = _engine(target, params, spec, load.concurrency, max_len, eos_ids, 0, bucket, rounds_per_sync)
     eng.add(0, (0,) * lens[-1], new, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
     eng.step()
 
@@ -290,6 +294,7 @@ def run(
     scorer: Callable[[Any, str], dict[str, Any]] | None = None,
     max_wall_s: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    rounds_per_sync: int = 1,
 ) -> RunResult:
     """Serve ``jobs`` under ``load`` and record everything (see the module docstring).
 
@@ -297,12 +302,14 @@ def run(
     ``Engine.add`` and is recorded as an error. decode_text / scorer: turn tokens into text and score it
     (``workloads.score``) after the run, outside the timed part. max_wall_s: stop admitting new requests
     after this long (those never started are recorded as timeouts with the error "run wall limit").
+    rounds_per_sync: decode rounds per engine step (``jspec.serve.Engine``); tokens are timestamped when
+    their step returns.
     """
     rows = load.concurrency
     if warmup:
         lens = [len(j.prompt) for j in jobs if j.prompt is not None and len(j.prompt) + max_new_tokens <= max_len]
-        _warm(target, params, spec, load, max_len, eos_ids, bucket, lens, max_new_tokens, sampling)
-    engine = _engine(target, params, spec, rows, max_len, eos_ids, seed, bucket)
+        _warm(target, params, spec, load, max_len, eos_ids, bucket, lens, max_new_tokens, sampling, rounds_per_sync)
+    engine = _engine(target, params, spec, rows, max_len, eos_ids, seed, bucket, rounds_per_sync)
     k = engine.config.gamma
     stats0 = jax.device_get(engine.state.stats)
 
@@ -317,8 +324,6 @@ def run(
     owner: dict[int, int] = {}  # row -> job index (timed-out jobs stay here until their row frees)
     step_times: list[float] = []
     add_times: list[float] = []
-    wide_rounds = 0  # rounds in which some row proposed (a K+1-wide verification, not a 1-token step)
-    prop_total = int(np.sum(stats0.proposed_at))
     cancel = getattr(engine, "cancel", None)
 
     t0 = clock()
@@ -417,10 +422,6 @@ def run(
         emitted = engine.step()
         te = now()
         step_times.append(te - ts)
-        if k > 0:
-            p_now = int(np.sum(jax.device_get(engine.state.stats.proposed_at)))
-            wide_rounds += p_now > prop_total
-            prop_total = p_now
         done_rows = []
         for row, toks in emitted.items():
             i = owner.get(row)
@@ -474,6 +475,8 @@ def run(
     emitted_n = sum(r.stats.get("emitted", 0) for r in records)
     proposed = sum(r.stats.get("proposed", 0) for r in records)
     accepted = sum(r.stats.get("accepted", 0) for r in records)
+    loop_rounds = int(st.loop_rounds) - int(stats0.loop_rounds)
+    wide_rounds = int(st.wide_rounds) - int(stats0.wide_rounds)
     acc_at = (np.asarray(st.accepted_at) - np.asarray(stats0.accepted_at)).tolist()
     prop_at = (np.asarray(st.proposed_at) - np.asarray(stats0.proposed_at)).tolist()
     decode_stats = {
@@ -495,7 +498,9 @@ def run(
         "proposed_at": prop_at,
         "acceptance_by_position": [a / p if p else None for a, p in zip(acc_at, prop_at)],
         "engine_steps": len(step_times),
-        "wide_verify_fraction": wide_rounds / len(step_times) if (k and step_times) else (0.0 if k else None),
+        "engine_rounds": loop_rounds,
+        # Rounds in which some row proposed (a K+1-wide verification, not a 1-token step).
+        "wide_verify_fraction": wide_rounds / loop_rounds if (k and loop_rounds) else (0.0 if k else None),
     }
     cache_b = metrics.tree_bytes(engine.state.cache)
     draft_state_b = metrics.tree_bytes(engine.state.draft_state)
@@ -520,6 +525,7 @@ def run(
         "max_len": max_len,
         "bucket": bucket,
         "gamma": k,
+        "rounds_per_sync": rounds_per_sync,
         "step_ms": metrics.dist_summary(step_times, 1e3),
         "prefill_insert_ms": metrics.dist_summary(add_times, 1e3),
     }

@@ -146,6 +146,7 @@ class SuiteConfig:
     phase_repeats: int = 5
     measure_phases: bool = True
     max_wall_s: float | None = None
+    rounds_per_sync: int = 1  # decode rounds per engine step (one host sync each)
 
 
 def prepare_jobs(target: Target, cfg: SuiteConfig) -> tuple[list[runner.Job], dict[str, Any]]:
@@ -203,6 +204,7 @@ def run_one(target: Target, spec: Spec, load: Load, jobs, cfg: SuiteConfig, log=
         decode_text=target.decode_text,
         scorer=_scorer,
         max_wall_s=cfg.max_wall_s,
+        rounds_per_sync=cfg.rounds_per_sync,
     )
     s = res.summary
     log(
@@ -387,6 +389,12 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-chat-template", action="store_true")
     ap.add_argument("--timeout-s", type=float, default=None, help="per-request deadline from arrival")
     ap.add_argument("--max-wall-s", type=float, default=None, help="stop admitting requests after this long")
+    ap.add_argument(
+        "--rounds-per-sync",
+        type=int,
+        default=1,
+        help="decode rounds the engine runs on the device per host sync (tokens stream up to R rounds at a time)",
+    )
     ap.add_argument("--phase-repeats", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase timing (and the cost model)")
     ap.add_argument("--out", default="results/bench", help="output directory (JSON, Markdown, PNG)")
@@ -419,6 +427,7 @@ def config_from_args(args) -> SuiteConfig:
         phase_repeats=args.phase_repeats,
         measure_phases=not args.no_phases,
         max_wall_s=args.max_wall_s,
+        rounds_per_sync=args.rounds_per_sync,
     )
 
 
