@@ -4,7 +4,7 @@
 #
 #   bash examples/bench_gpu.sh [OUT_DIR] [TIME_SCALE]
 #
-# BENCHES (environment, default "eagle grounded selfspec") picks a subset.
+# BENCHES (environment, default "eagle grounded selfspec sync") picks a subset.
 # TIME_SCALE (default 1) multiplies each benchmark's wall-clock limit (220 / 150 / 100 s, sized for an H200).
 #
 # Why these settings:
@@ -24,7 +24,7 @@ export JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 P
 PY=${PYTHON:-python3}
 LOG="$OUT/bench_gpu.log"
 
-BENCHES=${BENCHES:-eagle grounded selfspec}
+BENCHES=${BENCHES:-eagle grounded selfspec sync}
 
 run() {
     local name=$1 limit
@@ -48,3 +48,5 @@ run grounded 150 $PY examples/bench_spec_vs_plain.py --layers stacked --workload
     --concurrency 1 --peers transformers --no-phases --out "$OUT/grounded"
 # Self-speculation with and without the trained exit adapter, open chat prompts (issue: drafters).
 run selfspec 100 $PY examples/bench_selfspec.py --layers stacked --settings 4:2,4:3 --adapter both --repeats 2 --prompts 3
+# The serving engine's host sync per round against the fused on-device loop (Engine(rounds_per_sync=R)).
+run sync 150 $PY examples/bench_sync.py --layers stacked --prompts 1 --reps 3 --rounds 1,8

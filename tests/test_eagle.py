@@ -488,8 +488,9 @@ def test_tree_from_the_command_line_flags(tmp_path):
 
 
 def test_continuous_batching_matches_single_requests():
-    """The head, chain and tree, in the serving engine: requests dropped into free rows of a batch-2 engine
-    (the head's state inserted by row) decode exactly as each does alone."""
+    """The head in the serving engine: requests dropped into free rows of a batch-2 engine (the head's state
+    inserted by row) decode exactly as each does alone. A tree, so the per-node features and the accepted
+    path's selection run there too; the chain's state is the same ``EagleState``."""
     from test_serve import BUDGETS, REQUESTS, _serve
 
     from jspec.serve import Engine
@@ -497,7 +498,7 @@ def test_continuous_batching_matches_single_requests():
     ecfg, hp = _rollout_head()
     chain = EagleDrafter(ecfg, max_draft=3)
     dparams = chain.draft_params(TINY_PARAMS, hp)
-    for drafter in (chain, chain.as_tree(TreeSpec((2, 1)))):
+    for drafter in (chain.as_tree(TreeSpec((2, 1))),):
         kw = dict(drafter=drafter, draft_params=dparams, gamma=3)
         alone = [
             decode(TINY_MODEL, TINY_PARAMS, [r], max_new_tokens=m, **kw).tokens[0] for r, m in zip(REQUESTS, BUDGETS)
