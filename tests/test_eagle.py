@@ -217,6 +217,21 @@ class ShiftedPairingDrafter(EagleDrafter):
         return super()._catch_up(params, state, dataclasses.replace(ctx, seq=seq), width)
 
 
+def _reference_features(st, recs, k: int):
+    """(final sequence [B, S+1], reference width w = the last round's pending position + k, a fresh target
+    pass's features over seq[:, :w+1], noise of their shape): the noise stands in for the features at pairs a
+    correct rollout never reads. recs: per round, first item the pending positions [B]."""
+    seq = np.asarray(st.seq)
+    b = seq.shape[0]
+    w = int(max(rec[0].max() for rec in recs)) + k
+    pos = jnp.broadcast_to(jnp.arange(w + 1), (b, w + 1))
+    _, fresh, _ = llama.forward(
+        TINY, TINY_PARAMS, jnp.asarray(seq[:, : w + 1]), pos, llama.init_cache(TINY, b, w + 1), return_hidden=True
+    )
+    fresh = np.asarray(fresh)
+    return seq, w, fresh, np.random.default_rng(0).normal(size=fresh.shape[1:]).astype(np.float32) * 3
+
+
 def rollout_vs_training(drafter, hp, k: int, rounds: int, max_new: int = 40, **decode_kw):
     """Greedy ``jspec.decode`` rounds (``decode_round``, stepped from Python) on the tiny target. Before every
     round the drafter's ``propose`` is called on the round's own state, exactly as the loop calls it (the
@@ -264,14 +279,7 @@ def rollout_vs_training(drafter, hp, k: int, rounds: int, max_new: int = 40, **d
         recs.append((pend, g_tok, np.asarray(sampled.tokens), np.asarray(sampled.q)))
 
     # Reference: every (round, row, greedy|sampled drafts) in one head_unrolled call of fixed width.
-    seq = np.asarray(st.seq)
-    w = int(max(rec[0].max() for rec in recs)) + k
-    pos = jnp.broadcast_to(jnp.arange(w + 1), (b, w + 1))
-    _, fresh, _ = llama.forward(
-        TINY, TINY_PARAMS, jnp.asarray(seq[:, : w + 1]), pos, llama.init_cache(TINY, b, w + 1), return_hidden=True
-    )
-    fresh = np.asarray(fresh)
-    noise = np.random.default_rng(0).normal(size=fresh.shape[1:]).astype(np.float32) * 3
+    seq, w, fresh, noise = _reference_features(st, recs, k)
     feats, toks, where = [], [], []
     for pend, g_tok, s_tok, _ in recs:
         for row in range(b):
@@ -421,14 +429,7 @@ def test_tree_rollout_equals_training_time_test():
     assert (accepted == 0).any() and (accepted >= 2).any(), accepted
     assert sibling_taken > 0, accepted
 
-    seq = np.asarray(st.seq)
-    w = int(max(rec[0].max() for rec in recs)) + dmax
-    pos = jnp.broadcast_to(jnp.arange(w + 1), (b, w + 1))
-    _, fresh, _ = llama.forward(
-        TINY, TINY_PARAMS, jnp.asarray(seq[:, : w + 1]), pos, llama.init_cache(TINY, b, w + 1), return_hidden=True
-    )
-    fresh = np.asarray(fresh)
-    noise = np.random.default_rng(0).normal(size=fresh.shape[1:]).astype(np.float32) * 3
+    seq, w, fresh, noise = _reference_features(st, recs, dmax)
     inner = [i for i in range(len(parent_np)) if (parent_np == i).any()]  # nodes with children: q is read
     feats, xs, where, got = [], [], [], []
     for pend, toks, q in recs:
@@ -545,13 +546,15 @@ def exact_target_distribution(prompt, n_new, **sampling) -> dict:
     return probs
 
 
-def test_whole_sequence_distribution_equals_target():
-    """100k sequences per sampling setting, both settings in ONE jitted decode, against the exact
-    distribution; chi-square at a 1e-5 false-alarm level. K=3, 5 new tokens (the first from prefill)."""
-    k, n, n_new = 3, 100_000, 5
+def _dist_head():
     ecfg = EagleConfig(DIST, head_tokens=len(DIST_SUBSET), name="dist-eagle")
-    hp = random_head(ecfg, DIST_PARAMS, 7, scale=0.5, token_ids=DIST_SUBSET)
-    drafter = EagleDrafter(ecfg, max_draft=k)
+    return ecfg, random_head(ecfg, DIST_PARAMS, 7, scale=0.5, token_ids=DIST_SUBSET)
+
+
+def _sample_and_check(drafter, hp, seed: int, **decode_kw):
+    """100k sequences per sampling setting, both settings in ONE jitted decode, against the exact
+    distribution; chi-square at a 1e-5 false-alarm level; 5 new tokens (the first from prefill)."""
+    n, n_new = 100_000, 5
     prompts, cols = grouped_rows(DIST_PROMPT, DIST_GROUPS, n)
     out = decode(
         DIST_MODEL,
@@ -559,53 +562,37 @@ def test_whole_sequence_distribution_equals_target():
         prompts,
         drafter=drafter,
         draft_params=drafter.draft_params(DIST_PARAMS, hp),
-        gamma=k,
         max_new_tokens=n_new,
-        seed=5,
+        seed=seed,
         max_len=16,
+        **decode_kw,
         **cols,
     )
     tokens = np.asarray(out.tokens)
     assert tokens.shape == (n * len(DIST_GROUPS), n_new)
-    assert 0.2 < out.stats["acceptance_rate"] < 0.95, out.stats  # both branches of the acceptance rule
-    assert all(c > 0 for c in out.stats["accepted_at"])  # every draft position is accepted sometimes
+    assert all(c > 0 for c in out.stats["accepted_at"]), out.stats  # every draft position is accepted sometimes
     outside = np.isin(tokens, [3, 5])
     assert outside.mean() > 0.05  # tokens the head cannot propose still come out (through the residual)
     for i, g in enumerate(DIST_GROUPS):
         exact = exact_target_distribution(DIST_PROMPT, n_new, **g)
         stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
         assert stat < chi2_critical(df), (g, stat, df)
+    return out
+
+
+def test_whole_sequence_distribution_equals_target():
+    """The chain, K=3."""
+    ecfg, hp = _dist_head()
+    out = _sample_and_check(EagleDrafter(ecfg, max_draft=3), hp, 5, gamma=3)
+    assert 0.2 < out.stats["acceptance_rate"] < 0.95, out.stats  # both branches of the acceptance rule
 
 
 def test_tree_whole_sequence_distribution_equals_target():
-    """As above, for a (2, 1) tree whose children are drawn from the head's reduced vocabulary without
-    replacement (the rule whose q changes after each rejection; every rule's own maths is tested on
-    enumerated trees in tests/test_tree.py)."""
-    rule = TreeRule.WITHOUT_REPLACEMENT
-    n, n_new = 100_000, 5
-    ecfg = EagleConfig(DIST, head_tokens=len(DIST_SUBSET), name="dist-eagle")
-    hp = random_head(ecfg, DIST_PARAMS, 7, scale=0.5, token_ids=DIST_SUBSET)
-    drafter = EagleTreeDrafter(ecfg, spec=TreeSpec((2, 1)), rule=rule)
-    prompts, cols = grouped_rows(DIST_PROMPT, DIST_GROUPS, n)
-    out = decode(
-        DIST_MODEL,
-        DIST_PARAMS,
-        prompts,
-        drafter=drafter,
-        draft_params=drafter.draft_params(DIST_PARAMS, hp),
-        max_new_tokens=n_new,
-        seed=6,
-        max_len=16,
-        **cols,
-    )
-    tokens = np.asarray(out.tokens)
-    assert tokens.shape == (n * len(DIST_GROUPS), n_new)
-    assert all(c > 0 for c in out.stats["accepted_at"]), out.stats  # both depths are accepted sometimes
-    assert np.isin(tokens, [3, 5]).mean() > 0.05  # tokens the head cannot propose come from the residual
-    for i, g in enumerate(DIST_GROUPS):
-        exact = exact_target_distribution(DIST_PROMPT, n_new, **g)
-        stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
-        assert stat < chi2_critical(df), (g, stat, df)
+    """A (2, 1) tree whose children are drawn from the head's reduced vocabulary without replacement (the rule
+    whose q changes after each rejection; every rule's own maths is tested on enumerated trees in
+    tests/test_tree.py)."""
+    ecfg, hp = _dist_head()
+    _sample_and_check(EagleTreeDrafter(ecfg, spec=TreeSpec((2, 1)), rule=TreeRule.WITHOUT_REPLACEMENT), hp, 6)
 
 
 # ---- the real model ----
