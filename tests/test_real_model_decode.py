@@ -194,3 +194,18 @@ def test_layers_auto_is_unstacked_on_cpu_only(monkeypatch):
     assert not wants_unstacked("auto")
     with pytest.raises(ValueError, match="--layers must be one of auto, stacked, unstacked, got 'fused'"):
         wants_unstacked("fused")
+    # The benchmark suite's loader (default --layers auto) passes the resolved layout to the model loader.
+    from jspec import cli
+    from jspec.bench import suite
+
+    seen = []
+    monkeypatch.setattr(
+        cli,
+        "model_loader",
+        lambda *a, **k: lambda name, dtype, unstacked: seen.append(unstacked) or (None, None, None, object()),
+    )
+    suite.load_target("m", layers="auto")
+    assert seen == [False]  # default_backend is "gpu" here
+    with pytest.raises(ValueError, match="got 'fused'"):
+        suite.load_target("m", layers="fused")
+    assert seen == [False]  # refused before loading

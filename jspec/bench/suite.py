@@ -80,13 +80,13 @@ def _checkpoint_path(load, name: str) -> str | None:
 
 
 def load_target(name: str = "smollm2-135m-instruct", dtype: str = "float32", layers: str = "stacked") -> Target:
-    """layers: "stacked" or "unstacked" (per-layer arrays: faster CPU decode steps, longer compiles)."""
+    """layers: "stacked", "unstacked" (per-layer arrays: faster CPU decode steps, longer compiles) or "auto"
+    (unstacked on CPU only)."""
     from jspec.cli import load_model, model_loader, wants_unstacked
 
-    if layers not in ("stacked", "unstacked"):
-        raise ValueError(f"layers must be 'stacked' or 'unstacked', got {layers!r}")
+    unstacked = wants_unstacked(layers)  # refuses anything else before loading
     load = model_loader()
-    config, params, model, tok = load_model(load, name, dtype, unstacked=wants_unstacked(layers))
+    config, params, model, tok = load_model(load, name, dtype, unstacked=unstacked)
     if tok is None:
         raise SystemExit(f"'{name}' has no tokenizer; the benchmark workloads need one")
     return Target(name, config, params, model, tok, _checkpoint_path(load, name), dtype)
