@@ -181,13 +181,13 @@ def _step_rounds(target, drafter, config, rounds: int, target_params, draft_para
     """Up to ``rounds`` decode rounds on the device: -> (state, emitted [R, B, K+1], n_emit [R, B], rounds
     run). Stops early after a round in which a row that was running stopped (its row can be refilled) and
     when no row runs."""
+    if rounds == 1:  # no loop around a single round
+        st, e, n = decode_round(target, drafter, config, target_params, draft_params, state)
+        return st, e[None], n[None], jnp.int32(1)
     b = state.seq.shape[0]
     running0 = state.stop == StopReason.RUNNING
     emitted = jnp.zeros((rounds, b, config.gamma + 1), jnp.int32)
     n_emit = jnp.zeros((rounds, b), jnp.int32)
-    if rounds == 1:  # no loop around a single round
-        st, e, n = decode_round(target, drafter, config, target_params, draft_params, state)
-        return st, emitted.at[0].set(e), n_emit.at[0].set(n), jnp.int32(1)
 
     def cond(c):
         i, st, _, _ = c
@@ -204,7 +204,7 @@ def _step_rounds(target, drafter, config, rounds: int, target_params, draft_para
 
 
 @functools.lru_cache(maxsize=32)
-def _engine_fns(target, drafter, config, rounds: int = 1):
+def _engine_fns(target, drafter, config, rounds: int):
     pre = jax.jit(functools.partial(prefill, target, drafter, config))
 
     def insert(target_params, draft_params, state, row, prompt, plen, max_new, sampling, key):
