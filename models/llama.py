@@ -200,12 +200,20 @@ def _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask):
     k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)  # [B, Hkv, S, D]
     v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
 
-    qg = q.reshape(b, t, hkv, h // hkv, d)  # query heads grouped under their shared KV head
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_layer.astype(dt), preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(d))
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v_layer.astype(dt)).reshape(b, t, h * d)
+    # Scores are slot-major, [B, Hkv, S, G*T] = K [S, D] x q^T: both cache reads then take K and V in their
+    # stored [S, D] layout. Query-major scores (q x K^T) made XLA:CPU copy every layer's K into [D, S] before
+    # the dot; this form was ~4% faster per SmolLM2 decode step (22.2-22.3 vs 23.1-23.3 ms, same process).
+    g = h // hkv  # query heads sharing one KV head
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # [B, Hkv, G*T, D]
+    batch = ((0, 1), (0, 1))
+    scores = jax.lax.dot_general(
+        k_layer.astype(dt), qg, (((3,), (3,)), batch), preferred_element_type=jnp.float32
+    )  # [B, Hkv, S, G*T]
+    scores = scores.reshape(b, hkv, -1, g, t) * (1.0 / math.sqrt(d))
+    scores = jnp.where(mask.transpose(0, 2, 1)[:, None, :, None, :], scores, _MASK_VALUE)  # mask [B, S, T]
+    probs = jax.nn.softmax(scores, axis=2).astype(dt).reshape(b, hkv, -1, g * t)  # over slots
+    out = jax.lax.dot_general(probs, v_layer.astype(dt), (((2,), (2,)), batch))  # [B, Hkv, G*T, D]
+    out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
     return out, k_all, v_all
 
 
