@@ -645,3 +645,23 @@ def test_checkpoint_round_trip(tmp_path):
     np.testing.assert_array_equal(logits(ecfg2, hp2), logits(ecfg, hp))
     with pytest.raises(ValueError, match="trained for"):
         restore_head(tmp_path / "head", TINY.replace(hidden=32))
+
+
+def test_trainer_refuses_more_batches_than_prompts(tmp_path):
+    """train_eagle.py's default budget answers every training prompt once; asking for more batches than the
+    prompts fill is an error that names both flags, not a silent short run (checked before any model call)."""
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_eagle
+
+    n = len(train_eagle.training_prompts(0))
+    args = SimpleNamespace(seed=0, gen_batch=32, max_prompt=192, max_new=128)
+    defaults = train_eagle.parse_args([])
+    assert defaults.gen_batches * defaults.gen_batch <= n < (defaults.gen_batches + 1) * defaults.gen_batch
+    target = SimpleNamespace(tokenizer=None, config=None)
+    with pytest.raises(SystemExit, match=f"--gen-batches {n // 32 + 1} x --gen-batch 32 .* {n} training prompts"):
+        train_eagle.generate_data(SimpleNamespace(gen_batches=n // 32 + 1, **vars(args)), target, str(tmp_path))
+    assert not os.listdir(tmp_path)  # nothing generated
