@@ -649,7 +649,8 @@ def test_checkpoint_round_trip(tmp_path):
 
 def test_trainer_refuses_more_batches_than_prompts(tmp_path):
     """train_eagle.py's default budget answers every training prompt once; asking for more batches than the
-    prompts fill is an error that names both flags, not a silent short run (checked before any model call)."""
+    prompts fill is an error that names both flags, raised before any model call (it used to fail somewhere
+    inside generation)."""
     import os
     import sys
     from types import SimpleNamespace
