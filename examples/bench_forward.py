@@ -1,13 +1,15 @@
 """Plain greedy decode speed of SmolLM2-135M-Instruct (f32, batch 1) on CPU: our fused loop vs transformers.
 
 Our side: prefill the prompt, then ``new`` 1-token steps inside ONE jitted ``lax.scan`` (no Python per token),
-for both layouts of the layer weights (stacked: a scan over layers; unstacked: a Python loop, see
-``models.llama.unstack_layers``), then ``jspec.decode``'s plain loop on the faster one.
+for each layout of the layer weights (stacked: a scan over layers; unstacked: a Python loop with XLA's
+matmuls; packed: the same loop with the CPU matmul kernel, see ``models.llama.unstack_layers`` and
+``models.cpu_kernels``), then ``jspec.decode``'s plain loop on the fastest one. Then the cost of one forward
+call of T = 1, 2, 5, 9 tokens after the prompt (what a verification pass of K = T - 1 drafts costs) per layout.
 transformers: ``generate(do_sample=False)`` on the same GGUF (dequantised to f32). Prints tokens/s as medians
 over ``--repeats`` runs measured in this same process (JAX timings on these VMs jump between two levels from
 process to process, so compare ratios within one run and repeat the whole script a few times).
 
-    python examples/bench_forward.py [--ctx 256] [--new 64] [--repeats 5] [--no-torch]
+    python examples/bench_forward.py [--ctx 256] [--new 64] [--repeats 5] [--verify-tokens 1,2,5,9] [--no-torch]
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.decode import prepare, to_output
-from models import registry
+from models import cpu_kernels, registry
 from models.llama import forward, unstack_layers
 
 
@@ -51,6 +53,9 @@ def main():
     ap.add_argument("--ctx", type=int, default=256, help="prompt length (context the decode attends to)")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--verify-tokens", default="1,2,5,9", help="token counts T of the one-call cost table ('' to skip it)"
+    )
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
 
@@ -60,7 +65,9 @@ def main():
     prompt = jnp.asarray([prompt_ids], jnp.int32)
     slots = args.ctx + args.new + 8
     cache = m.model.init_cache(1, slots)
-    layouts = {"stacked": m.params, "unstacked": unstack_layers(m.params)}
+    layouts = {"stacked": m.params, "unstacked": unstack_layers(m.params, packed=False)}
+    if cpu_kernels.available():
+        layouts["packed"] = unstack_layers(m.params, packed=True)
 
     # Decode rate = (time for new + 1 tokens - time for 1 token) / new: prefill and dispatch cancel out.
     def per_token(run):
@@ -87,10 +94,12 @@ def main():
             f"jax fused greedy, {name:9s} layers, ctx={args.ctx} new={args.new}: {fused[name]:.1f} ms/token, "
             f"{1e3 / fused[name]:.1f} tok/s (median of {args.repeats}; 2 compiles + first runs {compile_s:.1f} s)"
         )
-    print(
-        f"unstacked / stacked speed: {fused['stacked'] / fused['unstacked']:.2f}x; "
-        f"same greedy tokens: {tokens['stacked'] == tokens['unstacked']}"
-    )
+    for name in layouts:
+        if name != "stacked":
+            print(
+                f"{name} / stacked speed: {fused['stacked'] / fused[name]:.2f}x; "
+                f"same greedy tokens: {tokens['stacked'] == tokens[name]}"
+            )
     best = min(fused, key=fused.get)
     ms, jax_tokens = fused[best], tokens[best]
 
@@ -113,16 +122,59 @@ def main():
     )
 
     # Memory floor under the same conditions: one pass reading every weight (a decode step must do at least
-    # this). On a loaded or noisy VM the ratio to it is more telling than the absolute time.
-    read_all = jax.jit(lambda p: sum(jnp.sum(x) for x in jax.tree.leaves(p)))
-    read_all(m.params).block_until_ready()
-    floor = []
-    for _ in range(args.repeats * 3):
-        t0 = time.perf_counter()
-        read_all(m.params).block_until_ready()
-        floor.append(time.perf_counter() - t0)
-    fms = statistics.median(floor) * 1e3
-    print(f"memory floor (read all weights once): {fms:.1f} ms; fastest decode step / floor = {ms / fms:.2f}")
+    # this). On a loaded or noisy VM the ratio to it is more telling than the absolute time. Two readers, the
+    # faster one counts: XLA summing every array, and (where available) the CPU kernel multiplying one row by
+    # every packed matrix, which streams the panels at a higher rate than XLA's reduction does.
+    readers = {"xla sum": (jax.jit(lambda p: sum(jnp.sum(x) for x in jax.tree.leaves(p))), m.params)}
+    if "packed" in layouts:
+        mats = [
+            w for w in jax.tree.leaves(layouts["packed"], is_leaf=lambda w: isinstance(w, cpu_kernels.PackedMatrix))
+        ]
+        mats = [w for w in mats if isinstance(w, cpu_kernels.PackedMatrix)]
+        readers["kernel 1-row product"] = (
+            jax.jit(lambda ws: sum(cpu_kernels.matmul(jnp.ones((1, w.k)), w)[0, 0] for w in ws)),
+            mats,
+        )
+    floors = {}
+    for name, (read_all, arg) in readers.items():
+        read_all(arg).block_until_ready()
+        runs = []
+        for _ in range(args.repeats * 3):
+            t0 = time.perf_counter()
+            read_all(arg).block_until_ready()
+            runs.append(time.perf_counter() - t0)
+        floors[name] = statistics.median(runs) * 1e3
+    gb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(m.params)) / 1e9
+    fname = min(floors, key=floors.get)
+    fms = floors[fname]
+    print(
+        "memory floor (read all weights once): "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in floors.items())
+        + f"; {gb:.3f} GB at {gb / fms * 1e3:.1f} GB/s ({fname}); fastest decode step / floor = {ms / fms:.2f}"
+    )
+
+    # One forward call of T tokens after the prompt, per layout: what a verification pass costs.
+    ts = [int(t) for t in args.verify_tokens.split(",") if t]
+    if ts:
+        apply = jax.jit(lambda p, t, pos, c: forward(m.config, p, t, pos, c)[0])
+        filled = cache.with_lengths(jnp.full((1,), args.ctx, jnp.int32))
+        for name, params in layouts.items():
+            cost = {}
+            for t in ts:
+                toks = jnp.asarray([prompt_ids[:t]], jnp.int32)
+                pos = args.ctx + jnp.arange(t, dtype=jnp.int32)[None]
+                apply(params, toks, pos, filled).block_until_ready()
+                runs = []
+                for _ in range(args.repeats * 3):
+                    t0 = time.perf_counter()
+                    apply(params, toks, pos, filled).block_until_ready()
+                    runs.append(time.perf_counter() - t0)
+                cost[t] = statistics.median(runs) * 1e3
+            base = cost.get(1, cost[ts[0]])
+            print(
+                f"one call, {name:9s} layers: "
+                + ", ".join(f"T={t} {c:.1f} ms ({c / base:.2f}x)" for t, c in cost.items())
+            )
 
     if args.no_torch:
         return

@@ -32,6 +32,8 @@ import numpy as np
 
 from jspec.cache import KVCache, attention_mask, scratch_slots, write_layer
 from jspec.model import Model
+from models import cpu_kernels
+from models.cpu_kernels import PackedMatrix
 
 Params = dict[str, Any]
 
@@ -378,6 +380,7 @@ def _fuse_layer(lp: Params) -> Params:
 
 def _split_layer(lp: Params) -> Params:
     """Inverse of ``_fuse_layer`` (head counts read off wo [H, D, E] and the fused width)."""
+    lp = jax.tree.map(_unpack, lp, is_leaf=lambda w: isinstance(w, PackedMatrix))
     a, m = lp["attn"], lp["mlp"]
     h = a["wo"].shape[0]
     hkv = (a["wqkv"].shape[1] - h) // 2
@@ -389,23 +392,57 @@ def _split_layer(lp: Params) -> Params:
     return {"attn_norm": lp["attn_norm"], "mlp_norm": lp["mlp_norm"], "attn": attn, "mlp": mlp}
 
 
-def unstack_layers(params: Params) -> Params:
+def _unpack(w):
+    return w.unpack() if isinstance(w, PackedMatrix) else w
+
+
+# The weights the CPU kernel takes, with how many leading axes each contracts (wo [H, D, E]: two).
+_PACKED = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
+
+
+def _pack_layer(lp: Params) -> Params:
+    a, m = lp["attn"], lp["mlp"]
+
+    def pack(w, name):
+        return cpu_kernels.pack(w, math.prod(w.shape[: _PACKED[name]]))
+
+    attn = {**a, "wqkv": pack(a["wqkv"], "wqkv"), "wo": pack(a["wo"], "wo")}
+    mlp = {"w_gate_up": pack(m["w_gate_up"], "w_gate_up"), "w_down": pack(m["w_down"], "w_down")}
+    return {**lp, "attn": attn, "mlp": mlp}
+
+
+def unstack_layers(params: Params, packed: bool | None = None) -> Params:
     """Stacked -> unstacked (the CPU decode layout above): ``params["layers"]`` becomes a tuple of L per-layer
     dicts with fused q/k/v and gate/up weights, and a tied embedding (no ``lm_head``) becomes
     ``embed["embedding_t"]`` [E, V]. All arrays are fresh, so the stacked ones can be freed. Unstacked params
-    pass through. Read the embedding through ``embed`` / ``lm_head`` / ``embedding_rows`` (both layouts)."""
+    pass through. Read the embedding through ``embed`` / ``lm_head`` / ``embedding_rows`` (both layouts).
+
+    packed: store those matrices (and an untied ``lm_head``) as ``cpu_kernels.PackedMatrix`` panels for the
+    CPU matmul kernel (``models.cpu_kernels``: a 2-12 token verification pass then costs about what a 1-token
+    step does, instead of ~2x). None: when the kernel is available, the default backend is the CPU and the
+    weights are float32."""
     if is_unstacked(params):
         return params
+    if packed is None:
+        f32 = all(w.dtype == jnp.float32 for w in jax.tree.leaves(params["layers"]))
+        packed = f32 and jax.default_backend() == "cpu" and cpu_kernels.available()
 
     tied = "lm_head" not in params
 
-    def convert(layers, emb):
+    def convert(layers, emb, head):
         n = jax.tree.leaves(layers)[0].shape[0]
         split = tuple(_fuse_layer(jax.tree.map(lambda w, i=i: w[i], layers)) for i in range(n))
-        return split, ({"embedding_t": emb["embedding"].T} if tied else emb)
+        emb = {"embedding_t": emb["embedding"].T} if tied else emb
+        if packed:
+            split = tuple(_pack_layer(lp) for lp in split)
+            if tied:
+                emb = {"embedding_t": cpu_kernels.pack(emb["embedding_t"])}
+            else:
+                head = {"kernel": cpu_kernels.pack(head["kernel"])}
+        return split, emb, head
 
-    layers, emb = jax.jit(convert)(params["layers"], params["embed"])
-    return {**params, "layers": layers, "embed": emb}
+    layers, emb, head = jax.jit(convert)(params["layers"], params["embed"], params.get("lm_head"))
+    return {**params, "layers": layers, "embed": emb} | ({} if tied else {"lm_head": head})
 
 
 def stack_layers(params: Params) -> Params:
@@ -416,15 +453,21 @@ def stack_layers(params: Params) -> Params:
     layers = [_split_layer(lp) for lp in params["layers"]]
     emb = params["embed"]
     if "embedding_t" in emb:
-        emb = {"embedding": emb["embedding_t"].T}
-    return {**params, "layers": jax.tree.map(lambda *ws: jnp.stack(ws), *layers), "embed": emb}
+        emb = {"embedding": _unpack(emb["embedding_t"]).T}
+    out = {**params, "layers": jax.tree.map(lambda *ws: jnp.stack(ws), *layers), "embed": emb}
+    if "lm_head" in params:
+        out["lm_head"] = {"kernel": _unpack(params["lm_head"]["kernel"])}
+    return out
 
 
 def embedding_rows(params: Params, token_ids: jax.Array | None = None) -> jax.Array:
     """The token embedding matrix [V, E] (or its rows for ``token_ids`` [N] -> [N, E]) in either layout."""
     emb = params["embed"]
     if "embedding_t" in emb:
-        return emb["embedding_t"].T if token_ids is None else jnp.take(emb["embedding_t"], token_ids, axis=1).T
+        et = emb["embedding_t"]
+        if isinstance(et, PackedMatrix):
+            return et.unpack().T if token_ids is None else et.rows(token_ids)
+        return et.T if token_ids is None else jnp.take(et, token_ids, axis=1).T
     return emb["embedding"] if token_ids is None else jnp.take(emb["embedding"], token_ids, axis=0)
 
 
@@ -434,15 +477,22 @@ def _fused_block(cfg: LlamaConfig, lp: Params, x, cos, sin, k_all, v_all, layer,
     h, hkv, d, f, dt = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn, x.dtype
     a, m = lp["attn"], lp["mlp"]
     y = RMSNorm(cfg.rms_eps).apply({"params": lp["attn_norm"]}, x)
-    qkv = (y @ a["wqkv"].reshape(e, (h + 2 * hkv) * d).astype(dt)).reshape(b, t, h + 2 * hkv, d)
+    qkv = _mm(y, a["wqkv"]).reshape(b, t, h + 2 * hkv, d)
     if cfg.qkv_bias:
         qkv = qkv + a["bqkv"].astype(dt)
     q, k, v = qkv[:, :, :h], qkv[:, :, h : h + hkv], qkv[:, :, h + hkv :]
     out, k_all, v_all = _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask)
-    x = x + out @ a["wo"].reshape(h * d, e).astype(dt)
+    x = x + _mm(out, a["wo"])
     y = RMSNorm(cfg.rms_eps).apply({"params": lp["mlp_norm"]}, x)
-    gu = y @ m["w_gate_up"].astype(dt)  # [B, T, 2F]
-    return x + (jax.nn.silu(gu[..., :f]) * gu[..., f:]) @ m["w_down"].astype(dt), k_all, v_all
+    gu = _mm(y, m["w_gate_up"])  # [B, T, 2F]
+    return x + _mm(jax.nn.silu(gu[..., :f]) * gu[..., f:], m["w_down"]), k_all, v_all
+
+
+def _mm(x: jax.Array, w) -> jax.Array:
+    """x [..., K] @ w (an array whose leading axes multiply to K, or a PackedMatrix) -> [..., N] in x's dtype."""
+    if isinstance(w, PackedMatrix):
+        return cpu_kernels.matmul(x, w).astype(x.dtype)
+    return x @ w.reshape(x.shape[-1], -1).astype(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -452,7 +502,10 @@ def _fused_block(cfg: LlamaConfig, lp: Params, x, cos, sin, k_all, v_all, layer,
 def embed(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] int32 -> hidden [B, T, E] in cfg.dtype."""
     if "embedding_t" in params["embed"]:  # unstacked layout: [E, V]
-        return jnp.moveaxis(jnp.take(params["embed"]["embedding_t"], tokens, axis=1), 0, -1).astype(cfg.jdtype)
+        et = params["embed"]["embedding_t"]
+        if isinstance(et, PackedMatrix):
+            return et.rows(tokens).astype(cfg.jdtype)
+        return jnp.moveaxis(jnp.take(et, tokens, axis=1), 0, -1).astype(cfg.jdtype)
     return Embed(cfg.vocab_size, cfg.hidden).apply({"params": params["embed"]}, tokens).astype(cfg.jdtype)
 
 
@@ -509,8 +562,12 @@ def final_norm(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
 def lm_head(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
     """Normed hidden [B, T, E] -> logits [B, T, V] float32 (tied: the embedding matrix)."""
     if cfg.tie_embeddings and "embedding_t" in params["embed"]:  # unstacked layout: [E, V]
-        w = params["embed"]["embedding_t"].astype(h.dtype)
-        return jnp.einsum("bte,ev->btv", h, w, preferred_element_type=jnp.float32)
+        w = params["embed"]["embedding_t"]
+        if isinstance(w, PackedMatrix):
+            return cpu_kernels.matmul(h, w)
+        return jnp.einsum("bte,ev->btv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    if not cfg.tie_embeddings and isinstance(params["lm_head"]["kernel"], PackedMatrix):
+        return cpu_kernels.matmul(h, params["lm_head"]["kernel"])
     if cfg.tie_embeddings:
         return Embed(cfg.vocab_size, cfg.hidden).apply({"params": params["embed"]}, h, method=Embed.attend)
     return LMHead(cfg.vocab_size).apply({"params": params["lm_head"]}, h)

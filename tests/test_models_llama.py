@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jspec.cache import KV_AXES
-from models import llama
+from models import cpu_kernels, llama
 from models.llama import LlamaConfig, init_random_params, make_model, param_logical_axes
 
 # GQA (4 query heads on 2 KV heads), biases and an untied head, so every code path runs.
@@ -32,27 +32,38 @@ STD = 0.3
 @pytest.fixture(scope="module", params=["stacked", "unstacked"])
 def params(request):
     """Every cache/mask test runs on both layer layouts: one ``lax.scan`` over stacked weights, and the
-    Python loop over per-layer arrays with its own in-place cache write."""
+    Python loop over per-layer arrays with its own in-place cache write (with the CPU kernel's packed
+    matrices where it is available, as ``unstack_layers`` picks by default)."""
     p = init_random_params(CFG, jax.random.key(0), std=STD)
     return p if request.param == "stacked" else llama.unstack_layers(p)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["xla", "packed"])
 @pytest.mark.parametrize("cfg", [CFG, CFG.replace(qkv_bias=False, tie_embeddings=True)], ids=["untied-bias", "tied"])
-def test_unstack_and_stack_are_inverse(cfg):
+def test_unstack_and_stack_are_inverse(cfg, packed):
+    if packed and not cpu_kernels.available():
+        pytest.skip("the CPU matmul kernel is not available here (no C++ compiler?)")
     p = init_random_params(cfg, jax.random.key(0), std=STD)
-    u = llama.unstack_layers(p)
+    u = llama.unstack_layers(p, packed=packed)
     assert isinstance(u["layers"], tuple) and len(u["layers"]) == cfg.num_layers
+    # Packed matrices are panels; unpacked, they are the matrices below. The toy widths (qkv 64, 2F 96,
+    # vocab 97) include one that is not a multiple of the 32-column panel.
+    assert isinstance(u["layers"][0]["mlp"]["w_down"], cpu_kernels.PackedMatrix) == packed
+    unpack = lambda w: np.asarray(w.unpack() if packed else w)  # noqa: E731
     # The fused matrices hold the separate ones side by side: [E, H + 2 Hkv, D] and [E, 2F].
     a2, a = u["layers"][2]["attn"], p["layers"]["attn"]
     want_qkv = np.concatenate([np.asarray(a[n][2]) for n in ("wq", "wk", "wv")], axis=1)
-    np.testing.assert_array_equal(np.asarray(a2["wqkv"]), want_qkv)
+    np.testing.assert_array_equal(unpack(a2["wqkv"]), want_qkv)
+    np.testing.assert_array_equal(unpack(a2["wo"]), np.asarray(a["wo"][2]))
     f = cfg.ffn
     np.testing.assert_array_equal(
-        np.asarray(u["layers"][2]["mlp"]["w_gate_up"][:, f:]), np.asarray(p["layers"]["mlp"]["w_up"][2])
+        unpack(u["layers"][2]["mlp"]["w_gate_up"])[:, f:], np.asarray(p["layers"]["mlp"]["w_up"][2])
     )
     emb = np.asarray(p["embed"]["embedding"])
     if cfg.tie_embeddings:  # stored [E, V] for the LM head; the readers give back [V, E]
-        np.testing.assert_array_equal(np.asarray(u["embed"]["embedding_t"]), emb.T)
+        np.testing.assert_array_equal(unpack(u["embed"]["embedding_t"]), emb.T)
+    else:
+        np.testing.assert_array_equal(unpack(u["lm_head"]["kernel"]), np.asarray(p["lm_head"]["kernel"]))
     np.testing.assert_array_equal(np.asarray(llama.embedding_rows(u)), emb)
     np.testing.assert_array_equal(np.asarray(llama.embedding_rows(u, jnp.asarray([5, 1]))), emb[[5, 1]])
     back = llama.stack_layers(u)

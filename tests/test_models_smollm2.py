@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import requires_torch
 
+from models.llama import unstack_layers
 from models.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -31,13 +32,17 @@ def _prompt(smollm2):
 
 
 @requires_torch
-def test_logits_match_transformers(smollm2, smollm2_apply, hf_smollm2):
+@pytest.mark.parametrize("layout", ["stacked", "unstacked"])
+def test_logits_match_transformers(smollm2, smollm2_apply, hf_smollm2, layout):
+    """Both layer layouts; unstacked is the CLI's CPU default, with the CPU matmul kernel's packed weights
+    where that kernel is available."""
     import torch
 
     ids = _prompt(smollm2)
     t = len(ids)
     cache = smollm2.model.init_cache(1, SLOTS)
-    ours, _ = smollm2_apply(smollm2.params, jnp.asarray([ids], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], cache)
+    params = smollm2.params if layout == "stacked" else unstack_layers(smollm2.params)
+    ours, _ = smollm2_apply(params, jnp.asarray([ids], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], cache)
     with torch.no_grad():
         theirs = hf_smollm2(torch.tensor([ids])).logits[0].numpy()
     ours = np.asarray(ours[0])

@@ -1,0 +1,180 @@
+"""A CPU matmul kernel for decode and verification passes, called through XLA's FFI.
+
+Dimension vocabulary: M rows (B * T tokens of a call), K contracted width, N output width.
+
+Why: a decoder step is bound by reading its weights once. XLA:CPU does that at one token per call (its
+matrix-vector product), but at 2-16 tokens, the size of a speculative verification pass, its matmul kernels
+repack every weight matrix on every call: a 9-token SmolLM2 pass cost ~2x a 1-token step, and every drafter
+pays that. ``kernels/packed_matmul.cc`` keeps weights in 32-column panels ([N/32, K, 32], packed once, at
+``models.llama.unstack_layers`` time) and streams each panel once per call with all rows' accumulators in
+registers, so 1-12 rows cost about what one row costs.
+
+The kernel is compiled from source with the system C++ compiler on first use (about 2 s, for this CPU:
+``-march=native``) and cached under ``~/.cache/jspec/kernels`` (``JSPEC_CACHE`` moves it), keyed by the
+source, the compiler, the CPU's features and the jaxlib version. Without a compiler, on other platforms or
+with ``JSPEC_CPU_KERNEL=0`` nothing is packed and the XLA matmuls run as before; ``available()`` says which.
+Off the CPU (or when the kernel is not registered) a packed matrix is multiplied with an XLA einsum, so packed
+parameters stay correct everywhere.
+
+Each output element is one multiply-add chain over k in order, so a row's result does not depend on how many
+rows share the call (a verification pass and a one-token step agree bit for bit on their matmuls).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+PANEL = 32  # columns per panel; the kernel's register tile is two 16-float vectors wide
+TARGET = "jspec_packed_matmul_f32"
+_SOURCE = os.path.join(os.path.dirname(__file__), "kernels", "packed_matmul.cc")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedMatrix:
+    """A weight W of logical ``shape`` whose first ``k`` elements' worth of leading axes are contracted:
+    as a matrix it is [K, N] (N = prod(shape) / K), stored as ``panels`` [ceil(N / 32), K, 32] with the
+    last panel zero-padded."""
+
+    panels: jax.Array
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    k: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.shape) // self.k
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+    def unpack(self) -> jax.Array:
+        """The weight in its logical shape."""
+        p, k, c = self.panels.shape
+        return self.panels.transpose(1, 0, 2).reshape(k, p * c)[:, : self.n].reshape(self.shape)
+
+    def rows(self, ids: jax.Array) -> jax.Array:
+        """Columns ``ids`` [...] of the [K, N] matrix as rows [..., K] (an embedding lookup on a transposed
+        table) without unpacking the rest."""
+        return self.panels[ids // PANEL, :, ids % PANEL]
+
+
+def pack(w: jax.Array, k: int | None = None) -> PackedMatrix:
+    """W [K, ...] (or any shape whose leading axes multiply to ``k``) -> PackedMatrix. f32 only: the kernel
+    is f32 (XLA:CPU's bf16 is slower than f32 anyway)."""
+    if w.dtype != jnp.float32:
+        raise ValueError(f"pack: the CPU kernel is float32 only, got {w.dtype}")
+    k = w.shape[0] if k is None else k
+    if k <= 0 or w.size % k:
+        raise ValueError(f"pack: cannot read a weight of shape {w.shape} as {k} contracted rows")
+    n = w.size // k
+    p = -(-n // PANEL)
+    m = jnp.pad(w.reshape(k, n), ((0, 0), (0, p * PANEL - n)))
+    return PackedMatrix(m.reshape(k, p, PANEL).transpose(1, 0, 2), tuple(w.shape), k)
+
+
+def matmul(x: jax.Array, w: PackedMatrix) -> jax.Array:
+    """x [..., K] @ W -> [..., N] float32 (W's trailing logical axes flattened into N). x is cast to the
+    panels' dtype, as the XLA matmuls cast to the weights'."""
+    if x.shape[-1] != w.k:
+        raise ValueError(f"matmul: x has {x.shape[-1]} features, the packed weight contracts {w.k}")
+    lead = x.shape[:-1]
+    padded = w.panels.shape[0] * PANEL
+    x2 = x.reshape(-1, w.k).astype(w.panels.dtype)  # [M, K]
+
+    def xla(x2, panels):  # the same product from the panels: other platforms, or panels cast to another dtype
+        y = jnp.einsum("mk,pkc->mpc", x2, panels, preferred_element_type=jnp.float32)
+        return y.reshape(x2.shape[0], padded)
+
+    if w.panels.dtype == jnp.float32 and available():
+
+        def kernel(x2, panels):
+            out = jax.ShapeDtypeStruct((x2.shape[0], padded), jnp.float32)
+            return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x2, panels)
+
+        y = jax.lax.platform_dependent(x2, w.panels, cpu=kernel, default=xla)
+    else:
+        y = xla(x2, w.panels)
+    return y[:, : w.n].reshape(*lead, w.n)
+
+
+def _cache_dir() -> str:
+    root = os.environ.get("JSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jspec")
+    return os.path.join(root, "kernels")
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
+
+
+def build(verbose: bool = False) -> str:
+    """Compile the kernel (if not cached) and return the shared library's path. Raises RuntimeError with the
+    compiler's message on failure."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256(
+        b"\0".join(
+            s if isinstance(s, bytes) else s.encode()
+            for s in (source, cxx, *version, _cpu_features(), jax.__version__, platform.machine())
+        )
+    ).hexdigest()[:16]
+    out = os.path.join(_cache_dir(), f"packed_matmul-{key}.so")
+    if os.path.exists(out):
+        return out
+    os.makedirs(_cache_dir(), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+    os.close(fd)
+    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+    cmd += ["-I", jax.ffi.include_dir(), _SOURCE, "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling {_SOURCE} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+    os.replace(tmp, out)  # atomic: concurrent builders each write their own temp file
+    if verbose:
+        print(f"built {out}")
+    return out
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel is built and registered for the CPU platform (once per process)."""
+    if os.environ.get("JSPEC_CPU_KERNEL", "1") == "0":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(build())
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecPackedMatmulF32), platform="cpu")
+    except Exception as e:  # no compiler, a failed build: the XLA matmuls still work
+        warnings.warn(f"jspec CPU matmul kernel unavailable, using XLA's matmuls: {e}", stacklevel=2)
+        return False
+    return True

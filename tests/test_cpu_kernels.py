@@ -1,0 +1,107 @@
+"""The CPU matmul kernel (``models.cpu_kernels``): products against float64 numpy, panel packing, the
+row-independence the kernel promises, the XLA fallback, and the errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import cpu_kernels
+from models.cpu_kernels import PackedMatrix, matmul, pack
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="the CPU matmul kernel is not available here (no C++ compiler?)"
+)
+
+
+def _data(m, k, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+
+
+def _close(got, x, w):
+    """f32 products of K terms against the float64 product: the tolerance scales with sqrt(K) * |x| |w|."""
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    scale = np.sqrt(x.shape[1]) * np.abs(x).max() * np.abs(w).max()
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-6 * scale, rtol=0)
+
+
+def test_pack_unpack_and_rows_round_trip():
+    w = np.arange(7 * 3 * 20, dtype=np.float32).reshape(7, 3, 20)  # N = 60: two panels, the second padded
+    p = pack(jnp.asarray(w))
+    assert p.panels.shape == (2, 7, 32) and p.shape == (7, 3, 20) and (p.k, p.n) == (7, 60)
+    np.testing.assert_array_equal(np.asarray(p.unpack()), w)
+    np.testing.assert_array_equal(np.asarray(p.panels[1, :, 28:]), 0)  # the padding columns
+    ids = jnp.asarray([[0, 59], [31, 32]])
+    np.testing.assert_array_equal(np.asarray(p.rows(ids)), w.reshape(7, 60).T[np.asarray(ids)])
+    # Two leading axes contracted (an output projection [H, D, E]).
+    p2 = pack(jnp.asarray(w.reshape(7, 3, 20).transpose(1, 0, 2).copy()), k=21)
+    assert (p2.k, p2.n) == (21, 20)
+
+
+def test_pack_refuses_what_the_kernel_cannot_take():
+    with pytest.raises(ValueError, match="float32 only, got bfloat16"):
+        pack(jnp.zeros((4, 32), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"shape \(4, 32\) as 5 contracted rows"):
+        pack(jnp.zeros((4, 32)), k=5)
+    with pytest.raises(ValueError, match="x has 3 features, the packed weight contracts 4"):
+        matmul(jnp.zeros((2, 3)), pack(jnp.zeros((4, 32))))
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "m,k,n",
+    [(1, 576, 960), (2, 576, 96), (5, 7, 32), (9, 1536, 576), (12, 64, 100), (13, 64, 64), (40, 33, 70)],
+)
+def test_kernel_matches_float64(m, k, n):
+    """Row counts on both sides of the 12-row register tile, a K that is not a multiple of anything, and
+    widths that need a padded last panel; the big ones run on more than one thread."""
+    x, w = _data(m, k, n, seed=m * 1000 + n)
+    got = jax.jit(matmul)(jnp.asarray(x), pack(jnp.asarray(w)))
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    _close(got, x, w)
+
+
+@needs_kernel
+def test_kernel_batched_leading_axes_and_wide_matrix():
+    """x [B, T, K] against a vocabulary-sized matrix (thousands of panels over the thread pool)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 64), dtype=np.float32)
+    w = rng.standard_normal((64, 8192 + 16), dtype=np.float32)
+    got = jax.jit(matmul)(jnp.asarray(x), pack(jnp.asarray(w)))
+    assert got.shape == (2, 3, 8208)
+    _close(np.asarray(got).reshape(6, -1), x.reshape(6, 64), w)
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """The kernel's promise: one in-order multiply-add chain per output element, so a token's product is the
+    same bits alone (a decode step) as inside a 9- or 20-row call (a verification pass)."""
+    x, w = _data(20, 576, 960, seed=3)
+    wp = pack(jnp.asarray(w))
+    f = jax.jit(matmul)
+    whole = np.asarray(f(jnp.asarray(x), wp))
+    for lo, hi in [(4, 5), (0, 9), (11, 20)]:
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[lo:hi]), wp)), whole[lo:hi])
+
+
+def test_xla_fallback_computes_the_same_product(monkeypatch):
+    """Off the CPU, or without the kernel, the panels are multiplied by an XLA einsum."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    x, w = _data(3, 40, 50, seed=4)
+    _close(jax.jit(matmul)(jnp.asarray(x), pack(jnp.asarray(w))), x, w)
+    # Panels cast to bfloat16 by a user (tree.map over params) also go through XLA, in that dtype.
+    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), pack(jnp.asarray(w)))
+    assert isinstance(p16, PackedMatrix) and p16.dtype == jnp.bfloat16
+    got = np.asarray(jax.jit(matmul)(jnp.asarray(x), p16))
+    assert np.abs(got - x @ w).max() < 0.05 * np.abs(x @ w).max()
+
+
+def test_build_failure_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(RuntimeError, match="compiling .*packed_matmul.cc failed"):
+        cpu_kernels.build()
+    assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library left to be loaded later
