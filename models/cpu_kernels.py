@@ -5,7 +5,7 @@ Dimension vocabulary: M rows (B * T tokens of a call), K contracted width, N out
 Why: a decoder step is bound by reading its weights once. XLA:CPU does that at one token per call (its
 matrix-vector product), but at 2-16 tokens, the size of a speculative verification pass, its matmul kernels
 repack every weight matrix on every call: a 9-token SmolLM2 pass cost ~2x a 1-token step, and every drafter
-pays that. ``kernels/packed_matmul.cc`` keeps weights in 32-column panels ([N/32, K, 32], packed once, at
+pays that. ``kernels/cpu_kernels.cc`` keeps weights in 32-column panels ([N/32, K, 32], packed once, at
 ``models.llama.unstack_layers`` time) and streams each panel once per call with all rows' accumulators in
 registers, so 1-12 rows cost about what one row costs.
 
@@ -36,10 +36,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PANEL = 32  # columns per panel; the kernel's register tile is two 16-float vectors wide
 TARGET = "jspec_packed_matmul_f32"
-_SOURCE = os.path.join(os.path.dirname(__file__), "kernels", "packed_matmul.cc")
+ATTENTION_TARGET = "jspec_cache_attention_f32"
+ATTENTION_HEAD_DIMS = (32, 64, 128)
+_SOURCE = os.path.join(os.path.dirname(__file__), "kernels", "cpu_kernels.cc")
 
 
 @jax.tree_util.register_dataclass
@@ -111,6 +114,36 @@ def matmul(x: jax.Array, w: PackedMatrix) -> jax.Array:
     return y[:, : w.n].reshape(*lead, w.n)
 
 
+def cache_attention_applies(q: jax.Array, k_all: jax.Array, layer) -> bool:
+    """Whether ``cache_attention`` takes this call: float32, a supported head dim, a static layer index."""
+    return (
+        isinstance(layer, int)
+        and q.dtype == k_all.dtype == jnp.float32
+        and q.shape[-1] in ATTENTION_HEAD_DIMS
+        and available()
+    )
+
+
+def cache_attention(q, k_all, v_all, mask, layer: int, scale: float, fallback):
+    """softmax(q K^T * scale, masked) V over layer ``layer`` of the cache, read in place.
+
+    q [B, T, H, D] (after RoPE); k_all, v_all [L, B, Hkv, S, D] (this call's entries already written);
+    mask [B, T, S] bool. Returns [B, T, H, D] float32. Query head h reads KV head h // (H / Hkv). A row with no
+    visible slot gets uniform weights, as ``models.llama``'s masked softmax does. ``fallback()`` computes the
+    same thing with XLA ops; it runs off the CPU.
+    """
+
+    if not available():
+        return fallback()
+
+    def kernel(q, k_all, v_all, mask):
+        out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+        call = jax.ffi.ffi_call(ATTENTION_TARGET, out, vmap_method="sequential")
+        return call(q, k_all, v_all, mask, layer=np.int64(layer), scale=np.float32(scale))
+
+    return jax.lax.platform_dependent(q, k_all, v_all, mask, cpu=kernel, default=lambda *_: fallback())
+
+
 def _cache_dir() -> str:
     root = os.environ.get("JSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jspec")
     return os.path.join(root, "kernels")
@@ -146,7 +179,7 @@ def build(verbose: bool = False) -> str:
             for s in (source, cxx, *version, _cpu_features(), jax.__version__, platform.machine())
         )
     ).hexdigest()[:16]
-    out = os.path.join(_cache_dir(), f"packed_matmul-{key}.so")
+    out = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")
     if os.path.exists(out):
         return out
     os.makedirs(_cache_dir(), exist_ok=True)
@@ -174,6 +207,7 @@ def available() -> bool:
     try:
         lib = ctypes.cdll.LoadLibrary(build())
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecPackedMatmulF32), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JspecCacheAttentionF32), platform="cpu")
     except Exception as e:  # no compiler, a failed build: the XLA matmuls still work
         warnings.warn(f"jspec CPU matmul kernel unavailable, using XLA's matmuls: {e}", stacklevel=2)
         return False

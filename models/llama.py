@@ -193,12 +193,25 @@ def _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask):
     Returns (out [B, T, H*D] before the output projection, k_all, v_all with this call's K/V written).
     """
     b, t, h, d = q.shape
-    hkv, dt = cfg.num_kv_heads, q.dtype
+    dt = q.dtype
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     # Write first, then read the layer slice: see the module docstring for why the order matters.
     k_all = _write_layer_kv(k_all, layer, k, lengths)
     v_all = _write_layer_kv(v_all, layer, v, lengths)
+    if cpu_kernels.cache_attention_applies(q, k_all, layer):
+        # The CPU kernel reads the layer's K/V in place (no slice copies) in one call; see models.cpu_kernels.
+        xla = lambda: _xla_attention(cfg, q, k_all, v_all, layer, mask).reshape(b, t, h, d)  # noqa: E731
+        out = cpu_kernels.cache_attention(q, k_all, v_all, mask, layer, 1.0 / math.sqrt(d), xla)
+        return out.reshape(b, t, h * d).astype(dt), k_all, v_all
+    return _xla_attention(cfg, q, k_all, v_all, layer, mask), k_all, v_all
+
+
+def _xla_attention(cfg, q, k_all, v_all, layer, mask):
+    """q [B, T, H, D] (after RoPE) against layer ``layer`` of k_all/v_all [L, B, Hkv, S, D] under mask
+    [B, T, S] -> [B, T, H*D]."""
+    b, t, h, d = q.shape
+    hkv, dt = cfg.num_kv_heads, q.dtype
     k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)  # [B, Hkv, S, D]
     v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
 
@@ -215,8 +228,7 @@ def _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask):
     scores = jnp.where(mask.transpose(0, 2, 1)[:, None, :, None, :], scores, _MASK_VALUE)  # mask [B, S, T]
     probs = jax.nn.softmax(scores, axis=2).astype(dt).reshape(b, hkv, -1, g * t)  # over slots
     out = jax.lax.dot_general(probs, v_layer.astype(dt), (((2,), (2,)), batch))  # [B, Hkv, G*T, D]
-    out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
-    return out, k_all, v_all
+    return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
 class MLP(nn.Module):
@@ -509,6 +521,17 @@ def embed(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
     return Embed(cfg.vocab_size, cfg.hidden).apply({"params": params["embed"]}, tokens).astype(cfg.jdtype)
 
 
+def _materialized_rope_tables(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``rope_tables``, computed once per call. XLA fuses the cos/sin into every layer's RoPE and evaluates
+    them per element of q and k (on XLA:CPU 55 us a layer at 9 tokens, more than that layer's attention).
+    An optimization barrier does not stop it (XLA:CPU removes barriers before fusion); the output of a
+    conditional cannot be fused into its users, and both branches are the same function."""
+    tables = functools.partial(rope_tables, head_dim=cfg.head_dim, theta=cfg.rope_theta)
+    if positions.size == 0:
+        return tables(positions)
+    return jax.lax.cond(positions[0, 0] >= 0, tables, tables, positions)
+
+
 def run_layers(
     cfg: LlamaConfig,
     params: Params,
@@ -532,7 +555,7 @@ def run_layers(
     layers = params["layers"]
     t, s = h.shape[1], cache.k.shape[3]
     mask = attention_mask(cache.lengths, t, s, tree_mask)  # [B, T, S]
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    cos, sin = _materialized_rope_tables(cfg, positions)
     if is_unstacked(params):  # see ``unstack_layers``: one code copy per layer
         if len(layers) != cfg.num_layers:
             raise ValueError(f"params have {len(layers)} unstacked layers, the config {cfg.num_layers}")

@@ -1,0 +1,329 @@
+// CPU kernels for decode and verification passes, built by models/cpu_kernels.py and called through XLA's FFI
+// from models.llama (the unstacked CPU decode layout).
+//
+// 1. Packed matmul: y[M, N] = x[M, K] @ W, for f32 weights stored in column panels w[N / 32, K, 32], panel p
+//    holding columns 32p .. 32p+31. At 2-16 rows (a speculative verification pass) XLA:CPU's matmul kernels
+//    repack the whole weight matrix on every call, so a 9-token pass over SmolLM2 cost ~2x a 1-token step.
+//    A decoder's matmuls are bound by reading the weights once; this kernel streams each panel once,
+//    contiguously, and keeps all rows' accumulators in registers, so 1-12 rows cost about what one does.
+//    Every output element is one fused multiply-add chain over k = 0 .. K-1 in order, whatever M is and
+//    however rows and panels are split over threads: a row's result does not depend on the rest of the call.
+//
+// 2. Cache attention: softmax(q K^T * scale + mask) V for the T query tokens of a call against one layer of
+//    the stacked cache [L, B, Hkv, S, D], read in place. XLA:CPU copied each layer's K and V slice out of the
+//    cache and ran the few-row attention as a handful of library calls with ~15-50 us of fixed cost each
+//    (about 2 ms of a 1-token step, 7 ms of a 9-token one).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // columns per panel: two 16-float vectors
+constexpr int kMaxRows = 12;    // rows per register tile: 2 * 12 accumulators + 2 weight vectors + 1 broadcast
+
+typedef float vec16 __attribute__((vector_size(64)));
+
+inline vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Rows [0, R) of x against one panel: acc[r] += x[r, k] * w[k, :] for k in order.
+template <int R>
+void tile(const float* __restrict x, int64_t k_dim, const float* __restrict panel, float* __restrict y,
+          int64_t n_dim) {
+  vec16 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = vec16{};
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const vec16 w0 = load16(panel + k * kPanel), w1 = load16(panel + k * kPanel + 16);
+    for (int r = 0; r < R; ++r) {
+      const vec16 xv = vec16{} + x[r * k_dim + k];
+      lo[r] += xv * w0;
+      hi[r] += xv * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    store16(y + r * n_dim, lo[r]);
+    store16(y + r * n_dim + 16, hi[r]);
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
+constexpr TileFn kTiles[kMaxRows] = {tile<1>, tile<2>, tile<3>, tile<4>,  tile<5>,  tile<6>,
+                                     tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+
+// Panels [p0, p1) for all rows; the rows go in tiles of up to kMaxRows, so a panel comes from memory once
+// and from cache for the later tiles.
+void panels(const float* x, int64_t m_dim, int64_t k_dim, const float* w, float* y, int64_t n_dim, int64_t p0,
+            int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = w + p * k_dim * kPanel;
+    for (int64_t r0 = 0; r0 < m_dim; r0 += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, m_dim - r0);
+      kTiles[rows - 1](x + r0 * k_dim, k_dim, panel, y + r0 * n_dim + p * kPanel, n_dim);
+    }
+  }
+}
+
+// Runs fn(item) for item in [0, n_items) on the calling thread and helpers from XLA's intra-op pool. Items
+// are claimed from a counter, and the caller waits only for items someone has claimed: a helper that starts
+// late finds nothing left and returns, so the call never waits on a queued task (no deadlock when every pool
+// thread is busy).
+template <typename Fn>
+void parallel_for(ffi::ThreadPool& pool, int64_t n_items, int64_t workers, Fn fn) {
+  struct Shared {
+    Fn fn;
+    int64_t n;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    void run() {
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+        fn(i);
+        done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+  workers = std::min(workers, n_items);
+  if (workers <= 1) {
+    for (int64_t i = 0; i < n_items; ++i) fn(i);
+    return;
+  }
+  std::shared_ptr<Shared> shared(new Shared{fn, n_items});
+  for (int64_t i = 1; i < workers; ++i) pool.Schedule([shared] { shared->run(); });
+  shared->run();
+  while (shared->done.load(std::memory_order_acquire) < n_items) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
+int64_t workers_for(ffi::ThreadPool& pool) {
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  return std::max<int64_t>(1, std::min<int64_t>(cores, pool.num_threads()));
+}
+
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel) {
+    return ffi::Error::InvalidArgument("packed_matmul: expected x [M, K], w [N/32, K, 32], y [M, N]");
+  }
+  const int64_t m_dim = xd[0], k_dim = xd[1], n_panels = wd[0], n_dim = n_panels * kPanel;
+  if (wd[1] != k_dim || yd[0] != m_dim || yd[1] != n_dim) {
+    return ffi::Error::InvalidArgument("packed_matmul: x, w and y shapes disagree");
+  }
+  if (m_dim == 0 || n_panels == 0) return ffi::Error::Success();
+
+  const int64_t workers = workers_for(pool);
+  // Small matrices are not worth a helper: ~64 KB of weights is a few microseconds of reading.
+  const bool parallel = workers > 1 && n_panels >= 4 && n_panels * k_dim * kPanel >= (1 << 14);
+  const int64_t n_chunks = parallel ? std::min<int64_t>(n_panels, 4 * workers) : 1;
+  const int64_t per_chunk = (n_panels + n_chunks - 1) / n_chunks;
+  const float *xp = x.typed_data(), *wp = w.typed_data();
+  float* yp = y->typed_data();
+  parallel_for(pool, (n_panels + per_chunk - 1) / per_chunk, parallel ? workers : 1, [=](int64_t c) {
+    panels(xp, m_dim, k_dim, wp, yp, n_dim, c * per_chunk, std::min(n_panels, (c + 1) * per_chunk));
+  });
+  return ffi::Error::Success();
+}
+
+// ---- Cache attention -------------------------------------------------------------------------------------
+
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+
+// e^x for x <= 0, ~1 ulp (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for e^r);
+// e^x = 0 below -87 (masked scores sit at -1e30 below the row's maximum).
+inline vec16 exp_nonpositive(vec16 x) {
+  const vec16 zero = vec16{};
+  const ivec16 tiny = x < -87.0f;
+  x = tiny ? zero - 87.0f : x;
+  vec16 y = x * 1.44269504088896341f + 0.5f;
+  vec16 n = __builtin_convertvector(__builtin_convertvector(y, ivec16), vec16);  // truncates toward zero
+  n = (n > y) ? n - 1.0f : n;                                                       // floor
+  const vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vec16 p = zero + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
+  vec16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return tiny ? zero : p * scale;
+}
+
+constexpr int kRows = 16;           // query rows per work item: one per vector lane
+constexpr float kMaskValue = -1e30f;  // as models.llama._MASK_VALUE: a row with no visible slot is uniform
+
+// out_r += sum_j p[j][r] * V_j for RB rows at a time (RB * NV accumulators stay in registers).
+template <int NV, int RB>
+void weighted_values(const float* p, int lanes, int64_t s_dim, const float* v, float* out[kRows]) {
+  for (int r0 = 0; r0 < lanes; r0 += RB) {
+    const int rb = std::min(RB, lanes - r0);
+    vec16 acc[RB][NV];
+    for (int r = 0; r < RB; ++r)
+      for (int i = 0; i < NV; ++i) acc[r][i] = vec16{};
+    for (int64_t j = 0; j < s_dim; ++j) {
+      vec16 vj[NV];
+      for (int i = 0; i < NV; ++i) vj[i] = load16(v + j * NV * 16 + i * 16);
+      for (int r = 0; r < RB; ++r) {
+        const vec16 pr = vec16{} + p[j * kRows + r0 + r];
+        for (int i = 0; i < NV; ++i) acc[r][i] += pr * vj[i];
+      }
+    }
+    for (int r = 0; r < rb; ++r)
+      for (int i = 0; i < NV; ++i) store16(out[r0 + r] + i * 16, acc[r][i]);
+  }
+}
+
+// One (batch row, KV head, block of up to 16 query rows). Query row r of the block is (token t, head g) with
+// r + first = t * G + g. Lanes of a vector are query rows: scores[j] holds slot j's score for every row.
+template <int NV>
+void attend_block(const float* q, const float* k, const float* v, const bool* mask, float* out, int64_t t_dim,
+                  int64_t h_dim, int64_t groups, int64_t s_dim, int64_t kvh, int64_t first, int lanes, float scale,
+                  float* scores) {
+  constexpr int64_t d_dim = NV * 16;
+  // Q^T: qt[d] lane r = q[row r][d].
+  vec16 qt[d_dim];
+  const float* qrow[kRows];
+  const bool* mrow[kRows];
+  float* orow[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t rr = first + std::min(r, lanes - 1), t = rr / groups, h = kvh * groups + rr % groups;
+    qrow[r] = q + (t * h_dim + h) * d_dim;
+    mrow[r] = mask + t * s_dim;
+    orow[r] = out + (t * h_dim + h) * d_dim;
+  }
+  for (int64_t d = 0; d < d_dim; ++d) {
+    float lane[kRows];
+    for (int r = 0; r < kRows; ++r) lane[r] = qrow[r][d] * scale;
+    qt[d] = load16(lane);
+  }
+  // Scores, 4 slots at a time (independent accumulation chains), then the mask.
+  vec16 mx = vec16{} + kMaskValue;
+  int64_t j = 0;
+  for (; j + 4 <= s_dim; j += 4) {
+    vec16 a0{}, a1{}, a2{}, a3{};
+    const float* kj = k + j * d_dim;
+    for (int64_t d = 0; d < d_dim; ++d) {
+      a0 += kj[d] * qt[d];
+      a1 += kj[d_dim + d] * qt[d];
+      a2 += kj[2 * d_dim + d] * qt[d];
+      a3 += kj[3 * d_dim + d] * qt[d];
+    }
+    store16(scores + j * kRows, a0);
+    store16(scores + (j + 1) * kRows, a1);
+    store16(scores + (j + 2) * kRows, a2);
+    store16(scores + (j + 3) * kRows, a3);
+  }
+  for (; j < s_dim; ++j) {
+    vec16 a0{};
+    for (int64_t d = 0; d < d_dim; ++d) a0 += k[j * d_dim + d] * qt[d];
+    store16(scores + j * kRows, a0);
+  }
+  for (j = 0; j < s_dim; ++j) {
+    float* sj = scores + j * kRows;
+    for (int r = 0; r < kRows; ++r) sj[r] = mrow[r][j] ? sj[r] : kMaskValue;
+    const vec16 sv = load16(sj);
+    mx = sv > mx ? sv : mx;
+  }
+  // Softmax numerators and their sum, per lane.
+  vec16 sum{};
+  for (j = 0; j < s_dim; ++j) {
+    const vec16 e = exp_nonpositive(load16(scores + j * kRows) - mx);
+    store16(scores + j * kRows, e);
+    sum += e;
+  }
+  float acc_rows[kRows][d_dim];
+  float* accp[kRows];
+  for (int r = 0; r < kRows; ++r) accp[r] = acc_rows[r];
+  weighted_values<NV, (NV >= 8 ? 3 : 24 / NV)>(scores, lanes, s_dim, v, accp);
+  float inv[kRows];
+  store16(inv, 1.0f / sum);
+  for (int r = 0; r < lanes; ++r)
+    for (int64_t d = 0; d < d_dim; ++d) orow[r][d] = acc_rows[r][d] * inv[r];
+}
+
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_all,
+                              ffi::Buffer<ffi::F32> v_all, ffi::Buffer<ffi::PRED> mask,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t layer, float scale) {
+  // q, out [B, T, H, D]; k_all, v_all [L, B, Hkv, S, D]; mask [B, T, S].
+  const auto qd = q.dimensions(), kd = k_all.dimensions(), md = mask.dimensions();
+  auto same = [](auto a, auto b) { return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin()); };
+  if (qd.size() != 4 || kd.size() != 5 || md.size() != 3 || !same(v_all.dimensions(), kd) ||
+      !same(out->dimensions(), qd)) {
+    return ffi::Error::InvalidArgument("cache_attention: expected q [B,T,H,D], k/v [L,B,Hkv,S,D], mask [B,T,S]");
+  }
+  const int64_t b_dim = qd[0], t_dim = qd[1], h_dim = qd[2], d_dim = qd[3];
+  const int64_t l_dim = kd[0], hkv = kd[2], s_dim = kd[3];
+  if (kd[1] != b_dim || kd[4] != d_dim || md[0] != b_dim || md[1] != t_dim || md[2] != s_dim ||
+      hkv == 0 || h_dim % hkv != 0 || layer < 0 || layer >= l_dim) {
+    return ffi::Error::InvalidArgument("cache_attention: q, k/v, mask shapes or the layer index disagree");
+  }
+  if (d_dim != 32 && d_dim != 64 && d_dim != 128) {
+    return ffi::Error::InvalidArgument("cache_attention: head dim must be 32, 64 or 128");
+  }
+  const int64_t groups = h_dim / hkv, rows = t_dim * groups, blocks = (rows + kRows - 1) / kRows;
+  const float* qp = q.typed_data();
+  const float* kp = k_all.typed_data() + layer * b_dim * hkv * s_dim * d_dim;
+  const float* vp = v_all.typed_data() + layer * b_dim * hkv * s_dim * d_dim;
+  const bool* mp = mask.typed_data();
+  float* op = out->typed_data();
+  const int64_t items = b_dim * hkv * blocks;
+  parallel_for(pool, items, workers_for(pool), [=](int64_t item) {
+    const int64_t blk = item % blocks, kvh = (item / blocks) % hkv, b = item / (blocks * hkv);
+    const int lanes = static_cast<int>(std::min<int64_t>(kRows, rows - blk * kRows));
+    std::vector<float> scores(s_dim * kRows);
+    const float* qb = qp + b * t_dim * h_dim * d_dim;
+    const float* kb = kp + (b * hkv + kvh) * s_dim * d_dim;
+    const float* vb = vp + (b * hkv + kvh) * s_dim * d_dim;
+    const bool* mb = mp + b * t_dim * s_dim;
+    float* ob = op + b * t_dim * h_dim * d_dim;
+    const int64_t first = blk * kRows;
+    if (d_dim == 32) {
+      attend_block<2>(qb, kb, vb, mb, ob, t_dim, h_dim, groups, s_dim, kvh, first, lanes, scale, scores.data());
+    } else if (d_dim == 64) {
+      attend_block<4>(qb, kb, vb, mb, ob, t_dim, h_dim, groups, s_dim, kvh, first, lanes, scale, scores.data());
+    } else {
+      attend_block<8>(qb, kb, vb, mb, ob, t_dim, h_dim, groups, s_dim, kvh, first, lanes, scale, scores.data());
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecCacheAttentionF32, CacheAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecPackedMatmulF32, PackedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
