@@ -126,14 +126,21 @@ def _attention_reference(q, k_all, v_all, mask, layer, scale):
     "b,t,h,hkv,s,d,layer",
     [(1, 1, 9, 3, 333, 64, 2), (2, 9, 6, 2, 37, 64, 0), (1, 5, 4, 4, 20, 32, 1), (2, 3, 8, 2, 50, 128, 2)],
 )
-def test_cache_attention_matches_float64(b, t, h, hkv, s, d, layer):
+@pytest.mark.parametrize("visible", ["random", "prefix"])
+def test_cache_attention_matches_float64(b, t, h, hkv, s, d, layer, visible):
     """GQA groups, more query rows than one 16-lane block (9 tokens x 3 heads), several head dims, and a
-    layer read in place out of a 3-layer cache; a row with no visible slot is uniform."""
+    layer read in place out of a 3-layer cache; a row with no visible slot is uniform over every slot.
+    "prefix": each row sees a causal prefix of a mostly empty cache (a serving cache), where the kernel stops
+    reading at the last visible slot."""
     rng = np.random.default_rng(b * 100 + t)
     q = rng.standard_normal((b, t, h, d), dtype=np.float32)
     k_all = rng.standard_normal((3, b, hkv, s, d), dtype=np.float32)
     v_all = rng.standard_normal((3, b, hkv, s, d), dtype=np.float32)
-    mask = rng.random((b, t, s)) < 0.5
+    if visible == "random":
+        mask = rng.random((b, t, s)) < 0.5
+    else:
+        lengths = rng.integers(1, max(2, s // 3), size=b)
+        mask = np.arange(s)[None, None, :] <= lengths[:, None, None] + np.arange(t)[None, :, None]
     mask[0, 0] = False
     scale = 1.0 / np.sqrt(d)
     args = [jnp.asarray(a) for a in (q, k_all, v_all, mask)]

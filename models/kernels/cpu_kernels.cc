@@ -216,6 +216,20 @@ void attend_block(const float* q, const float* k, const float* v, const bool* ma
     for (int r = 0; r < kRows; ++r) lane[r] = qrow[r][d] * scale;
     qt[d] = load16(lane);
   }
+  // Slots past the last visible one of every row add exactly 0 (e^(-1e30 - max) underflows), so stop there:
+  // a serving cache is sized for the longest request and mostly empty. A row with no visible slot at all is
+  // uniform over all S slots, as in the XLA path, so then every slot is read.
+  int64_t limit = 0;
+  for (int r = 0; r < lanes; ++r) {
+    int64_t last = s_dim - 1;
+    while (last >= 0 && !mrow[r][last]) --last;
+    if (last < 0) {
+      limit = s_dim;
+      break;
+    }
+    limit = std::max(limit, last + 1);
+  }
+  s_dim = limit;
   // Scores, 4 slots at a time (independent accumulation chains), then the mask.
   vec16 mx = vec16{} + kMaskValue;
   int64_t j = 0;
