@@ -115,9 +115,11 @@ def matmul(x: jax.Array, w: PackedMatrix) -> jax.Array:
 
 
 def cache_attention_applies(q: jax.Array, k_all: jax.Array, layer) -> bool:
-    """Whether ``cache_attention`` takes this call: float32, a supported head dim, a static layer index."""
+    """Whether ``cache_attention`` takes this call: float32, a supported head dim, a static layer index (the
+    unstacked layout), the CPU as the default backend."""
     return (
         isinstance(layer, int)
+        and jax.default_backend() == "cpu"
         and q.dtype == k_all.dtype == jnp.float32
         and q.shape[-1] in ATTENTION_HEAD_DIMS
         and available()

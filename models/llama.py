@@ -522,14 +522,19 @@ def embed(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
 
 
 def _materialized_rope_tables(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``rope_tables``, computed once per call. XLA fuses the cos/sin into every layer's RoPE and evaluates
-    them per element of q and k (on XLA:CPU 55 us a layer at 9 tokens, more than that layer's attention).
-    An optimization barrier does not stop it (XLA:CPU removes barriers before fusion); the output of a
-    conditional cannot be fused into its users, and both branches are the same function."""
+    """``rope_tables``, computed once per call on CPU. XLA:CPU fuses the cos/sin into every layer's RoPE and
+    evaluates them per element of q and k (55 us a layer at 9 tokens, more than that layer's attention). An
+    optimization barrier does not stop it (XLA:CPU removes barriers before fusion); the output of a
+    conditional cannot be fused into its users, and both branches are the same function. Only on CPU: a GPU
+    conditional may read its predicate on the host, a sync per call."""
     tables = functools.partial(rope_tables, head_dim=cfg.head_dim, theta=cfg.rope_theta)
     if positions.size == 0:
         return tables(positions)
-    return jax.lax.cond(positions[0, 0] >= 0, tables, tables, positions)
+
+    def once(positions):
+        return jax.lax.cond(positions[0, 0] >= 0, tables, tables, positions)
+
+    return jax.lax.platform_dependent(positions, cpu=once, default=tables)
 
 
 def run_layers(

@@ -16,6 +16,13 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """The kernels are CPU kernels: run every test on a CPU device, also on a machine with an accelerator."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _data(m, k, n, seed=0):
     rng = np.random.default_rng(seed)
     return rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
