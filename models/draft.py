@@ -36,6 +36,7 @@ import numpy as np
 import optax
 
 from jspec.model import Model
+from models import cpu_kernels
 from models.llama import (
     LlamaConfig,
     Params,
@@ -43,6 +44,7 @@ from models.llama import (
     embedding_rows,
     final_norm,
     init_cache,
+    is_packed,
     lm_head,
     param_logical_axes,
     run_layers,
@@ -203,6 +205,8 @@ def subset_logits(dcfg: DraftConfig, params: Params, hn: jax.Array) -> jax.Array
     if dcfg.head_size == 0:
         return lm_head(dcfg.llama, params, hn)
     w = params["head"]["weight"]
+    if isinstance(w, cpu_kernels.PackedMatrix):  # packed at load next to a packed target: weight^T [E, N]
+        return cpu_kernels.matmul(hn, w)
     # Only these N rows are read: the whole point of the frequent-token head.
     return jnp.einsum("bte,ne->btn", hn, w.astype(hn.dtype), preferred_element_type=jnp.float32)
 
@@ -607,4 +611,7 @@ def load_draft(
     dcfg, params = restore_draft(path, sharding, dtype)
     if unstacked:
         params = unstack_layers(params)
+        if is_packed(params) and dcfg.head_size:  # the frequent-token head on the CPU kernel too
+            head = params["head"]
+            params = {**params, "head": {**head, "weight": cpu_kernels.pack(jnp.asarray(head["weight"]).T)}}
     return LoadedDraft(dcfg, params, make_draft_model(dcfg), path, meta)

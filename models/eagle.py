@@ -45,8 +45,8 @@ from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
 from jspec.sampling import distribution, sample
 from jspec.tree import TreeProposal, TreeRule, TreeSpec, ancestor_mask, choose_children
+from models import cpu_kernels, llama
 from models import draft as _draft
-from models import llama
 from models.layerskip import head_rows, load_exit_meta, restore_exit_params, save_exit_params
 from models.llama import LlamaConfig, Params
 
@@ -179,7 +179,7 @@ def head_features(
         ],
         axis=-1,
     )
-    x = x @ hp["fc"]["kernel"].astype(dt)
+    x = llama.dense(x, hp["fc"]["kernel"])
     x, cache = llama.run_layers(lcfg, {"layers": hp["layers"]}, x, positions, cache, tree_mask)
     return _rms(x, hp["out_norm"]["scale"].astype(dt), cfg.rms_eps), cache
 
@@ -239,7 +239,10 @@ def head_unrolled(
 
 def subset_logits(f_hat: jax.Array, rows: jax.Array) -> jax.Array:
     """f^ [B, T, E] . rows [N, E] -> logits over the head's tokens [B, T, N] float32. Only these N rows are
-    read: on SmolLM2-135M the full tied head (49152 rows) would cost 6x more than the 8k-row one."""
+    read: on SmolLM2-135M the full tied head (49152 rows) would cost 6x more than the 8k-row one. ``rows`` may
+    be a ``cpu_kernels.PackedMatrix`` of rows^T [E, N] (``EagleDrafter.draft_params`` next to a packed target)."""
+    if isinstance(rows, cpu_kernels.PackedMatrix):
+        return cpu_kernels.matmul(f_hat, rows)
     return jnp.einsum("bte,ne->btn", f_hat, rows.astype(f_hat.dtype), preferred_element_type=jnp.float32)
 
 
@@ -309,7 +312,14 @@ class EagleDrafter:
         if ids.shape != (self.ecfg.n,):
             raise ValueError(f"head has {ids.shape[0]} token ids, config says N={self.ecfg.n}")
         rows = head_rows(self.ecfg.target, target_params, ids).astype(self.ecfg.target.jdtype)
-        return target_params, {**head_params, "rows": rows}
+        hp = {**head_params, "rows": rows}
+        if llama.is_packed(target_params):
+            # Next to a target on the CPU kernel, the head's own matmuls (its layer, fc and the N rows) use it
+            # too: a draft step reads ~36 MB of head weights, and XLA's matmuls read them at a lower rate.
+            hp["layers"] = llama.unstack_layer_stack(head_params["layers"], packed=True)
+            hp["fc"] = {"kernel": cpu_kernels.pack(jnp.asarray(head_params["fc"]["kernel"], jnp.float32))}
+            hp["rows"] = cpu_kernels.pack(rows.T)
+        return target_params, hp
 
     def as_tree(self, spec: TreeSpec, rule: TreeRule = TreeRule.DETERMINISTIC) -> EagleTreeDrafter:
         """The same head drafting candidate trees of shape ``spec``; it takes the same draft params."""

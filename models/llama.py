@@ -423,6 +423,23 @@ def _pack_layer(lp: Params) -> Params:
     return {**lp, "attn": attn, "mlp": mlp}
 
 
+def _unstack(layers: Params, packed: bool) -> tuple[Params, ...]:
+    n = jax.tree.leaves(layers)[0].shape[0]
+    split = tuple(_fuse_layer(jax.tree.map(lambda w, i=i: w[i], layers)) for i in range(n))
+    return tuple(_pack_layer(lp) for lp in split) if packed else split
+
+
+def unstack_layer_stack(layers: Params, packed: bool) -> tuple[Params, ...]:
+    """Just the layers of ``unstack_layers``: a stacked [L, ...] layer tree -> the tuple of L per-layer dicts
+    (for a head or draft of its own, e.g. an EAGLE layer, that runs next to an unstacked target)."""
+    return jax.jit(_unstack, static_argnums=1)(layers, packed)
+
+
+def is_packed(params: Params) -> bool:
+    """Whether the params are unstacked with the CPU kernel's packed matrices (``unstack_layers(packed=True)``)."""
+    return is_unstacked(params) and isinstance(params["layers"][0]["mlp"]["w_down"], PackedMatrix)
+
+
 def unstack_layers(params: Params, packed: bool | None = None) -> Params:
     """Stacked -> unstacked (the CPU decode layout above): ``params["layers"]`` becomes a tuple of L per-layer
     dicts with fused q/k/v and gate/up weights, and a tied embedding (no ``lm_head``) becomes
@@ -442,11 +459,9 @@ def unstack_layers(params: Params, packed: bool | None = None) -> Params:
     tied = "lm_head" not in params
 
     def convert(layers, emb, head):
-        n = jax.tree.leaves(layers)[0].shape[0]
-        split = tuple(_fuse_layer(jax.tree.map(lambda w, i=i: w[i], layers)) for i in range(n))
+        split = _unstack(layers, packed)
         emb = {"embedding_t": emb["embedding"].T} if tied else emb
         if packed:
-            split = tuple(_pack_layer(lp) for lp in split)
             if tied:
                 emb = {"embedding_t": cpu_kernels.pack(emb["embedding_t"])}
             else:
@@ -489,18 +504,18 @@ def _fused_block(cfg: LlamaConfig, lp: Params, x, cos, sin, k_all, v_all, layer,
     h, hkv, d, f, dt = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn, x.dtype
     a, m = lp["attn"], lp["mlp"]
     y = RMSNorm(cfg.rms_eps).apply({"params": lp["attn_norm"]}, x)
-    qkv = _mm(y, a["wqkv"]).reshape(b, t, h + 2 * hkv, d)
+    qkv = dense(y, a["wqkv"]).reshape(b, t, h + 2 * hkv, d)
     if cfg.qkv_bias:
         qkv = qkv + a["bqkv"].astype(dt)
     q, k, v = qkv[:, :, :h], qkv[:, :, h : h + hkv], qkv[:, :, h + hkv :]
     out, k_all, v_all = _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask)
-    x = x + _mm(out, a["wo"])
+    x = x + dense(out, a["wo"])
     y = RMSNorm(cfg.rms_eps).apply({"params": lp["mlp_norm"]}, x)
-    gu = _mm(y, m["w_gate_up"])  # [B, T, 2F]
-    return x + _mm(jax.nn.silu(gu[..., :f]) * gu[..., f:], m["w_down"]), k_all, v_all
+    gu = dense(y, m["w_gate_up"])  # [B, T, 2F]
+    return x + dense(jax.nn.silu(gu[..., :f]) * gu[..., f:], m["w_down"]), k_all, v_all
 
 
-def _mm(x: jax.Array, w) -> jax.Array:
+def dense(x: jax.Array, w) -> jax.Array:
     """x [..., K] @ w (an array whose leading axes multiply to K, or a PackedMatrix) -> [..., N] in x's dtype."""
     if isinstance(w, PackedMatrix):
         return cpu_kernels.matmul(x, w).astype(x.dtype)

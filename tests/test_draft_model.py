@@ -19,6 +19,7 @@ from toy_models import chi2_critical, chi_square, ref_transform
 
 from jspec import decode as dec
 from jspec.drafters import ModelDrafter
+from models import cpu_kernels
 from models import draft as D
 from models.llama import LlamaConfig, forward, init_cache, init_random_params, make_model
 from models.tokenizer import Tokenizer
@@ -114,6 +115,8 @@ def test_checkpoint_round_trip_identical_logits(distilled, tmp_path):
     # In the CPU decode layout (per-layer fused weights), as an unstacked target loads its draft.
     flat = D.load_draft(tmp_path / "d", target_config=TARGET_CFG, unstacked=True).params
     assert isinstance(flat["layers"], tuple) and "w_gate_up" in flat["layers"][0]["mlp"]
+    # With the CPU kernel, the frequent-token head is packed too (subset_logits then runs on it).
+    assert isinstance(flat["head"]["weight"], cpu_kernels.PackedMatrix) == cpu_kernels.available()
     np.testing.assert_allclose(np.asarray(_logits(dcfg, flat, tokens)), want, atol=1e-5, rtol=1e-5)
     # In bfloat16: float leaves cast, integer maps untouched.
     bcfg, bf = D.restore_draft(tmp_path / "d", dtype="bfloat16")

@@ -21,6 +21,7 @@ from jspec.decode import decode, prepare
 from jspec.sampling import SamplingParams
 from jspec.tree import TreeRule, TreeSpec
 from models import llama
+from models.cpu_kernels import PackedMatrix
 from models.eagle import (
     EagleConfig,
     EagleDrafter,
@@ -34,6 +35,7 @@ from models.eagle import (
     save_head,
     subset_logits,
 )
+from models.llama import is_packed, unstack_layers
 
 TINY = llama.LlamaConfig(
     vocab_size=48, hidden=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, ffn=128, name="tiny"
@@ -599,8 +601,13 @@ def test_tree_whole_sequence_distribution_equals_target():
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_identical_to_plain(smollm2):
+@pytest.mark.parametrize("layout", ["stacked", "unstacked"])
+def test_smollm2_greedy_identical_to_plain(smollm2, layout):
+    """unstacked: the CPU decode layout, where (with the CPU kernel) the head's layer, fc and rows are packed
+    by ``draft_params`` as the target's weights are."""
     cfg, params, model, tok = smollm2
+    if layout == "unstacked":
+        params = unstack_layers(params)
     chats = [
         "What are three good habits for staying focused while studying?",
         "Write a short poem about the sea at night.",
@@ -612,6 +619,8 @@ def test_smollm2_greedy_identical_to_plain(smollm2):
     drafter = EagleDrafter(ecfg, max_draft=4)
     hp = init_head(ecfg, params, jax.random.key(0))  # untrained: equality holds for any head
     dparams = drafter.draft_params(params, hp)
+    if is_packed(params):
+        assert isinstance(dparams[1]["rows"], PackedMatrix) and isinstance(dparams[1]["layers"], tuple)
     spec = decode(model, params, prompts, drafter=drafter, draft_params=dparams, gamma=4, **kw)
     assert spec.tokens == plain.tokens
     assert min(plain.lengths) >= 20
