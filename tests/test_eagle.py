@@ -601,13 +601,12 @@ def test_tree_whole_sequence_distribution_equals_target():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["stacked", "unstacked"])
-def test_smollm2_greedy_identical_to_plain(smollm2, layout):
-    """unstacked: the CPU decode layout, where (with the CPU kernel) the head's layer, fc and rows are packed
-    by ``draft_params`` as the target's weights are."""
+def test_smollm2_greedy_identical_to_plain(smollm2):
+    """On the CPU decode layout (the CLI's default on CPU), where with the CPU kernel the head's layer, fc and
+    rows are packed by ``draft_params`` as the target's weights are. The stacked head path runs in the tiny
+    tests above."""
     cfg, params, model, tok = smollm2
-    if layout == "unstacked":
-        params = unstack_layers(params)
+    params = unstack_layers(params)
     chats = [
         "What are three good habits for staying focused while studying?",
         "Write a short poem about the sea at night.",
