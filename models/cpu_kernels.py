@@ -1,4 +1,5 @@
-"""A CPU matmul kernel for decode and verification passes, called through XLA's FFI.
+"""CPU kernels for decode and verification passes, called through XLA's FFI: a packed-panel matmul and an
+attention that reads one layer of the stacked KV cache in place (``cache_attention``).
 
 Dimension vocabulary: M rows (B * T tokens of a call), K contracted width, N output width.
 
@@ -18,6 +19,10 @@ parameters stay correct everywhere.
 
 Each output element is one multiply-add chain over k in order, so a row's result does not depend on how many
 rows share the call (a verification pass and a one-token step agree bit for bit on their matmuls).
+
+The attention kernel replaces, for the unstacked layout's static layer index, XLA's slice copies of each
+layer's K and V and its few-row attention dots (library calls of ~15-50 us fixed cost each); it stops
+reading at the last slot any query row can see.
 """
 
 from __future__ import annotations
