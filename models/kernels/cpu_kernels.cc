@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
