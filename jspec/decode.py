@@ -127,10 +127,14 @@ def prefill(
     s = config.slots
     cache = target.init_cache(b, s)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, cache = target.apply(target_params, prompt, positions, cache)
+    if target.apply_at is not None:
+        last, cache = target.apply_at(target_params, prompt, positions, cache, prompt_len - 1)
+    else:
+        logits, cache = target.apply(target_params, prompt, positions, cache)
+        last = take_rows(logits, prompt_len - 1)
     cache = cache.commit(prompt_len)  # a commit, not a length change: caches with more state must keep it
     key, k0 = jax.random.split(key)
-    first = sample(k0, distribution(take_rows(logits, prompt_len - 1), sampling))
+    first = sample(k0, distribution(last, sampling))
     seq = jnp.zeros((b, s + 1), jnp.int32).at[:, :p].set(prompt)
     seq = set_rows(seq, prompt_len, first)
     draft_state = drafter.init(draft_params, prompt, prompt_len, s) if drafter is not None else None

@@ -30,6 +30,10 @@ class Model:
     init_cache: ``(batch, slots) -> cache`` with ``lengths`` zero.
     vocab_size: V of the logits.
     name: for error messages and statistics.
+    apply_at: optional ``(params, tokens [B, T], positions [B, T], cache, index [B]) -> (logits [B, V], cache)``,
+      ``apply`` with the logits of token ``index[b]`` of each row only. The prefill samples from one position
+      per row, and on a small-vocabulary-heavy model the LM head over every prompt token is a large share of
+      it (~20% for SmolLM2-135M); without ``apply_at`` the prefill takes that row of ``apply``'s logits.
 
     Build one ``Model`` per model and reuse it: it is a static argument of the jitted decoder, compared by
     the identity of its functions.
@@ -39,3 +43,4 @@ class Model:
     init_cache: Callable[[int, int], Any]
     vocab_size: int
     name: str = "model"
+    apply_at: Callable[..., tuple[jax.Array, Any]] | None = None

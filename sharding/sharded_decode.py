@@ -152,10 +152,21 @@ def pinned_model(model: Model, plan: DecodePlan, model_rules: ShardingRules) -> 
         logits = jax.lax.with_sharding_constraint(logits, plan.rows(tuple(logits.shape), b))
         return logits, pin_cache(cache, b)
 
+    def apply_at(params, tokens, positions, cache, index):
+        b = tokens.shape[0]
+        logits, cache = model.apply_at(params, tokens, positions, cache, index)
+        logits = jax.lax.with_sharding_constraint(
+            logits[:, None], named(LOGITS_AXES, (b, 1, logits.shape[-1]), plan.mesh, model_rules)
+        )
+        logits = jax.lax.with_sharding_constraint(logits, plan.rows(tuple(logits.shape), b))
+        return logits[:, 0], pin_cache(cache, b)
+
     def init_cache(batch: int, slots: int):
         return pin_cache(model.init_cache(batch, slots), batch)
 
-    return dataclasses.replace(model, apply=apply, init_cache=init_cache)
+    return dataclasses.replace(
+        model, apply=apply, init_cache=init_cache, apply_at=None if model.apply_at is None else apply_at
+    )
 
 
 def pinned_drafter(drafter, plan: DecodePlan):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,6 +184,41 @@ def test_ragged_batch_matches_single_rows(params, model, apply):
         c1 = c1.commit(jnp.full((1,), len(p), jnp.int32))
         ref_step, _ = apply(params, nxt[b : b + 1], _pos(len(p), 1), c1)
         np.testing.assert_allclose(np.asarray(step[b]), np.asarray(ref_step[0]), atol=1e-4, rtol=0)
+
+
+def test_apply_at_is_apply_at_those_rows(params, model, apply):
+    # Ragged rows: the logits of token index[b] (the last prompt token) and the same cache as the full call.
+    lens = [5, 9]
+    padded = np.zeros((2, max(lens)), np.int32)
+    for b, n in enumerate(lens):
+        padded[b, :n] = _tokens(20 + b, n)
+    toks, pos, index = jnp.asarray(padded), _pos(0, max(lens), 2), jnp.asarray(lens, jnp.int32) - 1
+    full, c_full = apply(params, toks, pos, model.init_cache(2, SLOTS))
+    last, c_at = jax.jit(model.apply_at)(params, toks, pos, model.init_cache(2, SLOTS), index)
+    assert last.shape == (2, CFG.vocab_size)
+    for b, n in enumerate(lens):
+        np.testing.assert_allclose(np.asarray(last[b]), np.asarray(full[b, n - 1]), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(c_at.k), np.asarray(c_full.k))
+    np.testing.assert_array_equal(np.asarray(c_at.v), np.asarray(c_full.v))
+
+
+def test_decode_prefill_takes_apply_at(params, model):
+    # The decoder's prefill calls apply_at when the model has one, and its tokens equal those of the fallback
+    # (apply's full logits, the row taken afterwards).
+    from jspec import decode as dec
+
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return model.apply_at(*args)
+
+    with_at = dataclasses.replace(model, apply_at=counted)
+    without = dataclasses.replace(model, apply_at=None)
+    prompts = [list(_tokens(30, 5)), list(_tokens(31, 8))]
+    outs = [dec.decode(m, params, prompts, max_new_tokens=6, max_len=SLOTS).tokens for m in (with_at, without)]
+    assert calls, "prefill did not call apply_at"
+    assert outs[0] == outs[1] and all(len(t) == 6 for t in outs[0])
 
 
 # Tree over 4 new tokens: 0 is the root, 1 and 2 are its children, 3 is the child of 1.
