@@ -127,17 +127,24 @@ def prefill(
     s = config.slots
     cache = target.init_cache(b, s)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    if target.apply_at is not None:
+    draft_state = None
+    if hasattr(drafter, "prefill"):
+        # A drafter that needs the target's own prefill (EAGLE: the prompt's features) runs that one pass.
+        last, cache, draft_state = drafter.prefill(
+            target, target_params, draft_params, prompt, positions, cache, prompt_len, s
+        )
+    elif target.apply_at is not None:
         last, cache = target.apply_at(target_params, prompt, positions, cache, prompt_len - 1)
     else:
         logits, cache = target.apply(target_params, prompt, positions, cache)
         last = take_rows(logits, prompt_len - 1)
+    if drafter is not None and draft_state is None:
+        draft_state = drafter.init(draft_params, prompt, prompt_len, s)
     cache = cache.commit(prompt_len)  # a commit, not a length change: caches with more state must keep it
     key, k0 = jax.random.split(key)
     first = sample(k0, distribution(last, sampling))
     seq = jnp.zeros((b, s + 1), jnp.int32).at[:, :p].set(prompt)
     seq = set_rows(seq, prompt_len, first)
-    draft_state = drafter.init(draft_params, prompt, prompt_len, s) if drafter is not None else None
     k = config.gamma
     stats = DecodeStats(
         rounds=jnp.zeros((b,), jnp.int32),

@@ -15,7 +15,10 @@ find the target's cache in ``ctx.target_cache``, may write their own entries int
 positions, cache) -> (logits, cache)`` to replace the target call of the verification, reusing what they
 computed. A drafter that needs by-products of the verification (an EAGLE head reads the target's hidden
 features) sets ``verify_updates_state = True``; its ``verify`` (which need not share the cache) then returns
-``(logits, cache, new_state)`` and the decoder keeps that state for the next round.
+``(logits, cache, new_state)`` and the decoder keeps that state for the next round. Such a drafter usually
+needs the prompt's by-products too; it may provide ``prefill(target, target_params, draft_params, prompt,
+positions, cache, prompt_len, slots) -> (logits of each row's last prompt token [B, V], cache, state)``,
+which then replaces both the decoder's prefill call and ``init``, so the target runs over the prompt once.
 """
 
 from __future__ import annotations

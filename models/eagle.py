@@ -326,13 +326,35 @@ class EagleDrafter:
         return EagleTreeDrafter(self.ecfg, spec=spec, rule=rule)
 
     def init(self, params, prompt: jax.Array, prompt_len: jax.Array, slots: int) -> EagleState:
-        """Runs the target over the prompt [B, P] once more to get its features (the decoder's prefill does not
-        return them), then the head over the prompt's pairs (f_i, x_{i+1}), i < prompt_len - 1."""
-        tparams, hp = params
+        """Runs the target over the prompt [B, P] once more to get its features, then the head over the
+        prompt's pairs. The decoder calls ``prefill`` instead, which takes the features from its own pass."""
+        tparams, _ = params
         cfg = self.ecfg.target
         b, p = prompt.shape
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         _, feats, _ = llama.forward(cfg, tparams, prompt, pos, llama.init_cache(cfg, b, p), return_hidden=True)
+        return self._state_from_prompt(params, prompt, prompt_len, feats, slots)
+
+    def prefill(
+        self, target: Model, target_params, params, prompt: jax.Array, positions: jax.Array, cache, prompt_len, slots
+    ) -> tuple[jax.Array, KVCache, EagleState]:
+        """The decoder's prefill (the drafter protocol's optional hook): one target pass over the prompt [B, P]
+        gives the logits of each row's last token [B, V], the target cache and the prompt's features, from
+        which the head state is built. ``init`` would run the target over the prompt a second time."""
+        cfg = self.ecfg.target
+        if target.vocab_size != cfg.vocab_size:
+            raise ValueError(f"target vocab {target.vocab_size} != head's target config {cfg.vocab_size}")
+        logits, feats, cache = llama.forward(
+            cfg, target_params, prompt, positions, cache, return_hidden=True, logits_at=prompt_len - 1
+        )
+        return logits[:, 0], cache, self._state_from_prompt(params, prompt, prompt_len, feats, slots)
+
+    def _state_from_prompt(self, params, prompt, prompt_len, feats, slots: int) -> EagleState:
+        """The head over the prompt's pairs (f_i, x_{i+1}), i < prompt_len - 1; feats [B, P, E]."""
+        tparams, hp = params
+        cfg = self.ecfg.target
+        b, p = prompt.shape
+        pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         cache = init_head_cache(self.ecfg, b, slots + self._scratch_slots())
         if p > 1:
             _, cache = head_features(self.ecfg, hp, tparams, feats[:, :-1], prompt[:, 1:], pos[:, :-1], cache)

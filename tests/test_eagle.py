@@ -165,6 +165,42 @@ def test_head_consumes_fresh_target_features():
             np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+class _EagleWithoutInit(EagleDrafter):
+    def init(self, *args):
+        raise AssertionError("the decoder's prefill should use the drafter's prefill hook, not init")
+
+
+def test_prefill_hook_equals_init_and_runs_the_target_once():
+    """``EagleDrafter.prefill`` (one target pass for the logits and the features) gives the logits of each
+    row's last prompt token, the target cache and the head state that ``init`` builds from a second pass; the
+    decoder takes it instead of ``init`` (a drafter whose init raises still decodes, to the same tokens)."""
+    drafter, dparams, _ = tiny_drafter(k=3, seed=6)
+    b, p = len(PROMPTS), max(map(len, PROMPTS))
+    prompt = jnp.asarray(_right_pad(PROMPTS))
+    plen = jnp.asarray([len(x) for x in PROMPTS], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    slots = 32
+    last, cache, state = jax.jit(drafter.prefill, static_argnums=(0, 7))(
+        TINY_MODEL, TINY_PARAMS, dparams, prompt, pos, TINY_MODEL.init_cache(b, slots), plen, slots
+    )
+    logits, ref_cache = TINY_MODEL.apply(TINY_PARAMS, prompt, pos, TINY_MODEL.init_cache(b, slots))
+    ref_state = drafter.init(dparams, prompt, plen, slots)
+    for r in range(b):
+        np.testing.assert_allclose(last[r], logits[r, plen[r] - 1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(cache.k, ref_cache.k, atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(state.start, ref_state.start)
+    np.testing.assert_allclose(state.feats, ref_state.feats, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(state.cache.lengths, ref_state.cache.lengths)
+    for r in range(b):
+        c = int(plen[r]) - 1
+        np.testing.assert_allclose(state.cache.k[:, r, :, :c], ref_state.cache.k[:, r, :, :c], atol=1e-5, rtol=0)
+
+    no_init = _EagleWithoutInit(drafter.ecfg, max_draft=3)
+    kw = dict(draft_params=dparams, gamma=3, max_new_tokens=8)
+    got = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=no_init, **kw).tokens
+    assert got == decode(TINY_MODEL, TINY_PARAMS, PROMPTS, **kw | {"draft_params": None, "gamma": 0}).tokens
+
+
 def test_training_time_test_matches_rollout():
     """Pass u of ``head_unrolled`` at position i is what draft step u computes at inference: the committed
     pairs < i - u + 1 from true features in the head cache, then u rollout steps on predicted features."""
