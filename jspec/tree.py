@@ -204,6 +204,43 @@ def verify_tree(
     return TreeResult(jnp.stack(path, axis=1), n_acc, nxt_tok, jnp.stack(acc_depth, axis=1))
 
 
+def verify_tree_greedy(
+    best: jax.Array,  # [B, N] the target's argmax at each node (for that node's children)
+    tokens: jax.Array,  # [B, N]
+    parent: jax.Array,  # [B, N]
+    valid: jax.Array,  # [B, N] bool, ancestor-closed
+    max_depth: int,
+    max_children: int,
+) -> TreeResult:
+    """``verify_tree`` when every row is greedy (p one-hot on ``best``), for any rule: a child is accepted iff
+    its token is its parent's argmax (p(x) is 1 or 0, so every rule's test u q(x) < p(x) or u < p(x) says
+    exactly that), the first such child in order wins, and every residual stays one-hot on the argmax (a
+    rejected x != argmax takes no mass from it), so the next token is the argmax at the last node reached.
+    Works on [B, N] token ids instead of the [B, N, V] distributions: a round's acceptance no longer passes
+    over V for every tried child."""
+    b = tokens.shape[0]
+    children = children_table(parent, valid, max_children)
+    cur = jnp.zeros((b,), jnp.int32)
+    done = jnp.zeros((b,), bool)
+    path, acc_depth = [cur], []
+    for _ in range(max_depth):
+        ch = take_rows(children, cur)  # [B, C]
+        want = take_rows(best, cur)  # [B]
+        nxt = jnp.full((b,), -1, jnp.int32)
+        for c in range(max_children):
+            node = ch[:, c]
+            hit = (node >= 0) & ~done & (nxt < 0) & (take_rows(tokens, jnp.maximum(node, 0)) == want)
+            nxt = jnp.where(hit, node, nxt)
+        moved = nxt >= 0
+        cur = jnp.where(moved, nxt, cur)
+        done = done | ~moved
+        path.append(jnp.where(moved, cur, 0))
+        acc_depth.append(moved)
+    acc = jnp.stack(acc_depth, axis=1)
+    n_acc = jnp.sum(acc, axis=1).astype(jnp.int32)
+    return TreeResult(jnp.stack(path, axis=1), n_acc, take_rows(best, cur).astype(jnp.int32), acc)
+
+
 def verify_tree_key(key, p, q, tokens, parent, valid, rule, max_depth, max_children) -> TreeResult:
     k_acc, k_fin = jax.random.split(key)
     b = p.shape[0]

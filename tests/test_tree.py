@@ -18,7 +18,16 @@ from toy_models import chi2_critical, chi_square, exact_sequence_distribution, g
 
 from jspec import decode as dec
 from jspec.ngram import NgramTreeDrafter
-from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec, ancestor_mask, children_table
+from jspec.tree import (
+    DynamicTreeDrafter,
+    TreeModelDrafter,
+    TreeRule,
+    TreeSpec,
+    ancestor_mask,
+    children_table,
+    verify_tree,
+    verify_tree_greedy,
+)
 
 SPEC = TreeSpec((2, 2, 1))  # 1 + 2 + 4 + 4 = 11 nodes, depth 3
 
@@ -45,6 +54,47 @@ def test_ancestor_mask_and_children():
         assert set(np.nonzero(mask[i])[0].tolist()) == anc
     kids = np.asarray(children_table(parent, jnp.ones_like(parent, bool), 2))[0]
     assert kids[0].tolist() == [1, 2] and kids[3].tolist() == [7, -1] and kids[10].tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize("rule", list(TreeRule))
+def test_greedy_tree_verification_fast_path(rule):
+    """``verify_tree_greedy`` (token ids only) equals ``verify_tree`` on one-hot p under every rule, and a plain
+    Python walk: accept the first valid child whose token is the parent's argmax, emit the argmax where the
+    walk stops. 256 random rows on SPEC; a 4-token vocabulary makes matches, duplicate siblings and invalid
+    subtrees common."""
+    rng = np.random.default_rng(int(rule))
+    b, v = 256, 4
+    parent_np, _, _ = SPEC.arrays
+    n = len(parent_np)
+    tokens = rng.integers(0, v, (b, n))
+    best = rng.integers(0, v, (b, n))
+    own = rng.random((b, n)) < 0.85
+    valid = np.ones((b, n), bool)
+    for i in range(1, n):
+        valid[:, i] = own[:, i] & valid[:, parent_np[i]]
+    q = rng.random((b, n, v)) + 0.05
+    q /= q.sum(-1, keepdims=True)
+    parent = np.broadcast_to(parent_np, (b, n))
+    args = (jnp.asarray(tokens), jnp.asarray(parent), jnp.asarray(valid))
+    fast = verify_tree_greedy(jnp.asarray(best), *args, SPEC.max_depth, SPEC.max_children)
+    p = jnp.asarray(np.eye(v, dtype=np.float32)[best])
+    u = jnp.asarray(rng.random((b, SPEC.max_depth, SPEC.max_children)), jnp.float32)
+    ref = verify_tree(p, jnp.asarray(q, jnp.float32), *args, rule, SPEC.max_depth, SPEC.max_children, u,
+                      jnp.asarray(rng.random(b), jnp.float32))  # fmt: skip
+    for name in ("path", "n_accepted", "next_token", "accepted_depth"):
+        np.testing.assert_array_equal(np.asarray(getattr(fast, name)), np.asarray(getattr(ref, name)), err_msg=name)
+    for r in range(b):
+        cur, walked = 0, [0]
+        while True:
+            kids = [i for i in range(n) if parent_np[i] == cur and valid[r, i] and tokens[r, i] == best[r, cur]]
+            if not kids:
+                break
+            cur = kids[0]
+            walked.append(cur)
+        assert int(fast.n_accepted[r]) == len(walked) - 1
+        assert np.asarray(fast.path[r, : len(walked)]).tolist() == walked
+        assert int(fast.next_token[r]) == best[r, cur]
+    assert 0 < int(jnp.sum(fast.n_accepted > 0)) < b  # both outcomes occur
 
 
 @pytest.mark.parametrize("rule", list(TreeRule))
