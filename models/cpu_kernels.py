@@ -188,6 +188,7 @@ def build(verbose: bool = False) -> str:
     ).hexdigest()[:16]
     out = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")
     if os.path.exists(out):
+        os.utime(out)  # its mtime is when it was last used: what ``_prune`` keeps
         return out
     os.makedirs(_cache_dir(), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
@@ -199,9 +200,33 @@ def build(verbose: bool = False) -> str:
         os.unlink(tmp)
         raise RuntimeError(f"compiling {_SOURCE} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
     os.replace(tmp, out)  # atomic: concurrent builders each write their own temp file
+    _prune(out)
     if verbose:
         print(f"built {out}")
     return out
+
+
+KEEP_BUILDS = 4
+
+
+def _prune(current: str) -> None:
+    """Delete all but the ``KEEP_BUILDS`` most recently used libraries (each source, compiler, CPU or jaxlib
+    change builds a new one). Several environments sharing the cache each keep theirs while in use; a process
+    that has one loaded keeps its mapping after the file is removed."""
+    libs = sorted(
+        (
+            os.path.join(_cache_dir(), f)
+            for f in os.listdir(_cache_dir())
+            if f.startswith("cpu_kernels-") and f.endswith(".so")
+        ),
+        key=lambda f: os.path.getmtime(f),
+        reverse=True,
+    )
+    for f in [f for f in libs if f != current][KEEP_BUILDS - 1 :]:
+        try:
+            os.unlink(f)
+        except OSError:  # another process pruned it first
+            pass
 
 
 @functools.cache

@@ -3,6 +3,8 @@ row-independence the kernel promises, the XLA fallback, and the errors."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,6 +114,29 @@ def test_build_failure_is_reported(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="compiling .*cpu_kernels.cc failed"):
         cpu_kernels.build()
     assert not list((tmp_path / "kernels").glob("*.so"))  # no half-written library left to be loaded later
+
+
+def test_old_builds_are_pruned(monkeypatch, tmp_path):
+    # A stand-in compiler (writes its -o file): a new build keeps itself and the 3 most recently used others.
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(cxx))
+    kdir = tmp_path / "kernels"
+    kdir.mkdir()
+    old = [kdir / f"cpu_kernels-old{i}.so" for i in range(6)]
+    for i, f in enumerate(old):
+        f.write_bytes(b"")
+        os.utime(f, (1000 + i, 1000 + i))  # old5 was used last
+    (kdir / "unrelated.txt").write_text("kept")
+    built = cpu_kernels.build()
+    left = sorted(p.name for p in kdir.iterdir())
+    assert left == sorted([os.path.basename(built), "cpu_kernels-old3.so", "cpu_kernels-old4.so",
+                           "cpu_kernels-old5.so", "unrelated.txt"])  # fmt: skip
+    os.utime(old[3], (10, 10))
+    assert cpu_kernels.build() == built  # cached: no rebuild, nothing pruned, and its use is recorded
+    assert os.path.getmtime(built) > 1000 and (kdir / "cpu_kernels-old3.so").exists()
 
 
 def _attention_reference(q, k_all, v_all, mask, layer, scale):
