@@ -96,7 +96,9 @@ def time_round_parts(target, drafter, dparams, tparams, prompt_ids, k: int, eos:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--head", default="smollm2-8k", help="trained head: cache name or directory")
+    ap.add_argument(
+        "--head", default="smollm2-8k", help="trained head: cache name or directory; several, comma-separated"
+    )
     ap.add_argument("--ks", default="2,3,4", help="draft lengths K for the head")
     ap.add_argument(
         "--trees",
@@ -128,19 +130,23 @@ def main(argv=None) -> dict:
         "plain": (None, None, 0),
         f"ngram K={args.ngram_k}": (NgramDrafter(3, 1, vocab_size=cfg.vocab_size), None, args.ngram_k),
     }
-    for k in ks:
-        drafter, dparams = EG.load_eagle(args.head, cfg, tparams, max_draft=k)
-        configs[f"eagle K={k}"] = (drafter, dparams, k)
-    for branching in filter(None, args.trees.split(";")):
-        spec = TreeSpec(tuple(int(c) for c in branching.split(",")))
-        chain, dparams = EG.load_eagle(args.head, cfg, tparams, max_draft=spec.max_depth)
-        trees = (chain.as_tree(spec, TreeRule.DETERMINISTIC), chain.as_tree(spec, TreeRule.WITHOUT_REPLACEMENT))
-        configs[f"eagle tree {branching}"] = (trees, dparams, spec.max_depth)
-    meta = EG.read_meta(args.head)
-    print(
-        f"head '{args.head}': N={drafter.ecfg.n} tokens, {EG.param_count(dparams[1]) / 1e6:.2f}M params read per "
-        f"draft step (rows included), trained on {meta.get('generated_tokens', '?')} generated tokens"
-    )
+    heads = args.head.split(",")
+    for head in heads:
+        tag = "eagle" if len(heads) == 1 else f"eagle[{head}]"  # several heads: compared in the same run
+        for k in ks:
+            drafter, dparams = EG.load_eagle(head, cfg, tparams, max_draft=k)
+            configs[f"{tag} K={k}"] = (drafter, dparams, k)
+        for branching in filter(None, args.trees.split(";")):
+            spec = TreeSpec(tuple(int(c) for c in branching.split(",")))
+            chain, dparams = EG.load_eagle(head, cfg, tparams, max_draft=spec.max_depth)
+            trees = (chain.as_tree(spec, TreeRule.DETERMINISTIC), chain.as_tree(spec, TreeRule.WITHOUT_REPLACEMENT))
+            configs[f"{tag} tree {branching}"] = (trees, dparams, spec.max_depth)
+            drafter = chain
+        meta = EG.read_meta(head)
+        print(
+            f"head '{head}': N={drafter.ecfg.n} tokens, {EG.param_count(dparams[1]) / 1e6:.2f}M params read per "
+            f"draft step (rows included), trained on {meta.get('generated_tokens', '?')} generated tokens"
+        )
 
     runs: dict = {(name, t): [] for name in configs for t in temps}
     t_start = time.perf_counter()
@@ -190,11 +196,12 @@ def main(argv=None) -> dict:
 
     parts = {}
     for name, (drafter, dparams, k) in configs.items():
-        if name.startswith("eagle K="):
+        if name.startswith("eagle") and " K=" in name:
             parts[name] = time_round_parts(model, drafter, dparams, tparams, prompts[0], k, eos)
 
     report = {"args": vars(args), "results": {}}
     ng = f"ngram K={args.ngram_k}"
+    width = max(map(len, configs)) + 1
     for t in temps:
         print(f"\n== T={t:g}, batch 1, {len(prompts)} prompts x {args.reps} reps, medians ==")
         plain_tps = median([r["tokens_per_s"] for r in runs[("plain", t)]])
@@ -213,7 +220,7 @@ def main(argv=None) -> dict:
                 "vs_ngram": tps / ng_tps,
                 "tokens_per_round": toks / max(rounds, 1),
             }
-            line = f"{name:18s} {tps:7.1f} tok/s  x{ratio:.2f} plain  x{tps / ng_tps:.2f} n-gram"
+            line = f"{name:{width}s} {tps:7.1f} tok/s  x{ratio:.2f} plain  x{tps / ng_tps:.2f} n-gram"
             if name != "plain":
                 surv = acc / np.maximum(prop, 1)
                 cond = conditional_rates_from_stats(acc.tolist(), prop.tolist())
@@ -246,7 +253,7 @@ def main(argv=None) -> dict:
                     predicted_over_measured=pred.ratio_to(ratio),
                 )
                 line += (
-                    f"\n{'':18s} round {round_ms:.1f} ms: propose {p['propose_ms']:.1f} ms "
+                    f"\n{'':{width}s} round {round_ms:.1f} ms: propose {p['propose_ms']:.1f} ms "
                     f"({100 * p['propose_ms'] / round_ms:.0f}% of the round), verify {p['verify_ms']:.1f} ms, "
                     f"rest {state_ms:.1f} ms; plain step {p['plain_step_ms']:.1f} ms; cost model "
                     f"x{pred.speedup:.2f} predicted vs x{ratio:.2f} measured (ratio {pred.ratio_to(ratio):.2f})"

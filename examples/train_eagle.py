@@ -18,13 +18,16 @@
 
 Everything goes to ``${JSPEC_CACHE:-~/.cache/jspec}/eagle/<name>/`` (data, checkpoints, ``head/``,
 ``eval.json``), never into the repository; a rerun with a finished head only prints its evaluation unless
-``--force``. Defaults: every training prompt answered once (14 batches of 32, ~56k generated tokens) plus
-~40k docstring tokens, 3 epochs (360 steps). On a quiet 2-core CPU, with 3 of the 14 batches and the
-docstring features already cached from an earlier run: data 12 min, training 8 min (a fresh run also pays
-for those). The data is cached: a retrain with other head settings only pays for training. ``--gen-batches`` and
-``--doc-tokens`` set the data budget, and the head is data-bound: with 3 batches (~12k tokens, 2 epochs) its
-held-out first-position acceptance was 0.24-0.27, with the defaults 0.30 (greedy, K=4; 0.57 on its own
-training answers).
+``--force``. Defaults: the first 448 training prompts answered once (14 batches of 32, ~56k generated tokens)
+plus ~40k docstring tokens, 3 epochs (360 steps). ``--gen-batches 31`` answers 992 of the 1018 prompts
+(EXTRA_TOPICS come last, so the first 14 batches are the same). The text and features come from the CPU
+kernels' layout, ~18 s a batch on a 2-core CPU; training took 8 min for the defaults. The data is cached per
+batch: a retrain with other head settings only pays for training, a larger budget only for the new batches.
+``--gen-batches`` and ``--doc-tokens`` set the data budget, and the head is data-bound: with 3 batches (~12k
+tokens, 2 epochs) its held-out first-position acceptance was 0.24-0.27, with the defaults 0.30 (greedy, K=4;
+0.57 on its own training answers). ``--name smollm2-8k-xl --gen-batches 31`` (125k generated tokens, 663
+steps; data 6 min, training 16 min): 0.35 greedy and 0.30 at T = 1 (the defaults: 0.30 and 0.25), teacher-
+forced 0.42 (0.38); 0.60 on its own training answers.
 
     python examples/train_eagle.py [--name smollm2-8k] [--head-tokens 8192] [--gen-batches 3] [--force]
 """
@@ -63,6 +66,22 @@ TOPICS = [
     "renewable energy", "the stock market", "ancient Egypt", "video games", "yoga", "bees", "the moon",
     "cooking pasta", "job interviews", "rainforests", "smartphones", "the immune system", "painting",
     "earthquakes", "kindness", "the Olympic Games", "budget travel", "vitamins", "cybersecurity",
+]  # fmt: skip
+# More topics for a larger data budget (``--gen-batches`` past the first 14): their prompts come after every
+# prompt of TOPICS, so a larger budget keeps the batches a smaller one generated (the data cache is per batch).
+EXTRA_TOPICS = [
+    "origami", "the printing press", "sharks", "hiking safety", "first aid", "the history of tea", "knitting",
+    "black holes", "composting", "the Great Wall of China", "solar panels", "birdwatching", "board games",
+    "the Renaissance", "gardening in small spaces", "learning to swim", "volunteering", "the ocean tides",
+    "baking cookies", "fossils", "the human brain", "cats as pets", "starting a small business", "podcasts",
+    "the Industrial Revolution", "rain gardens", "healthy breakfasts", "mountain climbing", "the piano",
+    "recycling electronics", "tornadoes", "honey", "the Silk Road", "minimalism", "public libraries",
+    "electric bikes", "the Amazon river", "map reading", "cloud computing", "dinosaurs", "staying hydrated",
+    "the Vikings", "home insulation", "penguins", "robots", "wildfires", "learning to draw",
+    "the metric system", "friendly debate", "the history of money", "glaciers", "wind turbines", "coral reefs",
+    "team sports", "cooking rice", "the Moon landing", "insomnia", "3D printing", "the Eiffel Tower",
+    "calligraphy", "whales", "saving water at home", "the periodic table", "street food", "trains",
+    "negotiation", "sundials", "the northern lights", "mushrooms", "typing faster",
 ]  # fmt: skip
 TEMPLATES = [
     "Can you explain {t} to a beginner?",
@@ -115,7 +134,9 @@ def training_prompts(seed: int, doc_every: int = 4) -> list[str]:
             out.append(docs[d])
             d += 1
         out.append(c)
-    return out
+    extra = [tpl.format(t=t) for t in EXTRA_TOPICS for tpl in TEMPLATES]
+    rng.shuffle(extra)
+    return out + extra
 
 
 def encode(tok, text: str, max_prompt: int) -> list[int]:
@@ -532,9 +553,13 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     target = registry.load(args.model, dtype="float32")
-    files = generate_data(args, target, data_dir(args))
+    # The target's text and features come from the CPU decode layout (per-layer weights on the CPU kernels,
+    # ~2x faster there); training reads the stacked params.
+    gen = target._replace(params=llama.unstack_layers(target.params)) if jax.default_backend() == "cpu" else target
+    files = generate_data(args, gen, data_dir(args))
     doc_dir = os.path.join(EG.cache_root(), "_data", f"{args.model}-docs-w{args.doc_width}-s{args.seed}")
-    doc_files = generate_doc_data(args, target, doc_dir)
+    doc_files = generate_doc_data(args, gen, doc_dir)
+    del gen
     data, answers = load_windows(files + doc_files, args.window, args.prompt_loss)
     answers = answers[: len(files) * args.gen_batch]  # the generated answers only (the frequent-token map)
     t_data = time.perf_counter() - t0

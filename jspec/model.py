@@ -32,8 +32,9 @@ class Model:
     name: for error messages and statistics.
     apply_at: optional ``(params, tokens [B, T], positions [B, T], cache, index [B]) -> (logits [B, V], cache)``,
       ``apply`` with the logits of token ``index[b]`` of each row only. The prefill samples from one position
-      per row, and on a small-vocabulary-heavy model the LM head over every prompt token is a large share of
-      it (~20% for SmolLM2-135M); without ``apply_at`` the prefill takes that row of ``apply``'s logits.
+      per row, and the LM head over every prompt token can be a large share of it (~20% for SmolLM2-135M,
+      whose head is a fifth of its weights); without ``apply_at`` the prefill takes that row of ``apply``'s
+      logits.
 
     Build one ``Model`` per model and reuse it: it is a static argument of the jitted decoder, compared by
     the identity of its functions.
