@@ -173,7 +173,7 @@ class _EagleWithoutInit(EagleDrafter):
 def test_prefill_hook_equals_init_and_runs_the_target_once():
     """``EagleDrafter.prefill`` (one target pass for the logits and the features) gives the logits of each
     row's last prompt token, the target cache and the head state that ``init`` builds from a second pass; the
-    decoder takes it instead of ``init`` (a drafter whose init raises still decodes, to the same tokens)."""
+    decoder takes it instead of ``init`` (a drafter whose init raises still prefills)."""
     drafter, dparams, _ = tiny_drafter(k=3, seed=6)
     b, p = len(PROMPTS), max(map(len, PROMPTS))
     prompt = jnp.asarray(_right_pad(PROMPTS))
@@ -195,10 +195,11 @@ def test_prefill_hook_equals_init_and_runs_the_target_once():
         c = int(plen[r]) - 1
         np.testing.assert_allclose(state.cache.k[:, r, :, :c], ref_state.cache.k[:, r, :, :c], atol=1e-5, rtol=0)
 
+    # Traced, not compiled (the decoded tokens are held to plain's by the greedy tests, which take this path).
     no_init = _EagleWithoutInit(drafter.ecfg, max_draft=3)
-    kw = dict(draft_params=dparams, gamma=3, max_new_tokens=8)
-    got = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=no_init, **kw).tokens
-    assert got == decode(TINY_MODEL, TINY_PARAMS, PROMPTS, **kw | {"draft_params": None, "gamma": 0}).tokens
+    prepared = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=no_init, draft_params=dparams, gamma=3)
+    st = jax.eval_shape(functools.partial(dec.prefill, TINY_MODEL, no_init, prepared.config), *prepared.args)
+    assert st.draft_state.feats.shape == (b, 4, TINY.hidden)
 
 
 def test_training_time_test_matches_rollout():
@@ -692,7 +693,8 @@ def test_checkpoint_round_trip(tmp_path):
 
 
 def test_trainer_refuses_more_batches_than_prompts(tmp_path):
-    """train_eagle.py's default budget answers every training prompt once; asking for more batches than the
+    """train_eagle.py's default budget fits the training prompts and its batches are the prompts before the
+    EXTRA_TOPICS ones (a larger budget keeps the default's cached batches); asking for more batches than the
     prompts fill is an error that names both flags, raised before any model call (it used to fail somewhere
     inside generation)."""
     import os
@@ -705,7 +707,11 @@ def test_trainer_refuses_more_batches_than_prompts(tmp_path):
     n = len(train_eagle.training_prompts(0))
     args = SimpleNamespace(seed=0, gen_batch=32, max_prompt=192, max_new=128)
     defaults = train_eagle.parse_args([])
-    assert defaults.gen_batches * defaults.gen_batch <= n < (defaults.gen_batches + 1) * defaults.gen_batch
+    assert defaults.gen_batches * defaults.gen_batch <= n
+    prompts = train_eagle.training_prompts(0)
+    n_extra = len(train_eagle.EXTRA_TOPICS) * len(train_eagle.TEMPLATES)
+    extra = [p for p in prompts if any(t in p for t in train_eagle.EXTRA_TOPICS)]
+    assert extra == prompts[-n_extra:] and defaults.gen_batches * defaults.gen_batch <= n - n_extra
     target = SimpleNamespace(tokenizer=None, config=None)
     with pytest.raises(SystemExit, match=f"--gen-batches {n // 32 + 1} x --gen-batch 32 .* {n} training prompts"):
         train_eagle.generate_data(SimpleNamespace(gen_batches=n // 32 + 1, **vars(args)), target, str(tmp_path))
