@@ -106,6 +106,12 @@ def main(argv=None) -> dict:
         help="static trees for the head, ';'-separated branchings (e.g. '2,1;2,2,1'); children are the head's "
         "top-c at T = 0 (deterministic rule) and drawn without replacement at T > 0",
     )
+    ap.add_argument(
+        "--packed-dtypes",
+        default="bfloat16",
+        help="dtype of the head's packed weights on the CPU kernel (EagleDrafter.draft_params); several, "
+        "comma-separated, are compared in the same run",
+    )
     ap.add_argument("--ngram-k", type=int, default=4)
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--reps", type=int, default=2)
@@ -131,14 +137,17 @@ def main(argv=None) -> dict:
         f"ngram K={args.ngram_k}": (NgramDrafter(3, 1, vocab_size=cfg.vocab_size), None, args.ngram_k),
     }
     heads = args.head.split(",")
-    for head in heads:
-        tag = "eagle" if len(heads) == 1 else f"eagle[{head}]"  # several heads: compared in the same run
+    dtypes = args.packed_dtypes.split(",")
+    for head, pdt in [(h, d) for h in heads for d in dtypes]:
+        # Several heads or dtypes: compared in the same run, each config tagged with what differs.
+        diff = [x for x, many in ((head, len(heads) > 1), (pdt, len(dtypes) > 1)) if many]
+        tag = f"eagle[{','.join(diff)}]" if diff else "eagle"
         for k in ks:
-            drafter, dparams = EG.load_eagle(head, cfg, tparams, max_draft=k)
+            drafter, dparams = EG.load_eagle(head, cfg, tparams, max_draft=k, packed_dtype=pdt)
             configs[f"{tag} K={k}"] = (drafter, dparams, k)
         for branching in filter(None, args.trees.split(";")):
             spec = TreeSpec(tuple(int(c) for c in branching.split(",")))
-            chain, dparams = EG.load_eagle(head, cfg, tparams, max_draft=spec.max_depth)
+            chain, dparams = EG.load_eagle(head, cfg, tparams, max_draft=spec.max_depth, packed_dtype=pdt)
             trees = (chain.as_tree(spec, TreeRule.DETERMINISTIC), chain.as_tree(spec, TreeRule.WITHOUT_REPLACEMENT))
             configs[f"{tag} tree {branching}"] = (trees, dparams, spec.max_depth)
             drafter = chain

@@ -8,7 +8,10 @@ matrix-vector product), but at 2-16 tokens, the size of a speculative verificati
 repack every weight matrix on every call: a 9-token SmolLM2 pass cost ~2x a 1-token step, and every drafter
 pays that. ``kernels/cpu_kernels.cc`` keeps weights in 32-column panels ([N/32, K, 32], packed once, at
 ``models.llama.unstack_layers`` time) and streams each panel once per call with all rows' accumulators in
-registers, so 1-12 rows cost about what one row costs.
+registers, so 1-12 rows cost about what one row costs (with AVX-512; measured on a Zen 4 EPYC). The register
+tile is sized for the vector width the kernel is compiled for: on an AVX2-only CPU (a Zen 3 EPYC, 16 registers
+of 8 floats) it is 6 rows by half a panel, and a 9-token call costs ~2x a 1-token one there, against ~3.4x
+with XLA's matmuls (a tile sized for AVX-512 spilled its accumulators and cost 8x).
 
 The kernel is compiled from source with the system C++ compiler on first use (about 2 s, for this CPU:
 ``-march=native``) and cached under ``~/.cache/jspec/kernels`` (``JSPEC_CACHE`` moves it), keyed by the
@@ -43,8 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PANEL = 32  # columns per panel; the kernel's register tile is two 16-float vectors wide
+PANEL = 32  # columns per panel (two AVX-512 vectors); the kernel's register tile follows the CPU's vector width
 TARGET = "jspec_packed_matmul_f32"
+TARGET_BF16 = "jspec_packed_matmul_bf16"
 ATTENTION_TARGET = "jspec_cache_attention_f32"
 ATTENTION_HEAD_DIMS = (32, 64, 128)
 _SOURCE = os.path.join(os.path.dirname(__file__), "kernels", "cpu_kernels.cc")
@@ -80,38 +84,54 @@ class PackedMatrix:
         return self.panels[ids // PANEL, :, ids % PANEL]
 
 
-def pack(w: jax.Array, k: int | None = None) -> PackedMatrix:
-    """W [K, ...] (or any shape whose leading axes multiply to ``k``) -> PackedMatrix. f32 only: the kernel
-    is f32 (XLA:CPU's bf16 is slower than f32 anyway)."""
+def pack(w: jax.Array, k: int | None = None, dtype=jnp.float32) -> PackedMatrix:
+    """W [K, ...] (or any shape whose leading axes multiply to ``k``) -> PackedMatrix. W must be f32 (a model's
+    compute dtype on the kernel; XLA:CPU's bf16 is slower than f32 anyway). ``dtype=jnp.bfloat16`` stores the
+    panels rounded to bf16, half the bytes to read; ``matmul`` still multiplies in f32 (for draft heads)."""
     if w.dtype != jnp.float32:
-        raise ValueError(f"pack: the CPU kernel is float32 only, got {w.dtype}")
+        raise ValueError(f"pack: the CPU kernel takes float32 weights, got {w.dtype}")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"pack: panels are stored as float32 or bfloat16, not {jnp.dtype(dtype)}")
     k = w.shape[0] if k is None else k
     if k <= 0 or w.size % k:
         raise ValueError(f"pack: cannot read a weight of shape {w.shape} as {k} contracted rows")
     n = w.size // k
     p = -(-n // PANEL)
     m = jnp.pad(w.reshape(k, n), ((0, 0), (0, p * PANEL - n)))
-    return PackedMatrix(m.reshape(k, p, PANEL).transpose(1, 0, 2), tuple(w.shape), k)
+    return PackedMatrix(m.reshape(k, p, PANEL).transpose(1, 0, 2).astype(dtype), tuple(w.shape), k)
+
+
+def cast_panels(tree, dtype):
+    """Every ``PackedMatrix`` in a pytree with its panels stored as ``dtype`` (rounded to nearest even, as
+    ``pack(dtype=...)`` does); other leaves unchanged."""
+
+    def cast(m):
+        return dataclasses.replace(m, panels=m.panels.astype(dtype)) if isinstance(m, PackedMatrix) else m
+
+    return jax.tree.map(cast, tree, is_leaf=lambda m: isinstance(m, PackedMatrix))
 
 
 def matmul(x: jax.Array, w: PackedMatrix) -> jax.Array:
     """x [..., K] @ W -> [..., N] float32 (W's trailing logical axes flattened into N). x is cast to the
-    panels' dtype, as the XLA matmuls cast to the weights'."""
+    panels' dtype, as the XLA matmuls cast to the weights', except for bf16 panels (``pack(dtype=bfloat16)``):
+    those are widened to f32 and x stays f32, on the kernel and off it alike."""
     if x.shape[-1] != w.k:
         raise ValueError(f"matmul: x has {x.shape[-1]} features, the packed weight contracts {w.k}")
     lead = x.shape[:-1]
     padded = w.panels.shape[0] * PANEL
-    x2 = x.reshape(-1, w.k).astype(w.panels.dtype)  # [M, K]
+    bf16 = w.panels.dtype == jnp.bfloat16
+    x2 = x.reshape(-1, w.k).astype(jnp.float32 if bf16 else w.panels.dtype)  # [M, K]
 
     def xla(x2, panels):  # the same product from the panels: other platforms, or panels cast to another dtype
+        panels = panels.astype(jnp.float32) if bf16 else panels
         y = jnp.einsum("mk,pkc->mpc", x2, panels, preferred_element_type=jnp.float32)
         return y.reshape(x2.shape[0], padded)
 
-    if w.panels.dtype == jnp.float32 and available():
+    if (w.panels.dtype == jnp.float32 or bf16) and available():
 
         def kernel(x2, panels):
             out = jax.ShapeDtypeStruct((x2.shape[0], padded), jnp.float32)
-            return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x2, panels)
+            return jax.ffi.ffi_call(TARGET_BF16 if bf16 else TARGET, out, vmap_method="sequential")(x2, panels)
 
         y = jax.lax.platform_dependent(x2, w.panels, cpu=kernel, default=xla)
     else:
@@ -239,6 +259,7 @@ def available() -> bool:
     try:
         lib = ctypes.cdll.LoadLibrary(build())
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecPackedMatmulF32), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(lib.JspecPackedMatmulBF16), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JspecCacheAttentionF32), platform="cpu")
     except Exception as e:  # no compiler, a failed build: the XLA matmuls still work
         warnings.warn(f"jspec CPU matmul kernel unavailable, using XLA's matmuls: {e}", stacklevel=2)

@@ -305,9 +305,15 @@ class EagleDrafter:
     def vocab_size(self) -> int:
         return self.ecfg.target.vocab_size
 
-    def draft_params(self, target_params: Params, head_params: Params) -> tuple[Params, Params]:
+    def draft_params(
+        self, target_params: Params, head_params: Params, packed_dtype: str = "bfloat16"
+    ) -> tuple[Params, Params]:
         """(target params, head params + ``rows`` [N, E]): the subset's LM-head rows gathered here, once per
-        target, not per draft step. JAX does not copy the target params passed twice."""
+        target, not per draft step. JAX does not copy the target params passed twice.
+
+        packed_dtype: next to a packed target (the CPU kernel), the head's packed matrices are stored in this
+        dtype. "bfloat16" (default) halves the bytes a draft step reads; the kernel widens them to f32 and
+        multiplies in f32. Lossless either way: q is what the head samples, whatever its weights' rounding."""
         ids = jnp.asarray(head_params["token_ids"], jnp.int32)
         if ids.shape != (self.ecfg.n,):
             raise ValueError(f"head has {ids.shape[0]} token ids, config says N={self.ecfg.n}")
@@ -316,9 +322,10 @@ class EagleDrafter:
         if llama.is_packed(target_params):
             # Next to a target on the CPU kernel, the head's own matmuls (its layer, fc and the N rows) use it
             # too: a draft step reads ~36 MB of head weights, and XLA's matmuls read them at a lower rate.
-            hp["layers"] = llama.unstack_layer_stack(head_params["layers"], packed=True)
-            hp["fc"] = {"kernel": cpu_kernels.pack(jnp.asarray(head_params["fc"]["kernel"], jnp.float32))}
-            hp["rows"] = cpu_kernels.pack(rows.T)
+            dt = llama.DTYPES[llama.canonical_dtype(packed_dtype)]
+            hp["layers"] = cpu_kernels.cast_panels(llama.unstack_layer_stack(head_params["layers"], packed=True), dt)
+            hp["fc"] = {"kernel": cpu_kernels.pack(jnp.asarray(head_params["fc"]["kernel"], jnp.float32), dtype=dt)}
+            hp["rows"] = cpu_kernels.pack(rows.T, dtype=dt)
         return target_params, hp
 
     def as_tree(self, spec: TreeSpec, rule: TreeRule = TreeRule.DETERMINISTIC) -> EagleTreeDrafter:
@@ -602,12 +609,17 @@ def resolve_head(path_or_name: str | os.PathLike) -> str:
 
 
 def load_eagle(
-    path_or_name: str | os.PathLike, target_cfg: LlamaConfig, target_params: Params, max_draft: int = 8
+    path_or_name: str | os.PathLike,
+    target_cfg: LlamaConfig,
+    target_params: Params,
+    max_draft: int = 8,
+    packed_dtype: str = "bfloat16",
 ) -> tuple[EagleDrafter, tuple[Params, Params]]:
-    """(drafter, draft params) for ``jspec.decode`` from a saved head (directory or cache name)."""
+    """(drafter, draft params) for ``jspec.decode`` from a saved head (directory or cache name);
+    ``packed_dtype``: see ``EagleDrafter.draft_params``."""
     ecfg, hp = restore_head(resolve_head(path_or_name), target_cfg)
     drafter = EagleDrafter(ecfg, max_draft)
-    return drafter, drafter.draft_params(target_params, hp)
+    return drafter, drafter.draft_params(target_params, hp, packed_dtype)
 
 
 def read_meta(path_or_name: str | os.PathLike) -> dict[str, Any]:

@@ -51,8 +51,10 @@ def test_pack_unpack_and_rows_round_trip():
 
 
 def test_pack_refuses_what_the_kernel_cannot_take():
-    with pytest.raises(ValueError, match="float32 only, got bfloat16"):
+    with pytest.raises(ValueError, match="takes float32 weights, got bfloat16"):
         pack(jnp.zeros((4, 32), jnp.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16, not float16"):
+        pack(jnp.zeros((4, 32)), dtype=jnp.float16)
     with pytest.raises(ValueError, match=r"shape \(4, 32\) as 5 contracted rows"):
         pack(jnp.zeros((4, 32)), k=5)
     with pytest.raises(ValueError, match="x has 3 features, the packed weight contracts 4"):
@@ -71,6 +73,33 @@ def test_kernel_matches_float64(m, k, n):
     got = jax.jit(matmul)(jnp.asarray(x), pack(jnp.asarray(w)))
     assert got.shape == (m, n) and got.dtype == jnp.float32
     _close(got, x, w)
+
+
+def _bf16(w):
+    """w rounded to bfloat16 (nearest even) and back: the weights the bf16 panels hold, in float32."""
+    return np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,k,n", [(1, 576, 8192), (3, 1152, 576), (13, 64, 100)])
+def test_bf16_panels_multiply_the_rounded_weights_in_f32(m, k, n):
+    """bf16 panels (a draft head's weights): exactly the rounded weights, widened and multiplied in f32, so
+    the product has f32 accuracy against x @ bf16(W), on the kernel and through the XLA fallback alike."""
+    x, w = _data(m, k, n, seed=m + n)
+    p = pack(jnp.asarray(w), dtype=jnp.bfloat16)
+    assert p.dtype == jnp.bfloat16 and p.panels.nbytes == pack(jnp.asarray(w)).panels.nbytes // 2
+    np.testing.assert_array_equal(np.asarray(p.unpack().astype(jnp.float32)), _bf16(w))
+    got = jax.jit(matmul)(jnp.asarray(x), p)
+    assert got.dtype == jnp.float32
+    _close(got, x, _bf16(w))
+    assert np.abs(np.asarray(got) - x @ w).max() > 1e-3  # it did use the rounded weights
+    # A row alone gets the same bits as inside the call (the kernel's one-chain-per-output promise).
+    np.testing.assert_array_equal(np.asarray(jax.jit(matmul)(jnp.asarray(x[-1:]), p)), np.asarray(got)[-1:])
+    # cast_panels rounds packed f32 panels the same way, and leaves other leaves alone.
+    tree = {"a": pack(jnp.asarray(w)), "b": jnp.ones(3)}
+    cast = cpu_kernels.cast_panels(tree, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(cast["a"].panels), np.asarray(p.panels))
+    assert cast["b"].dtype == jnp.float32
 
 
 @needs_kernel
@@ -101,11 +130,10 @@ def test_xla_fallback_computes_the_same_product(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     x, w = _data(3, 40, 50, seed=4)
     _close(jax.jit(matmul)(jnp.asarray(x), pack(jnp.asarray(w))), x, w)
-    # Panels cast to bfloat16 by a user (tree.map over params) also go through XLA, in that dtype.
+    # bf16 panels (cast by a user, or ``pack(dtype=bfloat16)``) are widened to f32: x @ bf16(W) at f32 accuracy.
     p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), pack(jnp.asarray(w)))
     assert isinstance(p16, PackedMatrix) and p16.dtype == jnp.bfloat16
-    got = np.asarray(jax.jit(matmul)(jnp.asarray(x), p16))
-    assert np.abs(got - x @ w).max() < 0.05 * np.abs(x @ w).max()
+    _close(jax.jit(matmul)(jnp.asarray(x), p16), x, _bf16(w))
 
 
 def test_build_failure_is_reported(monkeypatch, tmp_path):

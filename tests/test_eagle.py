@@ -655,8 +655,9 @@ def test_smollm2_greedy_identical_to_plain(smollm2):
     drafter = EagleDrafter(ecfg, max_draft=4)
     hp = init_head(ecfg, params, jax.random.key(0))  # untrained: equality holds for any head
     dparams = drafter.draft_params(params, hp)
-    if is_packed(params):
+    if is_packed(params):  # the head's weights packed in bf16 (the default), half the bytes per draft step
         assert isinstance(dparams[1]["rows"], PackedMatrix) and isinstance(dparams[1]["layers"], tuple)
+        assert dparams[1]["rows"].dtype == jnp.bfloat16 and dparams[1]["fc"]["kernel"].dtype == jnp.bfloat16
     spec = decode(model, params, prompts, drafter=drafter, draft_params=dparams, gamma=4, **kw)
     assert spec.tokens == plain.tokens
     assert min(plain.lengths) >= 20

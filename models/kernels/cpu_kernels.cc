@@ -5,9 +5,14 @@
 //    holding columns 32p .. 32p+31. At 2-16 rows (a speculative verification pass) XLA:CPU's matmul kernels
 //    repack the whole weight matrix on every call, so a 9-token pass over SmolLM2 cost ~2x a 1-token step.
 //    A decoder's matmuls are bound by reading the weights once; this kernel streams each panel once,
-//    contiguously, and keeps all rows' accumulators in registers, so 1-12 rows cost about what one does.
+//    contiguously, and keeps all rows' accumulators in registers, so (with AVX-512) 1-12 rows cost about
+//    what one does. The register tile follows the vector width it is compiled for (below).
 //    Every output element is one fused multiply-add chain over k = 0 .. K-1 in order, whatever M is and
 //    however rows and panels are split over threads: a row's result does not depend on the rest of the call.
+//
+//    A bf16 variant reads panels of bfloat16 weights (half the bytes) and widens them to f32 in registers;
+//    x, the accumulation and y stay f32. For draft heads, whose weights are read every draft step and whose
+//    rounding only changes what they propose (a drafter's q is what it samples, so decoding stays lossless).
 //
 // 2. Cache attention: softmax(q K^T * scale + mask) V for the T query tokens of a call against one layer of
 //    the stacked cache [L, B, Hkv, S, D], read in place. XLA:CPU copied each layer's K and V slice out of the
@@ -21,6 +26,7 @@
 #include <memory>
 #include <vector>
 #include <thread>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -28,8 +34,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPanel = 32;  // columns per panel: two 16-float vectors
-constexpr int kMaxRows = 12;    // rows per register tile: 2 * 12 accumulators + 2 weight vectors + 1 broadcast
+constexpr int64_t kPanel = 32;  // columns per panel (the packing is the same on every CPU)
 
 typedef float vec16 __attribute__((vector_size(64)));
 
@@ -41,39 +46,105 @@ inline vec16 load16(const float* p) {
 
 inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Rows [0, R) of x against one panel: acc[r] += x[r, k] * w[k, :] for k in order.
-template <int R>
-void tile(const float* __restrict x, int64_t k_dim, const float* __restrict panel, float* __restrict y,
-          int64_t n_dim) {
-  vec16 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = vec16{};
-  for (int64_t k = 0; k < k_dim; ++k) {
-    const vec16 w0 = load16(panel + k * kPanel), w1 = load16(panel + k * kPanel + 16);
-    for (int r = 0; r < R; ++r) {
-      const vec16 xv = vec16{} + x[r * k_dim + k];
-      lo[r] += xv * w0;
-      hi[r] += xv * w1;
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    store16(y + r * n_dim, lo[r]);
-    store16(y + r * n_dim + 16, hi[r]);
-  }
+// The matmul's register tile is sized for the CPU it is compiled for (-march=native): R rows x 2 native
+// vectors of accumulators, plus 2 weight vectors and 1 broadcast, must fit the register file, or the
+// accumulators spill and every multiply-add goes through memory. AVX-512 (32 x 16 floats): the whole
+// 32-column panel, 12 rows. AVX2 (16 x 8 floats): 16 columns, 6 rows; the panel's other half is a second
+// pass that finds it in cache. 128-bit NEON (32 x 4 floats): 8 columns, 12 rows, four passes.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16, kMaxRows = 12;
+#elif defined(__AVX2__) || defined(__AVX__)
+constexpr int kLanes = 8, kMaxRows = 6;
+#elif defined(__aarch64__)
+constexpr int kLanes = 4, kMaxRows = 12;
+#else
+constexpr int kLanes = 4, kMaxRows = 6;
+#endif
+constexpr int64_t kChunk = 2 * kLanes;  // panel columns per pass
+static_assert(kPanel % kChunk == 0, "a panel splits into whole passes");
+
+typedef float vecn __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t u16n __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t u32n __attribute__((vector_size(4 * kLanes)));
+
+inline vecn loadn(const float* p) {
+  vecn v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
-constexpr TileFn kTiles[kMaxRows] = {tile<1>, tile<2>, tile<3>, tile<4>,  tile<5>,  tile<6>,
-                                     tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+// kLanes bfloat16 (the high halves of f32s) widened to f32: exact.
+inline vecn loadn(const uint16_t* p) {
+  u16n h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32n w = __builtin_convertvector(h, u32n) << 16;
+  vecn v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline void storen(float* p, vecn v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Rows [0, R) of x against columns [c0, c0 + NV * kLanes) of one panel: acc[r] += x[r, k] * w[k, :] for k in
+// order.
+template <int R, int NV, typename W>
+void tile(const float* __restrict x, int64_t k_dim, const W* __restrict panel, int64_t c0, float* __restrict y,
+          int64_t n_dim) {
+  vecn acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) acc[r][i] = vecn{};
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const W* wk = panel + k * kPanel + c0;
+    if (NV * kLanes < kPanel && c0 == 0) {
+      // The first of several passes over a panel fetches whole rows ahead, so the later passes (the other
+      // columns of the same rows) find them in cache; strided half-row reads alone stall on memory.
+      const char* ahead = reinterpret_cast<const char*>(panel + (k + 96) * kPanel);
+      for (int64_t b = 0; b < kPanel * int64_t(sizeof(W)); b += 64) __builtin_prefetch(ahead + b);
+    }
+    vecn wv[NV];
+    for (int i = 0; i < NV; ++i) wv[i] = loadn(wk + i * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const vecn xv = vecn{} + x[r * k_dim + k];
+      for (int i = 0; i < NV; ++i) acc[r][i] += xv * wv[i];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) storen(y + r * n_dim + c0 + i * kLanes, acc[r][i]);
+}
+
+template <typename W, int NV, int... R>
+struct TileTable {
+  using Fn = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t);
+  static constexpr Fn fns[sizeof...(R)] = {tile<R, NV, W>...};
+};
+
+// Tiles of up to kMaxRows rows, 2 vectors wide; and for 1-2 rows, tiles as wide as the panel where that
+// fits the registers (AVX2: 4 x 8 floats), so a decode step reads each panel in one contiguous pass.
+template <typename W>
+using Tiles = std::conditional_t<kMaxRows == 12, TileTable<W, 2, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12>,
+                                 TileTable<W, 2, 1, 2, 3, 4, 5, 6>>;
+static_assert(kMaxRows == 12 || kMaxRows == 6, "one tile table per row budget");
+constexpr int kWideVectors = kPanel / kLanes;  // one pass over the whole panel
+constexpr int kWideRows = kWideVectors == 2 ? 0 : kWideVectors == 4 ? 2 : 1;  // rows whose tile fits then
+template <typename W>
+using WideTiles = TileTable<W, kWideVectors, 1, 2>;
 
 // Panels [p0, p1) for all rows; the rows go in tiles of up to kMaxRows, so a panel comes from memory once
-// and from cache for the later tiles.
-void panels(const float* x, int64_t m_dim, int64_t k_dim, const float* w, float* y, int64_t n_dim, int64_t p0,
+// and from cache for the later tiles and passes.
+template <typename W>
+void panels(const float* x, int64_t m_dim, int64_t k_dim, const W* w, float* y, int64_t n_dim, int64_t p0,
             int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = w + p * k_dim * kPanel;
-    for (int64_t r0 = 0; r0 < m_dim; r0 += kMaxRows) {
-      const int64_t rows = std::min<int64_t>(kMaxRows, m_dim - r0);
-      kTiles[rows - 1](x + r0 * k_dim, k_dim, panel, y + r0 * n_dim + p * kPanel, n_dim);
+    const W* panel = w + p * k_dim * kPanel;
+    if (m_dim <= kWideRows) {
+      WideTiles<W>::fns[m_dim - 1](x, k_dim, panel, 0, y + p * kPanel, n_dim);
+      continue;
+    }
+    for (int64_t c0 = 0; c0 < kPanel; c0 += kChunk) {
+      for (int64_t r0 = 0; r0 < m_dim; r0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, m_dim - r0);
+        Tiles<W>::fns[rows - 1](x + r0 * k_dim, k_dim, panel, c0, y + r0 * n_dim + p * kPanel, n_dim);
+      }
     }
   }
 }
@@ -116,7 +187,8 @@ int64_t workers_for(ffi::ThreadPool& pool) {
   return std::max<int64_t>(1, std::min<int64_t>(cores, pool.num_threads()));
 }
 
-ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType WT>
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                             ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel) {
@@ -133,7 +205,8 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const bool parallel = workers > 1 && n_panels >= 4 && n_panels * k_dim * kPanel >= (1 << 14);
   const int64_t n_chunks = parallel ? std::min<int64_t>(n_panels, 4 * workers) : 1;
   const int64_t per_chunk = (n_panels + n_chunks - 1) / n_chunks;
-  const float *xp = x.typed_data(), *wp = w.typed_data();
+  const float* xp = x.typed_data();
+  const auto* wp = w.typed_data();
   float* yp = y->typed_data();
   parallel_for(pool, (n_panels + per_chunk - 1) / per_chunk, parallel ? workers : 1, [=](int64_t c) {
     panels(xp, m_dim, k_dim, wp, yp, n_dim, c * per_chunk, std::min(n_panels, (c + 1) * per_chunk));
@@ -267,7 +340,10 @@ void attend_block(const float* q, const float* k, const float* v, const bool* ma
   float acc_rows[kRows][d_dim];
   float* accp[kRows];
   for (int r = 0; r < kRows; ++r) accp[r] = acc_rows[r];
-  weighted_values<NV, (NV >= 8 ? 3 : 24 / NV)>(scores, lanes, s_dim, v, accp);
+  // RB * NV accumulators of 16 floats in registers: 24 / NV rows with 32 x 16-float registers (AVX-512); a
+  // 16-float accumulator takes 2 AVX2 registers of 16, so there 6 / NV rows (at least 1).
+  constexpr int kAccRegs = kLanes == 16 ? 24 : 6;
+  weighted_values<NV, std::max(1, (NV >= 8 && kLanes == 16) ? 3 : kAccRegs / NV)>(scores, lanes, s_dim, v, accp);
   float inv[kRows];
   store16(inv, 1.0f / sum);
   for (int r = 0; r < lanes; ++r)
@@ -334,9 +410,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecCacheAttentionF32, CacheAttentionImpl,
                                   .Attr<int64_t>("layer")
                                   .Attr<float>("scale"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecPackedMatmulF32, PackedMatmulImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecPackedMatmulF32, PackedMatmulImpl<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecPackedMatmulBF16, PackedMatmulImpl<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
