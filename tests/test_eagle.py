@@ -590,17 +590,17 @@ def _dist_head():
     return ecfg, random_head(ecfg, DIST_PARAMS, 7, scale=0.5, token_ids=DIST_SUBSET)
 
 
-def _sample_and_check(drafter, hp, seed: int, **decode_kw):
+def _sample_and_check(drafter, hp, seed: int, params=DIST_PARAMS, **decode_kw):
     """100k sequences per sampling setting, both settings in ONE jitted decode, against the exact
     distribution; chi-square at a 1e-5 false-alarm level; 5 new tokens (the first from prefill)."""
     n, n_new = 100_000, 5
     prompts, cols = grouped_rows(DIST_PROMPT, DIST_GROUPS, n)
     out = decode(
         DIST_MODEL,
-        DIST_PARAMS,
+        params,
         prompts,
         drafter=drafter,
-        draft_params=drafter.draft_params(DIST_PARAMS, hp),
+        draft_params=drafter.draft_params(params, hp),
         max_new_tokens=n_new,
         seed=seed,
         max_len=16,
@@ -620,9 +620,14 @@ def _sample_and_check(drafter, hp, seed: int, **decode_kw):
 
 
 def test_whole_sequence_distribution_equals_target():
-    """The chain, K=3."""
+    """The chain, K=3, on the CPU decode layout: with the CPU kernel the target is packed and the head's
+    weights are packed in bf16 (``draft_params``' default), so q comes from the bf16 kernel; the tree test
+    below runs the stacked layout and the head's XLA path."""
     ecfg, hp = _dist_head()
-    out = _sample_and_check(EagleDrafter(ecfg, max_draft=3), hp, 5, gamma=3)
+    params = unstack_layers(DIST_PARAMS)
+    if is_packed(params):
+        assert EagleDrafter(ecfg).draft_params(params, hp)[1]["rows"].dtype == jnp.bfloat16
+    out = _sample_and_check(EagleDrafter(ecfg, max_draft=3), hp, 5, params=params, gamma=3)
     assert 0.2 < out.stats["acceptance_rate"] < 0.95, out.stats  # both branches of the acceptance rule
 
 
