@@ -123,7 +123,17 @@ using Tiles = std::conditional_t<kMaxRows == 12, TileTable<W, 2, 1, 2, 3, 4, 5, 
                                  TileTable<W, 2, 1, 2, 3, 4, 5, 6>>;
 static_assert(kMaxRows == 12 || kMaxRows == 6, "one tile table per row budget");
 constexpr int kWideVectors = kPanel / kLanes;  // one pass over the whole panel
-constexpr int kWideRows = kWideVectors == 2 ? 0 : kWideVectors == 4 ? 2 : 1;  // rows whose tile fits then
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kRegisters = 32;
+#else
+constexpr int kRegisters = 16;
+#endif
+// Rows (up to 2) whose whole-panel tile fits: R * NV accumulators + NV weights + 1 broadcast. 0 where the
+// regular tile is already the whole panel (AVX-512), or where not even one row fits (SSE: 8 + 8 + 1 > 16).
+constexpr int kWideRows = kWideVectors == 2                                 ? 0
+                          : 2 * kWideVectors + kWideVectors + 1 <= kRegisters ? 2
+                          : kWideVectors + kWideVectors + 1 <= kRegisters     ? 1
+                                                                              : 0;
 template <typename W>
 using WideTiles = TileTable<W, kWideVectors, 1, 2>;
 
