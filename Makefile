@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) -m jspec bench
