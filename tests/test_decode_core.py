@@ -42,10 +42,13 @@ PROMPT = [2, 0, 1]
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_whole_sequence_distribution_equals_target(gamma):
     """>= 100k sampled sequences per sampling setting, all settings in ONE jitted call, vs the exact
-    sequence distribution enumerated from the target table. Chi-square at a 1e-5 false-alarm level."""
+    sequence distribution enumerated from the target table. Chi-square at a 1e-5 false-alarm level.
+    K=3 runs all five settings; K=1 and K=5 run one top-k and one top-p setting (the filters do not depend on
+    K, and 500k rows of 7 tokens at K=5 took ~1 min of the suite on 2 cores)."""
     n = N_PER_GROUP
     n_new = gamma + 2  # the first token comes from prefill; then a round can use all K positions
-    prompts, cols = grouped_rows(PROMPT, GROUPS, n)
+    groups = GROUPS if gamma == 3 else [GROUPS[0], GROUPS[3]]
+    prompts, cols = grouped_rows(PROMPT, groups, n)
     out = dec.decode(
         TARGET,
         TARGET_PARAMS,
@@ -58,11 +61,11 @@ def test_whole_sequence_distribution_equals_target(gamma):
         **cols,
     )
     tokens = np.asarray(out.tokens)
-    assert tokens.shape == (n * len(GROUPS), n_new)
+    assert tokens.shape == (n * len(groups), n_new)
     # Not vacuous: proposals were made at every position and both accepted and rejected.
     assert 0.3 < out.stats["acceptance_rate"] < 0.95
     assert all(c > 0 for c in out.stats["proposed_at"])
-    for i, g in enumerate(GROUPS):
+    for i, g in enumerate(groups):
         exact = exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)
         stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
         assert stat < chi2_critical(df), (g, stat, df)
