@@ -44,10 +44,9 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and _COMPILE_CACHE_ENV not in os.environ:
         os.environ[_COMPILE_CACHE_ENV] = tempfile.mkdtemp(prefix="jspec-test-xla-")
         config._jspec_compile_cache = os.environ[_COMPILE_CACHE_ENV]
-    import jax
+    from jspec.cli import enable_compile_cache  # the CLI's own switch (a JAX_COMPILATION_CACHE_DIR set wins)
 
-    jax.config.update("jax_compilation_cache_dir", os.environ[_COMPILE_CACHE_ENV])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    enable_compile_cache(os.environ[_COMPILE_CACHE_ENV])
 
 
 def pytest_unconfigure(config):
