@@ -94,12 +94,11 @@ inline V splat(float s) {
   return s - V{};
 }
 
-// Rows [0, R) of x against columns [c0, c0 + NV * kLanes) of one panel: acc[r] += x[r, k] * w[k, :] for k in
-// order. pf: rows to prefetch alongside (row k of pf at step k), or null.
 // Software prefetch: how far ahead the first pass reads (rows of the panel stream, which runs on into the next
 // panel) and the locality hint. Whole-panel tiles (AVX-512): 192 rows with prefetcht2, measured on an Intel
-// Xeon (Emerald Rapids): a 9-token SmolLM2 call fell from ~1.7x to ~1.3x a 1-token one, which got faster too;
-// without it the hardware prefetcher lets a tile of many rows wait on memory between its multiply-adds.
+// Xeon (Emerald Rapids): a 9-token SmolLM2 call fell from ~1.7x to ~1.3x a 1-token one, which got faster too
+// (GCC's locality 1 is prefetcht2); without it the hardware prefetcher lets a tile of many rows wait on memory
+// between its multiply-adds.
 // Split panels (AVX2, NEON): 96 rows into L1, measured on a Zen 3.
 #if defined(__AVX512F__)
 constexpr int64_t kAhead = 192;
@@ -109,6 +108,8 @@ constexpr int64_t kAhead = 96;
 constexpr int kLocality = 3;
 #endif
 
+// Rows [0, R) of x against columns [c0, c0 + NV * kLanes) of one panel: acc[r] += x[r, k] * w[k, :] for k in
+// order. pf: rows to prefetch alongside (row k of pf at step k), or null.
 template <int R, int NV, typename W>
 void tile(const float* __restrict x, int64_t k_dim, const W* __restrict panel, int64_t c0, float* __restrict y,
           int64_t n_dim, const W* pf) {
