@@ -3,6 +3,7 @@ errors and timeouts that do not stop a run; workloads, quality checks, phase cos
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -220,7 +221,7 @@ def test_report_writes_json_markdown_and_plots(closed_runs, tmp_path):
     runs[1].quality = runner.quality_summary(runs[1], runs[0])
     skipped = peers.PeerRun("llama-cpp-python", "plain", "llama-cpp-python plain", False, "not installed")
     pl = {"suite": "toy", "command": "pytest", "meta": {"environment": metrics.environment()},
-          "runs": [r.to_json() for r in runs], "peers": [skipped.to_json()]}  # fmt: skip
+          "runs": [r.to_json() for r in runs], "peers": [skipped.to_json()], "headline": ["toy: 1.00x"]}  # fmt: skip
     js = report.write_json(str(tmp_path / "toy.json"), pl)
     assert json.load(open(js))["runs"][0]["spec"]["label"] == "plain"
     png = report.plot_latency(pl, str(tmp_path / "lat.png"))
@@ -228,7 +229,40 @@ def test_report_writes_json_markdown_and_plots(closed_runs, tmp_path):
     k = report.plot_speedup_vs_k([{"series": "m", "k": 1, "speedup": 1.1, "predicted": 1.2}], str(tmp_path / "k.png"))
     md = report.markdown(pl, [png, acc, k])
     assert "| plain |" in md and "model K=3" in md and "skipped: not installed" in md
+    assert "## Headline\n\n- toy: 1.00x" in md
     assert all((tmp_path / p).stat().st_size > 0 for p in ("lat.png", "acc.png", "k.png"))
+
+
+def test_passes_alternate_the_order_and_give_each_pass_ratio(closed_runs, monkeypatch):
+    """--passes: A B, B A, A B; the first pass's results are reported, every pass's throughput is kept and the
+    headline ratios are taken pass by pass (the canned speeds below give exact ratios)."""
+    from jspec.bench import suite
+
+    speeds = iter([(10.0, 20.0), (30.0, 60.0), (40.0, 100.0), (8.0, 10.0), (12.0, 30.0), (24.0, 45.0)])
+    order = []
+
+    def fake_run_one(target, spec, load, jobs, cfg, log):
+        order.append(spec.label)
+        out, dec = next(speeds)
+        base = closed_runs[spec.label]
+        summary = {**base.summary, "output_tokens_per_s": out, "decode_tokens_per_s": dec}
+        return dataclasses.replace(base, summary=summary, extra={})
+
+    monkeypatch.setattr(suite, "run_one", fake_run_one)
+    monkeypatch.setattr(suite, "free_compiled", lambda: None)
+    cfg = suite.SuiteConfig(measure_phases=False, passes=3)
+    jobs = _jobs()
+    res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(2)], jobs, cfg, log=lambda *a: None)
+    assert order == ["plain", "model K=3", "model K=3", "plain", "plain", "model K=3"]
+    plain, chain = res
+    assert plain.summary["output_tokens_per_s"] == 10.0 and chain.summary["output_tokens_per_s"] == 30.0
+    per = suite.pass_ratios(chain, plain)
+    assert per["output"] == pytest.approx([3.0, 5.0, 2.0]) and per["decode"] == pytest.approx([3.0, 10.0, 1.5])
+    assert all(p["same_tokens_as_first_pass"] for p in chain.extra["passes"])
+    line = suite.headline(res)[0]
+    assert "median 3.00x / 3.00x" in line and "passes: 3.00, 5.00, 2.00 end-to-end" in line
+    with pytest.raises(ValueError, match="passes must be >= 1"):
+        suite.run_specs(None, [PLAIN], [Load.closed(2)], jobs, suite.SuiteConfig(passes=0), log=lambda *a: None)
 
 
 def test_missing_peer_is_skipped_with_a_reason(monkeypatch):

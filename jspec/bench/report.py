@@ -283,6 +283,8 @@ def markdown(payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
     if payload.get("command"):
         parts += [f"Command: `{payload['command']}`", ""]
     parts += [meta_block(meta), ""]
+    if payload.get("headline"):
+        parts += ["## Headline", "", *[f"- {line}" for line in payload["headline"]], ""]
     loads = []
     for r in runs:
         if r["load_name"] not in loads:

@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import os
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -147,6 +148,7 @@ class SuiteConfig:
     measure_phases: bool = True
     max_wall_s: float | None = None
     rounds_per_sync: int = 1  # decode rounds per engine step (one host sync each)
+    passes: int = 1  # runs of every configuration, in alternating order (see ``run_specs``)
 
 
 def prepare_jobs(target: Target, cfg: SuiteConfig) -> tuple[list[runner.Job], dict[str, Any]]:
@@ -253,14 +255,29 @@ def run_specs(
     target: Target, specs: Sequence[Spec], loads: Sequence[Load], jobs, cfg: SuiteConfig, log=print
 ) -> list[RunResult]:
     """Every spec at every load (spec order interleaved within each load), then phases, quality vs plain and
-    the cost-model check. The first spec should be plain: it is the reference for speedups and exact match."""
+    the cost-model check. The first spec should be plain: it is the reference for speedups and exact match.
+
+    With ``cfg.passes`` = N > 1 every spec runs N times per load, the order reversed on every other pass
+    (A B, B A, A B, ...): these CPUs' speed drifts over minutes, and a single pass could credit the drift to
+    whichever configuration ran in the fast spell. The tables report the first pass; each result keeps every
+    pass's throughput in ``extra["passes"]`` (with whether its tokens equal the first pass's), from which
+    ``headline`` gives each pass's ratio and their median."""
     results: list[RunResult] = []
     ctx = int(np.median([len(j.prompt) for j in jobs if j.prompt is not None]) + cfg.max_new_tokens // 2)
+    if cfg.passes < 1:
+        raise ValueError(f"passes must be >= 1, got {cfg.passes}")
     for load in loads:
-        group = []
-        for s in specs:
-            group.append(run_one(target, s, load, jobs, cfg, log))
-            free_compiled()
+        slots: list[RunResult | None] = [None] * len(specs)
+        for i in range(cfg.passes):
+            order = range(len(specs)) if i % 2 == 0 else reversed(range(len(specs)))
+            if cfg.passes > 1:
+                log(f"  pass {i + 1}/{cfg.passes}")
+            for j in order:
+                r = run_one(target, specs[j], load, jobs, cfg, log)
+                free_compiled()
+                first = slots[j] = slots[j] or r
+                first.extra.setdefault("passes", []).append(_pass_summary(r, first))
+        group = [r for r in slots if r is not None]
         if cfg.measure_phases:
             attach_phases(target, group, cfg, ctx)
             free_compiled()
@@ -271,6 +288,28 @@ def run_specs(
                 r.cost_model = runner.cost_model_check(r, plain, r.phases, plain.phases)
         results += group
     return results
+
+
+def _pass_summary(r: RunResult, first: RunResult) -> dict[str, Any]:
+    s = r.summary
+    return {
+        "output_tokens_per_s": s["output_tokens_per_s"],
+        "decode_tokens_per_s": s["decode_tokens_per_s"],
+        "ttft_ms_p50": s["ttft_ms"]["median"],
+        "tokens_per_round": r.decode_stats.get("tokens_per_round"),
+        "same_tokens_as_first_pass": r.tokens_by_id() == first.tokens_by_id(),
+    }
+
+
+def pass_ratios(r: RunResult, plain: RunResult) -> dict[str, list[float]] | None:
+    """Per pass: r's end-to-end and decode throughput over plain's in the same pass (None for one pass)."""
+    a, b = r.extra.get("passes") or [], plain.extra.get("passes") or []
+    if min(len(a), len(b)) < 2:
+        return None
+    return {
+        key: [x[f"{key}_tokens_per_s"] / max(y[f"{key}_tokens_per_s"], 1e-9) for x, y in zip(a, b)]
+        for key in ("output", "decode")
+    }
 
 
 def run_peer_set(
@@ -353,6 +392,14 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
         sp = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
         dsp = r.summary["decode_tokens_per_s"] / max(plain.summary["decode_tokens_per_s"], 1e-9)
         line = f"{r.spec.label} @ {r.load.name}: {sp:.2f}x plain end-to-end, {dsp:.2f}x decode"
+        per = pass_ratios(r, plain)
+        if per is not None:
+            med = {k: statistics.median(v) for k, v in per.items()}
+            line += (
+                f" in pass 1 (passes: {', '.join(f'{x:.2f}' for x in per['output'])} end-to-end, "
+                f"{', '.join(f'{x:.2f}' for x in per['decode'])} decode; median {med['output']:.2f}x / "
+                f"{med['decode']:.2f}x)"
+            )
         cm = r.cost_model or {}
         if cm.get("measured_rounds"):
             line += f" (cost model: {cm['measured_rounds']['speedup']:.2f}x from whole rounds"
@@ -395,6 +442,13 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
         default=1,
         help="decode rounds the engine runs on the device per host sync (tokens stream up to R rounds at a time)",
     )
+    ap.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="run every configuration N times, the order reversed every other pass (A B, B A, ...): the "
+        "headline gives each pass's ratio and their median",
+    )
     ap.add_argument("--phase-repeats", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase timing (and the cost model)")
     ap.add_argument("--out", default="results/bench", help="output directory (JSON, Markdown, PNG)")
@@ -428,6 +482,7 @@ def config_from_args(args) -> SuiteConfig:
         measure_phases=not args.no_phases,
         max_wall_s=args.max_wall_s,
         rounds_per_sync=args.rounds_per_sync,
+        passes=args.passes,
     )
 
 
