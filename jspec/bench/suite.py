@@ -275,8 +275,9 @@ def run_specs(
             for j in order:
                 r = run_one(target, specs[j], load, jobs, cfg, log)
                 free_compiled()
-                first = slots[j] = slots[j] or r
-                first.extra.setdefault("passes", []).append(_pass_summary(r, first))
+                if slots[j] is None:
+                    slots[j] = r
+                slots[j].extra.setdefault("passes", []).append(_pass_summary(r, slots[j]))
         group = [r for r in slots if r is not None]
         if cfg.measure_phases:
             attach_phases(target, group, cfg, ctx)
