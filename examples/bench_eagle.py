@@ -14,7 +14,8 @@ tokens/s measured right before it. For the head it also reports:
   speedup, with the ratio predicted / measured.
 
     python examples/train_eagle.py                       # once: trains and caches the head
-    python examples/bench_eagle.py [--head smollm2-8k] [--ks 2,3,4] [--trees '2,1;2,2,1'] [--reps 2] [--max-new 96]
+    python examples/bench_eagle.py [--head smollm2-8k] [--ks 2,3,4] [--trees '2,1;2,2,1'] [--dynamic-trees '4,3,9']
+        [--reps 2] [--max-new 96]
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ def main(argv=None) -> dict:
         "top-c at T = 0 (deterministic rule) and drawn without replacement at T > 0",
     )
     ap.add_argument(
+        "--dynamic-trees",
+        default="",
+        help="EAGLE-2 dynamic trees for the head, ';'-separated TOP_K,DEPTH,BUDGET (e.g. '4,3,9'): BUDGET nodes "
+        "(root included) chosen by the head's cumulative log-probability; children are its top candidates at "
+        "any temperature",
+    )
+    ap.add_argument(
         "--packed-dtypes",
         default="bfloat16",
         help="dtype of the head's packed weights on the CPU kernel (EagleDrafter.draft_params); several, "
@@ -150,6 +158,11 @@ def main(argv=None) -> dict:
             chain, dparams = EG.load_eagle(head, cfg, tparams, max_draft=spec.max_depth, packed_dtype=pdt)
             trees = (chain.as_tree(spec, TreeRule.DETERMINISTIC), chain.as_tree(spec, TreeRule.WITHOUT_REPLACEMENT))
             configs[f"{tag} tree {branching}"] = (trees, dparams, spec.max_depth)
+            drafter = chain
+        for dyn in filter(None, args.dynamic_trees.split(";")):
+            top_k, depth, budget = (int(c) for c in dyn.split(","))
+            chain, dparams = EG.load_eagle(head, cfg, tparams, max_draft=depth, packed_dtype=pdt)
+            configs[f"{tag} dyn {dyn}"] = (chain.as_dynamic_tree(top_k, depth, budget), dparams, depth)
             drafter = chain
         meta = EG.read_meta(head)
         print(

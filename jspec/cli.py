@@ -92,15 +92,16 @@ def build_drafter(args, target, loaded=None):
             # A drafter that can also run as a stand-alone draft model (LayerSkip's exit) builds trees as one.
             dmodel, dparams = drafter.as_model(dparams)
             drafter = _model_drafter(args, dmodel)
+        elif args.tree and args.dynamic_tree:
+            raise ValueError("--tree and --dynamic-tree are exclusive")
         elif args.tree and hasattr(drafter, "as_tree"):
             # A drafter with a tree form of its own (EAGLE: the head needs the target's features per node).
             drafter = drafter.as_tree(*_tree_spec(args))
+        elif args.dynamic_tree and hasattr(drafter, "as_dynamic_tree"):
+            drafter = drafter.as_dynamic_tree(*_dynamic_tree_args(args))
         elif args.tree or args.dynamic_tree:
             flag = "--dynamic-tree" if args.dynamic_tree else "--tree"
-            raise ValueError(
-                f"{flag} does not apply to --drafter {args.drafter}"
-                + (" (it builds static trees: use --tree)" if hasattr(drafter, "as_tree") else "")
-            )
+            raise ValueError(f"{flag} does not apply to --drafter {args.drafter}")
         return drafter, dparams
     raise SystemExit(f"unknown drafter '{args.drafter}'; choose from {', '.join(DRAFTERS)}")
 
@@ -113,17 +114,26 @@ def _tree_spec(args):
     return spec, TreeRule[args.tree_rule.upper().replace("-", "_")]
 
 
+def _dynamic_tree_args(args) -> tuple[int, int, int]:
+    """(top_k, depth, budget) from --dynamic-tree TOP_K,DEPTH,BUDGET."""
+    parts = args.dynamic_tree.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--dynamic-tree wants TOP_K,DEPTH,BUDGET (three integers), got '{args.dynamic_tree}'")
+    top_k, depth, budget = (int(p) for p in parts)
+    return top_k, depth, budget
+
+
 def _model_drafter(args, dmodel):
     """A chain drafter, or a tree drafter when --tree / --dynamic-tree is given."""
     from jspec.drafters import ModelDrafter
     from jspec.tree import DynamicTreeDrafter, TreeModelDrafter
 
     if args.tree and args.dynamic_tree:
-        raise SystemExit("--tree and --dynamic-tree are exclusive")
+        raise ValueError("--tree and --dynamic-tree are exclusive")
     if args.tree:
         return TreeModelDrafter(dmodel, *_tree_spec(args))
     if args.dynamic_tree:
-        top_k, depth, budget = (int(c) for c in args.dynamic_tree.split(","))
+        top_k, depth, budget = _dynamic_tree_args(args)
         return DynamicTreeDrafter(dmodel, top_k=top_k, depth=depth, budget=budget)
     return ModelDrafter(dmodel)
 
@@ -262,7 +272,9 @@ def main(argv=None) -> int:
     )
     g.add_argument("--tree-budget", type=int, default=None, help="keep the first N nodes of --tree")
     g.add_argument("--tree-rule", default="deterministic", choices=("deterministic", "iid", "without-replacement"))
-    g.add_argument("--dynamic-tree", default=None, help="EAGLE-2 style tree: TOP_K,DEPTH,BUDGET")
+    g.add_argument(
+        "--dynamic-tree", default=None, help="EAGLE-2 style tree (model drafters, LayerSkip, EAGLE): TOP_K,DEPTH,BUDGET"
+    )
     g.add_argument("--branches", type=int, default=3, help="continuations of --drafter ngram-tree")
     g.add_argument("--ngram-max", type=int, default=3)
     g.add_argument("--ngram-min", type=int, default=1)

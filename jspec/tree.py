@@ -284,6 +284,91 @@ def choose_children(key, logits: jax.Array, q: jax.Array, c: int, rule: TreeRule
     return tok, jnp.take_along_axis(q, tok, axis=-1) > 0
 
 
+def frontier_mask(f_par: jax.Array) -> jax.Array:
+    """[B, M] frontier parents (frontier indices, -1 = the root) -> [B, M, M] ancestor mask among the frontier
+    slots (the root is committed context, not a slot)."""
+    b = f_par.shape[0]
+    full = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), jnp.where(f_par >= 0, f_par + 1, 0)], axis=1)
+    return ancestor_mask(full)[:, 1:, 1:]
+
+
+def check_dynamic_tree(rule, top_k: int, depth: int, budget: int) -> None:
+    """Refuse a dynamic tree that ``grow_dynamic_tree`` cannot build, naming the bad value."""
+    if rule != TreeRule.DETERMINISTIC:
+        raise ValueError("a dynamic tree chooses children deterministically: use TreeRule.DETERMINISTIC")
+    if top_k < 1 or depth < 1:
+        raise ValueError(f"a dynamic tree needs top_k >= 1 and depth >= 1, got top_k={top_k}, depth={depth}")
+    pool = top_k + (depth - 1) * top_k * top_k
+    if not 2 <= budget <= pool + 1:
+        raise ValueError(f"budget must be in [2, {pool + 1}] for top_k={top_k}, depth={depth}, got {budget}")
+
+
+def grow_dynamic_tree(root_logits, expand, carry, width: int, depth: int, budget: int):
+    """EAGLE-2's tree growth, shared by every dynamic-tree drafter: each level expands the ``width`` best children
+    of the ``width`` frontier nodes with the highest cumulative draft log-probability and keeps the best
+    ``width`` as the next frontier; after ``depth`` levels the ``budget - 1`` best candidates overall (plus the root)
+    form the tree.
+
+    root_logits [B, N]: the draft's logits for the root's children over its N tokens. ``expand(d, f_tok, f_par,
+    f_dep, carry) -> (logits [B, width, N], carry)``: the children's logits of the level-d frontier (slots
+    [(d-1) k, d k) of f_tok / f_par / f_dep [B, depth * k]; f_par holds frontier indices, -1 = the root;
+    later levels' slots are placeholders), for d = 1 .. depth - 1. Candidate ids index the N logits; the
+    caller maps them to tokens. A candidate's score never exceeds its parent's, and parents enter the pool
+    first (winning ties), so the selected set is closed under ancestors.
+
+    Returns tokens (as indices into N; the root's is 0), parent, depth [B, budget] int32 and valid [B, budget].
+    """
+    k, dd, n = width, depth, budget
+    b = root_logits.shape[0]
+    rows = jnp.arange(b)[:, None]
+    f_tok = jnp.zeros((b, dd * k), jnp.int32)
+    f_par = jnp.full((b, dd * k), -1, jnp.int32)
+    f_dep = jnp.broadcast_to(jnp.repeat(jnp.arange(1, dd + 1, dtype=jnp.int32), k), (b, dd * k))
+    f_pool = jnp.zeros((b, dd * k), jnp.int32)  # pool index of each frontier node
+    # Candidate pool: tokens, parent pool index (-1 = root), score (cumulative log-prob), depth.
+    score, tok = top_k(jax.nn.log_softmax(root_logits.astype(jnp.float32), axis=-1), k)
+    p_tok, p_par, p_score = [tok], [jnp.full((b, k), -1, jnp.int32)], [score]
+    p_dep = [jnp.ones((b, k), jnp.int32)]
+    f_tok = f_tok.at[:, :k].set(tok)
+    f_pool = f_pool.at[:, :k].set(jnp.arange(k)[None, :])
+    f_score = score
+    pool_size = k
+    for d in range(1, dd):
+        lvl, carry = expand(d, f_tok, f_par, f_dep, carry)
+        c_score, c_tok = top_k(jax.nn.log_softmax(lvl.astype(jnp.float32), axis=-1), k)  # [B, k, k]
+        c_score = (f_score[:, :, None] + c_score).reshape(b, k * k)
+        c_tok = c_tok.reshape(b, k * k)
+        c_par_f = jnp.repeat(jnp.arange((d - 1) * k, d * k), k)[None, :]  # frontier index of the parent
+        p_tok.append(c_tok)
+        p_par.append(f_pool[rows, c_par_f])
+        p_score.append(c_score)
+        p_dep.append(jnp.full((b, k * k), d + 1, jnp.int32))
+        best_score, best = jax.lax.top_k(c_score, k)  # next frontier
+        f_tok = f_tok.at[:, d * k : (d + 1) * k].set(c_tok[rows, best])
+        f_par = f_par.at[:, d * k : (d + 1) * k].set(jnp.broadcast_to(c_par_f, (b, k * k))[rows, best])
+        f_pool = f_pool.at[:, d * k : (d + 1) * k].set(pool_size + best)
+        f_score = best_score
+        pool_size += k * k
+    pool_tok = jnp.concatenate(p_tok, 1)
+    pool_par = jnp.concatenate(p_par, 1)
+    pool_score = jnp.concatenate(p_score, 1)
+    pool_dep = jnp.concatenate(p_dep, 1)
+    # Only candidates whose parent was expanded (a frontier node) can be in the tree.
+    expanded = jnp.zeros((b, pool_size), bool).at[rows, f_pool].set(True)
+    usable = (pool_par < 0) | expanded[rows, jnp.maximum(pool_par, 0)]
+    _, sel = jax.lax.top_k(jnp.where(usable, pool_score, -jnp.inf), n - 1)
+    sel = jnp.sort(sel, axis=1)  # pool order is topological
+    inv = jnp.zeros((b, pool_size), jnp.int32).at[rows, sel].set(jnp.arange(1, n)[None, :])
+    par_pool = pool_par[rows, sel]
+    parent = jnp.concatenate(
+        [jnp.full((b, 1), -1, jnp.int32), jnp.where(par_pool < 0, 0, inv[rows, jnp.maximum(par_pool, 0)])], 1
+    )
+    tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), pool_tok[rows, sel]], 1)
+    depth_out = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), pool_dep[rows, sel]], 1)
+    valid = jnp.concatenate([jnp.ones((b, 1), bool), jnp.isfinite(pool_score[rows, sel])], 1)
+    return tokens, parent, depth_out, valid
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeModelDrafter:
     """A draft model that expands a static tree (``TreeSpec``) level by level.
@@ -367,14 +452,8 @@ class TreeModelDrafter:
 
 @dataclasses.dataclass(frozen=True)
 class DynamicTreeDrafter(TreeModelDrafter):
-    """EAGLE-2 style dynamic tree from a draft model: each level expands the ``top_k`` children of the
-    ``top_k`` frontier nodes with the highest cumulative draft log-probability, keeps the best ``top_k`` as
-    the next frontier, and after ``depth`` levels the ``budget - 1`` best candidates overall (plus the root)
-    form the tree. The shape differs per row; children are chosen deterministically (DETERMINISTIC rule).
-
-    A candidate's score never exceeds its parent's, and parents enter the pool first (winning ties), so the
-    selected set is closed under ancestors.
-    """
+    """EAGLE-2 style dynamic tree from a draft model (``grow_dynamic_tree`` with width ``top_k``): the shape
+    differs per row; children are chosen deterministically (DETERMINISTIC rule)."""
 
     spec: TreeSpec = None  # unused; the tree is built per row
     rule: TreeRule = TreeRule.DETERMINISTIC
@@ -383,11 +462,7 @@ class DynamicTreeDrafter(TreeModelDrafter):
     budget: int = 16
 
     def __post_init__(self):
-        if self.rule != TreeRule.DETERMINISTIC:
-            raise ValueError("a dynamic tree chooses children deterministically: use TreeRule.DETERMINISTIC")
-        pool = self.top_k + (self.depth - 1) * self.top_k * self.top_k
-        if not 2 <= self.budget <= pool + 1:
-            raise ValueError(f"budget must be in [2, {pool + 1}] for top_k={self.top_k}, depth={self.depth}")
+        check_dynamic_tree(self.rule, self.top_k, self.depth, self.budget)
 
     @property
     def max_depth(self) -> int:
@@ -398,64 +473,16 @@ class DynamicTreeDrafter(TreeModelDrafter):
         return self.budget - 1  # the root may keep every selected candidate as a child
 
     def propose_tree(self, params, cache, ctx, key) -> TreeProposal:
-        k, dd, n = self.top_k, self.depth, self.budget
-        b = ctx.seq.shape[0]
-        rows = jnp.arange(b)[:, None]
         root_logits, cache = self._catch_up(params, cache, ctx.seq, ctx.seq_len)
         pend = ctx.seq_len - 1
-        # Frontier nodes of every level, in one array (level d at [d*k, (d+1)*k)); parents index into it.
-        f_tok = jnp.zeros((b, dd * k), jnp.int32)
-        f_par = jnp.full((b, dd * k), -1, jnp.int32)
-        f_dep = jnp.broadcast_to(jnp.repeat(jnp.arange(1, dd + 1, dtype=jnp.int32), k), (b, dd * k))
-        f_pool = jnp.zeros((b, dd * k), jnp.int32)  # pool index of each frontier node
-        # Candidate pool: tokens, parent pool index (-1 = root), score (cumulative log-prob), depth.
-        logq = jax.nn.log_softmax(root_logits.astype(jnp.float32), axis=-1)
-        score, tok = top_k(logq, k)
-        p_tok, p_par, p_score = [tok], [jnp.full((b, k), -1, jnp.int32)], [score]
-        p_dep = [jnp.ones((b, k), jnp.int32)]
-        f_tok = f_tok.at[:, :k].set(tok)
-        f_pool = f_pool.at[:, :k].set(jnp.arange(k)[None, :])
-        f_score = score
-        pool_size = k
-        for d in range(1, dd):
-            # Logits of the level-d frontier: run all frontier slots (later levels are placeholders that see
-            # only the root and themselves, so they cannot disturb earlier ones).
-            full_par = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), jnp.where(f_par >= 0, f_par + 1, 0)], 1)
-            mask = ancestor_mask(full_par)[:, 1:, 1:]
-            logits, _ = self.model.apply(params, f_tok, pend[:, None] + f_dep, cache, mask)
-            lvl = logits[:, (d - 1) * k : d * k]  # [B, k, V]
-            logq = jax.nn.log_softmax(lvl.astype(jnp.float32), axis=-1)
-            c_score, c_tok = top_k(logq, k)  # [B, k, k]
-            c_score = (f_score[:, :, None] + c_score).reshape(b, k * k)
-            c_tok = c_tok.reshape(b, k * k)
-            c_par_f = jnp.repeat(jnp.arange((d - 1) * k, d * k), k)[None, :]  # frontier index of the parent
-            c_par_pool = f_pool[rows, c_par_f]
-            p_tok.append(c_tok)
-            p_par.append(c_par_pool)
-            p_score.append(c_score)
-            p_dep.append(jnp.full((b, k * k), d + 1, jnp.int32))
-            best_score, best = jax.lax.top_k(c_score, k)  # next frontier
-            f_tok = f_tok.at[:, d * k : (d + 1) * k].set(c_tok[rows, best])
-            f_par = f_par.at[:, d * k : (d + 1) * k].set(jnp.broadcast_to(c_par_f, (b, k * k))[rows, best])
-            f_pool = f_pool.at[:, d * k : (d + 1) * k].set(pool_size + best)
-            f_score = best_score
-            pool_size += k * k
-        pool_tok = jnp.concatenate(p_tok, 1)
-        pool_par = jnp.concatenate(p_par, 1)
-        pool_score = jnp.concatenate(p_score, 1)
-        pool_dep = jnp.concatenate(p_dep, 1)
-        # Only candidates whose parent was expanded (a frontier node) can be in the tree.
-        expanded = jnp.zeros((b, pool_size), bool).at[rows, f_pool].set(True)
-        usable = (pool_par < 0) | expanded[rows, jnp.maximum(pool_par, 0)]
-        _, sel = jax.lax.top_k(jnp.where(usable, pool_score, -jnp.inf), n - 1)
-        sel = jnp.sort(sel, axis=1)  # pool order is topological
-        inv = jnp.zeros((b, pool_size), jnp.int32).at[rows, sel].set(jnp.arange(1, n)[None, :])
-        par_pool = pool_par[rows, sel]
-        parent = jnp.concatenate(
-            [jnp.full((b, 1), -1, jnp.int32), jnp.where(par_pool < 0, 0, inv[rows, jnp.maximum(par_pool, 0)])], 1
-        )
-        tokens = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), pool_tok[rows, sel]], 1)
-        depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), pool_dep[rows, sel]], 1)
-        valid = jnp.concatenate([jnp.ones((b, 1), bool), jnp.isfinite(pool_score[rows, sel])], 1)
-        q = jnp.zeros((b, n, 1), jnp.float32)  # unused by the DETERMINISTIC rule
+
+        def expand(d, f_tok, f_par, f_dep, carry):
+            # Every frontier slot in one call (later levels are placeholders that see only the root and
+            # themselves, so they cannot disturb earlier ones); the level-d slots' logits are read.
+            logits, _ = self.model.apply(params, f_tok, pend[:, None] + f_dep, cache, frontier_mask(f_par))
+            k = self.top_k
+            return logits[:, (d - 1) * k : d * k], carry
+
+        tokens, parent, depth, valid = grow_dynamic_tree(root_logits, expand, None, self.top_k, self.depth, self.budget)
+        q = jnp.zeros(tokens.shape + (1,), jnp.float32)  # unused by the DETERMINISTIC rule
         return TreeProposal(tokens, q, parent, depth, valid, cache)

@@ -44,7 +44,16 @@ from jspec.cache import KVCache, take_rows
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
 from jspec.sampling import distribution, sample
-from jspec.tree import TreeProposal, TreeRule, TreeSpec, ancestor_mask, choose_children
+from jspec.tree import (
+    TreeProposal,
+    TreeRule,
+    TreeSpec,
+    ancestor_mask,
+    check_dynamic_tree,
+    choose_children,
+    frontier_mask,
+    grow_dynamic_tree,
+)
 from models import cpu_kernels, llama
 from models import draft as _draft
 from models.layerskip import head_rows, load_exit_meta, restore_exit_params, save_exit_params
@@ -332,6 +341,10 @@ class EagleDrafter:
         """The same head drafting candidate trees of shape ``spec``; it takes the same draft params."""
         return EagleTreeDrafter(self.ecfg, spec=spec, rule=rule)
 
+    def as_dynamic_tree(self, top_k: int, depth: int, budget: int) -> EagleDynamicTreeDrafter:
+        """The same head growing EAGLE-2 dynamic trees (``EagleDynamicTreeDrafter``); same draft params."""
+        return EagleDynamicTreeDrafter(self.ecfg, top_k=top_k, depth=depth, budget=budget)
+
     def init(self, params, prompt: jax.Array, prompt_len: jax.Array, slots: int) -> EagleState:
         """Runs the target over the prompt [B, P] once more to get its features, then the head over the
         prompt's pairs. The decoder calls ``prefill`` instead, which takes the features from its own pass."""
@@ -557,6 +570,67 @@ class EagleTreeDrafter(EagleDrafter):
         feats, start = verified
         block = jnp.take_along_axis(feats, path[:, :, None], axis=1).astype(state.feats.dtype)
         return EagleState(block, start, state.cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDynamicTreeDrafter(EagleTreeDrafter):
+    """The EAGLE head growing EAGLE-2 dynamic trees (``jspec.tree.grow_dynamic_tree``): ``budget`` nodes
+    (root included) per row, shaped by the head's own cumulative log-probabilities, up to ``depth`` deep,
+    expanding the ``top_k`` best nodes of each level. Where the head is confident the tree runs deep, where it
+    is not it spreads over alternatives, at the verification cost of a fixed ``budget`` tokens.
+
+    Frontier node j's feature is the head on (f^ of j's parent, x_j) at position ``pending + depth_j - 1``
+    under the ancestor mask among the frontier (the root's f^ is the catch-up's output), exactly as in a
+    static tree; every level runs the head once over all frontier slots. Children are the head's top
+    candidates (DETERMINISTIC rule: each a one-hot proposal, lossless at any temperature); verification and
+    ``follow_path`` are the static tree's.
+    """
+
+    top_k: int = 4
+    depth: int = 3
+    budget: int = 9
+
+    def __post_init__(self):
+        object.__setattr__(self, "rule", TreeRule.DETERMINISTIC if self.rule is None else TreeRule(self.rule))
+        check_dynamic_tree(self.rule, self.top_k, self.depth, self.budget)
+        object.__setattr__(self, "max_draft", self.depth)
+        EagleDrafter.__post_init__(self)
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_children(self) -> int:
+        return self.budget - 1  # the root may keep every selected candidate as a child
+
+    def _scratch_slots(self) -> int:
+        # The catch-up block (depth + 1) and every frontier slot (depth * top_k) past the committed end.
+        return max(self.depth + 2, self.depth * self.top_k + 1)
+
+    def propose_tree(self, params, state: EagleState, ctx: DraftContext, key: jax.Array):
+        """-> ``jspec.tree.TreeProposal`` (tokens/parent/depth/valid [B, budget]; q unused by the rule)."""
+        tparams, hp = params
+        ids, rows = hp["token_ids"], hp["rows"]
+        k = self.top_k
+        pend = ctx.seq_len - 1
+        f0, cache = self._catch_up(params, state, ctx, self.depth + 1)
+        root_logits = subset_logits(f0[:, None], rows)[:, 0]  # [B, N]
+
+        def expand(d, f_idx, f_par, f_dep, node_f):
+            # node_f [B, M, E]: f^ of every frontier slot computed so far; a slot's input is its parent's.
+            of_parent = jnp.take_along_axis(node_f, jnp.maximum(f_par, 0)[..., None], axis=1)
+            in_f = jnp.where((f_par >= 0)[..., None], of_parent, f0[:, None])
+            pos = pend[:, None] + f_dep - 1
+            toks = jnp.take(ids, f_idx)
+            node_f, _ = head_features(self.ecfg, hp, tparams, in_f, toks, pos, cache, frontier_mask(f_par))
+            return subset_logits(node_f[:, (d - 1) * k : d * k], rows), node_f
+
+        node_f = jnp.zeros((f0.shape[0], self.depth * k) + f0.shape[1:], f0.dtype)
+        idx, parent, depth, valid = grow_dynamic_tree(root_logits, expand, node_f, k, self.depth, self.budget)
+        tokens = jnp.take(ids, idx).at[:, 0].set(0)
+        q = jnp.zeros(tokens.shape + (1,), jnp.float32)  # unused by the DETERMINISTIC rule
+        return TreeProposal(tokens, q, parent, depth, valid, dataclasses.replace(state, cache=cache))
 
 
 # --------------------------------------------------------------------------------------------------------

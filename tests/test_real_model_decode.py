@@ -140,6 +140,7 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
         ("layerskip", "exit:6", []),
         ("layerskip", "exit:6", ["--tree", "2,1"]),  # the exit as a stand-alone tree draft (as_model)
         ("eagle", tmp_path / "eagle", []),
+        ("eagle", tmp_path / "eagle", ["--dynamic-tree", "2,2,4"]),  # EAGLE-2 trees from the same head
         ("model", "smollm2-135m-instruct", []),  # the target as its own draft: every proposal is accepted
     ):
         assert cli.main([*base, "--drafter", drafter, "--draft-model", str(spec), *extra]) == 0
@@ -153,10 +154,12 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     assert cli.main([*base, "--drafter", "eagle"]) == 2
     assert "--drafter eagle needs --draft-model" in capsys.readouterr().err
     eagle = [*base, "--drafter", "eagle", "--draft-model", str(tmp_path / "eagle")]
-    assert cli.main([*eagle, "--dynamic-tree", "2,2,4"]) == 2  # EAGLE builds static trees (--tree) only
-    assert "--dynamic-tree does not apply to --drafter eagle (it builds static trees: use --tree)" in (
-        capsys.readouterr().err
-    )
+    assert cli.main([*eagle, "--dynamic-tree", "2,2"]) == 2
+    assert "--dynamic-tree wants TOP_K,DEPTH,BUDGET (three integers), got '2,2'" in capsys.readouterr().err
+    assert cli.main([*eagle, "--dynamic-tree", "2,2,9"]) == 2
+    assert "budget must be in [2, 7] for top_k=2, depth=2, got 9" in capsys.readouterr().err
+    assert cli.main([*eagle, "--dynamic-tree", "2,2,4", "--tree", "2,1"]) == 2
+    assert "--tree and --dynamic-tree are exclusive" in capsys.readouterr().err
     assert cli.main([*base, "--drafter", "layerskip", "--draft-model", "exit:x"]) == 2
     assert "expected exit:E" in capsys.readouterr().err
     assert cli.main([*base, "--drafter", "draft", "--draft-model", str(tmp_path / "nothing")]) == 2
