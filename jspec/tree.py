@@ -450,8 +450,20 @@ class TreeModelDrafter:
         return TreeProposal(tokens, q_all, parent, depth, valid, cache)
 
 
+class DynamicTreeShape:
+    """The verification bounds of a dynamic tree with fields ``depth`` and ``budget`` (a mixin)."""
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_children(self) -> int:
+        return self.budget - 1  # the root may keep every selected candidate as a child
+
+
 @dataclasses.dataclass(frozen=True)
-class DynamicTreeDrafter(TreeModelDrafter):
+class DynamicTreeDrafter(DynamicTreeShape, TreeModelDrafter):
     """EAGLE-2 style dynamic tree from a draft model (``grow_dynamic_tree`` with width ``top_k``): the shape
     differs per row; children are chosen deterministically (DETERMINISTIC rule)."""
 
@@ -463,14 +475,6 @@ class DynamicTreeDrafter(TreeModelDrafter):
 
     def __post_init__(self):
         check_dynamic_tree(self.rule, self.top_k, self.depth, self.budget)
-
-    @property
-    def max_depth(self) -> int:
-        return self.depth
-
-    @property
-    def max_children(self) -> int:
-        return self.budget - 1  # the root may keep every selected candidate as a child
 
     def propose_tree(self, params, cache, ctx, key) -> TreeProposal:
         root_logits, cache = self._catch_up(params, cache, ctx.seq, ctx.seq_len)

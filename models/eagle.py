@@ -45,6 +45,7 @@ from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
 from jspec.sampling import distribution, sample
 from jspec.tree import (
+    DynamicTreeShape,
     TreeProposal,
     TreeRule,
     TreeSpec,
@@ -573,7 +574,7 @@ class EagleTreeDrafter(EagleDrafter):
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDynamicTreeDrafter(EagleTreeDrafter):
+class EagleDynamicTreeDrafter(DynamicTreeShape, EagleTreeDrafter):
     """The EAGLE head growing EAGLE-2 dynamic trees (``jspec.tree.grow_dynamic_tree``): ``budget`` nodes
     (root included) per row, shaped by the head's own cumulative log-probabilities, up to ``depth`` deep,
     expanding the ``top_k`` best nodes of each level. Where the head is confident the tree runs deep, where it
@@ -595,14 +596,6 @@ class EagleDynamicTreeDrafter(EagleTreeDrafter):
         check_dynamic_tree(self.rule, self.top_k, self.depth, self.budget)
         object.__setattr__(self, "max_draft", self.depth)
         EagleDrafter.__post_init__(self)
-
-    @property
-    def max_depth(self) -> int:
-        return self.depth
-
-    @property
-    def max_children(self) -> int:
-        return self.budget - 1  # the root may keep every selected candidate as a child
 
     def _scratch_slots(self) -> int:
         # The catch-up block (depth + 1) and every frontier slot (depth * top_k) past the committed end.
