@@ -241,23 +241,52 @@ def doc_answers(max_chars: int = 3000) -> list[tuple[str, str]]:
     return out
 
 
+def topic_answers(max_chars: int = 1200) -> list[tuple[str, str]]:
+    """(request, passage) pairs from the Python reference manual's topics that ship with Python
+    (``pydoc_data.topics``, what ``help('assert')`` prints), split at blank lines into passages of at most
+    ``max_chars`` (a longer paragraph is a passage of its own)."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for name in sorted(topics):
+        passage = ""
+        for para in topics[name].split("\n\n"):
+            if passage and len(passage) + len(para) > max_chars:
+                out.append((f"Explain this part of the Python reference manual on '{name}'.", passage.strip()))
+                passage = ""
+            passage += para + "\n\n"
+        if len(passage.strip()) >= 200:
+            out.append((f"Explain this part of the Python reference manual on '{name}'.", passage.strip()))
+    return out
+
+
 def generate_doc_data(args, target, data_dir: str) -> list[str]:
-    """Off-policy real text, cheap: stdlib docstrings laid out as assistant answers of a chat, ~``--doc-tokens``
-    tokens; only a target forward per token (no generation), features stored like ``generate_data``. The
-    loss is distillation (the target's own distribution at every position), so the head learns the target's
-    feature dynamics on this text, not the text."""
+    """Off-policy real text, cheap: stdlib docstrings, then the reference manual's topics, laid out as
+    assistant answers of a chat, ~``--doc-tokens`` tokens; only a target forward per token (no generation),
+    features stored like ``generate_data``. The loss is distillation (the target's own distribution at every
+    position), so the head learns the target's feature dynamics on this text, not the text. The docstrings come
+    first in the same order as before the topics were added, so cached files stay valid."""
     if args.doc_tokens <= 0:
         return []
     os.makedirs(data_dir, exist_ok=True)
     tok, cfg = target.tokenizer, target.config
     width = args.doc_width
+    rng = np.random.default_rng(args.seed)
     pairs = doc_answers()
-    np.random.default_rng(args.seed).shuffle(pairs)
+    rng.shuffle(pairs)
+    extra = topic_answers()
+    rng.shuffle(extra)
+    pairs += extra
 
     features = feature_fn(cfg)
 
     rows_per_file = args.feature_batch * 4
     n_files = -(-args.doc_tokens // (rows_per_file * width))
+    if n_files * rows_per_file > len(pairs):
+        raise SystemExit(
+            f"--doc-tokens {args.doc_tokens} needs {n_files} files of {rows_per_file} passages ({width} tokens "
+            f"each at most), more than the {len(pairs)} passages of text shipped with Python: lower it"
+        )
     files, it = [], iter(pairs)
     bar = tqdm(range(n_files), desc="docstring features", unit="file")
     for i in bar:
@@ -517,7 +546,9 @@ def parse_args(argv=None):
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.8, help="of the odd (sampled) generation batches")
     ap.add_argument("--feature-batch", type=int, default=8)
-    ap.add_argument("--doc-tokens", type=int, default=40000, help="off-policy stdlib docstring text (0: none)")
+    ap.add_argument(
+        "--doc-tokens", type=int, default=40000, help="off-policy stdlib docstrings + reference topics (0: none)"
+    )
     ap.add_argument("--doc-width", type=int, default=256)
     ap.add_argument("--prompt-loss", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--window", type=int, default=64)

@@ -845,3 +845,8 @@ def test_trainer_refuses_more_batches_than_prompts(tmp_path):
     with pytest.raises(SystemExit, match=f"--gen-batches {n // 32 + 1} x --gen-batch 32 .* {n} training prompts"):
         train_eagle.generate_data(SimpleNamespace(gen_batches=n // 32 + 1, **vars(args)), target, str(tmp_path))
     assert not os.listdir(tmp_path)  # nothing generated
+    doc_args = SimpleNamespace(doc_tokens=10**7, doc_width=256, feature_batch=8, seed=0)
+    with pytest.raises(SystemExit, match=r"--doc-tokens 10000000 needs 1221 files of 32 passages .* than the \d+ "):
+        train_eagle.generate_doc_data(doc_args, target, str(tmp_path))
+    assert not os.listdir(tmp_path)
+    assert len(train_eagle.topic_answers()) > 100  # the reference manual's topics extend the docstrings
