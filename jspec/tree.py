@@ -311,7 +311,7 @@ def grow_dynamic_tree(root_logits, expand, carry, width: int, depth: int, budget
 
     root_logits [B, N]: the draft's logits for the root's children over its N tokens. ``expand(d, f_tok, f_par,
     f_dep, carry) -> (logits [B, width, N], carry)``: the children's logits of the level-d frontier (slots
-    [(d-1) k, d k) of f_tok / f_par / f_dep [B, depth * k]; f_par holds frontier indices, -1 = the root;
+    [(d-1) k, d k), k = width, of f_tok / f_par / f_dep [B, depth * k]; f_par holds frontier indices, -1 = the root;
     later levels' slots are placeholders), for d = 1 .. depth - 1. Candidate ids index the N logits; the
     caller maps them to tokens. A candidate's score never exceeds its parent's, and parents enter the pool
     first (winning ties), so the selected set is closed under ancestors.
