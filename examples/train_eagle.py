@@ -23,11 +23,14 @@ plus ~40k docstring tokens, 3 epochs (360 steps). ``--gen-batches 31`` answers 9
 (EXTRA_TOPICS come last, so the first 14 batches are the same). The text and features come from the CPU
 kernels' layout, ~18 s a batch on a 2-core CPU; training took 8 min for the defaults. The data is cached per
 batch: a retrain with other head settings only pays for training, a larger budget only for the new batches.
-``--gen-batches`` and ``--doc-tokens`` set the data budget, and the head is data-bound: with 3 batches (~12k
+``--gen-batches`` and ``--doc-tokens`` set the data budget, which limits a small one: with 3 batches (~12k
 tokens, 2 epochs) its held-out first-position acceptance was 0.24-0.27, with the defaults 0.30 (greedy, K=4;
 0.57 on its own training answers). ``--name smollm2-8k-xl --gen-batches 31`` (125k generated tokens, 663
 steps; data 6 min, training 16 min): 0.35 greedy and 0.30 at T = 1 (the defaults: 0.30 and 0.25), teacher-
-forced 0.42 (0.38); 0.60 on its own training answers.
+forced 0.42 (0.38); 0.60 on its own training answers. ``--name smollm2-8k-long --max-new 384 --gen-batches 24
+--doc-tokens 200000 --epochs 3`` (262k generated tokens in answers of up to 384, ~180k of shipped text, 1407
+steps; data 22 min, training ~40 min): 0.35 greedy and 0.36 at T = 1, teacher-forced 0.41. After its first
+epoch alone (469 steps) it had 0.30 / 0.35: past ~100k tokens the head wants training steps more than text.
 
     python examples/train_eagle.py [--name smollm2-8k] [--head-tokens 8192] [--gen-batches 3] [--force]
 """
