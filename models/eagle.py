@@ -6,6 +6,11 @@ vocabulary (the frequent-token subset; N = V for a full head), E hidden width, S
 Features. f_t is the target's final normed hidden state at position t, the vector its LM head turns into
 p(x_{t+1}) (``models.llama.forward(..., return_hidden=True)``).
 
+Fusion (EAGLE-3, optional: ``EagleConfig.fuse``). The target also returns the outputs of a few lower layers
+(``llama.forward(..., hidden_layers=fuse)``); ``fuse_features`` norms each, concatenates them with f_i and
+projects back to E, and that g_i replaces f_i wherever a target feature enters the head (prefill,
+verification). The rollout's later steps read the head's own f^, as without fusion.
+
 Head step. Pair i is (f_i, x_{i+1}): RMSNorm(emb(x_{i+1})) and RMSNorm(f_i) are concatenated, projected
 2E -> E, run through one Llama decoder layer (its own 1-layer KV cache, RoPE position i) and a final RMSNorm,
 giving f^_{i+1}, the head's guess of the target's next feature; its logits over the N frequent tokens are
@@ -24,7 +29,8 @@ come from ``init``, which runs the target once more over the prompt (the decoder
 return hidden states): one extra prompt pass per decode call.
 
 Parameters. Trainable head params (``init_head``): emb_norm, feat_norm, fc, layers (one stacked Llama
-block), out_norm, plus the frozen ``token_ids`` [N] (ascending). ``EagleDrafter.draft_params`` builds the
+block), out_norm, with ``fuse`` the fusion's per-layer norms and projection, plus the frozen ``token_ids`` [N]
+(ascending). ``EagleDrafter.draft_params`` builds the
 runtime params once per target: (target params, head params + the gathered ``rows`` [N, E]).
 """
 
@@ -69,16 +75,26 @@ class EagleConfig:
 
     target: the target's config (widths, vocabulary, RoPE, dtype). head_tokens: N, the size of the draft
     vocabulary (0 or V: the full LM head). ffn: the head layer's feed-forward width (0: the target's).
+    fuse: target layers (ascending, each < L - 1) whose outputs join the final feature f_i as the head's
+    input (EAGLE-3's low / mid / high fusion, ``fuse_features``); () = f_i alone (EAGLE-1/2).
     """
 
     target: LlamaConfig
     head_tokens: int = 8192
     ffn: int = 0
     name: str = "eagle"
+    fuse: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not 0 <= self.head_tokens <= self.target.vocab_size:
             raise ValueError(f"head_tokens={self.head_tokens} must be in [0, {self.target.vocab_size}]")
+        f = tuple(self.fuse)
+        if f and (list(f) != sorted(set(f)) or f[0] < 0 or f[-1] >= self.target.num_layers - 1):
+            raise ValueError(
+                f"fuse={f} must be distinct ascending target layers in [0, {self.target.num_layers - 1}) "
+                "(the last layer's output is f itself)"
+            )
+        object.__setattr__(self, "fuse", f)
 
     @property
     def n(self) -> int:
@@ -89,12 +105,19 @@ class EagleConfig:
         """The head's decoder layer: the target's attention shape, one layer, its own FFN width."""
         return self.target.replace(num_layers=1, ffn=self.ffn or self.target.ffn, name=f"{self.name}-layer")
 
+    @property
+    def raw_width(self) -> int:
+        """Width of the target features the head reads: (len(fuse) + 1) E."""
+        return (len(self.fuse) + 1) * self.target.hidden
+
     def to_json(self) -> dict:
-        return {"target": dataclasses.asdict(self.target), "head_tokens": self.head_tokens, "ffn": self.ffn}
+        d = {"target": dataclasses.asdict(self.target), "head_tokens": self.head_tokens, "ffn": self.ffn}
+        return {**d, "fuse": list(self.fuse)}
 
     @classmethod
     def from_json(cls, d: dict, name: str = "eagle") -> EagleConfig:
-        return cls(LlamaConfig(**d["target"]), int(d["head_tokens"]), int(d["ffn"]), name)
+        fuse = tuple(int(i) for i in d.get("fuse", ()))  # heads saved before fusion existed have none
+        return cls(LlamaConfig(**d["target"]), int(d["head_tokens"]), int(d["ffn"]), name, fuse)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -132,7 +155,7 @@ def init_head(ecfg: EagleConfig, target_params: Params, key: jax.Array, token_id
     if ids.shape != (ecfg.n,) or ids.min() < 0 or ids.max() >= cfg.vocab_size or np.any(np.diff(ids) <= 0):
         raise ValueError(f"token_ids must be {ecfg.n} distinct ascending ids in [0, {cfg.vocab_size})")
     fc = np.concatenate([np.zeros((e, e), np.float32), np.eye(e, dtype=np.float32)], axis=0)
-    return {
+    hp = {
         "emb_norm": {"scale": jnp.ones((e,), jnp.float32)},
         "feat_norm": {"scale": jnp.ones((e,), jnp.float32)},
         "fc": {"kernel": jnp.asarray(fc)},
@@ -140,6 +163,13 @@ def init_head(ecfg: EagleConfig, target_params: Params, key: jax.Array, token_id
         "out_norm": {"scale": jnp.asarray(target_params["final_norm"]["scale"], jnp.float32)},
         "token_ids": jnp.asarray(ids),
     }
+    if ecfg.fuse:
+        # [0 | ... | 0 | I]: a fused head starts as the unfused one (g_i = f_i) and learns what the lower
+        # layers add; the steps past the first read the head's own f^, which lives in f's space.
+        n = len(ecfg.fuse)
+        kernel = np.concatenate([np.zeros((n * e, e), np.float32), np.eye(e, dtype=np.float32)], axis=0)
+        hp["fuse"] = {"norm": jnp.ones((n, e), jnp.float32), "kernel": jnp.asarray(kernel)}
+    return hp
 
 
 def abstract_head(ecfg: EagleConfig) -> Params:
@@ -151,7 +181,7 @@ def abstract_head(ecfg: EagleConfig) -> Params:
     def f32(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.float32)
 
-    return {
+    tree = {
         "emb_norm": {"scale": f32(e)},
         "feat_norm": {"scale": f32(e)},
         "fc": {"kernel": f32(2 * e, e)},
@@ -159,11 +189,39 @@ def abstract_head(ecfg: EagleConfig) -> Params:
         "out_norm": {"scale": f32(e)},
         "token_ids": jax.ShapeDtypeStruct((ecfg.n,), jnp.int32),
     }
+    if ecfg.fuse:
+        tree["fuse"] = {"norm": f32(len(ecfg.fuse), e), "kernel": f32(ecfg.raw_width, e)}
+    return tree
 
 
 def split_trainable(hp: Params) -> tuple[Params, jax.Array]:
     """(trainable params, frozen token_ids [N])."""
     return {k: v for k, v in hp.items() if k != "token_ids"}, hp["token_ids"]
+
+
+def fuse_features(ecfg: EagleConfig, hp: Params, raw: jax.Array) -> jax.Array:
+    """The target features [B, T, (len(fuse) + 1) E] (``llama.forward(..., hidden_layers=ecfg.fuse)``) ->
+    the head's input g_i [B, T, E]: each fused layer's output RMS-normed (their scales differ by orders of
+    magnitude along the residual stream), concatenated with f_i and projected (EAGLE-3). Identity without
+    ``fuse``. Applied once where the target's features arrive (prefill, verification), so the drafter state,
+    the catch-up and the rollout only ever see E-wide features."""
+    if not ecfg.fuse:
+        return raw
+    cfg = ecfg.target
+    dt = cfg.jdtype
+    e, n = cfg.hidden, len(ecfg.fuse)
+    raw = raw.astype(dt)
+    parts = [_rms(raw[..., i * e : (i + 1) * e], hp["fuse"]["norm"][i].astype(dt), cfg.rms_eps) for i in range(n)]
+    return llama.dense(jnp.concatenate(parts + [raw[..., n * e :]], axis=-1), hp["fuse"]["kernel"])
+
+
+def target_features(
+    ecfg: EagleConfig, target_params: Params, tokens, positions, cache, tree_mask=None, logits_at=None
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One target pass -> (logits, raw features [B, T, raw_width], cache): what every head call site reads."""
+    return llama.forward(
+        ecfg.target, target_params, tokens, positions, cache, tree_mask, True, logits_at, hidden_layers=ecfg.fuse
+    )
 
 
 def head_features(
@@ -353,8 +411,8 @@ class EagleDrafter:
         cfg = self.ecfg.target
         b, p = prompt.shape
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        _, feats, _ = llama.forward(cfg, tparams, prompt, pos, llama.init_cache(cfg, b, p), return_hidden=True)
-        return self._state_from_prompt(params, prompt, prompt_len, feats, slots)
+        _, raw, _ = target_features(self.ecfg, tparams, prompt, pos, llama.init_cache(cfg, b, p))
+        return self._state_from_prompt(params, prompt, prompt_len, raw, slots)
 
     def prefill(
         self, target: Model, target_params, params, prompt: jax.Array, positions: jax.Array, cache, prompt_len, slots
@@ -365,16 +423,17 @@ class EagleDrafter:
         cfg = self.ecfg.target
         if target.vocab_size != cfg.vocab_size:
             raise ValueError(f"target vocab {target.vocab_size} != head's target config {cfg.vocab_size}")
-        logits, feats, cache = llama.forward(
-            cfg, target_params, prompt, positions, cache, return_hidden=True, logits_at=prompt_len - 1
+        logits, raw, cache = target_features(
+            self.ecfg, target_params, prompt, positions, cache, logits_at=prompt_len - 1
         )
-        return logits[:, 0], cache, self._state_from_prompt(params, prompt, prompt_len, feats, slots)
+        return logits[:, 0], cache, self._state_from_prompt(params, prompt, prompt_len, raw, slots)
 
-    def _state_from_prompt(self, params, prompt, prompt_len, feats, slots: int) -> EagleState:
-        """The head over the prompt's pairs (f_i, x_{i+1}), i < prompt_len - 1; feats [B, P, E]."""
+    def _state_from_prompt(self, params, prompt, prompt_len, raw, slots: int) -> EagleState:
+        """The head over the prompt's pairs (g_i, x_{i+1}), i < prompt_len - 1; raw [B, P, raw_width]."""
         tparams, hp = params
         cfg = self.ecfg.target
         b, p = prompt.shape
+        feats = fuse_features(self.ecfg, hp, raw)
         pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         cache = init_head_cache(self.ecfg, b, slots + self._scratch_slots())
         if p > 1:
@@ -456,7 +515,8 @@ class EagleDrafter:
         cfg = self.ecfg.target
         if target.vocab_size != cfg.vocab_size:
             raise ValueError(f"target vocab {target.vocab_size} != head's target config {cfg.vocab_size}")
-        logits, feats, cache = llama.forward(cfg, target_params, tokens, positions, cache, return_hidden=True)
+        logits, raw, cache = target_features(self.ecfg, target_params, tokens, positions, cache)
+        feats = fuse_features(self.ecfg, draft_params[1], raw)
         block = jnp.zeros_like(state.feats)
         block = jax.lax.dynamic_update_slice_in_dim(block, feats.astype(block.dtype), 0, axis=1)
         return logits, cache, EagleState(block, positions[:, 0], state.cache)
@@ -563,8 +623,8 @@ class EagleTreeDrafter(EagleDrafter):
         cfg = self.ecfg.target
         if target.vocab_size != cfg.vocab_size:
             raise ValueError(f"target vocab {target.vocab_size} != head's target config {cfg.vocab_size}")
-        logits, feats, cache = llama.forward(cfg, target_params, tokens, positions, cache, tree_mask, True)
-        return logits, cache, (feats, positions[:, 0])
+        logits, raw, cache = target_features(self.ecfg, target_params, tokens, positions, cache, tree_mask)
+        return logits, cache, (fuse_features(self.ecfg, draft_params[1], raw), positions[:, 0])
 
     def follow_path(self, state: EagleState, verified: tuple[jax.Array, jax.Array], path: jax.Array) -> EagleState:
         """The accepted path's features (path [B, D+1] node indices, root first) as the next feature block."""

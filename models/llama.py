@@ -645,6 +645,7 @@ def forward(
     tree_mask: jax.Array | None = None,
     return_hidden: bool = False,
     logits_at: jax.Array | None = None,
+    hidden_layers: tuple[int, ...] = (),
 ):
     """The ``jspec.model.ApplyFn`` contract, plus optionally the final (normed) hidden states.
 
@@ -652,14 +653,27 @@ def forward(
     Returns (logits [B, T, V] float32, cache) or, with return_hidden, (logits, hidden [B, T, E], cache).
     logits_at [B] int32: the LM head runs on token ``logits_at[b]`` of each row only, logits [B, 1, V] (the
     ``Model.apply_at`` of a prefill, where the head over every prompt token was ~20% of the work).
+    hidden_layers (static, ascending, each < L - 1): with return_hidden, the hidden is [B, T, (n + 1) E], the
+    outputs of these layers (un-normed, the residual stream) then the final normed hidden (EAGLE-3's fused
+    low / mid / high features). The layers run in segments between them: no per-layer output is kept.
     The T new entries are written at slots ``cache.lengths[b] + t``; ``cache.lengths`` is unchanged.
     """
+    bounds = tuple(hidden_layers)
+    if bounds and (list(bounds) != sorted(set(bounds)) or bounds[0] < 0 or bounds[-1] >= cfg.num_layers - 1):
+        raise ValueError(f"hidden_layers={bounds} must be distinct ascending layers in [0, {cfg.num_layers - 1})")
     h = embed(cfg, params, tokens)
-    h, cache = run_layers(cfg, params, h, positions, cache, tree_mask)
+    taken, start = [], 0
+    for layer in bounds:
+        h, cache = run_layers(cfg, params, h, positions, cache, tree_mask, start, layer + 1)
+        taken.append(h)
+        start = layer + 1
+    h, cache = run_layers(cfg, params, h, positions, cache, tree_mask, start)
     hn = final_norm(cfg, params, h)
     at = hn if logits_at is None else take_rows(hn, logits_at)[:, None]
     logits = lm_head(cfg, params, at)
-    return (logits, hn, cache) if return_hidden else (logits, cache)
+    if not return_hidden:
+        return logits, cache
+    return logits, (jnp.concatenate(taken + [hn], axis=-1) if taken else hn), cache
 
 
 def init_cache(cfg: LlamaConfig, batch: int, slots: int) -> KVCache:

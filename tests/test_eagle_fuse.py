@@ -1,0 +1,234 @@
+"""EAGLE-3 feature fusion (``EagleConfig.fuse``): the target returns the outputs of chosen layers next to its
+final feature, the head reads them through ``fuse_features``. Checked here: the layer outputs equal a
+truncated target's (an independent forward), greedy speculative == greedy plain with a fused head (chain and
+tree, ragged batch), the features the fused head consumes equal a fresh target pass fused, the checkpoint round
+trip keeps the fusion, bad layer sets are refused, and train_eagle lays the raw features out the way the
+loss and ``fuse_features`` read them (the fused layers first, f last)."""
+
+import os
+import sys
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_eagle import PROMPTS, TINY, TINY_MODEL, TINY_PARAMS, _right_pad, random_head
+
+from jspec import decode as dec
+from jspec.decode import decode, prepare
+from jspec.tree import TreeSpec
+from models import llama
+from models.eagle import (
+    EagleConfig,
+    EagleDrafter,
+    fuse_features,
+    head_features,
+    init_head,
+    init_head_cache,
+    restore_head,
+    save_head,
+    subset_logits,
+    target_features,
+)
+
+FUSE = (0, 2)  # TINY has 4 layers: layer 3's output is f itself
+
+
+def fused_drafter(k=3, seed=7, scale=0.1):
+    ecfg = EagleConfig(TINY, head_tokens=40, name="tiny-eagle3", fuse=FUSE)
+    ids = np.sort(np.random.default_rng(seed).permutation(TINY.vocab_size)[:40])
+    hp = random_head(ecfg, TINY_PARAMS, seed, scale, ids)
+    drafter = EagleDrafter(ecfg, max_draft=k)
+    return drafter, drafter.draft_params(TINY_PARAMS, hp), hp
+
+
+def test_hidden_layers_equal_a_truncated_target():
+    """Layer l's output, put through the final norm, is the final feature of the same model cut after layer l
+    (a separate forward over the first l + 1 layers); the last E columns, logits and cache are the plain
+    forward's."""
+    toks = jnp.asarray([[1, 5, 9, 3, 7, 2], [4, 8, 15, 16, 23, 42]], jnp.int32)
+    b, t = toks.shape
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    cache = llama.init_cache(TINY, b, 8)
+    logits, raw, c1 = llama.forward(TINY, TINY_PARAMS, toks, pos, cache, return_hidden=True, hidden_layers=FUSE)
+    ref_logits, hn, c0 = llama.forward(TINY, TINY_PARAMS, toks, pos, cache, return_hidden=True)
+    e = TINY.hidden
+    assert raw.shape == (b, t, 3 * e)
+    np.testing.assert_array_equal(np.asarray(raw[..., 2 * e :]), np.asarray(hn))
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(ref_logits))
+    np.testing.assert_array_equal(np.asarray(c1.k), np.asarray(c0.k))
+    for i, layer in enumerate(FUSE):
+        cut = TINY.replace(num_layers=layer + 1)
+        params = {**TINY_PARAMS, "layers": jax.tree.map(lambda w, n=layer + 1: w[:n], TINY_PARAMS["layers"])}
+        _, want, _ = llama.forward(cut, params, toks, pos, llama.init_cache(cut, b, 8), return_hidden=True)
+        got = llama.final_norm(TINY, TINY_PARAMS, raw[..., i * e : (i + 1) * e])
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    for bad in ((3,), (2, 0), (1, 1), (-1,)):
+        with pytest.raises(ValueError, match="hidden_layers"):
+            llama.forward(TINY, TINY_PARAMS, toks, pos, cache, return_hidden=True, hidden_layers=bad)
+
+
+def test_fused_head_refuses_bad_layers():
+    for bad in ((3,), (2, 1), (0, 0), (-1, 2)):
+        with pytest.raises(ValueError, match=r"fuse=.* must be distinct ascending target layers in \[0, 3\)"):
+            EagleConfig(TINY, head_tokens=40, fuse=bad)
+
+
+def test_fresh_fused_head_reads_f_alone():
+    """The fusion kernel starts as [0 | 0 | I]: an untrained fused head computes exactly what the unfused head
+    with the same weights does (training starts from EAGLE's input and learns what the lower layers add)."""
+    ecfg = EagleConfig(TINY, head_tokens=40, fuse=FUSE)
+    hp = init_head(ecfg, TINY_PARAMS, jax.random.key(1))
+    raw = jax.random.normal(jax.random.key(2), (2, 5, 3 * TINY.hidden)) * 10.0
+    np.testing.assert_array_equal(np.asarray(fuse_features(ecfg, hp, raw)), np.asarray(raw[..., 2 * TINY.hidden :]))
+
+
+def test_fused_greedy_identical_to_plain_tiny():
+    mnew = [24, 30, 17]
+    plain = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=mnew)
+    drafter, dparams, _ = fused_drafter(k=3)
+    chain = decode(
+        TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, gamma=3, max_new_tokens=mnew
+    )
+    tree = decode(
+        TINY_MODEL,
+        TINY_PARAMS,
+        PROMPTS,
+        drafter=drafter.as_tree(TreeSpec((2, 1))),
+        draft_params=dparams,
+        max_new_tokens=mnew,
+    )
+    for out in (chain, tree):
+        assert out.tokens == plain.tokens
+        assert out.stop_reason == plain.stop_reason
+    assert 0 < chain.stats["accepted"] < chain.stats["proposed"], chain.stats
+
+
+def test_fused_head_consumes_fresh_target_features():
+    """After rounds with rejections, the stored feature block is ``fuse_features`` of a fresh target pass over
+    the committed tokens (layer outputs and f), and the head cache the catch-up leaves equals a fresh head pass
+    over those fused features."""
+    k = 3
+    drafter, dparams, hp = fused_drafter(k=k, seed=5)
+    prepared = prepare(
+        TINY_MODEL,
+        TINY_PARAMS,
+        PROMPTS,
+        drafter=drafter,
+        draft_params=dparams,
+        gamma=k,
+        max_new_tokens=40,
+        temperature=1.0,
+        seed=2,
+    )
+    pre, step = dec._stream_fns(TINY_MODEL, drafter, prepared.config)
+    st = pre(*prepared.args)
+    for _ in range(6):
+        st, _, _ = step(TINY_PARAMS, dparams, st)
+    stats = jax.device_get(st.stats)
+    assert 0 < stats.accepted.sum() < stats.proposed.sum()
+    seq, seq_len = np.asarray(st.seq), np.asarray(st.seq_len)
+    committed = seq_len - 1
+    toks = jnp.asarray(_right_pad([seq[r, : committed[r]].tolist() for r in range(len(PROMPTS))]))
+    b, w = toks.shape
+    pos = jnp.broadcast_to(jnp.arange(w), (b, w))
+    _, raw, _ = target_features(drafter.ecfg, TINY_PARAMS, toks, pos, llama.init_cache(TINY, b, w))
+    fresh = fuse_features(drafter.ecfg, hp, raw)
+    # Fusion moves the features: an unfused reading of the same pass would not match.
+    assert float(jnp.max(jnp.abs(fresh - raw[..., -TINY.hidden :]))) > 0.1
+    ds = st.draft_state
+    start = np.asarray(ds.start)
+    for r in range(b):
+        n = committed[r] - start[r]
+        assert 1 <= n <= k + 1
+        np.testing.assert_allclose(ds.feats[r, :n], fresh[r, start[r] : committed[r]], atol=1e-4, rtol=0)
+    ctx = dec.DraftContext(st.seq, st.seq_len, jnp.full((b,), k, jnp.int32), st.sampling)
+    observed = jax.jit(drafter.observe)(dparams, ds, ctx)
+    ref_toks = jnp.asarray(_right_pad([seq[r, 1 : committed[r] + 1].tolist() for r in range(b)]))
+    _, ref_cache = head_features(
+        drafter.ecfg, hp, TINY_PARAMS, fresh, ref_toks, pos, init_head_cache(drafter.ecfg, b, w)
+    )
+    for r in range(b):
+        c = committed[r]
+        np.testing.assert_allclose(
+            np.asarray(observed.cache.k)[:, r, :, :c], np.asarray(ref_cache.k)[:, r, :, :c], atol=1e-4, rtol=0
+        )
+
+
+def test_fused_checkpoint_round_trip(tmp_path):
+    drafter, dparams, hp = fused_drafter(seed=4)
+    save_head(tmp_path / "head", drafter.ecfg, dparams[1])
+    ecfg2, hp2 = restore_head(tmp_path / "head", TINY)
+    assert ecfg2.fuse == FUSE
+    assert jax.tree.structure(hp2) == jax.tree.structure(hp)
+    for a, b in zip(jax.tree.leaves(hp2), jax.tree.leaves(hp)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    raw = jax.random.normal(jax.random.key(9), (2, 5, 3 * TINY.hidden))
+    toks = jnp.asarray([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+
+    def logits(e, h):
+        f, _ = head_features(e, h, TINY_PARAMS, fuse_features(e, h, raw), toks, pos, init_head_cache(e, 2, 8))
+        return np.asarray(subset_logits(f, EagleDrafter(e).draft_params(TINY_PARAMS, h)[1]["rows"]))
+
+    np.testing.assert_array_equal(logits(ecfg2, hp2), logits(drafter.ecfg, hp))
+
+
+def test_trainer_lays_out_fused_features(tmp_path):
+    """train_eagle's layer files hold the fused layers' outputs of each data file's tokens, and ``load_windows``
+    puts them before f: the order ``fuse_features`` splits and the loss's f_{i+1} target (the last E) assume."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_eagle
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, TINY.vocab_size, (2, 40)).astype(np.int32)
+    lengths = np.array([40, 23], np.int32)
+    tokens[1, 23:] = 0
+    b, w = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(w), (b, w))
+    _, raw, _ = llama.forward(
+        TINY,
+        TINY_PARAMS,
+        jnp.asarray(tokens),
+        pos,
+        llama.init_cache(TINY, b, w),
+        return_hidden=True,
+        hidden_layers=FUSE,
+    )
+    raw = np.asarray(raw).astype(np.float16)
+    e = TINY.hidden
+    path = str(tmp_path / "batch_0000.npz")
+    np.savez(path, tokens=tokens, lengths=lengths, prompt_lengths=np.array([5, 4], np.int32), feats=raw[..., 2 * e :])
+    args = SimpleNamespace(fuse=FUSE, feature_batch=1)
+    layers = train_eagle.layer_files(args, SimpleNamespace(config=TINY, params=TINY_PARAMS), [path])
+    assert layers == [str(tmp_path / "batch_0000.layers0-2.npz")]
+    stored = np.load(layers[0])["layer_feats"]
+    np.testing.assert_allclose(stored[0].astype(np.float32), raw[0, :, : 2 * e].astype(np.float32), atol=2e-2)
+    data, _ = train_eagle.load_windows([path], 16, True, layers)
+    assert data["feats"].shape[2] == 3 * e
+    np.testing.assert_array_equal(data["feats"][0], np.concatenate([stored[0, :17], raw[0, :17, 2 * e :]], axis=-1))
+    with pytest.raises(SystemExit):  # a malformed --fuse names the flag
+        train_eagle.parse_args(["--fuse", "2;15"])
+    assert train_eagle.parse_args(["--fuse", "2,15"]).name == "smollm2-8k-f2-15"
+
+
+def test_trainer_fine_tunes_only_a_head_of_the_same_shape(tmp_path):
+    """``--init-from`` starts from a trained head's weights and token map; a head of another shape (here
+    unfused, asked to fuse; or another draft vocabulary) is refused naming the flag."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_eagle
+
+    drafter, dparams, hp = fused_drafter(seed=6)
+    save_head(tmp_path / "fused", drafter.ecfg, hp)
+    plain = EagleConfig(TINY, head_tokens=40)
+    save_head(tmp_path / "plain", plain, init_head(plain, TINY_PARAMS, jax.random.key(0)))
+    args = SimpleNamespace(init_from=str(tmp_path / "fused"), head_tokens=40, ffn=0, fuse=FUSE)
+    src, got = train_eagle.init_source(args, TINY)
+    assert src.fuse == FUSE
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(hp)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(SystemExit, match=r"--init-from .*plain: that head has .* \(40, 128, \(\)\), this run asks"):
+        train_eagle.init_source(SimpleNamespace(**{**vars(args), "init_from": str(tmp_path / "plain")}), TINY)
+    with pytest.raises(SystemExit, match=r"--init-from .*\(40, 128, \(0, 2\)\), this run asks for \(20, "):
+        train_eagle.init_source(SimpleNamespace(**{**vars(args), "head_tokens": 20}), TINY)
