@@ -96,6 +96,31 @@ TEMPLATES = [
     "What are the pros and cons of {t}?",
     "How would you teach a child about {t}?",
 ]
+# Other kinds of request over every topic, after all of the above (so the batches that a smaller budget
+# generated stay the same): the held-out and benchmark prompts are open chat in many forms, and a head trained
+# on eight request templates learns their answers' shapes more than the target's.
+STYLES = [
+    "What are some fun facts about {t}?",
+    "Write a friendly email to a friend about {t}.",
+    "Summarize what everyone should know about {t} in five bullet points.",
+    "Why do people care about {t}?",
+    "Write a short poem about {t}.",
+    "Explain {t} using a simple analogy.",
+    "What questions should I ask an expert on {t}?",
+    "Give me a step-by-step plan to get started with {t}.",
+    "Describe a typical day for someone who works with {t}.",
+    "What is the history of {t} in a few sentences?",
+    "Write a dialogue between two friends discussing {t}.",
+    "What mistakes do beginners make with {t}, and how can they avoid them?",
+    "Compare {t} today with how it was fifty years ago.",
+    "Write a short speech to encourage students to learn about {t}.",
+    "I am bored. Suggest three activities related to {t}.",
+    "What would the world be like without {t}?",
+    "Write a product description for a book about {t}.",
+    "Explain {t} to a ten-year-old.",
+    "What are five interesting questions about {t}, with short answers?",
+    "Tell me a funny story about {t}.",
+]
 DOC_MODULES = (
     "json os collections itertools functools textwrap string random math statistics datetime pathlib re".split()
 )
@@ -139,7 +164,9 @@ def training_prompts(seed: int, doc_every: int = 4) -> list[str]:
         out.append(c)
     extra = [tpl.format(t=t) for t in EXTRA_TOPICS for tpl in TEMPLATES]
     rng.shuffle(extra)
-    return out + extra
+    styled = [tpl.format(t=t) for t in TOPICS + EXTRA_TOPICS for tpl in STYLES]
+    rng.shuffle(styled)
+    return out + extra + styled
 
 
 def encode(tok, text: str, max_prompt: int) -> list[int]:
@@ -149,10 +176,11 @@ def encode(tok, text: str, max_prompt: int) -> list[int]:
 # ---- stages 1-2: target text and features ---------------------------------------------------------------
 
 
-def feature_fn(cfg):
-    """jit: (params, tokens [B, W]) -> f [B, W, E], the target's final normed hidden at every position. The LM
-    head runs on one token per row only (``logits_at``): its [B, W, V] logits would be ~20% of the work and,
-    at W = 576, ~0.9 GB for 8 rows. params are an argument, never a baked-in constant."""
+def feature_fn(cfg, layers: tuple[int, ...] = ()):
+    """jit: (params, tokens [B, W]) -> f [B, W, E], the target's final normed hidden at every position, or with
+    ``layers`` the outputs of those layers only [B, W, len(layers) E] (the fused head's extra features). The
+    LM head runs on one token per row only (``logits_at``): its [B, W, V] logits would be ~20% of the work
+    and, at W = 576, ~0.9 GB for 8 rows. params are an argument, never a baked-in constant."""
 
     @jax.jit
     def features(params, tokens):
@@ -160,10 +188,36 @@ def feature_fn(cfg):
         pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
         cache = llama.init_cache(cfg, b, w)
         at = jnp.zeros((b,), jnp.int32)
-        _, f, _ = llama.forward(cfg, params, tokens, pos, cache, return_hidden=True, logits_at=at)
-        return f
+        _, f, _ = llama.forward(cfg, params, tokens, pos, cache, return_hidden=True, logits_at=at, hidden_layers=layers)
+        return f[..., : len(layers) * cfg.hidden] if layers else f
 
     return features
+
+
+def layer_files(args, target, files: list[str]) -> list[str]:
+    """Next to each data file, the outputs of the ``--fuse`` layers [B, W, len(fuse) E] float16, computed from
+    its tokens (one target pass; the generated text is not regenerated), cached per layer set."""
+    if not args.fuse:
+        return []
+    features = feature_fn(target.config, args.fuse)
+    tag = "-".join(str(i) for i in args.fuse)
+    out = []
+    for f in tqdm(files, desc=f"layer {tag} features", unit="file"):
+        path = f"{f[:-4]}.layers{tag}.npz"
+        out.append(path)
+        if os.path.exists(path):
+            continue
+        d = np.load(f)
+        tokens, lengths = d["tokens"], d["lengths"]
+        w = min(-(-int(lengths.max()) // 32) * 32, tokens.shape[1])
+        lf = np.zeros(tokens.shape + (len(args.fuse) * target.config.hidden,), np.float16)
+        for r in range(0, tokens.shape[0], args.feature_batch):
+            lf[r : r + args.feature_batch, :w] = np.asarray(
+                features(target.params, jnp.asarray(tokens[r : r + args.feature_batch, :w]))
+            )
+        np.savez(path + ".tmp.npz", layer_feats=lf)
+        os.replace(path + ".tmp.npz", path)
+    return out
 
 
 def generate_data(args, target, data_dir: str) -> list[str]:
@@ -330,15 +384,18 @@ def data_dir(args) -> str:
     return os.path.join(EG.cache_root(), "_data", key)
 
 
-def load_windows(files: list[str], window: int, prompt_loss: bool):
+def load_windows(files: list[str], window: int, prompt_loss: bool, layers: list[str] | None = None):
     """Cut every sequence into windows of ``window`` pairs. Pair i of a window is (f_i, x_{i+1}) and its
     targets f_{i+1}, x_{i+2}: a window holds window + 1 tokens/features. Returns dict of arrays
-    feats [M, w+1, E] float16, tokens [M, w+1], mask [M, w] (pair i is trained), answer [M, w] (pair i is
-    one the drafter meets when decoding: i >= P - 1, its x_{i+2} a token of the answer after the first, which
-    the target samples at prefill) plus the answers."""
+    feats [M, w+1, R] float16 (R = E, or with ``layers``, the ``layer_files`` of ``files``, the fused layers'
+    outputs then f: the head's raw features), tokens [M, w+1], mask [M, w] (pair i is trained), answer [M, w]
+    (pair i is one the drafter meets when decoding: i >= P - 1, its x_{i+2} a token of the answer after the
+    first, which the target samples at prefill) plus the answers."""
     feats, tokens, masks, in_answer, answers = [], [], [], [], []
-    for f in files:
-        d = np.load(f)
+    for fi, f in enumerate(files):
+        d = dict(np.load(f))
+        if layers:
+            d["feats"] = np.concatenate([np.load(layers[fi])["layer_feats"], d["feats"]], axis=-1)
         for r in range(d["tokens"].shape[0]):
             n, p = int(d["lengths"][r]), int(d["prompt_lengths"][r])
             answers.append(d["tokens"][r, p:n])
@@ -367,14 +424,14 @@ def make_loss(ecfg: EG.EagleConfig, args):
     decay = jnp.asarray([args.pass_decay**u for u in range(args.unroll)], jnp.float32)
 
     def loss_fn(trainable, token_ids, target_params, rows, feats, tokens, mask, answer, noise_key):
-        """feats [B, w+1, E], tokens [B, w+1], mask [B, w], answer [B, w] (metric only); rows [N, E] the
-        subset's LM-head rows."""
+        """feats [B, w+1, R] (raw: fused layers then f), tokens [B, w+1], mask [B, w], answer [B, w] (metric
+        only); rows [N, E] the subset's LM-head rows."""
         hp = {**trainable, "token_ids": token_ids}
-        f_in = feats[:, :-1].astype(jnp.float32)
+        f_in = EG.fuse_features(ecfg, hp, feats[:, :-1].astype(jnp.float32))  # g_i (f_i without fusion)
         if args.noise:  # EAGLE's feature noise: the rollout reads imperfect features
             f_in = f_in + args.noise * jax.random.uniform(noise_key, f_in.shape, minval=-1.0, maxval=1.0)
         f_hat = EG.head_unrolled(ecfg, hp, target_params, f_in, tokens[:, 1:], args.unroll)  # [U, B, w, E]
-        target = feats[:, 1:].astype(jnp.float32)  # f_{i+1}
+        target = feats[:, 1:, -f_hat.shape[-1] :].astype(jnp.float32)  # f_{i+1}
         reg = jnp.mean(optax.huber_loss(f_hat, target[None], delta=1.0), axis=-1)  # [U, B, w]
         t_logp = jax.nn.log_softmax(EG.subset_logits(target, rows), axis=-1)  # [B, w, N] target on the subset
         logq = jax.nn.log_softmax(EG.subset_logits(f_hat.reshape((-1,) + f_hat.shape[2:]), rows), axis=-1)
@@ -396,9 +453,26 @@ def make_loss(ecfg: EG.EagleConfig, args):
     return loss_fn
 
 
+def init_source(args, target_cfg):
+    """The head ``--init-from`` names, checked against this run's head settings (a head of another shape
+    cannot be fine-tuned into this one)."""
+    src, hp = EG.restore_head(EG.resolve_head(args.init_from), target_cfg)
+    mine = (args.head_tokens or target_cfg.vocab_size, args.ffn or target_cfg.ffn, tuple(args.fuse))
+    theirs = (src.n, src.ffn or target_cfg.ffn, src.fuse)
+    if mine != theirs:
+        raise SystemExit(
+            f"--init-from {args.init_from}: that head has (head tokens, ffn, fuse) = {theirs}, this run asks "
+            f"for {mine}: pass the same --head-tokens / --ffn / --fuse"
+        )
+    return src, hp
+
+
 def train(args, target, data, token_ids, out_dir: str):
-    ecfg = EG.EagleConfig(target.config, args.head_tokens, args.ffn, name=args.name)
-    hp = EG.init_head(ecfg, target.params, jax.random.key(args.seed), token_ids)
+    ecfg = EG.EagleConfig(target.config, args.head_tokens, args.ffn, name=args.name, fuse=args.fuse)
+    if args.init_from:  # fine-tuning: the trained head's weights and its own frequent-token map
+        _, hp = init_source(args, target.config)
+    else:
+        hp = EG.init_head(ecfg, target.params, jax.random.key(args.seed), token_ids)
     trainable, ids = EG.split_trainable(hp)
     rows = EG.EagleDrafter(ecfg).draft_params(target.params, hp)[1]["rows"]
     m = data["tokens"].shape[0]
@@ -471,9 +545,8 @@ def teacher_forced_agreement(target, drafter, dparams, prompts: list[list[int]],
     for r, s in enumerate(seqs):
         toks[r, : len(s)] = s
     pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-    _, feats, _ = llama.forward(
-        cfg, target.params, jnp.asarray(toks), pos, llama.init_cache(cfg, b, w), return_hidden=True
-    )
+    _, raw, _ = EG.target_features(drafter.ecfg, target.params, jnp.asarray(toks), pos, llama.init_cache(cfg, b, w))
+    feats = EG.fuse_features(drafter.ecfg, hp, raw)
     unroll = 3
     f_hat = EG.head_unrolled(drafter.ecfg, hp, target.params, feats[:, :-1], jnp.asarray(toks[:, 1:]), unroll)
     best = np.stack([np.asarray(jnp.argmax(EG.subset_logits(f_hat[u], hp["rows"]), -1)) for u in range(unroll)])
@@ -543,6 +616,16 @@ def parse_args(argv=None):
     ap.add_argument("--name", default=None, help="cache name (default: <model>-<N>)")
     ap.add_argument("--head-tokens", type=int, default=8192, help="frequent-token draft vocabulary N; 0 = all")
     ap.add_argument("--ffn", type=int, default=0, help="head layer FFN width (0: the target's)")
+    ap.add_argument(
+        "--fuse",
+        default="",
+        help="target layers whose outputs join f as the head's input, e.g. '2,15' (EAGLE-3 fusion; '' = none)",
+    )
+    ap.add_argument(
+        "--init-from",
+        default="",
+        help="fine-tune this trained head (name or directory; same --head-tokens/--ffn/--fuse; its token map)",
+    )
     ap.add_argument("--gen-batches", type=int, default=14, help="target generation batches (the data budget)")
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=192)
@@ -572,9 +655,15 @@ def parse_args(argv=None):
     ap.add_argument("--force", action="store_true", help="retrain even if a finished head is cached")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    try:
+        args.fuse = tuple(int(x) for x in args.fuse.split(",")) if args.fuse.strip() else ()
+    except ValueError:
+        ap.error(f"--fuse {args.fuse!r}: expected comma-separated layer indices such as '2,15'")
     if args.name is None:
         n = args.head_tokens
         args.name = f"{args.model}-{f'{n // 1024}k' if n and n % 1024 == 0 else (n or 'full')}"
+        if args.fuse:
+            args.name += "-f" + "-".join(str(i) for i in args.fuse)
     return args
 
 
@@ -594,14 +683,21 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     target = registry.load(args.model, dtype="float32")
+    try:  # bad --fuse layers are refused before any model call
+        EG.EagleConfig(target.config, args.head_tokens, args.ffn, fuse=args.fuse)
+    except ValueError as e:
+        raise SystemExit(f"--fuse: {e}") from None
+    if args.init_from:  # so is a head to fine-tune that does not fit this run
+        init_source(args, target.config)
     # The target's text and features come from the CPU decode layout (per-layer weights on the CPU kernels,
     # ~2x faster there); training reads the stacked params.
     gen = target._replace(params=llama.unstack_layers(target.params)) if jax.default_backend() == "cpu" else target
     files = generate_data(args, gen, data_dir(args))
     doc_dir = os.path.join(EG.cache_root(), "_data", f"{args.model}-docs-w{args.doc_width}-s{args.seed}")
     doc_files = generate_doc_data(args, gen, doc_dir)
+    extra = layer_files(args, gen, files + doc_files)
     del gen
-    data, answers = load_windows(files + doc_files, args.window, args.prompt_loss)
+    data, answers = load_windows(files + doc_files, args.window, args.prompt_loss, extra)
     answers = answers[: len(files) * args.gen_batch]  # the generated answers only (the frequent-token map)
     t_data = time.perf_counter() - t0
     n_ans = int(sum(len(a) for a in answers))
@@ -611,7 +707,7 @@ def main(argv=None) -> dict:
     )
     v = target.config.vocab_size
     token_ids = None
-    if args.head_tokens and args.head_tokens < v:
+    if not args.init_from and args.head_tokens and args.head_tokens < v:  # fine-tuning keeps the head's map
         counts = EG.token_counts(answers, v)
         token_ids = EG.frequent_tokens(counts, args.head_tokens, always=[target.tokenizer.eos_id])
         cover = counts[token_ids].sum() / max(counts.sum(), 1)

@@ -719,8 +719,12 @@ def test_trainer_refuses_more_batches_than_prompts(tmp_path):
     assert defaults.gen_batches * defaults.gen_batch <= n
     prompts = train_eagle.training_prompts(0)
     n_extra = len(train_eagle.EXTRA_TOPICS) * len(train_eagle.TEMPLATES)
-    extra = [p for p in prompts if any(t in p for t in train_eagle.EXTRA_TOPICS)]
-    assert extra == prompts[-n_extra:] and defaults.gen_batches * defaults.gen_batch <= n - n_extra
+    n_styled = (len(train_eagle.TOPICS) + len(train_eagle.EXTRA_TOPICS)) * len(train_eagle.STYLES)
+    templated = prompts[: n - n_styled]  # the STYLES requests come last, after every templated one
+    styled = {s.format(t=t) for t in train_eagle.TOPICS + train_eagle.EXTRA_TOPICS for s in train_eagle.STYLES}
+    assert set(prompts[n - n_styled :]) == styled and not styled & set(templated)
+    extra = [p for p in templated if any(t in p for t in train_eagle.EXTRA_TOPICS)]
+    assert extra == templated[-n_extra:] and defaults.gen_batches * defaults.gen_batch <= len(templated) - n_extra
     target = SimpleNamespace(tokenizer=None, config=None)
     with pytest.raises(SystemExit, match=f"--gen-batches {n // 32 + 1} x --gen-batch 32 .* {n} training prompts"):
         train_eagle.generate_data(SimpleNamespace(gen_batches=n // 32 + 1, **vars(args)), target, str(tmp_path))
