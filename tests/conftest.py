@@ -20,8 +20,18 @@ import pytest
 # instead of 222 s, and the real SmolLM2 decode loops ran no slower (2.4-2.9 s against 2.7-3.4 s for 48
 # tokens). Floating-point semantics do not depend on it (no fast-math either way). Set in XLA_FLAGS before
 # jax creates its CPU client; a level given in XLA_FLAGS already wins.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1").strip()
+#
+# And no YNNPACK reduce fusions: XLA:CPU (jax 0.10.2) hands reductions to YNNPACK, which ran the attention
+# softmax of the toy models' 300k-row distribution tests, a reduce over a strided axis of [300000, 1, 16, 4, 1],
+# at 0.8 s a call against 0.07 s as an XLA loop fusion; the layerskip distribution test ran 35 s instead of
+# 51 s (after compilation). Also a flag no test's semantics depend on. Subprocesses that set XLA_FLAGS for
+# fake devices add ``TEST_XLA_FLAGS``.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_experimental_ynn_fusion_type=-reduce"
+_flags = os.environ.get("XLA_FLAGS", "")
+for _flag in TEST_XLA_FLAGS.split():
+    if _flag.split("=")[0] not in _flags:
+        _flags = f"{_flags} {_flag}".strip()
+os.environ["XLA_FLAGS"] = _flags
 
 # Test files that take longest, scheduled first so that the two pytest-xdist workers (`make test` runs
 # `-n 2 --dist loadfile`) finish together instead of one waiting on a long file started last.

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import TEST_XLA_FLAGS
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tk_models
 from toy_models import chi2_critical, chi_square, ref_transform
@@ -163,7 +164,8 @@ def test_restore_onto_two_device_layout(distilled, tmp_path):
     D.save_draft(tmp_path / "d", dcfg, params)
     np.save(tmp_path / "tokens.npy", np.asarray(tokens))
     np.save(tmp_path / "want.npy", np.asarray(_logits(dcfg, params, tokens)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    flags = f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-c", _TWO_DEVICE_SCRIPT, str(tmp_path / "d"), str(tmp_path / "tokens.npy")]

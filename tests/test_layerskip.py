@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import TEST_XLA_FLAGS
 from toy_models import chi2_critical, chi_square, grouped_rows, ref_transform
 
 from jspec.adaptive import AdaptiveK
@@ -453,7 +454,8 @@ def test_exit_params_saved_on_another_device_restore_here(tmp_path):
     flat = {f"a.{k}": np.asarray(v) for k, v in ex["adapter"].items()} | {"token_ids": np.asarray(ex["token_ids"])}
     np.savez(tmp_path / "ex.npz", **flat)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    flags = f"--xla_force_host_platform_device_count=4 {TEST_XLA_FLAGS}"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-c", _SAVE_ON_LAST_DEVICE, str(tmp_path / "exit"), str(tmp_path / "ex.npz")],

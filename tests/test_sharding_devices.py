@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TEST_XLA_FLAGS
 
 from sharding.launch import launch
 
@@ -39,7 +40,9 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["JAX_PLATFORMS"] = "cpu"  # fake CPU devices even on a machine with accelerators
-    env.pop("XLA_FLAGS", None)  # the device count comes from --devices / JSPEC_CPU_DEVICES
+    # The device count comes from --devices / JSPEC_CPU_DEVICES, never from a stray XLA_FLAGS; the suite's
+    # compile-time flags (conftest.py) still apply: these jobs are compile-bound.
+    env["XLA_FLAGS"] = TEST_XLA_FLAGS
     return env
 
 
