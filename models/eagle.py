@@ -30,8 +30,8 @@ return hidden states): one extra prompt pass per decode call.
 
 Parameters. Trainable head params (``init_head``): emb_norm, feat_norm, fc, layers (one stacked Llama
 block), out_norm, with ``fuse`` the fusion's per-layer norms and projection, plus the frozen ``token_ids`` [N]
-(ascending). ``EagleDrafter.draft_params`` builds the
-runtime params once per target: (target params, head params + the gathered ``rows`` [N, E]).
+(ascending). ``EagleDrafter.draft_params`` builds the runtime params once per target: (target params, head
+params + the gathered ``rows`` [N, E]).
 """
 
 from __future__ import annotations
