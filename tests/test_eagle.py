@@ -670,9 +670,8 @@ def test_smollm2_greedy_identical_to_plain(smollm2):
     assert spec.tokens == plain.tokens
     assert min(plain.lengths) >= 20
     assert spec.stats["proposed"] > 0
-    tree = decode(model, params, prompts, drafter=drafter.as_tree(TreeSpec((2, 1))), draft_params=dparams, **kw)
-    assert tree.tokens == plain.tokens
-    assert tree.stats["proposed"] > 0
+    # Trees of this head on the real model: test_real_model_decode's CLI test decodes an EAGLE-2 dynamic tree
+    # (the static tree's verification and path following) against plain; tiny ragged batches above.
 
 
 # ---- checkpoints ----
