@@ -112,12 +112,9 @@ def _right_pad(rows: list[list[int]]) -> np.ndarray:
     return out
 
 
-def test_head_consumes_fresh_target_features():
-    """After rounds with rejections: the stored feature block equals a fresh target pass over the committed
-    tokens, and the head cache the rollout reads (every committed pair, fed round by round from verification
-    by-products) equals a fresh head pass over (fresh features, next tokens)."""
-    k = 3
-    drafter, dparams, hp = tiny_drafter(k=k, seed=5)
+def stepped_rounds(drafter, dparams, k: int, rounds: int = 6):
+    """Six sampled rounds of ``drafter`` on PROMPTS, stepped from Python, with rejections. Returns (state,
+    committed [B] (tokens before each row's pending one), those tokens right-padded [B, W], positions [B, W])."""
     prepared = prepare(
         TINY_MODEL,
         TINY_PARAMS,
@@ -131,17 +128,27 @@ def test_head_consumes_fresh_target_features():
     )
     pre, step = dec._stream_fns(TINY_MODEL, drafter, prepared.config)
     st = pre(*prepared.args)
-    for _ in range(6):
+    for _ in range(rounds):
         st, _, _ = step(TINY_PARAMS, dparams, st)
     assert np.all(np.asarray(st.stop) == dec.StopReason.RUNNING)
     stats = jax.device_get(st.stats)
     assert 0 < stats.accepted.sum() < stats.proposed.sum()
     seq, seq_len = np.asarray(st.seq), np.asarray(st.seq_len)
     committed = seq_len - 1
-    rows = [seq[r, : committed[r]].tolist() for r in range(len(PROMPTS))]
-    toks = jnp.asarray(_right_pad(rows))
+    toks = jnp.asarray(_right_pad([seq[r, : committed[r]].tolist() for r in range(len(PROMPTS))]))
     b, w = toks.shape
-    pos = jnp.broadcast_to(jnp.arange(w), (b, w))
+    return st, committed, toks, jnp.broadcast_to(jnp.arange(w), (b, w))
+
+
+def test_head_consumes_fresh_target_features():
+    """After rounds with rejections: the stored feature block equals a fresh target pass over the committed
+    tokens, and the head cache the rollout reads (every committed pair, fed round by round from verification
+    by-products) equals a fresh head pass over (fresh features, next tokens)."""
+    k = 3
+    drafter, dparams, hp = tiny_drafter(k=k, seed=5)
+    st, committed, toks, pos = stepped_rounds(drafter, dparams, k)
+    seq = np.asarray(st.seq)
+    b, w = toks.shape
     _, fresh, _ = llama.forward(TINY, TINY_PARAMS, toks, pos, llama.init_cache(TINY, b, w), return_hidden=True)
     ds = st.draft_state
     start = np.asarray(ds.start)

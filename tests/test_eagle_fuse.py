@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_eagle import PROMPTS, TINY, TINY_MODEL, TINY_PARAMS, _right_pad, random_head
+from test_eagle import PROMPTS, TINY, TINY_MODEL, TINY_PARAMS, _right_pad, random_head, stepped_rounds
 
 from jspec import decode as dec
-from jspec.decode import decode, prepare
+from jspec.decode import decode
 from jspec.tree import TreeSpec
 from models import llama
 from models.eagle import (
@@ -111,28 +111,9 @@ def test_fused_head_consumes_fresh_target_features():
     over those fused features."""
     k = 3
     drafter, dparams, hp = fused_drafter(k=k, seed=5)
-    prepared = prepare(
-        TINY_MODEL,
-        TINY_PARAMS,
-        PROMPTS,
-        drafter=drafter,
-        draft_params=dparams,
-        gamma=k,
-        max_new_tokens=40,
-        temperature=1.0,
-        seed=2,
-    )
-    pre, step = dec._stream_fns(TINY_MODEL, drafter, prepared.config)
-    st = pre(*prepared.args)
-    for _ in range(6):
-        st, _, _ = step(TINY_PARAMS, dparams, st)
-    stats = jax.device_get(st.stats)
-    assert 0 < stats.accepted.sum() < stats.proposed.sum()
-    seq, seq_len = np.asarray(st.seq), np.asarray(st.seq_len)
-    committed = seq_len - 1
-    toks = jnp.asarray(_right_pad([seq[r, : committed[r]].tolist() for r in range(len(PROMPTS))]))
+    st, committed, toks, pos = stepped_rounds(drafter, dparams, k)
+    seq = np.asarray(st.seq)
     b, w = toks.shape
-    pos = jnp.broadcast_to(jnp.arange(w), (b, w))
     _, raw, _ = target_features(drafter.ecfg, TINY_PARAMS, toks, pos, llama.init_cache(TINY, b, w))
     fresh = fuse_features(drafter.ecfg, hp, raw)
     # Fusion moves the features: an unfused reading of the same pass would not match.
