@@ -581,6 +581,13 @@ def run_layers(
     untouched); tree_mask [B, T, T] bool or None (causal). Returns (h [B, T, E], cache with this call's
     entries written into layers [start, stop), lengths unchanged).
     """
+    h, cache, _ = _run_layers(cfg, params, h, positions, cache, tree_mask, start, stop)
+    return h, cache
+
+
+def _run_layers(cfg, params, h, positions, cache, tree_mask, start, stop, taps: tuple[int, ...] = ()):
+    """``run_layers`` plus the outputs of layers ``taps`` (static, ascending, inside [start, stop)): the
+    mask, RoPE tables and write index are built once for every segment between them."""
     stop = cfg.num_layers if stop is None else stop
     if not 0 <= start < stop <= cfg.num_layers:
         raise ValueError(f"layer range [{start}, {stop}) outside [0, {cfg.num_layers})")
@@ -595,11 +602,12 @@ def run_layers(
         # One write index for every layer: built inside each layer's scatter, it cost ~0.7 ms of a 9-token
         # SmolLM2 call on the 2-core CPU (23.9 -> 23.2 ms, alternated in one process).
         index = _write_index(cache.lengths, h.shape[0], t, s)
+        taken = []
         for i in range(start, stop):
             h, k_all, v_all = _fused_block(cfg, layers[i], h, cos, sin, k_all, v_all, i, cache.lengths, mask, index)
-        return h, dataclasses.replace(cache, k=k_all, v=v_all)
-    if (start, stop) != (0, cfg.num_layers):
-        layers = jax.tree.map(lambda w: w[start:stop], layers)
+            if i in taps:
+                taken.append(h)
+        return h, dataclasses.replace(cache, k=k_all, v=v_all), taken
     block = Block(cfg)
 
     def body(carry, xs):
@@ -608,8 +616,14 @@ def run_layers(
         x, k_all, v_all = block.apply({"params": layer_params}, x, cos, sin, k_all, v_all, layer, cache.lengths, mask)
         return (x, k_all, v_all), None
 
-    (h, k, v), _ = jax.lax.scan(body, (h, cache.k, cache.v), (layers, jnp.arange(start, stop, dtype=jnp.int32)))
-    return h, dataclasses.replace(cache, k=k, v=v)
+    # One scan per segment between taps (a scan's per-layer outputs would keep every layer's h).
+    k, v, taken = cache.k, cache.v, []
+    for lo, hi in zip((start,) + tuple(i + 1 for i in taps), tuple(i + 1 for i in taps) + (stop,)):
+        seg = layers if (lo, hi) == (0, cfg.num_layers) else jax.tree.map(lambda w, a=lo, b=hi: w[a:b], layers)
+        (h, k, v), _ = jax.lax.scan(body, (h, k, v), (seg, jnp.arange(lo, hi, dtype=jnp.int32)))
+        if hi < stop or hi - 1 in taps:
+            taken.append(h)
+    return h, dataclasses.replace(cache, k=k, v=v), taken[: len(taps)]
 
 
 def final_norm(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
@@ -655,19 +669,14 @@ def forward(
     ``Model.apply_at`` of a prefill, where the head over every prompt token was ~20% of the work).
     hidden_layers (static, ascending, each < L - 1): with return_hidden, the hidden is [B, T, (n + 1) E], the
     outputs of these layers (un-normed, the residual stream) then the final normed hidden (EAGLE-3's fused
-    low / mid / high features). The layers run in segments between them: no per-layer output is kept.
+    low / mid / high features), taken on the way through the layers (no other layer's output is kept).
     The T new entries are written at slots ``cache.lengths[b] + t``; ``cache.lengths`` is unchanged.
     """
     bounds = tuple(hidden_layers)
     if bounds and (list(bounds) != sorted(set(bounds)) or bounds[0] < 0 or bounds[-1] >= cfg.num_layers - 1):
         raise ValueError(f"hidden_layers={bounds} must be distinct ascending layers in [0, {cfg.num_layers - 1})")
     h = embed(cfg, params, tokens)
-    taken, start = [], 0
-    for layer in bounds:
-        h, cache = run_layers(cfg, params, h, positions, cache, tree_mask, start, layer + 1)
-        taken.append(h)
-        start = layer + 1
-    h, cache = run_layers(cfg, params, h, positions, cache, tree_mask, start)
+    h, cache, taken = _run_layers(cfg, params, h, positions, cache, tree_mask, 0, None, bounds)
     hn = final_norm(cfg, params, h)
     at = hn if logits_at is None else take_rows(hn, logits_at)[:, None]
     logits = lm_head(cfg, params, at)
