@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_decode_core import (
+    DIST_SLOTS,
     DRAFT_PARAMS,
     DRAFTER,
     GROUPS,
@@ -56,7 +57,15 @@ def test_single_proposal_is_token_wise():
 def test_block_whole_sequence_distribution(gamma):
     n, n_new = N_PER_GROUP, gamma + 2
     prompts, cols = grouped_rows(PROMPT, GROUPS, n)
-    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=gamma, max_new_tokens=n_new, seed=5, **cols)
+    kw = dict(
+        drafter=DRAFTER,
+        draft_params=DRAFT_PARAMS,
+        gamma=gamma,
+        max_new_tokens=n_new,
+        max_len=DIST_SLOTS,
+        seed=5,
+    )
+    kw.update(cols)
     out = dec.decode(TARGET, TARGET_PARAMS, prompts, block_verify=True, **kw)
     tokens = np.asarray(out.tokens)
     for i, g in enumerate(GROUPS):

@@ -37,6 +37,10 @@ GROUPS = [
 ]
 N_PER_GROUP = 100_000
 PROMPT = [2, 0, 1]
+# Cache slots for the distribution tests: the prompt, 7 new tokens and a full verification block fit (no
+# draft is ever cut short by the cache end), and every [B, S] mask and the table models' parent lookup cost a
+# 16th of what the default 128 slots cost at 100k+ rows.
+DIST_SLOTS = 16
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])
@@ -57,6 +61,7 @@ def test_whole_sequence_distribution_equals_target(gamma):
         draft_params=DRAFT_PARAMS,
         gamma=gamma,
         max_new_tokens=n_new,
+        max_len=DIST_SLOTS,
         seed=100 + gamma,
         **cols,
     )
@@ -76,7 +81,7 @@ def test_distribution_test_has_power():
     g = GROUPS[3]
     n = N_PER_GROUP
     prompts = np.tile(np.asarray(PROMPT, np.int32), (n, 1))
-    out = dec.decode(DRAFT, DRAFT_PARAMS, prompts, max_new_tokens=4, seed=7, **g)
+    out = dec.decode(DRAFT, DRAFT_PARAMS, prompts, max_new_tokens=4, max_len=DIST_SLOTS, seed=7, **g)
     stat, df = chi_square(np.asarray(out.tokens), exact_sequence_distribution(TARGET_TABLE, PROMPT, 4, **g))
     assert stat > 10 * chi2_critical(df)
 
@@ -308,6 +313,7 @@ def test_adaptive_k_distribution():
         draft_params=DRAFT_PARAMS,
         gamma=3,
         max_new_tokens=n_new,
+        max_len=DIST_SLOTS,
         seed=77,
         adaptive=True,
         **cols,

@@ -16,7 +16,7 @@ import pytest
 from conftest import TEST_XLA_FLAGS
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tk_models
-from toy_models import chi2_critical, chi_square, ref_transform
+from toy_models import chi2_critical, chi_square, exact_causal_distribution
 
 from jspec import decode as dec
 from jspec.drafters import ModelDrafter
@@ -274,24 +274,14 @@ def _tiny_pair():
 
 
 def _exact(tparams, prompt, n_new, sampling) -> dict:
-    """P(sequence) for every n_new-token continuation: all prefixes' next-token logits from one uncached
-    forward over every sequence, then products of the NumPy reference transform."""
-    import itertools
+    """P(sequence) for every n_new-token continuation (toy_models.exact_causal_distribution)."""
 
-    seqs = np.array(list(itertools.product(range(V), repeat=n_new)), np.int32)
-    full = np.concatenate([np.tile(np.asarray(prompt, np.int32), (len(seqs), 1)), seqs], axis=1)
-    b, t = full.shape
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits = np.asarray(forward(TINY_T, tparams, jnp.asarray(full), pos, init_cache(TINY_T, b, t))[0], np.float64)
-    p0 = len(prompt)
-    out = {}
-    for i, seq in enumerate(seqs):
-        prob = 1.0
-        for j, tok in enumerate(seq):
-            prob *= ref_transform(logits[i, p0 - 1 + j], **sampling)[tok]
-        if prob > 0:
-            out[tuple(int(x) for x in seq)] = prob
-    return out
+    def logits_fn(rows):
+        b, t = rows.shape
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        return forward(TINY_T, tparams, rows, pos, init_cache(TINY_T, b, t))[0]
+
+    return exact_causal_distribution(logits_fn, V, prompt, n_new, **sampling)
 
 
 def test_distribution_tiny_llama_draft_with_subset_head_ragged():

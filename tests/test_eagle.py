@@ -7,13 +7,12 @@ on its own root-to-node path, the accepted path's features (not a sibling's) fee
 
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from toy_models import chi2_critical, chi_square, grouped_rows, ref_transform
+from toy_models import chi2_critical, chi_square, exact_causal_distribution, grouped_rows
 
 from jspec import decode as dec
 from jspec.adaptive import AdaptiveK
@@ -571,28 +570,16 @@ DIST_SUBSET = [0, 1, 2, 4]
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _last_logits(cfg, params, rows):  # [M, T] -> [M, V] logits after each whole row, empty cache
+def all_logits(cfg, params, rows):  # [M, T] -> [M, T, V]: one uncached forward
     m, t = rows.shape
-    logits, _ = llama.forward(cfg, params, rows, jnp.broadcast_to(jnp.arange(t), (m, t)), llama.init_cache(cfg, m, t))
-    return logits[:, -1]
+    return llama.forward(cfg, params, rows, jnp.broadcast_to(jnp.arange(t), (m, t)), llama.init_cache(cfg, m, t))[0]
 
 
 def exact_target_distribution(prompt, n_new, **sampling) -> dict:
-    """P(generated sequence) for every sequence of n_new tokens from the target's own logits after each prefix
-    (cache-free forwards) and the NumPy reference transform."""
-    v, probs = DIST.vocab_size, {(): 1.0}
-    for depth in range(n_new):
-        prefixes = [x for x in itertools.product(range(v), repeat=depth) if probs.get(x, 0.0) > 0]
-        rows = jnp.asarray([list(prompt) + list(x) for x in prefixes], jnp.int32)
-        logits = np.asarray(_last_logits(DIST, DIST_PARAMS, rows), np.float64)
-        nxt = {}
-        for pre, lg in zip(prefixes, logits):
-            dist = ref_transform(lg, **sampling)
-            for tok in range(v):
-                if dist[tok] > 0:
-                    nxt[pre + (tok,)] = probs[pre] * dist[tok]
-        probs = nxt
-    return probs
+    """P(generated sequence) for every sequence of n_new tokens from the target's own logits (one cache-free
+    forward) and the NumPy reference transform."""
+    fn = functools.partial(all_logits, DIST, DIST_PARAMS)
+    return exact_causal_distribution(fn, DIST.vocab_size, prompt, n_new, **sampling)
 
 
 def _dist_head():

@@ -61,9 +61,10 @@ def test_dynamic_tree_is_eagle2_growth_on_the_training_computation(top_k, depth,
     committed prefix plus each candidate's own path (pass d at pair pend - 1 + d, features past the committed
     ones noise): a node seeing a sibling, a wrong feature or position, or scratch from an earlier round changes
     the scores and so the selected set. Both must select the same paths in every row and round; the rounds'
-    accepted drafts must be a path of the proposed tree, the shapes must differ between rows, and the output
-    must equal plain greedy decoding. The near-identity head is accepted often (paths of 2+ drafts are
-    checked); the random one makes the selection sensitive to any error in a node's inputs."""
+    accepted drafts must be a path of the proposed tree, the shapes must differ between rows, and the rounds,
+    stepped on to the end, must give plain greedy decoding's output. The near-identity head is accepted often
+    (paths of 2+ drafts are checked); the random one makes the selection sensitive to any error in a node's
+    inputs."""
     ecfg, hp = _rollout_head()
     if head == "random":
         hp = random_head(ecfg, TINY_PARAMS, 9, 0.3, np.asarray(hp["token_ids"]))
@@ -120,8 +121,12 @@ def test_dynamic_tree_is_eagle2_growth_on_the_training_computation(top_k, depth,
 
             ref = _reference_dynamic_tree(logq_at, top_k, depth, budget)
             assert {tuple(ids.searchsorted(t) for t in path) for path in trees[row]} == ref, (row, p)
+    # The rest of the decode on the same compiled round (the fused loop runs it in the tests below and in
+    # tests/test_eagle.py's dynamic-tree greedy test).
+    while np.any(np.asarray(st.stop) == dec.StopReason.RUNNING):
+        st, _, _ = step(TINY_PARAMS, dparams, st)
+    out = dec.to_output(st)
     plain = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=40)
-    out = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, max_new_tokens=40)
     assert out.tokens == plain.tokens and out.stats["accepted"] < out.stats["proposed"]
     assert head == "random" or out.stats["accepted"] > 0
 

@@ -4,14 +4,13 @@ Llama and the real SmolLM2), adaptive K, the sampled sequence distribution again
 the target's own probabilities, and the exit adapter's orbax round trip."""
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TEST_XLA_FLAGS
-from toy_models import chi2_critical, chi_square, grouped_rows, ref_transform
+from toy_models import chi2_critical, chi_square, exact_causal_distribution, grouped_rows
 
 from jspec.adaptive import AdaptiveK
 from jspec.decode import decode
@@ -260,31 +259,16 @@ DIST_PROMPT = [2, 0]
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _last_logits(cfg, params, rows):  # [N, T] -> [N, V] full-depth logits after each whole row, empty cache
-    n, t = rows.shape
-    logits, _ = llama.forward(cfg, params, rows, jnp.broadcast_to(jnp.arange(t), (n, t)), llama.init_cache(cfg, n, t))
-    return logits[:, -1]
+def _all_logits(cfg, params, rows):  # [M, T] -> [M, T, V] full-depth logits, one uncached forward
+    m, t = rows.shape
+    return llama.forward(cfg, params, rows, jnp.broadcast_to(jnp.arange(t), (m, t)), llama.init_cache(cfg, m, t))[0]
 
 
 def exact_llama_distribution(cfg, params, prompt, n_new, **sampling) -> dict:
-    """P(generated sequence) for every sequence of n_new tokens: the target's own full-depth logits after
-    every prefix (one batched, cache-free forward per depth), the NumPy reference transform, products."""
-    v = cfg.vocab_size
-    probs = {(): 1.0}
-    for depth in range(n_new):
-        prefixes = list(itertools.product(range(v), repeat=depth))
-        rows = np.asarray([list(prompt) + list(x) for x in prefixes], np.int32)
-        logits = np.asarray(_last_logits(cfg, params, jnp.asarray(rows)), np.float64)
-        nxt = {}
-        for pre, lg in zip(prefixes, logits):
-            if probs.get(pre, 0.0) == 0.0:
-                continue
-            dist = ref_transform(lg, **sampling)
-            for tok in range(v):
-                if dist[tok] > 0:
-                    nxt[pre + (tok,)] = probs[pre] * dist[tok]
-        probs = nxt
-    return probs
+    """P(generated sequence) for every sequence of n_new tokens: the target's own full-depth logits (one
+    cache-free forward over every continuation), the NumPy reference transform, products."""
+    fn = functools.partial(_all_logits, cfg, params)
+    return exact_causal_distribution(fn, cfg.vocab_size, prompt, n_new, **sampling)
 
 
 def test_whole_sequence_distribution_equals_target():
@@ -349,30 +333,20 @@ def test_exit_model_tree_sequence_distribution_equals_target():
 
 
 def exact_exit_distribution(drafter, ex, n_new, **sampling) -> dict:
-    """Like ``exact_llama_distribution`` for the early exit itself (what a broken verifier would emit)."""
+    """Like ``exact_llama_distribution`` for the early exit itself (what a broken verifier would emit); the
+    tokens outside the exit's head (logit -inf) get -1e9 so the reference transform gives them 0."""
     dp = drafter.draft_params(DIST_PARAMS, ex)
 
     @jax.jit
-    def last(rows):
+    def exit_all(rows):
         n, t = rows.shape
         pos = jnp.broadcast_to(jnp.arange(t), (n, t))
         h, _ = run_layer_range(
             DIST, DIST_PARAMS, llama.embed(DIST, DIST_PARAMS, rows), pos, llama.init_cache(DIST, n, t), 0, 1
         )
-        return exit_logits(DIST, DIST_PARAMS, dp[1], h)[:, -1]
+        return jnp.maximum(exit_logits(DIST, DIST_PARAMS, dp[1], h), -1e9)
 
-    v, probs = DIST.vocab_size, {(): 1.0}
-    for depth in range(n_new):
-        prefixes = list(itertools.product(range(v), repeat=depth))
-        logits = np.asarray(last(jnp.asarray([DIST_PROMPT + list(x) for x in prefixes], jnp.int32)), np.float64)
-        nxt = {}
-        for pre, lg in zip(prefixes, logits):
-            dist = ref_transform(np.maximum(lg, -1e9), **sampling)
-            for tok in range(v):
-                if probs.get(pre, 0.0) * dist[tok] > 0:
-                    nxt[pre + (tok,)] = probs[pre] * dist[tok]
-        probs = nxt
-    return probs
+    return exact_causal_distribution(exit_all, DIST.vocab_size, DIST_PROMPT, n_new, **sampling)
 
 
 # ---- the real model ----

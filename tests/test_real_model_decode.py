@@ -11,7 +11,6 @@ import pytest
 
 from jspec import decode as dec
 from jspec.ngram import NgramDrafter, NgramTreeDrafter
-from models.llama import unstack_layers
 
 QUESTIONS = [
     "Rewrite in plain words: The committee has decided that the meeting will be postponed until next week.",
@@ -42,27 +41,27 @@ def plain(smollm2, chat_prompts):
     return out
 
 
+# The CLI's default target layout on CPU (per-layer arrays): its logits are compared with transformers'
+# (test_models_smollm2), the CLI main job below decodes n-gram speculation with it against plain, and the
+# SmolLM2 EAGLE test (tests/test_eagle.py) decodes a batch of 2 with it.
 @pytest.mark.parametrize(
     "name, kwargs",
     [
         ("ngram", dict(drafter="ngram", gamma=4)),
         ("ngram-adaptive-block", dict(drafter="ngram", gamma=4, adaptive=True, block_verify=True)),
         ("ngram-tree", dict(drafter="ngram-tree")),
-        # The CLI's default target layout (per-layer arrays) against the stacked plain reference.
-        ("ngram-unstacked", dict(drafter="ngram", gamma=4, unstacked=True)),
     ],
 )
 def test_greedy_speculative_equals_plain_real_model(smollm2, chat_prompts, plain, name, kwargs):
     v = smollm2.model.vocab_size
     kwargs = dict(kwargs)
     kind = kwargs.pop("drafter")
-    params = unstack_layers(smollm2.params) if kwargs.pop("unstacked", False) else smollm2.params
     drafter = NgramDrafter(3, 1, vocab_size=v) if kind == "ngram" else NgramTreeDrafter(3, 4, vocab_size=v)
     got, proposed = [], 0
     for i in range(0, len(chat_prompts), 2):
         out = dec.decode(
             smollm2.model,
-            params,
+            smollm2.params,
             chat_prompts[i : i + 2],
             drafter=drafter,
             max_new_tokens=40,

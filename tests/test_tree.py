@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_decode_core import (
+    DIST_SLOTS,
     DRAFT,
     DRAFT_PARAMS,
     GROUPS,
@@ -144,6 +145,7 @@ def test_tree_whole_sequence_distribution(name):
         drafter=DRAFTERS[name],
         draft_params=DRAFT_PARAMS,
         max_new_tokens=n_new,
+        max_len=DIST_SLOTS,
         seed=31 + len(name),
         **cols,
     )

@@ -103,6 +103,28 @@ def exact_sequence_distribution(table: np.ndarray, prompt: list[int], n_new: int
     return out
 
 
+def exact_causal_distribution(logits_fn, vocab: int, prompt: list[int], n_new: int, **sampling) -> dict:
+    """P(generated sequence) for every sequence of n_new tokens from a causal model, whose logits at a position
+    depend on the tokens up to it only: ONE uncached forward over the prompt followed by every (n_new - 1)-token
+    continuation, ``logits_fn(rows [M, T]) -> [M, T, V]``, holds the next-token logits after every prefix (the
+    prefix x of length d is read from the row that starts with x). Products of the NumPy reference transform."""
+    p0, tail = len(prompt), n_new - 1
+    conts = np.array(list(itertools.product(range(vocab), repeat=tail)), np.int32).reshape(-1, tail)
+    rows = np.concatenate([np.tile(np.asarray(prompt, np.int32), (len(conts), 1)), conts], axis=1)
+    logits = np.asarray(logits_fn(jnp.asarray(rows)), np.float64)
+    assert logits.shape == (len(conts), p0 + tail, vocab), logits.shape
+    probs = {(): 1.0}
+    for depth in range(n_new):
+        nxt = {}
+        for pre, p in probs.items():
+            row = sum(tok * vocab ** (tail - 1 - i) for i, tok in enumerate(pre))
+            dist = ref_transform(logits[row, p0 - 1 + depth], **sampling)
+            for tok in np.flatnonzero(dist > 0):
+                nxt[pre + (int(tok),)] = p * dist[tok]
+        probs = nxt
+    return probs
+
+
 def empirical(tokens: np.ndarray) -> dict:
     seqs, counts = np.unique(np.asarray(tokens), axis=0, return_counts=True)
     n = counts.sum()
