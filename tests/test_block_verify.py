@@ -57,15 +57,8 @@ def test_single_proposal_is_token_wise():
 def test_block_whole_sequence_distribution(gamma):
     n, n_new = N_PER_GROUP, gamma + 2
     prompts, cols = grouped_rows(PROMPT, GROUPS, n)
-    kw = dict(
-        drafter=DRAFTER,
-        draft_params=DRAFT_PARAMS,
-        gamma=gamma,
-        max_new_tokens=n_new,
-        max_len=DIST_SLOTS,
-        seed=5,
-    )
-    kw.update(cols)
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=gamma, max_new_tokens=n_new, max_len=DIST_SLOTS)
+    kw.update(seed=5, **cols)
     out = dec.decode(TARGET, TARGET_PARAMS, prompts, block_verify=True, **kw)
     tokens = np.asarray(out.tokens)
     for i, g in enumerate(GROUPS):
