@@ -616,14 +616,15 @@ def _run_layers(cfg, params, h, positions, cache, tree_mask, start, stop, taps: 
         x, k_all, v_all = block.apply({"params": layer_params}, x, cos, sin, k_all, v_all, layer, cache.lengths, mask)
         return (x, k_all, v_all), None
 
-    # One scan per segment between taps (a scan's per-layer outputs would keep every layer's h).
-    k, v, taken = cache.k, cache.v, []
-    for lo, hi in zip((start,) + tuple(i + 1 for i in taps), tuple(i + 1 for i in taps) + (stop,)):
+    # One scan per segment ending at a tap or at stop (a scan's per-layer outputs would keep every layer's h).
+    k, v, taken, lo = cache.k, cache.v, [], start
+    for hi in sorted({i + 1 for i in taps} | {stop}):
         seg = layers if (lo, hi) == (0, cfg.num_layers) else jax.tree.map(lambda w, a=lo, b=hi: w[a:b], layers)
         (h, k, v), _ = jax.lax.scan(body, (h, k, v), (seg, jnp.arange(lo, hi, dtype=jnp.int32)))
-        if hi < stop or hi - 1 in taps:
+        if hi - 1 in taps:
             taken.append(h)
-    return h, dataclasses.replace(cache, k=k, v=v), taken[: len(taps)]
+        lo = hi
+    return h, dataclasses.replace(cache, k=k, v=v), taken
 
 
 def final_norm(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
