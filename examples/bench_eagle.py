@@ -13,9 +13,11 @@ tokens/s measured right before it. For the head it also reports:
   rest of the round as state ms, plain ms per token, measured conditional acceptance), next to the measured
   speedup, with the ratio predicted / measured.
 
-    python examples/train_eagle.py                       # once: trains and caches the head
-    python examples/bench_eagle.py [--head smollm2-8k] [--ks 2,3,4] [--trees '2,1;2,2,1'] [--dynamic-trees '4,3,9']
-        [--reps 2] [--max-new 96]
+The default head is the one bundled in models/heads/ (``models.eagle.DEFAULT_HEAD``); examples/train_eagle.py
+trains others into the cache, named by ``--name``.
+
+    python examples/bench_eagle.py [--head smollm2-8k-chat] [--ks 2,3,4] [--trees '2,1;2,2,1']
+        [--dynamic-trees '4,3,9'] [--reps 2] [--max-new 96]
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument(
-        "--head", default="smollm2-8k", help="trained head: cache name or directory; several, comma-separated"
+        "--head",
+        default=EG.DEFAULT_HEAD,
+        help="trained head: cache name, bundled head's name or directory; several, comma-separated",
     )
     ap.add_argument("--ks", default="2,3,4", help="draft lengths K for the head")
     ap.add_argument(

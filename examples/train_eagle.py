@@ -43,7 +43,13 @@ over every topic). ``--name smollm2-8k-long2 --max-new 384 --gen-batches 42 --do
 ``--name smollm2-8k-long3 --gen-batches 66 --init-from smollm2-8k-long2`` (same other flags; 24 batches of
 STYLES requests more, 669k generated tokens; ~22 + 26 min): 0.48 / 0.50.
 
+``--export DIR`` also writes the finished head with bf16 weights (``models.eagle.export_head``, ~6.6 MB), its
+held-out evaluation in meta.json: ``models/heads/smollm2-8k-chat``, the head ``--drafter eagle`` takes by
+default, is ``--name smollm2-8k-chat --eval-max-new 192 --export models/heads/smollm2-8k-chat`` (the default
+data and steps). ``--init-from models/heads/NAME`` fine-tunes a bundled head on a machine without the cache.
+
     python examples/train_eagle.py [--name smollm2-8k] [--head-tokens 8192] [--gen-batches 3] [--force]
+        [--export models/heads/NAME]
 """
 
 from __future__ import annotations
@@ -664,6 +670,11 @@ def parse_args(argv=None):
     ap.add_argument("--eval-max-new", type=int, default=64)
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--force", action="store_true", help="retrain even if a finished head is cached")
+    ap.add_argument(
+        "--export",
+        default="",
+        help="also write the finished head with bf16 weights to this directory (how models/heads/ is made)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
@@ -690,6 +701,7 @@ def main(argv=None) -> dict:
             report = json.load(f)
         print(f"cached head at {final} (--force retrains)")
         print_eval(report["eval"], report["gamma"])
+        export(args, final, report)
         return report
 
     t0 = time.perf_counter()
@@ -760,7 +772,17 @@ def main(argv=None) -> dict:
         with open(eval_path, "w") as f:
             json.dump(report, f, indent=1)
     print(f"total {time.perf_counter() - t0:.0f} s; head saved to {final}")
+    export(args, final, report)
     return report
+
+
+def export(args, final: str, report: dict) -> None:
+    """``--export DIR``: the head in bf16 with its held-out evaluation in meta.json (``models.eagle.export_head``)."""
+    if not args.export:
+        return
+    out = EG.export_head(final, args.export, extra_meta={"eval": report.get("eval", {})})
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+    print(f"exported (bf16) to {out}: {size / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

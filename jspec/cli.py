@@ -262,7 +262,8 @@ def main(argv=None) -> int:
         "--draft-model",
         default=None,
         help="--drafter model: a model sharing the tokenizer; draft/eagle: a trained draft or head (directory or "
-        "cache name); layerskip: a trained exit adapter, or exit:E for the bare first E layers",
+        "cache name; eagle without one: the head bundled for SmolLM2); layerskip: a trained exit adapter, or "
+        "exit:E for the bare first E layers",
     )
     g.add_argument("--gamma", type=int, default=4, help="K, candidates per round")
     g.add_argument("--adaptive", action="store_true", help="per-row draft length from measured acceptance")

@@ -718,21 +718,56 @@ def restore_head(path: str | os.PathLike, target_cfg: LlamaConfig | None = None)
 
 
 def cache_root() -> str:
-    """``${JSPEC_CACHE:-~/.cache/jspec}/eagle``: trained heads live here, never in the repository."""
+    """``${JSPEC_CACHE:-~/.cache/jspec}/eagle``: where examples/train_eagle.py writes its heads and data."""
     root = os.environ.get("JSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jspec")
     return os.path.join(root, "eagle")
 
 
+# Heads shipped in the repository (``export_head``, bf16: ~6.6 MB each), so a chat drafter works without the
+# hours of CPU its data and training cost. DEFAULT_HEAD is what ``--drafter eagle`` and bench_eagle.py use
+# when no head is named.
+BUNDLED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
+DEFAULT_HEAD = "smollm2-8k-chat"
+
+
+def bundled_heads() -> list[str]:
+    """Names of the heads under ``BUNDLED_DIR``."""
+    if not os.path.isdir(BUNDLED_DIR):
+        return []
+    return sorted(n for n in os.listdir(BUNDLED_DIR) if os.path.isfile(os.path.join(BUNDLED_DIR, n, "meta.json")))
+
+
 def resolve_head(path_or_name: str | os.PathLike) -> str:
-    """A head directory, or a name under ``cache_root()`` (where examples/train_eagle.py writes)."""
+    """A head directory, a name under ``cache_root()`` (where examples/train_eagle.py writes), or a bundled
+    head's name; a trained head shadows a bundled one of the same name."""
     s = os.fspath(path_or_name)
-    for cand in (s, os.path.join(cache_root(), s, "head")):
+    for cand in (s, os.path.join(cache_root(), s, "head"), os.path.join(BUNDLED_DIR, s)):
         if os.path.isfile(os.path.join(cand, "meta.json")):
             return cand
     raise FileNotFoundError(
-        f"no EAGLE head '{s}': neither a head directory nor a trained head under {cache_root()} "
-        "(train one with: python examples/train_eagle.py)"
+        f"no EAGLE head '{s}': neither a head directory, a trained head under {cache_root()} nor a bundled head "
+        f"({', '.join(bundled_heads()) or 'none'}) (train one with: python examples/train_eagle.py)"
     )
+
+
+def export_head(
+    src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfloat16", extra_meta: dict | None = None
+) -> str:
+    """Write the head at ``src`` (directory or name) to ``dst`` with its float parameters stored in ``dtype``
+    (bf16 halves the files: how ``BUNDLED_DIR`` keeps under the repository's 20 MB limit). ``restore_head``
+    casts them back to the target's dtype, so what loads is the ``dtype``-rounded head (on a packed CPU target
+    its matrices are packed in bf16 anyway); the frequent-token map and meta.json's metrics are kept,
+    ``extra_meta`` (e.g. the held-out evaluation) joins them."""
+    dt = jnp.dtype(dtype)
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"export dtype must be a float type, got {dtype!r}")
+    path = resolve_head(src)
+    ecfg, hp = restore_head(path)
+    hp = {k: v if k == "token_ids" else jax.tree.map(lambda x: x.astype(dt), v) for k, v in hp.items()}
+    meta = {k: v for k, v in read_meta(path).items() if k not in ("format", "kind", "config")}
+    meta.update(extra_meta or {})
+    meta.update(stored_dtype=dt.name, exported_from=meta.get("name") or os.path.basename(os.path.normpath(path)))
+    return save_head(dst, ecfg, hp, meta)
 
 
 def load_eagle(

@@ -159,9 +159,13 @@ def load_layerskip_drafter(spec: str | None, target: LoadedModel, max_draft: int
 
 
 def load_eagle_drafter(spec: str | None, target: LoadedModel, max_draft: int):
-    """An EAGLE head (``examples/train_eagle.py``): a directory or a name under its cache."""
+    """An EAGLE head (``examples/train_eagle.py``): a directory, a name under its cache or a bundled head's
+    name; without one, the bundled ``models.eagle.DEFAULT_HEAD`` (trained for SmolLM2-135M-Instruct: another
+    target is refused by ``restore_head``, naming the width or vocabulary that differs)."""
     from models import eagle
 
     if not spec:
-        raise _missing_spec("eagle", eagle.cache_root(), "python examples/train_eagle.py")
+        if eagle.DEFAULT_HEAD not in eagle.bundled_heads():
+            raise _missing_spec("eagle", eagle.cache_root(), "python examples/train_eagle.py")
+        spec = eagle.DEFAULT_HEAD
     return eagle.load_eagle(spec, target.config, target.params, max_draft)

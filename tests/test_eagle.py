@@ -1,12 +1,14 @@
 """EAGLE draft head (models/eagle.py): greedy speculative == greedy plain (tiny random Llama, ragged batch, with
-and without adaptive K; the real SmolLM2 at batch 2), the features the head consumes == a fresh target pass
-over the committed tokens, the whole-sequence distribution at T > 0 with top-k / top-p and a reduced draft
-vocabulary against an exact enumeration, and the orbax checkpoint round trip. The same for the head drafting
-candidate trees (``EagleTreeDrafter``): every node's draft distribution equals the training-time computation
-on its own root-to-node path, the accepted path's features (not a sibling's) feed the next round."""
+and without adaptive K; the real SmolLM2 at batch 2 with the bundled head), the features the head consumes ==
+a fresh target pass over the committed tokens, the whole-sequence distribution at T > 0 with top-k / top-p and
+a reduced draft vocabulary against an exact enumeration, the orbax checkpoint round trip and its bf16 export.
+The same for the head drafting candidate trees (``EagleTreeDrafter``): every node's draft distribution equals
+the training-time computation on its own root-to-node path, the accepted path's features (not a sibling's)
+feed the next round."""
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +24,13 @@ from jspec.tree import TreeRule, TreeSpec
 from models import llama
 from models.cpu_kernels import PackedMatrix
 from models.eagle import (
+    BUNDLED_DIR,
+    DEFAULT_HEAD,
     EagleConfig,
     EagleDrafter,
     EagleDynamicTreeDrafter,
     EagleTreeDrafter,
+    bundled_heads,
     frequent_tokens,
     head_features,
     head_unrolled,
@@ -653,9 +658,14 @@ def test_smollm2_greedy_identical_to_plain(smollm2):
     prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in chats]
     kw = dict(max_new_tokens=40, eos_ids=[cfg.eos_id], max_len=128)
     plain = decode(model, params, prompts, **kw)
-    ecfg = EagleConfig(cfg, head_tokens=8192, name="untrained")
+    # The bundled, trained head (models/heads/, bf16 on disk): its accepted runs exercise the multi-token
+    # commits an untrained head rarely reaches (the CLI test decodes an untrained one).
+    path = Path(BUNDLED_DIR) / DEFAULT_HEAD  # what is committed (a trained head of that name would shadow it)
+    assert DEFAULT_HEAD in bundled_heads()
+    assert sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) < 20e6  # the repository's limit
+    ecfg, hp = restore_head(path, cfg)
+    assert ecfg.head_tokens == 8192 and hp["fc"]["kernel"].dtype == jnp.float32  # restored in the target's dtype
     drafter = EagleDrafter(ecfg, max_draft=4)
-    hp = init_head(ecfg, params, jax.random.key(0))  # untrained: equality holds for any head
     dparams = drafter.draft_params(params, hp)
     if is_packed(params):  # the head's weights packed in bf16 (the default), half the bytes per draft step
         assert isinstance(dparams[1]["rows"], PackedMatrix) and isinstance(dparams[1]["layers"], tuple)
@@ -663,7 +673,7 @@ def test_smollm2_greedy_identical_to_plain(smollm2):
     spec = decode(model, params, prompts, drafter=drafter, draft_params=dparams, gamma=4, **kw)
     assert spec.tokens == plain.tokens
     assert min(plain.lengths) >= 20
-    assert spec.stats["proposed"] > 0
+    assert spec.stats["proposed"] > 0 and spec.stats["accepted_at"][1] > 0  # runs of two drafts accepted
     # Trees of this head on the real model: test_real_model_decode's CLI test decodes an EAGLE-2 dynamic tree
     # (the static tree's verification and path following) against plain; tiny ragged batches above.
 
@@ -692,6 +702,66 @@ def test_checkpoint_round_trip(tmp_path):
     np.testing.assert_array_equal(logits(ecfg2, hp2), logits(ecfg, hp))
     with pytest.raises(ValueError, match="trained for"):
         restore_head(tmp_path / "head", TINY.replace(hidden=32))
+
+
+def test_export_head_stores_bf16_and_restores_the_rounded_head(tmp_path, monkeypatch):
+    """``export_head`` (how models/heads/ is written): float leaves stored in bf16 (half the bytes on disk),
+    restored as f32 equal to the bf16 rounding of the original, the token map exact, the logits those of the
+    rounded head; bundled heads resolve by name, a trained head of the same name shadows them, and a missing
+    name lists what is bundled."""
+    import orbax.checkpoint as ocp
+
+    from models import eagle as E
+
+    drafter, dparams, hp = tiny_drafter(head_tokens=20, seed=6)
+    ecfg = drafter.ecfg
+    save_head(tmp_path / "f32", ecfg, hp, {"name": "tiny-eagle", "steps": 3})
+    bundle = tmp_path / "bundle"
+    monkeypatch.setattr(E, "BUNDLED_DIR", str(bundle))
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    E.export_head(tmp_path / "f32", bundle / "tiny-b")
+    stored = ocp.StandardCheckpointer().metadata(str(bundle / "tiny-b" / "params"))
+    stored = getattr(getattr(stored, "item_metadata", stored), "tree", stored)
+    assert stored["fc"]["kernel"].dtype == jnp.bfloat16 and stored["token_ids"].dtype == jnp.int32
+
+    def size(d):
+        return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+
+    assert size(bundle / "tiny-b") < 0.75 * size(tmp_path / "f32")
+    assert E.bundled_heads() == ["tiny-b"]
+    assert E.resolve_head("tiny-b") == str(bundle / "tiny-b")
+    meta = E.read_meta("tiny-b")
+    assert meta["stored_dtype"] == "bfloat16" and meta["steps"] == 3 and meta["exported_from"] == "tiny-eagle"
+
+    ecfg2, hp2 = restore_head(E.resolve_head("tiny-b"), TINY)
+    assert ecfg2.head_tokens == ecfg.head_tokens
+    rounded = {
+        k: v if k == "token_ids" else jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), v)
+        for k, v in hp.items()
+    }
+    assert jax.tree.structure(hp2) == jax.tree.structure(rounded)
+    for a, b in zip(jax.tree.leaves(hp2), jax.tree.leaves(rounded)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    changed = np.asarray(hp["fc"]["kernel"]) != np.asarray(rounded["fc"]["kernel"])
+    assert changed.mean() > 0.9  # random f32 values: the rounding really happened (and was really stored)
+
+    feats = jax.random.normal(jax.random.key(2), (2, 5, TINY.hidden))
+    toks = jnp.asarray([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+
+    def logits(e, h):
+        f, _ = head_features(e, h, TINY_PARAMS, feats, toks, pos, init_head_cache(e, 2, 8))
+        return np.asarray(subset_logits(f, EagleDrafter(e).draft_params(TINY_PARAMS, h)[1]["rows"]))
+
+    np.testing.assert_array_equal(logits(ecfg2, hp2), logits(ecfg, rounded))
+
+    save_head(tmp_path / "cache" / "eagle" / "tiny-b" / "head", ecfg, hp)  # trained under the same name
+    assert E.resolve_head("tiny-b") == str(tmp_path / "cache" / "eagle" / "tiny-b" / "head")
+    with pytest.raises(FileNotFoundError, match=r"nor a bundled head \(tiny-b\)"):
+        E.resolve_head("no-such-head")
+    with pytest.raises(ValueError, match="float type"):
+        E.export_head(tmp_path / "f32", tmp_path / "int", dtype="int8")
 
 
 def test_trainer_refuses_more_batches_than_prompts(tmp_path):

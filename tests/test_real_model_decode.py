@@ -112,7 +112,8 @@ def test_cli_bad_input_is_a_clear_error(smollm2_path):
 def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch, capsys):
     """--drafter draft|layerskip|eagle through the CLI entry points, each greedy output identical to plain.
     The artefacts are untrained (a 2-layer copy with a 4096-row head, the bare first 6 layers, a fresh EAGLE
-    head): losslessness must not depend on training, and rejections exercise the correction path."""
+    head): losslessness must not depend on training, and rejections exercise the correction path. Then the
+    bundled EAGLE head, which --drafter eagle takes when no --draft-model is given."""
     import numpy as np
 
     from jspec import cli
@@ -149,7 +150,13 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
         assert np.sum(out["stats"]["proposed_at"]) == out["stats"]["proposed"], drafter
         if drafter == "model":
             assert out["stats"]["accepted"] == out["stats"]["proposed"], out["stats"]
+    # Without --draft-model, --drafter eagle decodes with the bundled head (models/heads/).
+    assert cli.main([*base, "--drafter", "eagle"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["identical_to_plain"] is True and out["stats"]["proposed"] > 0
     # Missing or malformed specs are clear errors naming the flag.
+    monkeypatch.setattr(E, "BUNDLED_DIR", str(tmp_path / "no-bundle"))
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "empty-cache"))
     assert cli.main([*base, "--drafter", "eagle"]) == 2
     assert "--drafter eagle needs --draft-model" in capsys.readouterr().err
     eagle = [*base, "--drafter", "eagle", "--draft-model", str(tmp_path / "eagle")]
