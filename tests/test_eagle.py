@@ -681,6 +681,15 @@ def test_smollm2_greedy_identical_to_plain(smollm2):
 # ---- checkpoints ----
 
 
+def head_logits(ecfg, hp, seed):
+    """The head's subset logits on random features for two 5-token rows: what a restored head must reproduce."""
+    feats = jax.random.normal(jax.random.key(seed), (2, 5, TINY.hidden))
+    toks = jnp.asarray([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    f, _ = head_features(ecfg, hp, TINY_PARAMS, feats, toks, pos, init_head_cache(ecfg, 2, 8))
+    return np.asarray(subset_logits(f, EagleDrafter(ecfg).draft_params(TINY_PARAMS, hp)[1]["rows"]))
+
+
 def test_checkpoint_round_trip(tmp_path):
     drafter, dparams, hp = tiny_drafter(head_tokens=20, seed=4)
     ecfg = drafter.ecfg
@@ -691,15 +700,7 @@ def test_checkpoint_round_trip(tmp_path):
     for a, b in zip(jax.tree.leaves(hp2), jax.tree.leaves(hp)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    feats = jax.random.normal(jax.random.key(9), (2, 5, TINY.hidden))
-    toks = jnp.asarray([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]], jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
-
-    def logits(e, h):
-        f, _ = head_features(e, h, TINY_PARAMS, feats, toks, pos, init_head_cache(e, 2, 8))
-        return np.asarray(subset_logits(f, EagleDrafter(e).draft_params(TINY_PARAMS, h)[1]["rows"]))
-
-    np.testing.assert_array_equal(logits(ecfg2, hp2), logits(ecfg, hp))
+    np.testing.assert_array_equal(head_logits(ecfg2, hp2, seed=9), head_logits(ecfg, hp, seed=9))
     with pytest.raises(ValueError, match="trained for"):
         restore_head(tmp_path / "head", TINY.replace(hidden=32))
 
@@ -746,15 +747,7 @@ def test_export_head_stores_bf16_and_restores_the_rounded_head(tmp_path, monkeyp
     changed = np.asarray(hp["fc"]["kernel"]) != np.asarray(rounded["fc"]["kernel"])
     assert changed.mean() > 0.9  # random f32 values: the rounding really happened (and was really stored)
 
-    feats = jax.random.normal(jax.random.key(2), (2, 5, TINY.hidden))
-    toks = jnp.asarray([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]], jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
-
-    def logits(e, h):
-        f, _ = head_features(e, h, TINY_PARAMS, feats, toks, pos, init_head_cache(e, 2, 8))
-        return np.asarray(subset_logits(f, EagleDrafter(e).draft_params(TINY_PARAMS, h)[1]["rows"]))
-
-    np.testing.assert_array_equal(logits(ecfg2, hp2), logits(ecfg, rounded))
+    np.testing.assert_array_equal(head_logits(ecfg2, hp2, seed=2), head_logits(ecfg, rounded, seed=2))
 
     save_head(tmp_path / "cache" / "eagle" / "tiny-b" / "head", ecfg, hp)  # trained under the same name
     assert E.resolve_head("tiny-b") == str(tmp_path / "cache" / "eagle" / "tiny-b" / "head")
