@@ -25,7 +25,10 @@ rows share the call (a verification pass and a one-token step agree bit for bit 
 
 The attention kernel replaces, for the unstacked layout's static layer index, XLA's slice copies of each
 layer's K and V and its few-row attention dots (library calls of ~15-50 us fixed cost each); it stops
-reading at the last slot any query row can see.
+reading at the last slot any query row can see. Its vectors are the CPU's native width (a block of 8 query rows
+on AVX2, 16 on AVX-512): written with 16-float vectors everywhere, GCC lowered them on AVX2 through the stack,
+and a block cost ~8x more (Zen 3: 131 against 16 us for 3 rows over 256 slots; 30 layers of a 1-token call
+10.6 against 2.8 ms, of a batch-8 decode step 54 against 14 ms).
 """
 
 from __future__ import annotations

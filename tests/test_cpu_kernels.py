@@ -188,7 +188,8 @@ def _attention_reference(q, k_all, v_all, mask, layer, scale):
 )
 @pytest.mark.parametrize("visible", ["random", "prefix"])
 def test_cache_attention_matches_float64(b, t, h, hkv, s, d, layer, visible):
-    """GQA groups, more query rows than one 16-lane block (9 tokens x 3 heads), several head dims, and a
+    """GQA groups, more query rows than one block (a block is a native vector's lanes, 8 or 16; 9 tokens x 3
+    heads = 27 rows), several head dims (each a different register tile on AVX2), and a
     layer read in place out of a 3-layer cache; a row with no visible slot is uniform over every slot.
     "prefix": each row sees a causal prefix of a mostly empty cache (a serving cache), where the kernel stops
     reading at the last visible slot."""

@@ -17,7 +17,8 @@
 // 2. Cache attention: softmax(q K^T * scale + mask) V for the T query tokens of a call against one layer of
 //    the stacked cache [L, B, Hkv, S, D], read in place. XLA:CPU copied each layer's K and V slice out of the
 //    cache and ran the few-row attention as a handful of library calls with ~15-50 us of fixed cost each
-//    (about 2 ms of a 1-token step, 7 ms of a 9-token one).
+//    (about 2 ms of a 1-token step, 7 ms of a 9-token one). Native-width vectors only (vecn, one query row per
+//    lane): 16-float vector types on AVX2 compiled to code that went through the stack (~8x slower).
 
 #include <algorithm>
 #include <atomic>
@@ -35,16 +36,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kPanel = 32;  // columns per panel (the packing is the same on every CPU)
-
-typedef float vec16 __attribute__((vector_size(64)));
-
-inline vec16 load16(const float* p) {
-  vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // The matmul's register tile is sized for the CPU it is compiled for (-march=native): R rows x 2 native
 // vectors of accumulators, plus 2 weight vectors and 1 broadcast, must fit the register file, or the
@@ -252,32 +243,32 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 
 // ---- Cache attention -------------------------------------------------------------------------------------
 
-typedef int32_t ivec16 __attribute__((vector_size(64)));
+typedef int32_t ivecn __attribute__((vector_size(4 * kLanes)));
 
 // e^x for x <= 0, ~1 ulp (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for e^r);
 // e^x = 0 below -87 (masked scores sit at -1e30 below the row's maximum).
-inline vec16 exp_nonpositive(vec16 x) {
-  const vec16 zero = vec16{};
-  const ivec16 tiny = x < -87.0f;
+inline vecn exp_nonpositive(vecn x) {
+  const vecn zero = vecn{};
+  const ivecn tiny = x < -87.0f;
   x = tiny ? zero - 87.0f : x;
-  vec16 y = x * 1.44269504088896341f + 0.5f;
-  vec16 n = __builtin_convertvector(__builtin_convertvector(y, ivec16), vec16);  // truncates toward zero
-  n = (n > y) ? n - 1.0f : n;                                                       // floor
-  const vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vec16 p = zero + 1.9875691500e-4f;
+  vecn y = x * 1.44269504088896341f + 0.5f;
+  vecn n = __builtin_convertvector(__builtin_convertvector(y, ivecn), vecn);  // truncates toward zero
+  n = (n > y) ? n - 1.0f : n;  // floor
+  const vecn r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vecn p = zero + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
-  vec16 scale;
+  const ivecn bits = (__builtin_convertvector(n, ivecn) + 127) << 23;
+  vecn scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return tiny ? zero : p * scale;
 }
 
-constexpr int kRows = 16;           // query rows per work item: one per vector lane
+constexpr int kRows = kLanes;       // query rows per work item: one per lane of a native vector
 constexpr float kMaskValue = -1e30f;  // as models.llama._MASK_VALUE: a row with no visible slot is uniform
 
 // out_r += sum_j p[j][r] * V_j for RB rows at a time (RB * NV accumulators stay in registers).
@@ -285,31 +276,31 @@ template <int NV, int RB>
 void weighted_values(const float* p, int lanes, int64_t s_dim, const float* v, float* out[kRows]) {
   for (int r0 = 0; r0 < lanes; r0 += RB) {
     const int rb = std::min(RB, lanes - r0);
-    vec16 acc[RB][NV];
+    vecn acc[RB][NV];
     for (int r = 0; r < RB; ++r)
-      for (int i = 0; i < NV; ++i) acc[r][i] = vec16{};
+      for (int i = 0; i < NV; ++i) acc[r][i] = vecn{};
     for (int64_t j = 0; j < s_dim; ++j) {
-      vec16 vj[NV];
-      for (int i = 0; i < NV; ++i) vj[i] = load16(v + j * NV * 16 + i * 16);
+      vecn vj[NV];
+      for (int i = 0; i < NV; ++i) vj[i] = loadn(v + (j * NV + i) * kLanes);
       for (int r = 0; r < RB; ++r) {
-        const vec16 pr = splat<vec16>(p[j * kRows + r0 + r]);
+        const vecn pr = splat<vecn>(p[j * kRows + r0 + r]);
         for (int i = 0; i < NV; ++i) acc[r][i] += pr * vj[i];
       }
     }
     for (int r = 0; r < rb; ++r)
-      for (int i = 0; i < NV; ++i) store16(out[r0 + r] + i * 16, acc[r][i]);
+      for (int i = 0; i < NV; ++i) storen(out[r0 + r] + i * kLanes, acc[r][i]);
   }
 }
 
-// One (batch row, KV head, block of up to 16 query rows). Query row r of the block is (token t, head g) with
+// One (batch row, KV head, block of up to kRows query rows). Query row r of the block is (token t, head g) with
 // r + first = t * G + g. Lanes of a vector are query rows: scores[j] holds slot j's score for every row.
 template <int NV>
 void attend_block(const float* q, const float* k, const float* v, const bool* mask, float* out, int64_t t_dim,
                   int64_t h_dim, int64_t groups, int64_t s_dim, int64_t kvh, int64_t first, int lanes, float scale,
                   float* scores) {
-  constexpr int64_t d_dim = NV * 16;
+  constexpr int64_t d_dim = NV * kLanes;
   // Q^T: qt[d] lane r = q[row r][d].
-  vec16 qt[d_dim];
+  vecn qt[d_dim];
   const float* qrow[kRows];
   const bool* mrow[kRows];
   float* orow[kRows];
@@ -322,7 +313,7 @@ void attend_block(const float* q, const float* k, const float* v, const bool* ma
   for (int64_t d = 0; d < d_dim; ++d) {
     float lane[kRows];
     for (int r = 0; r < kRows; ++r) lane[r] = qrow[r][d] * scale;
-    qt[d] = load16(lane);
+    qt[d] = loadn(lane);
   }
   // Slots past the last visible one of every row add exactly 0 (e^(-1e30 - max) underflows), so stop there:
   // a serving cache is sized for the longest request and mostly empty. A row with no visible slot at all is
@@ -339,10 +330,10 @@ void attend_block(const float* q, const float* k, const float* v, const bool* ma
   }
   s_dim = limit;
   // Scores, 4 slots at a time (independent accumulation chains), then the mask.
-  vec16 mx = vec16{} + kMaskValue;
+  vecn mx = vecn{} + kMaskValue;
   int64_t j = 0;
   for (; j + 4 <= s_dim; j += 4) {
-    vec16 a0{}, a1{}, a2{}, a3{};
+    vecn a0{}, a1{}, a2{}, a3{};
     const float* kj = k + j * d_dim;
     for (int64_t d = 0; d < d_dim; ++d) {
       a0 += kj[d] * qt[d];
@@ -350,38 +341,39 @@ void attend_block(const float* q, const float* k, const float* v, const bool* ma
       a2 += kj[2 * d_dim + d] * qt[d];
       a3 += kj[3 * d_dim + d] * qt[d];
     }
-    store16(scores + j * kRows, a0);
-    store16(scores + (j + 1) * kRows, a1);
-    store16(scores + (j + 2) * kRows, a2);
-    store16(scores + (j + 3) * kRows, a3);
+    storen(scores + j * kRows, a0);
+    storen(scores + (j + 1) * kRows, a1);
+    storen(scores + (j + 2) * kRows, a2);
+    storen(scores + (j + 3) * kRows, a3);
   }
   for (; j < s_dim; ++j) {
-    vec16 a0{};
+    vecn a0{};
     for (int64_t d = 0; d < d_dim; ++d) a0 += k[j * d_dim + d] * qt[d];
-    store16(scores + j * kRows, a0);
+    storen(scores + j * kRows, a0);
   }
   for (j = 0; j < s_dim; ++j) {
     float* sj = scores + j * kRows;
     for (int r = 0; r < kRows; ++r) sj[r] = mrow[r][j] ? sj[r] : kMaskValue;
-    const vec16 sv = load16(sj);
+    const vecn sv = loadn(sj);
     mx = sv > mx ? sv : mx;
   }
   // Softmax numerators and their sum, per lane.
-  vec16 sum{};
+  vecn sum{};
   for (j = 0; j < s_dim; ++j) {
-    const vec16 e = exp_nonpositive(load16(scores + j * kRows) - mx);
-    store16(scores + j * kRows, e);
+    const vecn e = exp_nonpositive(loadn(scores + j * kRows) - mx);
+    storen(scores + j * kRows, e);
     sum += e;
   }
   float acc_rows[kRows][d_dim];
   float* accp[kRows];
   for (int r = 0; r < kRows; ++r) accp[r] = acc_rows[r];
-  // RB * NV accumulators of 16 floats in registers: 24 / NV rows with 32 x 16-float registers (AVX-512); a
-  // 16-float accumulator takes 2 AVX2 registers of 16, so there 6 / NV rows (at least 1).
-  constexpr int kAccRegs = kLanes == 16 ? 24 : 6;
-  weighted_values<NV, std::max(1, (NV >= 8 && kLanes == 16) ? 3 : kAccRegs / NV)>(scores, lanes, s_dim, v, accp);
+  // RB * NV accumulators in registers. AVX-512 (32 registers): 24 / NV rows. Otherwise (16 registers) the NV
+  // value vectors, one broadcast and RB * NV accumulators must fit; at one row the value vectors need no
+  // registers of their own (the multiply-adds read them from memory).
+  constexpr int kRb = kLanes == 16 ? (NV >= 8 ? 3 : 24 / NV) : std::max(1, (16 - 1 - NV) / NV);
+  weighted_values<NV, kRb>(scores, lanes, s_dim, v, accp);
   float inv[kRows];
-  store16(inv, 1.0f / sum);
+  storen(inv, 1.0f / sum);
   for (int r = 0; r < lanes; ++r)
     for (int64_t d = 0; d < d_dim; ++d) orow[r][d] = acc_rows[r][d] * inv[r];
 }
@@ -422,12 +414,16 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     const bool* mb = mp + b * t_dim * s_dim;
     float* ob = op + b * t_dim * h_dim * d_dim;
     const int64_t first = blk * kRows;
+    // NV = head dim / lanes native vectors per row of K and V.
     if (d_dim == 32) {
-      attend_block<2>(qb, kb, vb, mb, ob, t_dim, h_dim, groups, s_dim, kvh, first, lanes, scale, scores.data());
+      attend_block<32 / kLanes>(qb, kb, vb, mb, ob, t_dim, h_dim, groups, s_dim, kvh, first, lanes, scale,
+                                scores.data());
     } else if (d_dim == 64) {
-      attend_block<4>(qb, kb, vb, mb, ob, t_dim, h_dim, groups, s_dim, kvh, first, lanes, scale, scores.data());
+      attend_block<64 / kLanes>(qb, kb, vb, mb, ob, t_dim, h_dim, groups, s_dim, kvh, first, lanes, scale,
+                                scores.data());
     } else {
-      attend_block<8>(qb, kb, vb, mb, ob, t_dim, h_dim, groups, s_dim, kvh, first, lanes, scale, scores.data());
+      attend_block<128 / kLanes>(qb, kb, vb, mb, ob, t_dim, h_dim, groups, s_dim, kvh, first, lanes, scale,
+                                 scores.data());
     }
   });
   return ffi::Error::Success();
