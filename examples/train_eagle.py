@@ -59,6 +59,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -237,13 +238,32 @@ def layer_files(args, target, files: list[str]) -> list[str]:
     return out
 
 
+def batch_ids(spec) -> list[int]:
+    """``--gen-batches``: N (batches 0 .. N-1) or ranges and indices, e.g. '0-11,32-51'. Batch i answers
+    training prompts [i * gen_batch, (i + 1) * gen_batch), so ranges pick which requests to spend the budget on
+    (the STYLES requests start at batch 32) while the batches already cached stay usable."""
+    if isinstance(spec, int) or str(spec).isdigit():
+        n = int(spec)
+        if n < 1:
+            raise SystemExit(f"--gen-batches {spec}: at least one batch")
+        return list(range(n))
+    ids = set()
+    for part in str(spec).split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise SystemExit(f"--gen-batches {spec!r}: expected N or ranges like '0-11,32-51' (got {part!r})")
+        ids.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
+    return sorted(ids)
+
+
 def generate_data(args, target, data_dir: str) -> list[str]:
     """One npz per batch: tokens [B, W] (prompt + answer, right-padded), lengths, prompt lengths, features
     [B, W, E] float16. Existing batches are kept (a rerun resumes)."""
     os.makedirs(data_dir, exist_ok=True)
     tok, cfg = target.tokenizer, target.config
     prompts = training_prompts(args.seed)
-    if args.gen_batches * args.gen_batch > len(prompts):
+    ids = batch_ids(args.gen_batches)
+    if (ids[-1] + 1) * args.gen_batch > len(prompts):
         raise SystemExit(
             f"--gen-batches {args.gen_batches} x --gen-batch {args.gen_batch} asks for more than the "
             f"{len(prompts)} training prompts: lower one of them"
@@ -253,7 +273,7 @@ def generate_data(args, target, data_dir: str) -> list[str]:
     features = feature_fn(cfg)
 
     files = []
-    bar = tqdm(range(args.gen_batches), desc="target text + features", unit="batch")
+    bar = tqdm(ids, desc="target text + features", unit="batch")
     for i in bar:
         path = os.path.join(data_dir, f"batch_{i:04d}.npz")
         files.append(path)
@@ -643,7 +663,11 @@ def parse_args(argv=None):
         default="",
         help="fine-tune this trained head (name or directory; same --head-tokens/--ffn/--fuse; its token map)",
     )
-    ap.add_argument("--gen-batches", type=int, default=14, help="target generation batches (the data budget)")
+    ap.add_argument(
+        "--gen-batches",
+        default="14",
+        help="target generation batches (the data budget): N for batches 0..N-1, or ranges like '0-11,32-51'",
+    )
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=192)
     ap.add_argument("--max-new", type=int, default=128)

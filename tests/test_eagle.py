@@ -757,6 +757,30 @@ def test_export_head_stores_bf16_and_restores_the_rounded_head(tmp_path, monkeyp
         E.export_head(tmp_path / "f32", tmp_path / "int", dtype="int8")
 
 
+def test_trainer_batch_ranges(tmp_path):
+    """--gen-batches takes N or ranges: '0-2,5,7-8' is batches 0 1 2 5 7 8 (batch i answers prompts
+    [32 i, 32 i + 32)); a malformed or reversed range is refused with the flag named, as is a range that runs past
+    the training prompts, before any model call."""
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_eagle
+
+    assert train_eagle.batch_ids(3) == [0, 1, 2] and train_eagle.batch_ids("3") == [0, 1, 2]
+    assert train_eagle.batch_ids("0-2,5, 7-8,1") == [0, 1, 2, 5, 7, 8]
+    for bad in ("0", "5-3", "a-b", "1,,2", "-3"):
+        with pytest.raises(SystemExit, match="--gen-batches"):
+            train_eagle.batch_ids(bad)
+    n = len(train_eagle.training_prompts(0))
+    last = n // 32  # batch `last` would need prompts up to 32 * last + 32 > n
+    args = SimpleNamespace(seed=0, gen_batch=32, max_prompt=192, max_new=128, gen_batches=f"0-1,{last}")
+    with pytest.raises(SystemExit, match=f"--gen-batches 0-1,{last} x --gen-batch 32 .* {n} training prompts"):
+        train_eagle.generate_data(args, SimpleNamespace(tokenizer=None, config=None), str(tmp_path))
+    assert not os.listdir(tmp_path)
+
+
 def test_trainer_refuses_more_batches_than_prompts(tmp_path):
     """train_eagle.py's default budget fits the training prompts and its batches are the prompts before the
     EXTRA_TOPICS ones (a larger budget keeps the default's cached batches); asking for more batches than the
@@ -772,7 +796,8 @@ def test_trainer_refuses_more_batches_than_prompts(tmp_path):
     n = len(train_eagle.training_prompts(0))
     args = SimpleNamespace(seed=0, gen_batch=32, max_prompt=192, max_new=128)
     defaults = train_eagle.parse_args([])
-    assert defaults.gen_batches * defaults.gen_batch <= n
+    n_default = len(train_eagle.batch_ids(defaults.gen_batches))
+    assert n_default * defaults.gen_batch <= n
     prompts = train_eagle.training_prompts(0)
     n_extra = len(train_eagle.EXTRA_TOPICS) * len(train_eagle.TEMPLATES)
     n_styled = (len(train_eagle.TOPICS) + len(train_eagle.EXTRA_TOPICS)) * len(train_eagle.STYLES)
@@ -780,7 +805,7 @@ def test_trainer_refuses_more_batches_than_prompts(tmp_path):
     styled = {s.format(t=t) for t in train_eagle.TOPICS + train_eagle.EXTRA_TOPICS for s in train_eagle.STYLES}
     assert set(prompts[n - n_styled :]) == styled and not styled & set(templated)
     extra = [p for p in templated if any(t in p for t in train_eagle.EXTRA_TOPICS)]
-    assert extra == templated[-n_extra:] and defaults.gen_batches * defaults.gen_batch <= len(templated) - n_extra
+    assert extra == templated[-n_extra:] and n_default * defaults.gen_batch <= len(templated) - n_extra
     target = SimpleNamespace(tokenizer=None, config=None)
     with pytest.raises(SystemExit, match=f"--gen-batches {n // 32 + 1} x --gen-batch 32 .* {n} training prompts"):
         train_eagle.generate_data(SimpleNamespace(gen_batches=n // 32 + 1, **vars(args)), target, str(tmp_path))
