@@ -41,7 +41,9 @@ over every topic). ``--name smollm2-8k-long2 --max-new 384 --gen-batches 42 --do
 --init-from smollm2-8k-long --lr 5e-4`` (18 more batches, 10 of them STYLES requests; 27 + 19 min): held out at
 192 tokens, first position 0.46 and teacher-forced 0.48 against the long head's 0.41 / 0.44. Once more:
 ``--name smollm2-8k-long3 --gen-batches 66 --init-from smollm2-8k-long2`` (same other flags; 24 batches of
-STYLES requests more, 669k generated tokens; ~22 + 26 min): 0.48 / 0.50.
+STYLES requests more, 669k generated tokens; ~22 + 26 min): 0.48 / 0.50. ``--gen-batches`` also takes ranges
+(``0-11,32-51``: batch i answers training prompts [32 i, 32 i + 32), the STYLES requests start at batch 32), so a
+budget can go to those requests directly while the batches already cached are reused.
 
 ``--export DIR`` also writes the finished head with bf16 weights (``models.eagle.export_head``, ~6.6 MB), its
 held-out evaluation in meta.json: ``models/heads/smollm2-8k-chat``, the head ``--drafter eagle`` takes by
