@@ -10,6 +10,7 @@ given to transformers' assisted generation), ``--draft NAME`` = a distilled draf
 Writes <out>/spec_vs_plain.{json,md} and plots (latency CDFs at concurrency 1, acceptance by position).
 
     python examples/bench_spec_vs_plain.py [--n 4] [--gamma 4] [--draft-layers 4] [--peers transformers,llama_cpp]
+        [--ngram-variants '12;8,4,2']   (more n-gram configurations, K[,MAX_NGRAM,MIN_NGRAM], in the same run)
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ def draft_specs(target: suite.Target, args, gamma: int) -> list:
     return specs
 
 
+def ngram_variant(text: str) -> tuple[int, int, int]:
+    """'K' or 'K,MAX_NGRAM,MIN_NGRAM' -> (K, MAX_NGRAM, MIN_NGRAM)."""
+    parts = text.split(",")
+    if len(parts) not in (1, 3) or not all(p.strip().isdigit() for p in parts):
+        raise SystemExit(f"--ngram-variants: expected K or K,MAX_NGRAM,MIN_NGRAM, got '{text}'")
+    k, hi, lo = (int(p) for p in parts) if len(parts) == 3 else (int(parts[0]), 3, 1)
+    if not 1 <= lo <= hi or k < 1:
+        raise SystemExit(f"--ngram-variants: need K >= 1 and 1 <= MIN_NGRAM <= MAX_NGRAM, got '{text}'")
+    return k, hi, lo
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     suite.add_common_args(ap)
@@ -67,6 +79,12 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-layers", type=int, default=0, help="add a truncated-target draft model of L layers")
     ap.add_argument("--draft", default=None, help="add a distilled draft (name or directory)")
     ap.add_argument("--peers", default="transformers,llama_cpp", help="comma-separated; 'none' to skip")
+    ap.add_argument(
+        "--ngram-variants",
+        default="",
+        help="more n-gram configurations in the same run, ';'-separated K[,MAX_NGRAM,MIN_NGRAM] (e.g. '12;8,4,2'; "
+        "the default n-gram range is 3..1)",
+    )
     ap.set_defaults(out="results/spec_vs_plain")
     args = ap.parse_args(argv)
     cfg = suite.config_from_args(args)
@@ -74,6 +92,7 @@ def main(argv=None) -> int:
     target = suite.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite.prepare_jobs(target, cfg)
     specs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma), *draft_specs(target, args, args.gamma)]
+    specs[2:2] = [suite.ngram_spec(target, *ngram_variant(v)) for v in filter(None, args.ngram_variants.split(";"))]
     loads = [Load.closed(1, cfg.timeout_s)] + ([Load.closed(args.concurrency, cfg.timeout_s)] * (args.concurrency > 1))
     results = suite.run_specs(target, specs, loads, jobs, cfg)
     names = [] if args.peers in ("", "none") else args.peers.split(",")

@@ -321,3 +321,27 @@ def test_chain_vs_tree_budgets():
         "static tree (4,) (N=5) without-replacement",
     ]
     assert [s.drafter.rule for s in specs[1:]] == list(rules)
+
+
+def test_ngram_variants_parse_and_label():
+    """bench_spec_vs_plain --ngram-variants: 'K' keeps the default 3..1 n-gram range, 'K,MAX,MIN' sets it, and
+    the spec's label names a non-default range (specs in one run need distinct labels); malformed values are
+    an error naming the flag."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import bench_spec_vs_plain as bench
+
+    from jspec.bench import suite
+
+    assert bench.ngram_variant("12") == (12, 3, 1)
+    assert bench.ngram_variant("8,4,2") == (8, 4, 2)
+    for bad in ("8,4", "x", "8,1,2", "0"):
+        with pytest.raises(SystemExit, match="--ngram-variants"):
+            bench.ngram_variant(bad)
+    target = suite.Target("toy", None, None, TARGET, None, None, "float32")
+    labels = [suite.ngram_spec(target, *bench.ngram_variant(v)).label for v in ("8", "8,4,2")]
+    assert labels == ["ngram K=8", "ngram K=8 n=4..2"]
+    spec = suite.ngram_spec(target, 8, 4, 2)
+    assert (spec.gamma, spec.drafter.max_ngram, spec.drafter.min_ngram) == (8, 4, 2)

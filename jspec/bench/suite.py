@@ -117,7 +117,8 @@ def ngram_spec(target: Target, gamma: int = 4, max_ngram: int = 3, min_ngram: in
     from jspec.ngram import NgramDrafter
 
     d = NgramDrafter(max_ngram, min_ngram, vocab_size=target.model.vocab_size)
-    label = f"ngram K={gamma}" + (" adaptive" if adaptive is not None else "")
+    label = f"ngram K={gamma}" + (f" n={max_ngram}..{min_ngram}" if (max_ngram, min_ngram) != (3, 1) else "")
+    label += " adaptive" if adaptive is not None else ""
     return Spec(label, d, gamma, None, adaptive=adaptive, peer="prompt_lookup")
 
 
