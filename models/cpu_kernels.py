@@ -10,8 +10,9 @@ pays that. ``kernels/cpu_kernels.cc`` keeps weights in 32-column panels ([N/32, 
 ``models.llama.unstack_layers`` time) and streams each panel once per call with all rows' accumulators in
 registers, so 1-12 rows cost about what one row costs (with AVX-512; measured on a Zen 4 EPYC). The register
 tile is sized for the vector width the kernel is compiled for: on an AVX2-only CPU (a Zen 3 EPYC, 16 registers
-of 8 floats) it is 6 rows by half a panel, and a 9-token call costs ~2x a 1-token one there, against ~3.4x
-with XLA's matmuls (a tile sized for AVX-512 spilled its accumulators and cost 8x).
+of 8 floats) it is 6 rows by half a panel (1-3 rows: the whole panel in one pass), and a 9-token call cost
+~2x a 1-token one there, against ~3.4x with XLA's matmuls (a tile sized for AVX-512 spilled its accumulators
+and cost 8x); ~1.5x after later fixes (docs/results.md).
 
 The kernel is compiled from source with the system C++ compiler on first use (about 2 s, for this CPU:
 ``-march=native``) and cached under ``~/.cache/jspec/kernels`` (``JSPEC_CACHE`` moves it), keyed by the

@@ -64,7 +64,17 @@ def test_pack_refuses_what_the_kernel_cannot_take():
 @needs_kernel
 @pytest.mark.parametrize(
     "m,k,n",
-    [(1, 576, 960), (2, 576, 96), (5, 7, 32), (9, 1536, 576), (12, 64, 100), (13, 64, 64), (40, 33, 70)],
+    [
+        (1, 576, 960),
+        (2, 576, 96),
+        (3, 576, 960),
+        (4, 1536, 96),
+        (5, 7, 32),
+        (9, 1536, 576),
+        (12, 64, 100),
+        (13, 64, 64),
+        (40, 33, 70),
+    ],
 )
 def test_kernel_matches_float64(m, k, n):
     """Row counts on both sides of the 12-row register tile, a K that is not a multiple of anything, and
@@ -121,7 +131,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     wp = pack(jnp.asarray(w))
     f = jax.jit(matmul)
     whole = np.asarray(f(jnp.asarray(x), wp))
-    for lo, hi in [(4, 5), (0, 9), (11, 20)]:
+    for lo, hi in [(4, 5), (5, 7), (5, 8), (2, 6), (0, 9), (11, 20)]:  # every tile shape: 1-3 wide, 4-6 split
         np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[lo:hi]), wp)), whole[lo:hi])
 
 
