@@ -153,8 +153,11 @@ constexpr int kWideRows = kWideVectors == 2                                 ? 0
 // multiply-add reading its weight vector from memory (GCC folds the loads). A 3-token call (a K=2 chain's
 // verification) then streams each panel once instead of in two half-panel passes: its products over
 // SmolLM2's weights took 3-6% less time on a Zen 3 (2 threads, 21 alternated runs each, three times).
-// Other targets keep kWideRows (not measured there).
-constexpr int kWideMax = kWideRows == 2 && kLanes == 8 && kRegisters == 16 ? 3 : kWideRows;
+// Other targets keep kWideRows (not measured there), and so do bf16 panels: widened to f32 they must sit in
+// registers, and the 3-row tile then spills an accumulator through the stack on every step.
+template <typename W>
+constexpr int kWideMax =
+    std::is_same_v<W, float> && kWideRows == 2 && kLanes == 8 && kRegisters == 16 ? 3 : kWideRows;
 template <typename W>
 using WideTiles = TileTable<W, kWideVectors, 1, 2, 3>;
 
@@ -168,7 +171,7 @@ void panels(const float* x, int64_t m_dim, int64_t k_dim, const W* w, float* y, 
   for (int64_t p = p0; p < p1; ++p) {
     const W* panel = w + p * k_dim * kPanel;
     const W* next = p + 1 < p1 ? panel + k_dim * kPanel : nullptr;
-    if (m_dim <= kWideMax) {
+    if (m_dim <= kWideMax<W>) {
       WideTiles<W>::fns[m_dim - 1](x, k_dim, panel, 0, y + p * kPanel, n_dim, nullptr);
       continue;
     }
