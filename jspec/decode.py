@@ -669,6 +669,9 @@ def decode_stream(target: Model, target_params, prompts, **kwargs) -> Iterator[l
 
 @functools.lru_cache(maxsize=64)
 def _stream_fns(target, drafter, config):
+    """(prefill, round) for stepping from Python. The round's state argument is donated: without it XLA
+    copies the whole KV cache into the new state every round (SmolLM2, 1024 slots: streaming ran at 34.7
+    plain / 41.5 n-gram tokens/s against 42.0 / 49.8 donated). The caller must use only the returned state."""
     pre = jax.jit(functools.partial(prefill, target, drafter, config))
-    step = jax.jit(functools.partial(decode_round, target, drafter, config))
+    step = jax.jit(functools.partial(decode_round, target, drafter, config), donate_argnums=(2,))
     return pre, step
