@@ -672,7 +672,7 @@ def test_smollm2_greedy_identical_to_plain(smollm2):
         assert dparams[1]["rows"].dtype == jnp.bfloat16 and dparams[1]["fc"]["kernel"].dtype == jnp.bfloat16
     # K=2, the K this head is benchmarked with on AVX2 (README, "Choosing K"): its 3-token verification runs
     # the CPU kernel's 3-row tile; 5-token verifications on this layout run in the CLI main job's test
-    # (n-gram, K=4). gamma < max_draft as from the CLI (max_draft 8).
+    # (n-gram, K=4). gamma below max_draft (4), as the CLI runs it (max_draft 8).
     spec = decode(model, params, prompts, drafter=drafter, draft_params=dparams, gamma=2, **kw)
     assert spec.tokens == plain.tokens
     assert min(plain.lengths) >= 20
