@@ -221,3 +221,28 @@ def test_cache_attention_matches_float64(b, t, h, hkv, s, d, layer, visible):
     assert got.shape == (b, t, h, d)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(got[0, 0]), v_all[layer, 0].mean(1)[np.arange(h) // (h // hkv)], atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tree", [False, True])
+def test_cache_attention_row_does_not_depend_on_the_call(tree):
+    """A query token's attention is the same bits in a 1-token step as inside a 9-token verification (whose
+    rows see up to 8 more slots, and whose blocks hold other rows), for prefix masks (the vector-compare path)
+    and for a tree mask (the per-lane path), and equals float64 numpy. 300 visible slots of a 640-slot cache:
+    the scores run 8 slots at a time plus a remainder."""
+    rng = np.random.default_rng(7)
+    b, t, h, hkv, s, d, n = 1, 9, 9, 3, 640, 64, 300
+    q = rng.standard_normal((b, t, h, d), dtype=np.float32)
+    k_all = rng.standard_normal((2, b, hkv, s, d), dtype=np.float32)
+    v_all = rng.standard_normal((2, b, hkv, s, d), dtype=np.float32)
+    mask = np.arange(s)[None, None, :] < n + 1 + np.arange(t)[None, :, None]  # token i sees slots < n + 1 + i
+    if tree:
+        mask[:, 4:, n + 2] = False  # tokens 4.. branch off token 2: rows with a hole, not a prefix
+    scale = 1.0 / np.sqrt(d)
+    # (the fallback is the branch for other platforms, never taken here)
+    f = jax.jit(lambda q, k, v, m: cpu_kernels.cache_attention(q, k, v, m, 1, scale, lambda: jnp.zeros(q.shape)))
+    whole = np.asarray(f(jnp.asarray(q), jnp.asarray(k_all), jnp.asarray(v_all), jnp.asarray(mask)))
+    np.testing.assert_allclose(whole, _attention_reference(q, k_all, v_all, mask, 1, scale), atol=2e-5, rtol=0)
+    for i in (0, 5, 8):
+        one = f(jnp.asarray(q[:, i : i + 1]), jnp.asarray(k_all), jnp.asarray(v_all), jnp.asarray(mask[:, i : i + 1]))
+        np.testing.assert_array_equal(np.asarray(one), whole[:, i : i + 1])

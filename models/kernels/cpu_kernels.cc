@@ -328,44 +328,66 @@ void attend_block(const float* q, const float* k, const float* v, const bool* ma
   // Slots past the last visible one of every row add exactly 0 (e^(-1e30 - max) underflows), so stop there:
   // a serving cache is sized for the longest request and mostly empty. A row with no visible slot at all is
   // uniform over all S slots, as in the XLA path, so then every slot is read.
+  // A row is a prefix when every slot up to its last visible one is visible (plain steps, chain verifications,
+  // prefills; not tree masks): then the mask is one vector compare per slot instead of a select per lane.
+  // Both searches are memchr-style scans (a PRED element is one byte, 0 or 1).
   int64_t limit = 0;
-  for (int r = 0; r < lanes; ++r) {
-    int64_t last = s_dim - 1;
-    while (last >= 0 && !mrow[r][last]) --last;
+  bool prefix = true;
+  float last_row[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    const bool* m = mrow[r];
+    const void* hit = memrchr(m, 1, s_dim);
+    const int64_t last = hit == nullptr ? -1 : static_cast<const bool*>(hit) - m;
     if (last < 0) {
       limit = s_dim;
+      prefix = false;
       break;
     }
     limit = std::max(limit, last + 1);
+    prefix = prefix && std::memchr(m, 0, last + 1) == nullptr;
+    last_row[r] = static_cast<float>(last);
   }
   s_dim = limit;
-  // Scores, 4 slots at a time (independent accumulation chains), then the mask.
+  // Scores, 8 slots at a time: 8 independent multiply-add chains (4 left the chains' latency exposed). The cache
+  // comes from memory (the call's weights have evicted it), so K is fetched 32 slots ahead and V, read by the
+  // weighted sum below, alongside. With the vector mask and a per-thread scores buffer (a fresh zero-filled
+  // one per block cost ~2 us), SmolLM2 calls at 300 cached tokens took ~0.5-0.7 ms less (1 and 9 tokens alike,
+  // of ~18 ms; a 2-core Zen 4, calls alternated in one process).
   vecn mx = vecn{} + kMaskValue;
   int64_t j = 0;
-  for (; j + 4 <= s_dim; j += 4) {
-    vecn a0{}, a1{}, a2{}, a3{};
+  for (; j + 8 <= s_dim; j += 8) {
+    vecn a[8] = {};
     const float* kj = k + j * d_dim;
-    for (int64_t d = 0; d < d_dim; ++d) {
-      a0 += kj[d] * qt[d];
-      a1 += kj[d_dim + d] * qt[d];
-      a2 += kj[2 * d_dim + d] * qt[d];
-      a3 += kj[3 * d_dim + d] * qt[d];
+    for (int64_t b = 0; b < 8 * d_dim; b += 16) {  // one cache line per prefetch
+      __builtin_prefetch(kj + 32 * d_dim + b, 0, 3);
+      __builtin_prefetch(v + j * d_dim + b, 0, 2);
     }
-    storen(scores + j * kRows, a0);
-    storen(scores + (j + 1) * kRows, a1);
-    storen(scores + (j + 2) * kRows, a2);
-    storen(scores + (j + 3) * kRows, a3);
+    for (int64_t d = 0; d < d_dim; ++d) {
+      const vecn qd = qt[d];
+      for (int i = 0; i < 8; ++i) a[i] += kj[i * d_dim + d] * qd;
+    }
+    for (int i = 0; i < 8; ++i) storen(scores + (j + i) * kRows, a[i]);
   }
   for (; j < s_dim; ++j) {
     vecn a0{};
     for (int64_t d = 0; d < d_dim; ++d) a0 += k[j * d_dim + d] * qt[d];
     storen(scores + j * kRows, a0);
   }
-  for (j = 0; j < s_dim; ++j) {
-    float* sj = scores + j * kRows;
-    for (int r = 0; r < kRows; ++r) sj[r] = mrow[r][j] ? sj[r] : kMaskValue;
-    const vecn sv = loadn(sj);
-    mx = sv > mx ? sv : mx;
+  if (prefix) {
+    const vecn lastv = loadn(last_row);
+    vecn jv = vecn{};
+    for (j = 0; j < s_dim; ++j, jv += 1.0f) {
+      const vecn sv = jv <= lastv ? loadn(scores + j * kRows) : vecn{} + kMaskValue;
+      storen(scores + j * kRows, sv);
+      mx = sv > mx ? sv : mx;
+    }
+  } else {
+    for (j = 0; j < s_dim; ++j) {
+      float* sj = scores + j * kRows;
+      for (int r = 0; r < kRows; ++r) sj[r] = mrow[r][j] ? sj[r] : kMaskValue;
+      const vecn sv = loadn(sj);
+      mx = sv > mx ? sv : mx;
+    }
   }
   // Softmax numerators and their sum, per lane.
   vecn sum{};
@@ -417,7 +439,8 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   parallel_for(pool, items, workers_for(pool), [=](int64_t item) {
     const int64_t blk = item % blocks, kvh = (item / blocks) % hkv, b = item / (blocks * hkv);
     const int lanes = static_cast<int>(std::min<int64_t>(kRows, rows - blk * kRows));
-    std::vector<float> scores(s_dim * kRows);
+    thread_local std::vector<float> scores;
+    if (scores.size() < static_cast<size_t>(s_dim * kRows)) scores.resize(s_dim * kRows);
     const float* qb = qp + b * t_dim * h_dim * d_dim;
     const float* kb = kp + (b * hkv + kvh) * s_dim * d_dim;
     const float* vb = vp + (b * hkv + kvh) * s_dim * d_dim;
