@@ -35,7 +35,7 @@ from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
 from jspec.sampling import SamplingParams, argmax, distribution, sample
 from jspec.tree import TreeProposal, ancestor_mask, verify_tree_greedy, verify_tree_key
-from jspec.verify import verify_chain_key
+from jspec.verify import verify_chain_greedy, verify_chain_key
 
 
 class StopReason(enum.IntEnum):
@@ -214,7 +214,7 @@ def _chain_step(
         draft_tokens = jnp.zeros((b, 0), jnp.int32)
         q = jnp.zeros((b, 0, 1), jnp.float32)
         draft_state = st.draft_state
-        p = distribution(logits, st.sampling)
+        best = _greedy_ids(logits, st.sampling)
     else:
         shares = getattr(drafter, "shares_target_cache", False)
         ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling, st.cache if shares else None)
@@ -233,50 +233,85 @@ def _chain_step(
                 state = drafter.observe(draft_params, state, ctx)
             return c[0], c[1], c[2], state, c[4]
 
-        uniform = jnp.ones((b, k, v), jnp.float32) / v  # q of no proposal: finite, never read as a candidate
-        none = (jnp.zeros((b, k), jnp.int32), uniform, jnp.zeros((b,), jnp.int32), st.draft_state, st.cache)
-        draft_tokens, q, n_draft, draft_state, tcache = _cond_in_place(
-            jnp.any(max_draft > 0), propose, skip_draft, none
-        )
+        def uniform():  # q of no proposal: finite, never read as a candidate
+            return jnp.ones((b, k, v), jnp.float32) / v
 
+        if shares or jax.tree.leaves(st.draft_state):
+            # Branches that pass a KV cache (the target's, or the drafter's own in its state) through: in place.
+            none = (jnp.zeros((b, k), jnp.int32), uniform(), jnp.zeros((b,), jnp.int32), st.draft_state, st.cache)
+            draft_tokens, q, n_draft, draft_state, tcache = _cond_in_place(
+                jnp.any(max_draft > 0), propose, skip_draft, none
+            )
+        else:
+            # A stateless drafter (the n-gram lookup) and no cache through the branches: a plain cond, so the
+            # [B, K, V] q of "no proposal" is only built in the round that takes that branch, not as every
+            # round's loop-carry initialiser.
+            def propose_stateless(_):
+                return propose((None, None, None, st.draft_state, None))[:4]
+
+            def skip_stateless(_):
+                return jnp.zeros((b, k), jnp.int32), uniform(), jnp.zeros((b,), jnp.int32), st.draft_state
+
+            draft_tokens, q, n_draft, draft_state = jax.lax.cond(
+                jnp.any(max_draft > 0), propose_stateless, skip_stateless, None
+            )
+            tcache = st.cache
+
+        # The verification branches return the target's logits and, when every row is greedy, their argmax:
+        # the distributions are built after the branch, and only for a batch that samples.
         def verify_wide(cache):
             tokens = jnp.concatenate([pending[:, None], draft_tokens], axis=1)  # [B, K+1]
             positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+            state = draft_state
             if updates_state:
                 logits, cache, state = drafter.verify(
                     target, target_params, draft_params, draft_state, tokens, positions, cache
                 )
-                return distribution(logits, st.sampling), cache, state
-            if hasattr(drafter, "verify"):
+            elif hasattr(drafter, "verify"):
                 logits, cache = drafter.verify(
                     target, target_params, draft_params, draft_state, tokens, positions, cache
                 )
             else:
                 logits, cache = target.apply(target_params, tokens, positions, cache)
-            return distribution(logits, st.sampling), cache, draft_state
+            return logits.astype(jnp.float32), _greedy_ids(logits, st.sampling), cache, state
 
-        def verify_narrow(cache):
+        def verify_narrow(c):
             # Nothing was proposed anywhere (e.g. every n-gram lookup missed): a plain 1-token step, so a miss
-            # costs what plain decoding costs instead of a K+1-wide verification.
-            logits, cache = target.apply(target_params, pending[:, None], committed[:, None], cache)
-            return jnp.broadcast_to(distribution(logits, st.sampling), (b, k + 1, v)), cache, draft_state
+            # costs what plain decoding costs instead of a K+1-wide verification. Positions 1..K keep their
+            # initial zeros: with nothing proposed, only position 0 is read.
+            logits, cache = target.apply(target_params, pending[:, None], committed[:, None], c[2])
+            wide = c[0].at[:, :1].set(logits.astype(jnp.float32))
+            return wide, c[1].at[:, :1].set(_greedy_ids(logits, st.sampling)), cache, c[3]
 
         # A drafter that reads the verification's by-products (e.g. the target features an EAGLE head needs)
         # sets ``verify_updates_state``; its verify returns the new drafter state and always runs.
         updates_state = getattr(drafter, "verify_updates_state", False)
         if updates_state:
-            p, cache, draft_state = verify_wide(tcache)
+            logits, best, cache, draft_state = verify_wide(tcache)
         else:
-            p0 = jnp.zeros((b, k + 1, v), jnp.float32)
-            p, cache, draft_state = _cond_in_place(
-                jnp.any(n_draft > 0),
-                lambda c: verify_wide(c[1]),
-                lambda c: verify_narrow(c[1]),
-                (p0, tcache, draft_state),
+            init = (jnp.zeros((b, k + 1, v), jnp.float32), jnp.zeros((b, k + 1), jnp.int32), tcache, draft_state)
+            logits, best, cache, draft_state = _cond_in_place(
+                jnp.any(n_draft > 0), lambda c: verify_wide(c[2]), verify_narrow, init
             )
-    res = verify_chain_key(k_verify, p, q, draft_tokens, n_draft, block=config.block_verify)
+
+    def greedy(_):  # p is one-hot on the argmax: see ``verify_chain_greedy`` (block verification agrees)
+        q_x = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0] if k else jnp.zeros((b, 0))
+        return verify_chain_greedy(best, draft_tokens, n_draft, q_x)
+
+    def sampled(_):
+        p = distribution(logits, st.sampling)
+        return verify_chain_key(k_verify, p, q, draft_tokens, n_draft, block=config.block_verify)
+
+    res = jax.lax.cond(jnp.all(st.sampling.temperature == 0), greedy, sampled, None)
     proposed_at = (jnp.arange(k)[None, :] < n_draft[:, None]).astype(jnp.int32)
     return draft_tokens, res.n_accepted, res.next_token, None, cache, draft_state, proposed_at, res.bad_proposal
+
+
+def _greedy_ids(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """[B, T, V] -> [B, T] int32: the argmax when every row is greedy (all greedy verification reads), zeros
+    otherwise (a sampling batch builds its distributions instead)."""
+    zeros = jnp.zeros(logits.shape[:2], jnp.int32)
+    return jax.lax.cond(jnp.all(sampling.temperature == 0), argmax, lambda _: zeros, logits).astype(jnp.int32)
 
 
 AT_MOST_ONCE = "at_most_once"

@@ -95,6 +95,8 @@ class Engine:
     def __post_init__(self):
         if self.rounds_per_sync < 1:
             raise ValueError(f"rounds_per_sync must be >= 1, got {self.rounds_per_sync}")
+        if self.bucket < 1:
+            raise ValueError(f"bucket (the prompt-width padding multiple) must be >= 1, got {self.bucket}")
         gamma = 0 if self.drafter is None else self.gamma
         if getattr(self.drafter, "is_tree", False):
             gamma = self.drafter.max_depth

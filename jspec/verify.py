@@ -97,6 +97,24 @@ def verify_chain_key(key: jax.Array, p, q, draft, n_draft, block: bool = False) 
     return fn(p, q, draft, n_draft, jax.random.uniform(k_acc, (b, k)), jax.random.uniform(k_fin, (b,)))
 
 
+def verify_chain_greedy(
+    best: jax.Array,  # [B, K+1] the target's argmax at the K proposals and the bonus position
+    draft: jax.Array,  # [B, K]
+    n_draft: jax.Array,  # [B]
+    q_x: jax.Array,  # [B, K] q of each proposed token (only to flag q(x) == 0 proposals)
+) -> ChainResult:
+    """``verify_chain`` (and ``verify_block``) when every row is greedy, i.e. p one-hot on ``best``, for any q:
+    u q(x) < p(x) holds iff x is the argmax (p(x) is 1 or 0, u q(x) < 1), and after a rejected x != argmax the
+    residual max(0, p - q) keeps all its mass on the argmax, so the next token is the argmax where the chain
+    stopped. Works on [B, K+1] ids: no one-hot p, residual or inverse-CDF draw over V."""
+    b, k = draft.shape
+    proposed = jnp.arange(k)[None, :] < n_draft[:, None]
+    ok = (draft == best[:, :k]) & proposed
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    bad = jnp.any(proposed & (q_x <= 0), axis=1)
+    return ChainResult(n_acc, take_rows(best, n_acc), ok, bad)
+
+
 def verify_block(
     p: jax.Array,  # [B, K+1, V]
     q: jax.Array,  # [B, K, V]

@@ -92,3 +92,37 @@ def test_block_greedy_equals_plain():
         block_verify=True,
     )
     assert blk.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("soft_q", [False, True])
+def test_greedy_verification_agrees_with_both_rules(soft_q):
+    """``verify_chain_greedy`` (what an all-greedy round runs, on argmax ids) gives the accepted count and the
+    next token that token-wise and block verification give on the one-hot p, for one-hot q (the n-gram
+    lookup) and soft q (a model drafter), ragged proposal counts, drafts that match the argmax for a while."""
+    from jspec.verify import verify_chain_greedy
+
+    b, k, v = 64, 5, 11
+    ks = jax.random.split(jax.random.key(3), 6)
+    best = jax.random.randint(ks[0], (b, k + 1), 0, v)
+    # Each draft copies the argmax up to a random point, then differs there with probability 1/2.
+    cut = jax.random.randint(ks[1], (b, 1), 0, k + 1)
+    other = (best[:, :k] + jax.random.randint(ks[2], (b, k), 1, v)) % v
+    draft = jnp.where(jnp.arange(k)[None, :] < cut, best[:, :k], other)
+    n_draft = jax.random.randint(ks[3], (b,), 0, k + 1)
+    p = jax.nn.one_hot(best, v)
+    if soft_q:
+        q = jax.nn.softmax(jax.random.normal(ks[4], (b, k, v)), axis=-1)
+    else:
+        q = jax.nn.one_hot(draft, v)
+    q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
+    got = verify_chain_greedy(best, draft, n_draft, q_x)
+    u = jax.random.uniform(ks[5], (b, k))
+    u_fin = jax.random.uniform(ks[5], (b,))
+    for rule in (verify_chain, verify_block):
+        want = rule(p, q, draft, n_draft, u, u_fin)
+        np.testing.assert_array_equal(np.asarray(got.n_accepted), np.asarray(want.n_accepted))
+        np.testing.assert_array_equal(np.asarray(got.next_token), np.asarray(want.next_token))
+    # Independently: the accepted count is the leading run of draft == argmax within n_draft.
+    match = np.asarray(draft == best[:, :k]) & (np.arange(k)[None, :] < np.asarray(n_draft)[:, None])
+    np.testing.assert_array_equal(np.asarray(got.n_accepted), np.cumprod(match, axis=1).sum(1))
+    assert 0 < np.asarray(got.n_accepted).mean() < k  # the case mix exercises partial acceptance

@@ -451,6 +451,13 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
         help="run every configuration N times, the order reversed every other pass (A B, B A, ...): the "
         "headline gives each pass's ratio and their median",
     )
+    ap.add_argument(
+        "--bucket",
+        type=int,
+        default=64,
+        help="prompt widths are padded up to a multiple of this (one prefill compile per width): a smaller "
+        "bucket wastes less prefill compute on padding and compiles more widths",
+    )
     ap.add_argument("--phase-repeats", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase timing (and the cost model)")
     ap.add_argument("--out", default="results/bench", help="output directory (JSON, Markdown, PNG)")
@@ -485,6 +492,7 @@ def config_from_args(args) -> SuiteConfig:
         max_wall_s=args.max_wall_s,
         rounds_per_sync=args.rounds_per_sync,
         passes=args.passes,
+        bucket=args.bucket,
     )
 
 
