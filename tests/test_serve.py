@@ -69,3 +69,6 @@ def test_engine_rejects_bad_requests():
     engine.add(0, [1, 2], 5)
     with pytest.raises(ValueError, match="still decoding"):
         engine.add(0, [1], 3)
+    for bad in ({"bucket": 0}, {"rounds_per_sync": 0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} .*>= 1"):
+            Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16, **bad)
