@@ -53,6 +53,8 @@ import numpy as np
 PANEL = 32  # columns per panel (two AVX-512 vectors); the kernel's register tile follows the CPU's vector width
 TARGET = "jspec_packed_matmul_f32"
 TARGET_BF16 = "jspec_packed_matmul_bf16"
+NORM_TARGET = "jspec_norm_matmul_f32"
+NORM_TARGET_BF16 = "jspec_norm_matmul_bf16"
 ATTENTION_TARGET = "jspec_cache_attention_f32"
 ATTENTION_HEAD_DIMS = (32, 64, 128)
 _SOURCE = os.path.join(os.path.dirname(__file__), "kernels", "cpu_kernels.cc")
@@ -140,6 +142,38 @@ def matmul(x: jax.Array, w: PackedMatrix) -> jax.Array:
         y = jax.lax.platform_dependent(x2, w.panels, cpu=kernel, default=xla)
     else:
         y = xla(x2, w.panels)
+    return y[:, : w.n].reshape(*lead, w.n)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """``models.llama.RMSNorm`` on f32 rows: x / sqrt(mean(x^2) + eps) * scale."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def norm_matmul(x: jax.Array, scale: jax.Array, eps: float, w: PackedMatrix) -> jax.Array:
+    """``matmul(rms_norm(x, scale, eps), w)`` for f32 x: on the CPU kernel the norm runs inside the call (XLA
+    ran it as three small ops of ~15-25 us each at a few rows, ~1 ms of a 9-token SmolLM2 call). The kernel's
+    sum of squares is ordered differently from XLA's, so the two paths can differ in the last bits: a model
+    must take one of them for every call (``models.llama`` takes this one for every packed layer and head)."""
+    if x.shape[-1] != w.k or scale.shape != (w.k,):
+        raise ValueError(f"norm_matmul: x [..., {x.shape[-1]}] and scale {scale.shape} must match K={w.k}")
+    if x.dtype != jnp.float32 or w.panels.dtype not in (jnp.float32, jnp.bfloat16) or not available():
+        return matmul(rms_norm(x.astype(jnp.float32), scale.astype(jnp.float32), eps).astype(x.dtype), w)
+    lead = x.shape[:-1]
+    padded = w.panels.shape[0] * PANEL
+    x2 = x.reshape(-1, w.k)
+    s = scale.astype(jnp.float32)
+
+    def xla(x2, s, panels):
+        y = jnp.einsum("mk,pkc->mpc", rms_norm(x2, s, eps), panels.astype(jnp.float32))
+        return y.reshape(x2.shape[0], padded)
+
+    def kernel(x2, s, panels):
+        out = jax.ShapeDtypeStruct((x2.shape[0], padded), jnp.float32)
+        target = NORM_TARGET_BF16 if panels.dtype == jnp.bfloat16 else NORM_TARGET
+        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x2, s, panels, eps=np.float32(eps))
+
+    y = jax.lax.platform_dependent(x2, s, w.panels, cpu=kernel, default=xla)
     return y[:, : w.n].reshape(*lead, w.n)
 
 
@@ -265,6 +299,8 @@ def available() -> bool:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JspecPackedMatmulF32), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_BF16, jax.ffi.pycapsule(lib.JspecPackedMatmulBF16), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JspecCacheAttentionF32), platform="cpu")
+        jax.ffi.register_ffi_target(NORM_TARGET, jax.ffi.pycapsule(lib.JspecNormMatmulF32), platform="cpu")
+        jax.ffi.register_ffi_target(NORM_TARGET_BF16, jax.ffi.pycapsule(lib.JspecNormMatmulBF16), platform="cpu")
     except Exception as e:  # no compiler, a failed build: the XLA matmuls still work
         warnings.warn(f"jspec CPU matmul kernel unavailable, using XLA's matmuls: {e}", stacklevel=2)
         return False

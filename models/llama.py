@@ -515,16 +515,23 @@ def _fused_block(cfg: LlamaConfig, lp: Params, x, cos, sin, k_all, v_all, layer,
     b, t, e = x.shape
     h, hkv, d, f, dt = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn, x.dtype
     a, m = lp["attn"], lp["mlp"]
-    y = RMSNorm(cfg.rms_eps).apply({"params": lp["attn_norm"]}, x)
-    qkv = dense(y, a["wqkv"]).reshape(b, t, h + 2 * hkv, d)
+    qkv = norm_dense(cfg, x, lp["attn_norm"], a["wqkv"]).reshape(b, t, h + 2 * hkv, d)
     if cfg.qkv_bias:
         qkv = qkv + a["bqkv"].astype(dt)
     q, k, v = qkv[:, :, :h], qkv[:, :, h : h + hkv], qkv[:, :, h + hkv :]
     out, k_all, v_all = _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask, index)
     x = x + dense(out, a["wo"])
-    y = RMSNorm(cfg.rms_eps).apply({"params": lp["mlp_norm"]}, x)
-    gu = dense(y, m["w_gate_up"])  # [B, T, 2F]
+    gu = norm_dense(cfg, x, lp["mlp_norm"], m["w_gate_up"])  # [B, T, 2F]
     return x + dense(jax.nn.silu(gu[..., :f]) * gu[..., f:], m["w_down"]), k_all, v_all
+
+
+def norm_dense(cfg: LlamaConfig, x: jax.Array, norm: Params, w) -> jax.Array:
+    """``dense(RMSNorm(x), w)``; with packed weights and f32 activations one kernel call that normalises the
+    rows itself (``cpu_kernels.norm_matmul``). Every call of a model takes the same path, so a row's result
+    still does not depend on the call it is in."""
+    if isinstance(w, PackedMatrix) and x.dtype == jnp.float32:
+        return cpu_kernels.norm_matmul(x, norm["scale"], cfg.rms_eps, w)
+    return dense(RMSNorm(cfg.rms_eps).apply({"params": norm}, x), w)
 
 
 def dense(x: jax.Array, w) -> jax.Array:
@@ -647,7 +654,16 @@ def lm_head(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
 
 
 def head(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
-    """Final norm + LM head: hidden [B, T, E] -> logits [B, T, V] float32."""
+    """Final norm + LM head: hidden [B, T, E] -> logits [B, T, V] float32. ``forward``'s logits come from
+    here: on a packed head the norm runs inside the LM-head kernel (``norm_dense``), whose last bits can
+    differ from ``lm_head(final_norm(h))``'s."""
+    w = None
+    if cfg.tie_embeddings and "embedding_t" in params["embed"]:
+        w = params["embed"]["embedding_t"]
+    elif not cfg.tie_embeddings:
+        w = params["lm_head"]["kernel"]
+    if isinstance(w, PackedMatrix) and h.dtype == jnp.float32:
+        return norm_dense(cfg, h, params["final_norm"], w)
     return lm_head(cfg, params, final_norm(cfg, params, h))
 
 
@@ -678,11 +694,10 @@ def forward(
         raise ValueError(f"hidden_layers={bounds} must be distinct ascending layers in [0, {cfg.num_layers - 1})")
     h = embed(cfg, params, tokens)
     h, cache, taken = _run_layers(cfg, params, h, positions, cache, tree_mask, 0, None, bounds)
-    hn = final_norm(cfg, params, h)
-    at = hn if logits_at is None else take_rows(hn, logits_at)[:, None]
-    logits = lm_head(cfg, params, at)
+    logits = head(cfg, params, h if logits_at is None else take_rows(h, logits_at)[:, None])
     if not return_hidden:
         return logits, cache
+    hn = final_norm(cfg, params, h)
     return logits, (jnp.concatenate(taken + [hn], axis=-1) if taken else hn), cache
 
 

@@ -146,6 +146,50 @@ def test_xla_fallback_computes_the_same_product(monkeypatch):
     _close(jax.jit(matmul)(jnp.asarray(x), p16), x, _bf16(w))
 
 
+def _norm64(x, scale, eps):
+    """RMSNorm in float64 (the reference for the fused kernel)."""
+    x = x.astype(np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale.astype(np.float64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (9, 576, 3072), (13, 1536, 96), (40, 33, 70)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_norm_matmul_matches_float64(m, k, n, dtype):
+    """RMSNorm inside the matmul kernel against float64 numpy: the norm (x / sqrt(mean(x^2) + eps) * scale, a
+    K that is not a multiple of the vector width in one case) and the product at f32 accuracy, for f32 and
+    bf16 panels; a row alone gets the same bits as inside the call."""
+    x, w = _data(m, k, n, seed=7 * m + k)
+    x = x * 3.0 + 0.5  # rows whose norm is far from 1
+    scale = np.random.default_rng(m).uniform(0.5, 2.0, k).astype(np.float32)
+    eps = 1e-5
+    p = pack(jnp.asarray(w), dtype=jnp.dtype(dtype))
+    wf = w if dtype == "float32" else _bf16(w)
+    f = jax.jit(lambda x, s, p: cpu_kernels.norm_matmul(x, s, eps, p))
+    got = np.asarray(f(jnp.asarray(x), jnp.asarray(scale), p))
+    xn = _norm64(x, scale, eps)
+    want = xn @ wf.astype(np.float64)
+    tol = 4e-6 * np.sqrt(k) * np.abs(xn).max() * np.abs(wf).max()
+    np.testing.assert_allclose(got.astype(np.float64), want, atol=tol, rtol=0)
+    # The norm is not skipped or applied twice: without it the product is far off.
+    assert np.abs(x.astype(np.float64) @ wf - want).max() > 100 * tol
+    for lo, hi in [(m - 1, m), (0, min(m, 3))]:
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[lo:hi]), jnp.asarray(scale), p)), got[lo:hi])
+
+
+def test_norm_matmul_fallback_and_errors(monkeypatch):
+    """Without the kernel: the XLA RMSNorm, then the panels' product (the same maths); shape errors by name."""
+    x, w = _data(4, 40, 50, seed=5)
+    scale = np.linspace(0.5, 1.5, 40, dtype=np.float32)
+    with pytest.raises(ValueError, match="must match K=40"):
+        cpu_kernels.norm_matmul(jnp.asarray(x), jnp.ones(39), 1e-5, pack(jnp.asarray(w)))
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    got = jax.jit(lambda x, s, p: cpu_kernels.norm_matmul(x, s, 1e-6, p))(
+        jnp.asarray(x), jnp.asarray(scale), pack(jnp.asarray(w))
+    )
+    _close(got, _norm64(x, scale, 1e-6).astype(np.float32), w)
+
+
 def test_build_failure_is_reported(monkeypatch, tmp_path):
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")

@@ -14,6 +14,11 @@
 //    x, the accumulation and y stay f32. For draft heads, whose weights are read every draft step and whose
 //    rounding only changes what they propose (a drafter's q is what it samples, so decoding stays lossless).
 //
+// 1b. RMSNorm fused into the matmul: y = (x / sqrt(mean(x^2) + eps) * scale) @ W, the normalisation as
+//    models.llama.RMSNorm computes it in f32 (x times the reciprocal root, then the scale). At a 9-token call
+//    XLA:CPU ran each norm as three small ops (a YNNPACK reduction, the root, the product) of ~15-25 us each,
+//    ~1 ms of a SmolLM2 call for its 61 norms; here it is one pass over M x K floats before the product.
+//
 // 2. Cache attention: softmax(q K^T * scale + mask) V for the T query tokens of a call against one layer of
 //    the stacked cache [L, B, Hkv, S, D], read in place. XLA:CPU copied each layer's K and V slice out of the
 //    cache and ran the few-row attention as a handful of library calls with ~15-50 us of fixed cost each
@@ -21,6 +26,7 @@
 //    lane): 16-float vector types on AVX2 compiled to code that went through the stack (~8x slower).
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -224,6 +230,21 @@ int64_t workers_for(ffi::ThreadPool& pool) {
   return std::max<int64_t>(1, std::min<int64_t>(cores, pool.num_threads()));
 }
 
+// y = x @ W over panels [0, n_panels) of w, split over the pool's threads.
+template <typename W>
+void matmul_rows(ffi::ThreadPool& pool, const float* xp, int64_t m_dim, int64_t k_dim, const W* wp, float* yp,
+                 int64_t n_panels) {
+  const int64_t n_dim = n_panels * kPanel;
+  const int64_t workers = workers_for(pool);
+  // Small matrices are not worth a helper: ~64 KB of weights is a few microseconds of reading.
+  const bool parallel = workers > 1 && n_panels >= 4 && n_panels * k_dim * kPanel >= (1 << 14);
+  const int64_t n_chunks = parallel ? std::min<int64_t>(n_panels, 4 * workers) : 1;
+  const int64_t per_chunk = (n_panels + n_chunks - 1) / n_chunks;
+  parallel_for(pool, (n_panels + per_chunk - 1) / per_chunk, parallel ? workers : 1, [=](int64_t c) {
+    panels(xp, m_dim, k_dim, wp, yp, n_dim, c * per_chunk, std::min(n_panels, (c + 1) * per_chunk));
+  });
+}
+
 template <ffi::DataType WT>
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                             ffi::ResultBuffer<ffi::F32> y) {
@@ -231,23 +252,54 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel) {
     return ffi::Error::InvalidArgument("packed_matmul: expected x [M, K], w [N/32, K, 32], y [M, N]");
   }
-  const int64_t m_dim = xd[0], k_dim = xd[1], n_panels = wd[0], n_dim = n_panels * kPanel;
-  if (wd[1] != k_dim || yd[0] != m_dim || yd[1] != n_dim) {
+  const int64_t m_dim = xd[0], k_dim = xd[1], n_panels = wd[0];
+  if (wd[1] != k_dim || yd[0] != m_dim || yd[1] != n_panels * kPanel) {
     return ffi::Error::InvalidArgument("packed_matmul: x, w and y shapes disagree");
   }
   if (m_dim == 0 || n_panels == 0) return ffi::Error::Success();
+  matmul_rows(pool, x.typed_data(), m_dim, k_dim, w.typed_data(), y->typed_data(), n_panels);
+  return ffi::Error::Success();
+}
 
-  const int64_t workers = workers_for(pool);
-  // Small matrices are not worth a helper: ~64 KB of weights is a few microseconds of reading.
-  const bool parallel = workers > 1 && n_panels >= 4 && n_panels * k_dim * kPanel >= (1 << 14);
-  const int64_t n_chunks = parallel ? std::min<int64_t>(n_panels, 4 * workers) : 1;
-  const int64_t per_chunk = (n_panels + n_chunks - 1) / n_chunks;
-  const float* xp = x.typed_data();
-  const auto* wp = w.typed_data();
-  float* yp = y->typed_data();
-  parallel_for(pool, (n_panels + per_chunk - 1) / per_chunk, parallel ? workers : 1, [=](int64_t c) {
-    panels(xp, m_dim, k_dim, wp, yp, n_dim, c * per_chunk, std::min(n_panels, (c + 1) * per_chunk));
-  });
+// RMSNorm fused into the matmul (1b above). The sum of squares runs in a fixed order (kLanes partial sums over
+// k, then the lanes in order), so a row's result does not depend on the rest of the call either.
+void rms_norm_rows(const float* x, const float* scale, float eps, int64_t m_dim, int64_t k_dim, float* xn) {
+  for (int64_t r = 0; r < m_dim; ++r) {
+    const float* xr = x + r * k_dim;
+    float* out = xn + r * k_dim;
+    vecn acc = vecn{};
+    int64_t k = 0;
+    for (; k + kLanes <= k_dim; k += kLanes) {
+      const vecn v = loadn(xr + k);
+      acc += v * v;
+    }
+    float lanes[kLanes];
+    storen(lanes, acc);
+    float ss = 0.0f;
+    for (int i = 0; i < kLanes; ++i) ss += lanes[i];
+    for (; k < k_dim; ++k) ss += xr[k] * xr[k];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(k_dim) + eps);
+    for (k = 0; k < k_dim; ++k) out[k] = (xr[k] * inv) * scale[k];
+  }
+}
+
+template <ffi::DataType WT>
+ffi::Error NormMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> scale,
+                          ffi::Buffer<WT> w, ffi::ResultBuffer<ffi::F32> y, float eps) {
+  const auto xd = x.dimensions(), sd = scale.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || sd.size() != 1 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel) {
+    return ffi::Error::InvalidArgument("norm_matmul: expected x [M, K], scale [K], w [N/32, K, 32], y [M, N]");
+  }
+  const int64_t m_dim = xd[0], k_dim = xd[1], n_panels = wd[0];
+  if (sd[0] != k_dim || wd[1] != k_dim || yd[0] != m_dim || yd[1] != n_panels * kPanel) {
+    return ffi::Error::InvalidArgument("norm_matmul: x, scale, w and y shapes disagree");
+  }
+  if (m_dim == 0 || n_panels == 0) return ffi::Error::Success();
+  // The caller's buffer: the helpers read it while the caller waits for them.
+  thread_local std::vector<float> xn;
+  if (xn.size() < static_cast<size_t>(m_dim * k_dim)) xn.resize(m_dim * k_dim);
+  rms_norm_rows(x.typed_data(), scale.typed_data(), eps, m_dim, k_dim, xn.data());
+  matmul_rows(pool, xn.data(), m_dim, k_dim, w.typed_data(), y->typed_data(), n_panels);
   return ffi::Error::Success();
 }
 
@@ -488,3 +540,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecPackedMatmulBF16, PackedMatmulImpl<ffi::BF16>
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecNormMatmulF32, NormMatmulImpl<ffi::F32>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JspecNormMatmulBF16, NormMatmulImpl<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));
