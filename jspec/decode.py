@@ -214,7 +214,7 @@ def _chain_step(
         draft_tokens = jnp.zeros((b, 0), jnp.int32)
         q = jnp.zeros((b, 0, 1), jnp.float32)
         draft_state = st.draft_state
-        best = _greedy_ids(logits, st.sampling)
+        best = _greedy_ids(target, logits, st.sampling)
     else:
         shares = getattr(drafter, "shares_target_cache", False)
         ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling, st.cache if shares else None)
@@ -273,7 +273,7 @@ def _chain_step(
                 )
             else:
                 logits, cache = target.apply(target_params, tokens, positions, cache)
-            return logits.astype(jnp.float32), _greedy_ids(logits, st.sampling), cache, state
+            return logits.astype(jnp.float32), _greedy_ids(target, logits, st.sampling), cache, state
 
         def verify_narrow(c):
             # Nothing was proposed anywhere (e.g. every n-gram lookup missed): a plain 1-token step, so a miss
@@ -281,7 +281,7 @@ def _chain_step(
             # initial zeros: with nothing proposed, only position 0 is read.
             logits, cache = target.apply(target_params, pending[:, None], committed[:, None], c[2])
             wide = c[0].at[:, :1].set(logits.astype(jnp.float32))
-            return wide, c[1].at[:, :1].set(_greedy_ids(logits, st.sampling)), cache, c[3]
+            return wide, c[1].at[:, :1].set(_greedy_ids(target, logits, st.sampling)), cache, c[3]
 
         # A drafter that reads the verification's by-products (e.g. the target features an EAGLE head needs)
         # sets ``verify_updates_state``; its verify returns the new drafter state and always runs.
@@ -307,11 +307,17 @@ def _chain_step(
     return draft_tokens, res.n_accepted, res.next_token, None, cache, draft_state, proposed_at, res.bad_proposal
 
 
-def _greedy_ids(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+def _target_argmax(target: Model):
+    """The target's own row argmax (``Model.argmax``, e.g. a CPU kernel) or ``jspec.sampling.argmax``."""
+    return target.argmax or argmax
+
+
+def _greedy_ids(target: Model, logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     """[B, T, V] -> [B, T] int32: the argmax when every row is greedy (all greedy verification reads), zeros
     otherwise (a sampling batch builds its distributions instead)."""
     zeros = jnp.zeros(logits.shape[:2], jnp.int32)
-    return jax.lax.cond(jnp.all(sampling.temperature == 0), argmax, lambda _: zeros, logits).astype(jnp.int32)
+    am = _target_argmax(target)
+    return jax.lax.cond(jnp.all(sampling.temperature == 0), am, lambda _: zeros, logits).astype(jnp.int32)
 
 
 AT_MOST_ONCE = "at_most_once"
@@ -373,7 +379,8 @@ def _tree_step(
         return verify_tree_key(k_verify, p, prop.q, tokens, prop.parent, valid, drafter.rule, d, c)
 
     def greedy(logits):  # the same result without the [B, N, V] distributions (1-1.5 ms of a SmolLM2 round)
-        return verify_tree_greedy(argmax(logits), tokens, prop.parent, valid, drafter.max_depth, drafter.max_children)
+        ids = _target_argmax(target)(logits)
+        return verify_tree_greedy(ids, tokens, prop.parent, valid, drafter.max_depth, drafter.max_children)
 
     res = jax.lax.cond(jnp.all(st.sampling.temperature == 0), greedy, sampled, logits)
     state = drafter.follow_path(prop.state, verified, res.path) if updates_state else prop.state

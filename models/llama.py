@@ -707,9 +707,13 @@ def init_cache(cfg: LlamaConfig, batch: int, slots: int) -> KVCache:
 
 
 @functools.cache
-def make_model(cfg: LlamaConfig) -> Model:
+def make_model(cfg: LlamaConfig, kernel_argmax: bool = False) -> Model:
     """The ``jspec.model.Model`` for a config, built once per config so its functions keep one identity
-    (the decoder takes it as a static jit argument)."""
+    (the decoder takes it as a static jit argument).
+
+    kernel_argmax: the model's ``argmax`` is the CPU row-argmax kernel (``cpu_kernels.row_argmax``), for the
+    packed single-device CPU layout (``registry.load`` sets it there). Not for sharded runs: an FFI call has no
+    sharding rule, so XLA would gather the logits of a data-parallel batch to every device."""
 
     def apply(params, tokens, positions, cache, tree_mask=None):
         return forward(cfg, params, tokens, positions, cache, tree_mask)
@@ -721,4 +725,11 @@ def make_model(cfg: LlamaConfig) -> Model:
     def make_cache(batch: int, slots: int) -> KVCache:
         return init_cache(cfg, batch, slots)
 
-    return Model(apply=apply, init_cache=make_cache, vocab_size=cfg.vocab_size, name=cfg.name, apply_at=apply_at)
+    return Model(
+        apply=apply,
+        init_cache=make_cache,
+        vocab_size=cfg.vocab_size,
+        name=cfg.name,
+        apply_at=apply_at,
+        argmax=cpu_kernels.row_argmax if kernel_argmax else None,
+    )

@@ -14,7 +14,7 @@ from jspec.model import Model
 from models.checkpoint import CheckpointError
 from models.gguf_loader import config_from_gguf, open_gguf, params_from_gguf
 from models.hf_loader import config_from_hf, params_from_hf
-from models.llama import LlamaConfig, Params, is_unstacked, make_model, unstack_layers
+from models.llama import LlamaConfig, Params, is_packed, is_unstacked, make_model, unstack_layers
 from models.tokenizer import Tokenizer
 
 
@@ -86,7 +86,7 @@ def load(name_or_path: str | os.PathLike, dtype="float32", unstacked: bool = Fal
         tok = Tokenizer.from_gguf(gf) if "tokenizer.ggml.tokens" in gf.reader.fields else None
     if unstacked:
         params = unstack_layers(params)
-    return LoadedModel(cfg, params, make_model(cfg), tok)
+    return LoadedModel(cfg, params, make_model(cfg, kernel_argmax=is_packed(params)), tok)
 
 
 # --------------------------------------------------------------------------------------------------------

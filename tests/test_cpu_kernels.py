@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.sampling import argmax
 from models import cpu_kernels
 from models.cpu_kernels import PackedMatrix, matmul, pack
 
@@ -188,6 +189,35 @@ def test_norm_matmul_fallback_and_errors(monkeypatch):
         jnp.asarray(x), jnp.asarray(scale), pack(jnp.asarray(w))
     )
     _close(got, _norm64(x, scale, 1e-6).astype(np.float32), w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,v", [(1, 49152), (9, 49152), (3, 20000), (20, 37), (2, 1)])
+def test_row_argmax_is_the_lowest_index_of_the_maximum(m, v):
+    """The argmax kernel against numpy (lowest index on ties): random rows, rows of tied integers (ties inside
+    a vector, across the vector chains and across the 8192-column chunks), rows of -inf, and rows holding a
+    NaN (V - 1, as ``jspec.sampling.argmax``); a row alone gets the same id as inside the call."""
+    rng = np.random.default_rng(m * 7 + v)
+    x = rng.standard_normal((m, v)).astype(np.float32)
+    if m >= 3:
+        x[1] = rng.integers(0, 4, v).astype(np.float32)  # many ties of the maximum
+        x[2] = -np.inf
+    if m >= 9:
+        x[4, 5] = np.nan
+        x[5, v - 1] = 99.0  # the last column (the tail after the vector chains)
+        if v > 40000:
+            x[3, [9000, 17000, 40000]] = 50.0  # the same maximum in three chunks: the first one wins
+    f = jax.jit(cpu_kernels.row_argmax)
+    got = np.asarray(f(jnp.asarray(x)))
+    want = np.where(np.isnan(x).any(axis=1), v - 1, np.argmax(np.nan_to_num(x, nan=-np.inf), axis=1))
+    assert got.dtype == np.int32 and got.shape == (m,)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(argmax)(jnp.asarray(x))))  # the jspec contract
+    if m >= 9:
+        assert got[4] == v - 1 and got[5] == v - 1 and (v <= 40000 or got[3] == 9000)
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[m - 1 :]))), got[m - 1 :])
+    # Leading axes are flattened and restored.
+    assert np.asarray(f(jnp.asarray(x)[None])).shape == (1, m)
 
 
 def test_build_failure_is_reported(monkeypatch, tmp_path):

@@ -106,6 +106,35 @@ def test_greedy_speculative_equals_greedy_plain(gamma):
         assert got == seq[len(prompt) :]
 
 
+def test_greedy_paths_take_the_targets_own_argmax():
+    """``Model.argmax`` (a kernel in models) is what the greedy paths read: plain steps, chain verification
+    (wide and narrow branches) and tree verification. A deliberately different rule (argmin) shows it is
+    used everywhere after the prefill (whose first token goes through ``jspec.sampling``)."""
+    from jspec.ngram import NgramDrafter
+    from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
+
+    target = dataclasses.replace(TARGET, argmax=lambda x: jnp.argmin(x, axis=-1).astype(jnp.int32))
+    want = []
+    for prompt in PROMPTS:
+        seq = list(prompt)
+        for i in range(12):
+            parent = seq[-2] if len(seq) >= 2 else 0
+            row = TARGET_TABLE[parent, seq[-1], (len(seq) - 1) % PERIOD]
+            seq.append(int(np.argmax(row) if i == 0 else np.argmin(row)))
+        want.append(seq[len(prompt) :])
+    runs = {
+        "plain": {},
+        "chain": dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3),
+        "ngram": dict(drafter=NgramDrafter(vocab_size=VOCAB), gamma=3),
+        "tree": dict(
+            drafter=TreeModelDrafter(DRAFT, TreeSpec((2, 1)), TreeRule.DETERMINISTIC), draft_params=DRAFT_PARAMS
+        ),
+    }
+    for name, kw in runs.items():
+        assert dec.decode(target, TARGET_PARAMS, PROMPTS, max_new_tokens=12, **kw).tokens == want, name
+    assert want != dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=12).tokens
+
+
 def test_max_new_tokens_per_row_exact():
     budgets = [1, 7, 3, 12]
     out = dec.decode(

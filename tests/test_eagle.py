@@ -651,13 +651,17 @@ def test_smollm2_greedy_identical_to_plain(smollm2):
     tests above."""
     cfg, params, model, tok = smollm2
     params = unstack_layers(params)
+    # As ``registry.load`` builds it for this layout: greedy paths read the CPU row-argmax kernel.
+    kmodel = llama.make_model(cfg, kernel_argmax=is_packed(params))
+    assert (kmodel.argmax is not None) == is_packed(params) and model.argmax is None
     chats = [
         "What are three good habits for staying focused while studying?",
         "Write a short poem about the sea at night.",
     ]
     prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in chats]
     kw = dict(max_new_tokens=40, eos_ids=[cfg.eos_id], max_len=128)
-    plain = decode(model, params, prompts, **kw)
+    plain = decode(kmodel, params, prompts, **kw)
+    assert plain.tokens == decode(model, params, prompts, **kw).tokens  # the kernel keeps the argmax contract
     # The bundled, trained head (models/heads/, bf16 on disk): its accepted runs exercise the multi-token
     # commits an untrained head rarely reaches (the CLI test decodes an untrained one).
     path = Path(BUNDLED_DIR) / DEFAULT_HEAD  # what is committed (a trained head of that name would shadow it)
@@ -673,7 +677,7 @@ def test_smollm2_greedy_identical_to_plain(smollm2):
     # K=2, the K this head is benchmarked with on AVX2 (README, "Choosing K"): its 3-token verification runs
     # the CPU kernel's 3-row tile; 5-token verifications on this layout run in the CLI main job's test
     # (n-gram, K=4). gamma below max_draft (4), as the CLI runs it (max_draft 8).
-    spec = decode(model, params, prompts, drafter=drafter, draft_params=dparams, gamma=2, **kw)
+    spec = decode(kmodel, params, prompts, drafter=drafter, draft_params=dparams, gamma=2, **kw)
     assert spec.tokens == plain.tokens
     assert min(plain.lengths) >= 20
     assert spec.stats["proposed"] > 0 and spec.stats["accepted_at"][1] > 0  # runs of two drafts accepted
