@@ -1,5 +1,6 @@
-"""CPU kernels for decode and verification passes, called through XLA's FFI: a packed-panel matmul and an
-attention that reads one layer of the stacked KV cache in place (``cache_attention``).
+"""CPU kernels for decode and verification passes, called through XLA's FFI: a packed-panel matmul (also with
+the RMSNorm of its input inside, ``norm_matmul``), an attention that reads one layer of the stacked KV cache in
+place (``cache_attention``) and a row argmax over logits (``row_argmax``, a model's ``Model.argmax``).
 
 Dimension vocabulary: M rows (B * T tokens of a call), K contracted width, N output width.
 

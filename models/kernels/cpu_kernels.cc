@@ -531,7 +531,9 @@ struct ArgmaxPart {
 ArgmaxPart argmax_chunk(const float* x, int64_t j0, int64_t j1) {
   ArgmaxPart part{x[j0], static_cast<int32_t>(j0), x[j0] != x[j0]};
   int64_t j = j0 + 1;
-  constexpr int kChains = 4;  // independent compare/select chains: one chain waited on its own latency
+  // Independent compare/select chains: with one, each step waited on the last ([9, 49152]: 62-66 against
+  // 31-33 us on a 2-core Zen 5).
+  constexpr int kChains = 4;
   if (j1 - j0 >= kChains * kLanes) {
     // Chain c, lane l keeps the first index of its own maximum over the vectors it reads (strict >: a later
     // equal value does not replace it); the merge then takes the lowest index among equal maxima.
