@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -345,3 +346,68 @@ def test_ngram_variants_parse_and_label():
     assert labels == ["ngram K=8", "ngram K=8 n=4..2"]
     spec = suite.ngram_spec(target, 8, 4, 2)
     assert (spec.gamma, spec.drafter.max_ngram, spec.drafter.min_ngram) == (8, 4, 2)
+
+
+def test_timed_region_gc_freezes_the_heap_and_times_what_still_runs():
+    """Inside: every object alive at entry is frozen (an oldest-generation collection then walks only what
+    the run allocated), and collections are counted and timed; on exit the heap is unfrozen, so what a run
+    dropped can still be collected. Without freeze nothing is frozen but collections are still timed."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    alive = len(gc.get_objects())
+    with metrics.timed_region_gc() as st:
+        assert gc.get_freeze_count() >= alive // 2 and st["frozen_objects"] >= alive // 2
+        gc.collect()
+        gc.collect()
+    assert gc.get_freeze_count() == 0
+    assert st["frozen"] and st["collections"] == 2 and 0 < st["pause_ms_max"] <= st["pause_ms_total"]
+    with metrics.timed_region_gc(freeze=False) as st:
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+    assert not st["frozen"] and st["frozen_objects"] == 0 and st["collections"] == 1
+    with pytest.raises(RuntimeError), metrics.timed_region_gc():
+        raise RuntimeError("a failing run")
+    assert gc.get_freeze_count() == 0  # unfrozen on the way out of a failure too
+
+
+def test_runs_are_timed_with_the_heap_frozen_and_say_so(closed_runs):
+    """The runner's clock is read only inside the timed part: the heap is frozen at every reading (and not
+    after the run); the run records its GC stats, which the report's GC line sums."""
+    import gc
+
+    frozen_at_reads = []
+
+    def clock():
+        frozen_at_reads.append(gc.get_freeze_count())
+        return time.perf_counter()
+
+    res = _run(PLAIN, Load.closed(2), [Job(f"g{i}", "a", (0, 1)) for i in range(3)], warmup=False, clock=clock)
+    assert len(frozen_at_reads) > 3 and min(frozen_at_reads) > 0 and gc.get_freeze_count() == 0
+    assert res.engine["gc"]["frozen"] and res.engine["gc"]["frozen_objects"] > 0
+    off = _run(PLAIN, Load.closed(2), [Job("g", "a", (0, 1))], warmup=False, freeze_gc=False)
+    assert not off.engine["gc"]["frozen"]
+    runs = [r.to_json(with_requests=False) for r in (res, off, *closed_runs.values())]
+    runs[0]["engine"]["gc"] = dict(runs[0]["engine"]["gc"], collections=2, pause_ms_total=30.0, pause_ms_max=20.0)
+    for r in runs[1:]:
+        r["engine"]["gc"] = dict(r["engine"]["gc"], collections=1, pause_ms_total=5.0, pause_ms_max=5.0)
+    note = report.gc_note(runs)
+    assert "frozen in 3 of 4 runs" in note and "5 in all, 45 ms, the longest 20 ms" in note
+
+
+def test_peers_are_timed_with_the_heap_frozen_too():
+    import gc
+
+    seen = []
+
+    def generate_one(prompt, rec, t0):
+        seen.append(gc.get_freeze_count())
+        rec.emissions.append((time.perf_counter() - t0, 1))
+        rec.tokens, rec.stop_reason, rec.finished = [1], "eos", time.perf_counter() - t0
+
+    run = peers.PeerRun("fake", "plain", "fake plain", True)
+    records, _ = peers._serve_sequentially([Job("p", "a", (0, 1)), Job("q", "a", (1,))], generate_one, None, run)
+    assert len(seen) == 2 and min(seen) > 0 and gc.get_freeze_count() == 0
+    assert run.info["gc"]["frozen"] and all(r.ok for r in records)
+    peers._serve_sequentially([Job("p", "a", (0,))], generate_one, None, run, freeze_gc=False)
+    assert seen[-1] == 0 and not run.info["gc"]["frozen"]

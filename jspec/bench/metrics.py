@@ -28,9 +28,11 @@ backend reports ``memory_stats()`` the peak bytes in use are recorded too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
+import gc
 import hashlib
 import os
 import platform
@@ -48,6 +50,7 @@ import numpy as np
 from jspec.decode import DecodeConfig, decode_round, prefill
 from jspec.drafters import DraftContext
 from jspec.sampling import SamplingParams, distribution
+from jspec.serve import freeze_gc_heap
 from jspec.tree import ancestor_mask, verify_tree_key
 from jspec.verify import verify_chain_key
 
@@ -142,6 +145,36 @@ class RequestRecord:
             "text": self.text,
             "tokens": self.tokens,
         }
+
+
+@contextlib.contextmanager
+def timed_region_gc(freeze: bool = True):
+    """Around a timed run: with ``freeze``, ``jspec.serve.freeze_gc_heap()`` on entry and ``gc.unfreeze()`` on
+    exit (so what the run dropped can be collected before the next one); either way every collection
+    inside is timed. Yields a dict filled in on exit: frozen, frozen_objects, collections, pause_ms_total,
+    pause_ms_max (the pauses a run did pay are reported, not hidden)."""
+    stats: dict[str, Any] = {"frozen": bool(freeze), "frozen_objects": 0, "collections": 0}
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def watch(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
+    if freeze:
+        stats["frozen_objects"] = freeze_gc_heap()
+    gc.callbacks.append(watch)
+    try:
+        yield stats
+    finally:
+        gc.callbacks.remove(watch)
+        if freeze:
+            gc.unfreeze()
+        stats["collections"] = len(pauses)
+        stats["pause_ms_total"] = round(sum(pauses) * 1e3, 3)
+        stats["pause_ms_max"] = round(max(pauses, default=0.0) * 1e3, 3)
 
 
 def summarize_requests(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:

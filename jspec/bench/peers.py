@@ -68,10 +68,23 @@ def _missing(mods: Sequence[str]) -> list[str]:
 
 
 def _serve_sequentially(
-    jobs, generate_one: Callable[[Sequence[int], RequestRecord], None], max_wall_s: float | None
+    jobs,
+    generate_one: Callable[[Sequence[int], RequestRecord], None],
+    max_wall_s: float | None,
+    run: PeerRun,
+    freeze_gc: bool = True,
 ) -> tuple[list[RequestRecord], float]:
     """Closed loop at concurrency 1: each request arrives when the previous one ends. ``generate_one`` fills
-    the record's emissions and tokens (times relative to the run start via ``rec.arrival``)."""
+    the record's emissions and tokens (times relative to the run start via ``rec.arrival``). The Python heap
+    is frozen for the timed part as for jspec's runs (``metrics.timed_region_gc``; stats in
+    ``run.info["gc"]``)."""
+    with metrics.timed_region_gc(freeze_gc) as gc_stats:
+        out = _serve_jobs(jobs, generate_one, max_wall_s)
+    run.info["gc"] = gc_stats
+    return out
+
+
+def _serve_jobs(jobs, generate_one, max_wall_s) -> tuple[list[RequestRecord], float]:
     records = []
     t0 = time.perf_counter()
     for job in jobs:
@@ -198,6 +211,7 @@ def run_transformers(
     decode_text=None,
     scorer=None,
     max_wall_s: float | None = None,
+    freeze_gc: bool = True,
     device: str | None = None,
 ) -> list[PeerRun]:
     """transformers' plain / prompt-lookup / assisted generation on the same GGUF, one request at a time.
@@ -282,7 +296,7 @@ def run_transformers(
         except Exception as e:
             out.append(PeerRun(lib, tech, label, False, f"warm-up failed: {type(e).__name__}: {e}"[:300], info=info))
             continue
-        records, wall = _serve_sequentially(jobs, generate_one, max_wall_s)
+        records, wall = _serve_sequentially(jobs, generate_one, max_wall_s, run, freeze_gc)
         _finalize(run, records, wall, jobs, decode_text, scorer)
         out.append(run)
     return out
@@ -316,6 +330,7 @@ def run_llama_cpp(
     decode_text=None,
     scorer=None,
     max_wall_s: float | None = None,
+    freeze_gc: bool = True,
 ) -> list[PeerRun]:
     """llama-cpp-python plain and prompt-lookup decoding of the same GGUF, one request at a time."""
     lib = "llama-cpp-python"
@@ -369,7 +384,7 @@ def run_llama_cpp(
         except Exception as e:
             out.append(PeerRun(lib, tech, label, False, f"warm-up failed: {type(e).__name__}: {e}"[:300]))
             continue
-        records, wall = _serve_sequentially(jobs, generate_one, max_wall_s)
+        records, wall = _serve_sequentially(jobs, generate_one, max_wall_s, run, freeze_gc)
         _finalize(run, records, wall, jobs, decode_text, scorer)
         out.append(run)
     return out

@@ -277,6 +277,27 @@ def meta_block(meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def gc_note(runs: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] = ()) -> str:
+    """One line on Python's garbage collector inside the timed runs (jspec's and the peers')."""
+    stats = [r.get("engine", {}).get("gc") for r in runs] + [p.get("info", {}).get("gc") for p in peers]
+    stats = [g for g in stats if g]
+    if not stats:
+        return ""
+    frozen = sum(bool(g["frozen"]) for g in stats)
+    how = (
+        "the Python heap frozen after each warm-up (`gc.freeze`, as vLLM and SGLang do)"
+        if frozen == len(stats)
+        else f"the Python heap frozen in {frozen} of {len(stats)} runs"
+    )
+    n = sum(g["collections"] for g in stats)
+    total = sum(g["pause_ms_total"] for g in stats)
+    worst = max(g["pause_ms_max"] for g in stats)
+    return (
+        f"Timed runs: {how}; collections that ran inside them: {n} in all, {total:.0f} ms, the longest "
+        f"{worst:.0f} ms (first pass of each configuration)."
+    )
+
+
 def markdown(payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
     runs, peers, meta = payload.get("runs", []), payload.get("peers", []), payload.get("meta", {})
     parts = [f"# jspec benchmark: {payload.get('suite', '')}", ""]
@@ -299,6 +320,9 @@ def markdown(payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
         "proposed candidates; tokens/round = emitted / rounds.",
         "",
     ]
+    note = gc_note(runs, peers)
+    if note:
+        parts += [note, ""]
     if any(r.get("cost_model") for r in runs):
         parts += ["## Cost model check (seed section 3)", "", cost_table(runs), ""]
         parts += [

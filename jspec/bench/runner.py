@@ -268,6 +268,7 @@ def _warm(target, params, spec, load, max_len, eos_ids, bucket, prompt_lens, max
         bucket=bucket,
         warmup=False,
         rounds_per_sync=rounds_per_sync,
+        freeze_gc=False,  # the timed run freezes once, after its warm-up
     )
     # A warm request that ends at its first token (EOS) is never stepped: step one explicitly (a stopped row
     # steps as a no-op through the same program).
@@ -295,6 +296,7 @@ def run(
     max_wall_s: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
     rounds_per_sync: int = 1,
+    freeze_gc: bool = True,
 ) -> RunResult:
     """Serve ``jobs`` under ``load`` and record everything (see the module docstring).
 
@@ -303,7 +305,8 @@ def run(
     (``workloads.score``) after the run, outside the timed part. max_wall_s: stop admitting new requests
     after this long (those never started are recorded as timeouts with the error "run wall limit").
     rounds_per_sync: decode rounds per engine step (``jspec.serve.Engine``); tokens are timestamped when
-    their step returns.
+    their step returns. freeze_gc: freeze the Python heap for the timed part, as a server does once warm
+    (``metrics.timed_region_gc``); the collections that still run there are timed into ``engine["gc"]``.
     """
     rows = load.concurrency
     if warmup:
@@ -326,134 +329,135 @@ def run(
     add_times: list[float] = []
     cancel = getattr(engine, "cancel", None)
 
-    t0 = clock()
+    with metrics.timed_region_gc(freeze_gc) as gc_stats:
+        t0 = clock()
 
-    def now() -> float:
-        return clock() - t0
+        def now() -> float:
+            return clock() - t0
 
-    def arrive(upto: float):
-        nonlocal next_job
-        while next_job < n and next_job < len(arrivals) and arrivals[next_job] <= upto:
-            j = jobs[next_job]
-            plen = len(j.prompt) if j.prompt is not None else 0
-            records[next_job] = RequestRecord(j.id, j.workload, plen, float(arrivals[next_job]))
-            queue.append(next_job)
-            next_job += 1
+        def arrive(upto: float):
+            nonlocal next_job
+            while next_job < n and next_job < len(arrivals) and arrivals[next_job] <= upto:
+                j = jobs[next_job]
+                plen = len(j.prompt) if j.prompt is not None else 0
+                records[next_job] = RequestRecord(j.id, j.workload, plen, float(arrivals[next_job]))
+                queue.append(next_job)
+                next_job += 1
 
-    def client_done(t: float):
-        # Closed loop: the client whose request just ended sends its next one now.
-        if load.mode == "closed" and len(arrivals) < n:
-            arrivals.append(t)
+        def client_done(t: float):
+            # Closed loop: the client whose request just ended sends its next one now.
+            if load.mode == "closed" and len(arrivals) < n:
+                arrivals.append(t)
 
-    def finish(i: int, t: float, reason: str, error: str | None = None, timed_out: bool = False):
-        rec = records[i]
-        rec.finished = t if not (timed_out or reason == "not_run") else None
-        rec.stop_reason = reason
-        rec.error = error
-        rec.timed_out = timed_out
-        client_done(t)
-
-    stopped_admitting = False
-    while True:
-        t = now()
-        arrive(t)
-        if max_wall_s is not None and t > max_wall_s and not stopped_admitting:
-            stopped_admitting = True
-        # Deadlines of queued requests.
-        if load.timeout_s is not None or stopped_admitting:
-            for i in list(queue):
-                late = load.timeout_s is not None and t - records[i].arrival > load.timeout_s
-                if late:
-                    queue.remove(i)
-                    finish(i, t, "timeout", timed_out=True)
-                elif stopped_admitting:  # never started: neither an error nor a timeout of the system
-                    queue.remove(i)
-                    finish(i, t, "not_run")
-            arrive(t)
-        # Fill free rows.
-        busy = set(owner)
-        for row in engine.free_rows():
-            if row in busy:
-                continue
-            while queue:
-                i = queue.popleft()
-                rec, job = records[i], jobs[i]
-                if job.prompt is None:
-                    finish(i, now(), "error", job.error)
-                    continue
-                rec.admitted = now()
-                try:
-                    first = engine.add(
-                        row,
-                        job.prompt,
-                        max_new_tokens,
-                        sampling.temperature,
-                        sampling.top_k,
-                        sampling.top_p,
-                        sampling.min_p,
-                    )
-                except Exception as e:  # a failing request is recorded, the run continues
-                    finish(i, now(), "error", f"{type(e).__name__}: {e}")
-                    continue
-                ta = now()
-                add_times.append(ta - rec.admitted)
-                rec.emissions.append((ta, 1))
-                rec.tokens.append(first)
-                reason = engine.stop_reason(row)
-                if reason != StopReason.RUNNING:  # ended at its first token (EOS or a budget of 1)
-                    rec.stats = {"rounds": 0, "emitted": 0, "proposed": 0, "accepted": 0}
-                    finish(i, ta, reason.name.lower())
-                    continue
-                owner[row] = i
-                break
-        running = [r for r in owner if engine.stop_reason(r) == StopReason.RUNNING]
-        if not running:
-            owner.clear()
-            if next_job >= n and not queue:
-                if load.mode == "closed" and len(arrivals) < n:
-                    continue
-                break
-            if not queue and next_job < len(arrivals):  # idle until the next arrival
-                wait = arrivals[next_job] - now()
-                if wait > 0:
-                    time.sleep(wait)
-            continue
-        ts = now()
-        emitted = engine.step()
-        te = now()
-        step_times.append(te - ts)
-        done_rows = []
-        for row, toks in emitted.items():
-            i = owner.get(row)
-            if i is None:
-                continue
+        def finish(i: int, t: float, reason: str, error: str | None = None, timed_out: bool = False):
             rec = records[i]
-            if not rec.timed_out and toks:
-                rec.emissions.append((te, len(toks)))
-                rec.tokens.extend(toks)
-            if engine.stop_reason(row) != StopReason.RUNNING:
-                done_rows.append(row)
-        if done_rows:
-            st = jax.device_get(engine.state.stats)
-            for row in done_rows:
-                i = owner.pop(row)
-                rec = records[i]
-                rec.stats = {
-                    f: int(getattr(st, f)[row]) for f in ("rounds", "emitted", "proposed", "accepted")
-                }  # per-request counters (reset when a request is inserted)
-                if not rec.timed_out:
-                    finish(i, te, engine.stop_reason(row).name.lower())
-        # Deadlines of running requests: their later tokens are discarded.
-        if load.timeout_s is not None:
-            for row, i in list(owner.items()):
-                rec = records[i]
-                if not rec.timed_out and te - rec.arrival > load.timeout_s:
-                    finish(i, te, "timeout", timed_out=True)
-                    if cancel is not None:
-                        cancel(row)
-                        owner.pop(row)
+            rec.finished = t if not (timed_out or reason == "not_run") else None
+            rec.stop_reason = reason
+            rec.error = error
+            rec.timed_out = timed_out
+            client_done(t)
 
-    wall = now()  # includes decoding that timed-out requests left running: the system did that work
+        stopped_admitting = False
+        while True:
+            t = now()
+            arrive(t)
+            if max_wall_s is not None and t > max_wall_s and not stopped_admitting:
+                stopped_admitting = True
+            # Deadlines of queued requests.
+            if load.timeout_s is not None or stopped_admitting:
+                for i in list(queue):
+                    late = load.timeout_s is not None and t - records[i].arrival > load.timeout_s
+                    if late:
+                        queue.remove(i)
+                        finish(i, t, "timeout", timed_out=True)
+                    elif stopped_admitting:  # never started: neither an error nor a timeout of the system
+                        queue.remove(i)
+                        finish(i, t, "not_run")
+                arrive(t)
+            # Fill free rows.
+            busy = set(owner)
+            for row in engine.free_rows():
+                if row in busy:
+                    continue
+                while queue:
+                    i = queue.popleft()
+                    rec, job = records[i], jobs[i]
+                    if job.prompt is None:
+                        finish(i, now(), "error", job.error)
+                        continue
+                    rec.admitted = now()
+                    try:
+                        first = engine.add(
+                            row,
+                            job.prompt,
+                            max_new_tokens,
+                            sampling.temperature,
+                            sampling.top_k,
+                            sampling.top_p,
+                            sampling.min_p,
+                        )
+                    except Exception as e:  # a failing request is recorded, the run continues
+                        finish(i, now(), "error", f"{type(e).__name__}: {e}")
+                        continue
+                    ta = now()
+                    add_times.append(ta - rec.admitted)
+                    rec.emissions.append((ta, 1))
+                    rec.tokens.append(first)
+                    reason = engine.stop_reason(row)
+                    if reason != StopReason.RUNNING:  # ended at its first token (EOS or a budget of 1)
+                        rec.stats = {"rounds": 0, "emitted": 0, "proposed": 0, "accepted": 0}
+                        finish(i, ta, reason.name.lower())
+                        continue
+                    owner[row] = i
+                    break
+            running = [r for r in owner if engine.stop_reason(r) == StopReason.RUNNING]
+            if not running:
+                owner.clear()
+                if next_job >= n and not queue:
+                    if load.mode == "closed" and len(arrivals) < n:
+                        continue
+                    break
+                if not queue and next_job < len(arrivals):  # idle until the next arrival
+                    wait = arrivals[next_job] - now()
+                    if wait > 0:
+                        time.sleep(wait)
+                continue
+            ts = now()
+            emitted = engine.step()
+            te = now()
+            step_times.append(te - ts)
+            done_rows = []
+            for row, toks in emitted.items():
+                i = owner.get(row)
+                if i is None:
+                    continue
+                rec = records[i]
+                if not rec.timed_out and toks:
+                    rec.emissions.append((te, len(toks)))
+                    rec.tokens.extend(toks)
+                if engine.stop_reason(row) != StopReason.RUNNING:
+                    done_rows.append(row)
+            if done_rows:
+                st = jax.device_get(engine.state.stats)
+                for row in done_rows:
+                    i = owner.pop(row)
+                    rec = records[i]
+                    rec.stats = {
+                        f: int(getattr(st, f)[row]) for f in ("rounds", "emitted", "proposed", "accepted")
+                    }  # per-request counters (reset when a request is inserted)
+                    if not rec.timed_out:
+                        finish(i, te, engine.stop_reason(row).name.lower())
+            # Deadlines of running requests: their later tokens are discarded.
+            if load.timeout_s is not None:
+                for row, i in list(owner.items()):
+                    rec = records[i]
+                    if not rec.timed_out and te - rec.arrival > load.timeout_s:
+                        finish(i, te, "timeout", timed_out=True)
+                        if cancel is not None:
+                            cancel(row)
+                            owner.pop(row)
+
+        wall = now()  # includes decoding that timed-out requests left running: the system did that work
     for i, rec in enumerate(records):
         if rec is None:  # never arrived (run wall limit): recorded, not silently dropped
             records[i] = RequestRecord(jobs[i].id, jobs[i].workload, len(jobs[i].prompt or ()), wall)
@@ -528,6 +532,7 @@ def run(
         "rounds_per_sync": rounds_per_sync,
         "step_ms": metrics.dist_summary(step_times, 1e3),
         "prefill_insert_ms": metrics.dist_summary(add_times, 1e3),
+        "gc": gc_stats,
     }
     return RunResult(spec, load, sampling, max_new_tokens, records, summary, decode_stats, memory, engine_info)
 

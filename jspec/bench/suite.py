@@ -150,6 +150,7 @@ class SuiteConfig:
     max_wall_s: float | None = None
     rounds_per_sync: int = 1  # decode rounds per engine step (one host sync each)
     passes: int = 1  # runs of every configuration, in alternating order (see ``run_specs``)
+    freeze_gc: bool = True  # Python heap frozen in timed runs (``metrics.timed_region_gc``), peers' too
 
 
 def prepare_jobs(target: Target, cfg: SuiteConfig) -> tuple[list[runner.Job], dict[str, Any]]:
@@ -208,6 +209,7 @@ def run_one(target: Target, spec: Spec, load: Load, jobs, cfg: SuiteConfig, log=
         scorer=_scorer,
         max_wall_s=cfg.max_wall_s,
         rounds_per_sync=cfg.rounds_per_sync,
+        freeze_gc=cfg.freeze_gc,
     )
     s = res.summary
     log(
@@ -300,6 +302,7 @@ def _pass_summary(r: RunResult, first: RunResult) -> dict[str, Any]:
         "ttft_ms_p50": s["ttft_ms"]["median"],
         "tokens_per_round": r.decode_stats.get("tokens_per_round"),
         "same_tokens_as_first_pass": r.tokens_by_id() == first.tokens_by_id(),
+        "gc": r.engine.get("gc"),
     }
 
 
@@ -341,6 +344,7 @@ def run_peer_set(
         decode_text=target.decode_text,
         scorer=_scorer,
         max_wall_s=cfg.max_wall_s,
+        freeze_gc=cfg.freeze_gc,
     )
     for p in runs:
         if not p.available:
@@ -458,6 +462,12 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
         help="prompt widths are padded up to a multiple of this (one prefill compile per width): a smaller "
         "bucket wastes less prefill compute on padding and compiles more widths",
     )
+    ap.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave the Python heap unfrozen in timed runs (by default it is frozen after each warm-up, as "
+        "vLLM and SGLang do; collections that still run are reported either way)",
+    )
     ap.add_argument("--phase-repeats", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase timing (and the cost model)")
     ap.add_argument("--out", default="results/bench", help="output directory (JSON, Markdown, PNG)")
@@ -493,6 +503,7 @@ def config_from_args(args) -> SuiteConfig:
         rounds_per_sync=args.rounds_per_sync,
         passes=args.passes,
         bucket=args.bucket,
+        freeze_gc=not args.no_gc_freeze,
     )
 
 
