@@ -392,7 +392,7 @@ def test_runs_are_timed_with_the_heap_frozen_and_say_so(closed_runs):
     for r in runs[1:]:
         r["engine"]["gc"] = dict(r["engine"]["gc"], collections=1, pause_ms_total=5.0, pause_ms_max=5.0)
     note = report.gc_note(runs)
-    assert "frozen in 3 of 4 runs" in note and "5 in all, 45 ms, the longest 20 ms" in note
+    assert "frozen in 3 of 4 runs" in note and "5 in all, 45.0 ms, the longest 20.0 ms" in note
 
 
 def test_peers_are_timed_with_the_heap_frozen_too():

@@ -293,8 +293,8 @@ def gc_note(runs: Sequence[dict[str, Any]], peers: Sequence[dict[str, Any]] = ()
     total = sum(g["pause_ms_total"] for g in stats)
     worst = max(g["pause_ms_max"] for g in stats)
     return (
-        f"Timed runs: {how}; collections that ran inside them: {n} in all, {total:.0f} ms, the longest "
-        f"{worst:.0f} ms (first pass of each configuration)."
+        f"Timed runs: {how}; collections that ran inside them: {n} in all, {total:.1f} ms, the longest "
+        f"{worst:.1f} ms (first pass of each configuration)."
     )
 
 
