@@ -369,6 +369,13 @@ def test_timed_region_gc_freezes_the_heap_and_times_what_still_runs():
     with pytest.raises(RuntimeError), metrics.timed_region_gc():
         raise RuntimeError("a failing run")
     assert gc.get_freeze_count() == 0  # unfrozen on the way out of a failure too
+    gc.freeze()  # a caller's own freeze is left in place
+    try:
+        with metrics.timed_region_gc():
+            pass
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 def test_runs_are_timed_with_the_heap_frozen_and_say_so(closed_runs):

@@ -150,7 +150,8 @@ class RequestRecord:
 @contextlib.contextmanager
 def timed_region_gc(freeze: bool = True):
     """Around a timed run: with ``freeze``, ``jspec.serve.freeze_gc_heap()`` on entry and ``gc.unfreeze()`` on
-    exit (so what the run dropped can be collected before the next one); either way every collection
+    exit (so what the run dropped can be collected before the next one; not when the heap was already frozen
+    on entry, which is the caller's to undo); either way every collection
     inside is timed. Yields a dict filled in on exit: frozen, frozen_objects, collections, pause_ms_total,
     pause_ms_max (the pauses a run did pay are reported, not hidden)."""
     stats: dict[str, Any] = {"frozen": bool(freeze), "frozen_objects": 0, "collections": 0}
@@ -163,6 +164,8 @@ def timed_region_gc(freeze: bool = True):
         elif started:
             pauses.append(time.perf_counter() - started.pop())
 
+    # A caller that froze the heap itself keeps it frozen (gc.unfreeze cannot undo only our part).
+    unfreeze = freeze and gc.get_freeze_count() == 0
     if freeze:
         stats["frozen_objects"] = freeze_gc_heap()
     gc.callbacks.append(watch)
@@ -170,7 +173,7 @@ def timed_region_gc(freeze: bool = True):
         yield stats
     finally:
         gc.callbacks.remove(watch)
-        if freeze:
+        if unfreeze:
             gc.unfreeze()
         stats["collections"] = len(pauses)
         stats["pause_ms_total"] = round(sum(pauses) * 1e3, 3)
