@@ -151,9 +151,9 @@ class RequestRecord:
 def timed_region_gc(freeze: bool = True):
     """Around a timed run: with ``freeze``, ``jspec.serve.freeze_gc_heap()`` on entry and ``gc.unfreeze()`` on
     exit (so what the run dropped can be collected before the next one; not when the heap was already frozen
-    on entry, which is the caller's to undo); either way every collection
-    inside is timed. Yields a dict filled in on exit: frozen, frozen_objects, collections, pause_ms_total,
-    pause_ms_max (the pauses a run did pay are reported, not hidden)."""
+    on entry, which is the caller's to undo); either way every collection inside is timed. Yields a dict
+    filled in on exit: frozen, frozen_objects, collections, pause_ms_total, pause_ms_max (the pauses a run
+    did pay are reported, not hidden)."""
     stats: dict[str, Any] = {"frozen": bool(freeze), "frozen_objects": 0, "collections": 0}
     pauses: list[float] = []
     started: list[float] = []
