@@ -254,6 +254,8 @@ def batch_ids(spec) -> list[int]:
     """``--gen-batches``: N (batches 0 .. N-1) or ranges and indices, e.g. '0-11,32-51'. Batch i answers
     training prompts [i * gen_batch, (i + 1) * gen_batch), so ranges pick which requests to spend the budget on
     (the STYLES requests start at batch 32) while the batches already cached stay usable."""
+    if str(spec).strip().lower() == "none":  # only --self-batches (or the docstrings) as data
+        return []
     if isinstance(spec, int) or str(spec).isdigit():
         n = int(spec)
         if n < 1:
@@ -271,19 +273,17 @@ def batch_ids(spec) -> list[int]:
 def generate_data(args, target, data_dir: str) -> list[str]:
     """One npz per batch: tokens [B, W] (prompt + answer, right-padded), lengths, prompt lengths, features
     [B, W, E] float16. Existing batches are kept (a rerun resumes)."""
-    os.makedirs(data_dir, exist_ok=True)
-    tok, cfg = target.tokenizer, target.config
     prompts = training_prompts(args.seed)
     ids = batch_ids(args.gen_batches)
-    if (ids[-1] + 1) * args.gen_batch > len(prompts):
+    if ids and (ids[-1] + 1) * args.gen_batch > len(prompts):
         raise SystemExit(
             f"--gen-batches {args.gen_batches} x --gen-batch {args.gen_batch} asks for more than the "
             f"{len(prompts)} training prompts: lower one of them"
         )
-    width = args.max_prompt + args.max_new
-
-    features = feature_fn(cfg)
-
+    if not ids:
+        return []
+    os.makedirs(data_dir, exist_ok=True)
+    tok, features = target.tokenizer, feature_fn(target.config)
     files = []
     bar = tqdm(ids, desc="target text + features", unit="batch")
     for i in bar:
@@ -294,35 +294,125 @@ def generate_data(args, target, data_dir: str) -> list[str]:
         chunk = prompts[i * args.gen_batch : (i + 1) * args.gen_batch]
         prompt_ids = [encode(tok, p, args.max_prompt) for p in chunk]
         temp = 0.0 if i % 2 == 0 else args.temperature  # greedy and sampled text: both decoding modes
+        bar.set_postfix(new_tokens=answer_batch(args, target, features, prompt_ids, temp, args.seed * 1000 + i, path))
+    return files
+
+
+def answer_batch(args, target, features, prompt_ids: list[list[int]], temp: float, seed: int, path: str, **extra):
+    """The target answers ``prompt_ids`` (``--max-new`` tokens at ``temp``); tokens, lengths and its features
+    go to ``path`` (written atomically, with ``extra`` arrays). Returns the number of generated tokens."""
+    tok, cfg = target.tokenizer, target.config
+    width = args.max_prompt + args.max_new
+    out = dec.decode(
+        target.model,
+        target.params,
+        prompt_ids,
+        max_new_tokens=args.max_new,
+        temperature=temp,
+        eos_ids=[tok.eos_id],
+        seed=seed,
+    )
+    seqs = [p + t for p, t in zip(prompt_ids, out.tokens)]
+    tokens = np.zeros((len(seqs), width), np.int32)
+    for r, s in enumerate(seqs):
+        tokens[r, : len(s)] = s
+    w = min(-(-max(len(s) for s in seqs) // 32) * 32, width)
+    feats = np.zeros((len(seqs), width, cfg.hidden), np.float16)
+    for r in range(0, len(seqs), args.feature_batch):  # [B, W, V] logits at once would take ~1 GB
+        feats[r : r + args.feature_batch, :w] = np.asarray(
+            features(target.params, jnp.asarray(tokens[r : r + args.feature_batch, :w]))
+        )
+    np.savez(
+        path + ".tmp.npz",
+        tokens=tokens,
+        lengths=np.array([len(s) for s in seqs], np.int32),
+        prompt_lengths=np.array([len(p) for p in prompt_ids], np.int32),
+        feats=feats,
+        temperature=np.float32(temp),
+        **extra,
+    )
+    os.replace(path + ".tmp.npz", path)
+    return sum(out.stats["new_tokens"])
+
+
+def user_turn_prefix(tok) -> list[int]:
+    """The chat template up to where a user's message starts (system turn + ``<|im_start|>user\\n``)."""
+    mark = "\x00USER\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": mark}], False)
+    return tok.encode(text[: text.index(mark)], add_bos=False)
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9']+", text.lower()))
+
+
+def too_close(text: str, held_out: list[str], threshold: float = 0.5) -> bool:
+    """Word-set Jaccard similarity >= ``threshold`` with any held-out prompt: such a request is dropped, so
+    self-written training prompts cannot restate an evaluation or benchmark prompt."""
+    w = _words(text)
+    return any(len(w & h) / max(len(w | h), 1) >= threshold for h in map(_words, held_out))
+
+
+def self_prompts(target, batch: int, seed: int, held_out: list[str], max_len: int = 96) -> list[str]:
+    """``batch`` user requests written by the target itself (Magpie, Xu et al. 2024): sampled at T = 1 from the
+    chat template cut where a user message starts, so the requests follow the target's own idea of what users
+    ask (far more kinds than our templates). Kept: finished within ``max_len`` tokens, at least four words,
+    not a repeat, not ``too_close`` to a held-out prompt. Deterministic in ``seed``."""
+    tok = target.tokenizer
+    prefix = user_turn_prefix(tok)
+    kept, seen = [], set()
+    for attempt in range(8):
         out = dec.decode(
             target.model,
             target.params,
-            prompt_ids,
-            max_new_tokens=args.max_new,
-            temperature=temp,
+            [prefix] * (2 * batch),
+            max_new_tokens=max_len,
+            temperature=1.0,
             eos_ids=[tok.eos_id],
-            seed=args.seed * 1000 + i,
+            seed=seed * 100 + attempt,
         )
-        seqs = [p + t for p, t in zip(prompt_ids, out.tokens)]
-        tokens = np.zeros((len(seqs), width), np.int32)
-        for r, s in enumerate(seqs):
-            tokens[r, : len(s)] = s
-        w = min(-(-max(len(s) for s in seqs) // 32) * 32, width)
-        feats = np.zeros((len(seqs), width, cfg.hidden), np.float16)
-        for r in range(0, len(seqs), args.feature_batch):  # [B, W, V] logits at once would take ~1 GB
-            feats[r : r + args.feature_batch, :w] = np.asarray(
-                features(target.params, jnp.asarray(tokens[r : r + args.feature_batch, :w]))
-            )
-        np.savez(
-            path + ".tmp.npz",
-            tokens=tokens,
-            lengths=np.array([len(s) for s in seqs], np.int32),
-            prompt_lengths=np.array([len(p) for p in prompt_ids], np.int32),
-            feats=feats,
-            temperature=np.float32(temp),
-        )
-        os.replace(path + ".tmp.npz", path)
-        bar.set_postfix(new_tokens=sum(out.stats["new_tokens"]))
+        for t in out.tokens:
+            if not t or t[-1] != tok.eos_id:
+                continue  # ran past max_len: not a finished request
+            text = tok.decode(t[:-1]).strip()
+            key = " ".join(sorted(_words(text)))
+            if len(text.split()) < 4 or key in seen or too_close(text, held_out):
+                continue
+            seen.add(key)
+            kept.append(text)
+            if len(kept) == batch:
+                return kept
+    raise SystemExit(f"self-written prompts: only {len(kept)} of {batch} usable after 8 tries (seed {seed})")
+
+
+def held_out_prompts() -> list[str]:
+    """Every prompt an evaluation reads: EVAL_PROMPTS and the benchmark's (examples/bench_eagle.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_eagle import PROMPTS
+
+    return list(EVAL_PROMPTS) + list(PROMPTS)
+
+
+def generate_self_data(args, target, data_dir: str) -> list[str]:
+    """``--self-batches``: batch i answers ``--gen-batch`` requests the target wrote itself (``self_prompts``,
+    seed i), greedy for even i and ``--temperature`` for odd; the requests are stored in the npz (``prompts``)."""
+    if not args.self_batches:
+        return []
+    os.makedirs(data_dir, exist_ok=True)
+    features = feature_fn(target.config)
+    held_out = held_out_prompts()
+    files = []
+    bar = tqdm(range(args.self_batches), desc="self-written prompts: text + features", unit="batch")
+    for i in bar:
+        path = os.path.join(data_dir, f"self_{i:04d}.npz")
+        files.append(path)
+        if os.path.exists(path):
+            continue
+        texts = self_prompts(target, args.gen_batch, args.seed * 1000 + i, held_out)
+        prompt_ids = [encode(target.tokenizer, p, args.max_prompt) for p in texts]
+        temp = 0.0 if i % 2 == 0 else args.temperature
+        seed = args.seed * 1000 + 500 + i
+        bar.set_postfix(new_tokens=answer_batch(args, target, features, prompt_ids, temp, seed, path, prompts=texts))
     return files
 
 
@@ -680,6 +770,12 @@ def parse_args(argv=None):
         default="14",
         help="target generation batches (the data budget): N for batches 0..N-1, or ranges like '0-11,32-51'",
     )
+    ap.add_argument(
+        "--self-batches",
+        type=int,
+        default=0,
+        help="batches of requests the target writes itself (Magpie) and answers, next to --gen-batches",
+    )
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=192)
     ap.add_argument("--max-new", type=int, default=128)
@@ -751,7 +847,9 @@ def main(argv=None) -> dict:
     # The target's text and features come from the CPU decode layout (per-layer weights on the CPU kernels,
     # ~2x faster there); training reads the stacked params.
     gen = target._replace(params=llama.unstack_layers(target.params)) if jax.default_backend() == "cpu" else target
-    files = generate_data(args, gen, data_dir(args))
+    files = generate_data(args, gen, data_dir(args)) + generate_self_data(args, gen, data_dir(args))
+    if not files:
+        raise SystemExit("no generated data: --gen-batches none needs --self-batches N")
     doc_dir = os.path.join(EG.cache_root(), "_data", f"{args.model}-docs-w{args.doc_width}-s{args.seed}")
     doc_files = generate_doc_data(args, gen, doc_dir)
     extra = layer_files(args, gen, files + doc_files)

@@ -777,6 +777,9 @@ def test_trainer_batch_ranges(tmp_path):
 
     assert train_eagle.batch_ids(3) == [0, 1, 2] and train_eagle.batch_ids("3") == [0, 1, 2]
     assert train_eagle.batch_ids("0-2,5, 7-8,1") == [0, 1, 2, 5, 7, 8]
+    assert train_eagle.batch_ids("none") == []  # only self-written prompts (--self-batches)
+    none = SimpleNamespace(seed=0, gen_batch=32, max_prompt=192, max_new=128, gen_batches="none")
+    assert train_eagle.generate_data(none, SimpleNamespace(tokenizer=None, config=None), str(tmp_path / "d")) == []
     for bad in ("0", "5-3", "a-b", "1,,2", "-3"):
         with pytest.raises(SystemExit, match="--gen-batches"):
             train_eagle.batch_ids(bad)
@@ -786,6 +789,79 @@ def test_trainer_batch_ranges(tmp_path):
     with pytest.raises(SystemExit, match=f"--gen-batches 0-1,{last} x --gen-batch 32 .* {n} training prompts"):
         train_eagle.generate_data(args, SimpleNamespace(tokenizer=None, config=None), str(tmp_path))
     assert not os.listdir(tmp_path)
+
+
+def test_trainer_self_prompts(monkeypatch):
+    """--self-batches: the target writes its own requests from the user-turn prefix at T = 1 (Magpie). Kept are
+    the finished ones (EOS within the limit) of four words or more, not repeated, and not too close to a
+    held-out prompt (word-set Jaccard >= 0.5); too few usable after eight tries is an error naming the count."""
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import bench_eagle
+    import train_eagle
+
+    held = ["Why do leaves change colour in autumn?"]
+    texts = {
+        1: "Why do the leaves change colour in autumn?",  # 7 shared words of 8: dropped
+        2: "Plan a picnic for six friends please.",
+        3: "Hi there",  # two words: dropped
+        4: "plan a picnic for SIX friends, please",  # the same words as 2: dropped
+        5: "How do I fix a squeaky door hinge?",
+        6: "An unfinished request that ran past the limit",
+    }
+
+    class Tok:
+        eos_id = 0
+
+        def decode(self, ids):
+            return " ".join(texts[i] for i in ids)
+
+        def apply_chat_template(self, messages, add_generation_prompt):
+            return "<sys>hello</sys><user>" + messages[0]["content"] + "</user>"
+
+        def encode(self, text, add_bos=False):
+            return [ord(c) for c in text]
+
+    calls = []
+
+    def fake_decode(model, params, prompts, **kw):
+        calls.append((prompts, kw))
+        return SimpleNamespace(tokens=[[1, 0], [2, 0], [3, 0], [4, 0], [5, 0], [6]])  # row 6 never ended
+
+    monkeypatch.setattr(train_eagle.dec, "decode", fake_decode)
+    target = SimpleNamespace(tokenizer=Tok(), model=None, params=None)
+    assert train_eagle.self_prompts(target, 2, 7, held) == [texts[2], texts[5]]
+    prefix = [ord(c) for c in "<sys>hello</sys><user>"]
+    assert calls[0][0] == [prefix] * 4 and calls[0][1]["temperature"] == 1.0 and calls[0][1]["seed"] == 700
+    with pytest.raises(SystemExit, match="only 2 of 3 usable after 8 tries"):
+        train_eagle.self_prompts(target, 3, 7, held)
+    assert [c[1]["seed"] for c in calls[1:]] == list(range(700, 708))
+
+    assert not train_eagle.too_close("alpha beta", ["alpha gamma"])  # 1 shared word of 3
+    assert train_eagle.too_close("alpha beta gamma delta", ["Alpha, beta; gamma epsilon zeta"])  # 3 of 6: 0.5
+    held_out = train_eagle.held_out_prompts()
+    assert set(train_eagle.EVAL_PROMPTS) <= set(held_out) and set(bench_eagle.PROMPTS) <= set(held_out)
+
+
+def test_user_turn_prefix_matches_transformers(smollm2, hf_smollm2_tokenizer):
+    """The self-written prompts start from the chat template cut where a user's message begins: transformers'
+    own chat template of a conversation starts with exactly these tokens, then the message."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_eagle
+
+    prefix = train_eagle.user_turn_prefix(smollm2.tokenizer)
+    msg = [{"role": "user", "content": "How do I fix a squeaky door hinge?"}]
+    text = hf_smollm2_tokenizer.apply_chat_template(msg, tokenize=False, add_generation_prompt=False)
+    theirs = hf_smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assert theirs[: len(prefix)] == prefix
+    assert hf_smollm2_tokenizer.decode(theirs[len(prefix) :]).startswith(msg[0]["content"])
+    assert hf_smollm2_tokenizer.decode(prefix).endswith("<|im_start|>user\n")
 
 
 def test_trainer_refuses_more_batches_than_prompts(tmp_path):
