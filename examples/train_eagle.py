@@ -297,19 +297,27 @@ def generate_data(args, target, data_dir: str) -> list[str]:
         )
     if not ids:
         return []
-    os.makedirs(data_dir, exist_ok=True)
-    tok, features = target.tokenizer, feature_fn(target.config)
-    files = []
-    bar = tqdm(ids, desc="target text + features", unit="batch")
-    for i in bar:
-        path = os.path.join(data_dir, f"batch_{i:04d}.npz")
-        files.append(path)
-        if os.path.exists(path):
-            continue
+    features = feature_fn(target.config)
+
+    def make(i, path):
         chunk = prompts[i * args.gen_batch : (i + 1) * args.gen_batch]
-        prompt_ids = [encode(tok, p, args.max_prompt) for p in chunk]
+        prompt_ids = [encode(target.tokenizer, p, args.max_prompt) for p in chunk]
         temp = 0.0 if i % 2 == 0 else args.temperature  # greedy and sampled text: both decoding modes
-        bar.set_postfix(new_tokens=answer_batch(args, target, features, prompt_ids, temp, args.seed * 1000 + i, path))
+        return answer_batch(args, target, features, prompt_ids, temp, args.seed * 1000 + i, path)
+
+    return cached_batches(data_dir, "batch", ids, "target text + features", make)
+
+
+def cached_batches(data_dir: str, name: str, ids: list[int], desc: str, make) -> list[str]:
+    """One npz per batch i, ``data_dir/<name>_<i:04d>.npz``; ``make(i, path)`` writes a missing one and returns
+    its generated-token count (the progress bar's). Existing batches are kept, so a rerun resumes."""
+    os.makedirs(data_dir, exist_ok=True)
+    files = []
+    bar = tqdm(ids, desc=desc, unit="batch")
+    for i in bar:
+        files.append(os.path.join(data_dir, f"{name}_{i:04d}.npz"))
+        if not os.path.exists(files[-1]):
+            bar.set_postfix(new_tokens=make(i, files[-1]))
     return files
 
 
@@ -413,22 +421,17 @@ def generate_self_data(args, target, data_dir: str) -> list[str]:
     seed i), greedy for even i and ``--temperature`` for odd; the requests are stored in the npz (``prompts``)."""
     if not args.self_batches:
         return []
-    os.makedirs(data_dir, exist_ok=True)
     features = feature_fn(target.config)
     held_out = held_out_prompts()
-    files = []
-    bar = tqdm(range(args.self_batches), desc="self-written prompts: text + features", unit="batch")
-    for i in bar:
-        path = os.path.join(data_dir, f"self_{i:04d}.npz")
-        files.append(path)
-        if os.path.exists(path):
-            continue
+
+    def make(i, path):
         texts = self_prompts(target, args.gen_batch, args.seed * 1000 + i, held_out)
         prompt_ids = [encode(target.tokenizer, p, args.max_prompt) for p in texts]
         temp = 0.0 if i % 2 == 0 else args.temperature
         seed = args.seed * 1000 + 500 + i
-        bar.set_postfix(new_tokens=answer_batch(args, target, features, prompt_ids, temp, seed, path, prompts=texts))
-    return files
+        return answer_batch(args, target, features, prompt_ids, temp, seed, path, prompts=texts)
+
+    return cached_batches(data_dir, "self", list(range(args.self_batches)), "self-written prompts", make)
 
 
 def doc_answers(max_chars: int = 3000) -> list[tuple[str, str]]:
