@@ -82,6 +82,7 @@ held out 1.90 tokens per round, per position 0.46 0.26 0.13 0.07 (st3: 1.76), T=
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import json
@@ -616,11 +617,15 @@ def init_source(args, target_cfg):
     src, hp = EG.restore_head(EG.resolve_head(args.init_from), target_cfg)
     mine = (args.head_tokens or target_cfg.vocab_size, args.ffn or target_cfg.ffn, tuple(args.fuse))
     theirs = (src.n, src.ffn or target_cfg.ffn, src.fuse)
-    if mine != theirs:
+    graft = not src.fuse and bool(args.fuse)  # an unfused head learns to fuse: it starts as itself
+    if mine != theirs and not (graft and mine[:2] == theirs[:2]):
         raise SystemExit(
             f"--init-from {args.init_from}: that head has (head tokens, ffn, fuse) = {theirs}, this run asks "
-            f"for {mine}: pass the same --head-tokens / --ffn / --fuse"
+            f"for {mine}: pass the same --head-tokens / --ffn, and the same --fuse or none on an unfused head"
         )
+    if graft:
+        src = dataclasses.replace(src, fuse=tuple(args.fuse))
+        hp = EG.graft_fusion(src, hp)
     return src, hp
 
 

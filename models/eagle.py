@@ -163,13 +163,22 @@ def init_head(ecfg: EagleConfig, target_params: Params, key: jax.Array, token_id
         "out_norm": {"scale": jnp.asarray(target_params["final_norm"]["scale"], jnp.float32)},
         "token_ids": jnp.asarray(ids),
     }
-    if ecfg.fuse:
-        # [0 | ... | 0 | I]: a fused head starts as the unfused one (g_i = f_i) and learns what the lower
-        # layers add; the steps past the first read the head's own f^, which lives in f's space.
-        n = len(ecfg.fuse)
-        kernel = np.concatenate([np.zeros((n * e, e), np.float32), np.eye(e, dtype=np.float32)], axis=0)
-        hp["fuse"] = {"norm": jnp.ones((n, e), jnp.float32), "kernel": jnp.asarray(kernel)}
-    return hp
+    return graft_fusion(ecfg, hp) if ecfg.fuse else hp
+
+
+def graft_fusion(ecfg: EagleConfig, hp: Params) -> Params:
+    """``hp`` (an unfused head's params) with a fresh fusion for ``ecfg.fuse``: kernel [0 | ... | 0 | I], so
+    g_i = f_i and the grafted head drafts exactly as ``hp`` did until training teaches it what the lower layers
+    add (the steps past the first read the head's own f^, which lives in f's space). ``init_head`` starts every
+    fused head this way; examples/train_eagle.py grafts onto a trained unfused head (``--init-from`` with
+    ``--fuse``)."""
+    if not ecfg.fuse:
+        raise ValueError("graft_fusion: the config has no fuse layers")
+    if "fuse" in hp:
+        raise ValueError("graft_fusion: the head already has a fusion")
+    e, n = ecfg.target.hidden, len(ecfg.fuse)
+    kernel = np.concatenate([np.zeros((n * e, e), np.float32), np.eye(e, dtype=np.float32)], axis=0)
+    return {**hp, "fuse": {"norm": jnp.ones((n, e), jnp.float32), "kernel": jnp.asarray(kernel)}}
 
 
 def abstract_head(ecfg: EagleConfig) -> Params:

@@ -195,21 +195,58 @@ def test_trainer_lays_out_fused_features(tmp_path):
 
 
 def test_trainer_fine_tunes_only_a_head_of_the_same_shape(tmp_path):
-    """``--init-from`` starts from a trained head's weights and token map; a head of another shape (here
-    unfused, asked to fuse; or another draft vocabulary) is refused naming the flag."""
+    """``--init-from`` starts from a trained head's weights and token map; an unfused head asked to fuse gets a
+    fusion grafted on that starts as the identity on f (it drafts exactly as before: the same decode); any
+    other change of shape (a fused head asked for other layers or none, another draft vocabulary) is refused
+    naming the flag."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import train_eagle
 
     drafter, dparams, hp = fused_drafter(seed=6)
     save_head(tmp_path / "fused", drafter.ecfg, hp)
     plain = EagleConfig(TINY, head_tokens=40)
-    save_head(tmp_path / "plain", plain, init_head(plain, TINY_PARAMS, jax.random.key(0)))
+    plain_hp = random_head(plain, TINY_PARAMS, 5, 0.1, np.asarray(hp["token_ids"]))  # one that accepts some
+    save_head(tmp_path / "plain", plain, plain_hp)
     args = SimpleNamespace(init_from=str(tmp_path / "fused"), head_tokens=40, ffn=0, fuse=FUSE)
     src, got = train_eagle.init_source(args, TINY)
     assert src.fuse == FUSE
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(hp)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(SystemExit, match=r"--init-from .*plain: that head has .* \(40, 128, \(\)\), this run asks"):
-        train_eagle.init_source(SimpleNamespace(**{**vars(args), "init_from": str(tmp_path / "plain")}), TINY)
+
+    src, grafted = train_eagle.init_source(
+        SimpleNamespace(**{**vars(args), "init_from": str(tmp_path / "plain")}), TINY
+    )
+    assert src.fuse == FUSE and set(grafted) == set(plain_hp) | {"fuse"}
+    for a, b in zip(jax.tree.leaves({k: grafted[k] for k in plain_hp}), jax.tree.leaves(plain_hp)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    e = TINY.hidden
+    want = np.concatenate([np.zeros((2 * e, e)), np.eye(e)])
+    np.testing.assert_array_equal(np.asarray(grafted["fuse"]["kernel"]), want)
+    for temperature in (0.0, 1.0):  # sampled: equal tokens need equal q at every draft step
+        runs = []
+        for ecfg, params in ((plain, plain_hp), (src, grafted)):
+            d = EagleDrafter(ecfg, max_draft=3)
+            dp = d.draft_params(TINY_PARAMS, params)
+            runs.append(
+                decode(
+                    TINY_MODEL,
+                    TINY_PARAMS,
+                    PROMPTS,
+                    drafter=d,
+                    draft_params=dp,
+                    gamma=3,
+                    max_new_tokens=20,
+                    temperature=temperature,
+                    seed=11,
+                )
+            )
+        assert runs[0].tokens == runs[1].tokens
+        assert runs[0].stats["accepted_at"] == runs[1].stats["accepted_at"]
+        assert runs[0].stats["accepted"] > 0
+
+    with pytest.raises(SystemExit, match=r"--init-from .*fused: that head has .* \(40, 128, \(0, 2\)\), this run asks"):
+        train_eagle.init_source(SimpleNamespace(**{**vars(args), "fuse": ()}), TINY)
+    with pytest.raises(SystemExit, match=r"this run asks for \(40, 128, \(0, 1\)\)"):
+        train_eagle.init_source(SimpleNamespace(**{**vars(args), "fuse": (0, 1)}), TINY)
     with pytest.raises(SystemExit, match=r"--init-from .*\(40, 128, \(0, 2\)\), this run asks for \(20, "):
         train_eagle.init_source(SimpleNamespace(**{**vars(args), "head_tokens": 20}), TINY)
