@@ -35,7 +35,10 @@ epoch alone (469 steps) it had 0.30 / 0.35: past ~100k tokens the head wants tra
 ``--fuse 2,15`` trains an EAGLE-3-style fused head (the outputs of target layers 2 and 15 join f; their
 features are computed once from the cached tokens and stored next to each data file). On the default data it
 matched the unfused head (held out, 6 prompts x 192 tokens: first position 0.35 both, teacher-forced 0.38
-against 0.39). ``--init-from NAME`` fine-tunes a trained head (same shape; its token map is kept), e.g. on a
+against 0.39). ``--fuse`` with ``--init-from`` an unfused head grafts a fusion onto it that starts as the
+identity on f (``models.eagle.graft_fusion``): on mp2 and its data, held out 1.92 tokens per round against 1.85
+(docs/results.md, fifteenth session). ``--init-from NAME`` fine-tunes a trained head (same shape; its token
+map is kept), e.g. on a
 larger ``--gen-batches`` budget: past the first 1018 prompts come the STYLES requests (other kinds of request
 over every topic). ``--name smollm2-8k-long2 --max-new 384 --gen-batches 42 --doc-tokens 200000 --epochs 1
 --init-from smollm2-8k-long --lr 5e-4`` (18 more batches, 10 of them STYLES requests; 27 + 19 min): held out at
