@@ -57,15 +57,18 @@ was trained on, 0.55 on unseen prompts of the same templates and 0.45-0.47 on op
 data size, were what held it back. ``--gen-batches none`` makes them the only data.
 
 ``--export DIR`` also writes the finished head with bf16 weights (``models.eagle.export_head``, ~6.6 MB), its
-held-out evaluation in meta.json. ``models/heads/smollm2-8k-chat-mp2``, the head ``--drafter eagle`` takes by
-default, is st3 fine-tuned twice on self-written requests: ``--name smollm2-8k-chat-mp --init-from DIR
+held-out evaluation in meta.json. ``models/heads/smollm2-8k-chat-mp3``, the head ``--drafter eagle`` takes by
+default, is st3 fine-tuned three times on self-written requests: ``--name smollm2-8k-chat-mp --init-from DIR
 --gen-batches none --self-batches 48 --max-new 384 --epochs 1 --lr 3e-4 --doc-tokens 0 --eval-max-new 192`` (DIR:
 st3's bf16 export, ``models/heads/smollm2-8k-chat-st3`` at commit 07c92a8; 414k generated tokens; 28 + 7 min), then
-``--name smollm2-8k-chat-mp2 --init-from smollm2-8k-chat-mp --self-batches 96 --export
-models/heads/smollm2-8k-chat-mp2`` (the other flags the same; 816k tokens, the first 48 batches reused; 27 + 14
-min). Held out at 192 tokens, greedy K=4: 1.85 tokens per round, per position 0.46 0.22 0.11 0.06, teacher-forced
-0.50 0.46 0.44; T=1: 1.81 (st3: 1.76, 0.47 0.43 0.40, T=1 1.69). st3 (in git history, commit 07c92a8) took four
-runs (Zen 3 times): ``--name smollm2-8k-chat --eval-max-new 192`` (the default data and steps; 29 + 17 min), then
+``--name smollm2-8k-chat-mp2 --init-from smollm2-8k-chat-mp --self-batches 96`` (the other flags the same; 816k
+tokens, the first 48 batches reused; 27 + 14 min; bundled until commit a2beff3), then ``--name smollm2-8k-chat-mp3
+--init-from smollm2-8k-chat-mp2 --self-batches 160 --export models/heads/smollm2-8k-chat-mp3`` (1.38M tokens, the
+first 96 batches reused; 37 + 24 min). Held out at 192 tokens, greedy K=4: 1.93 tokens per round, per position
+0.49 0.24 0.13 0.07, teacher-forced 0.51 0.46 0.44; T=1: 1.73 with seed 0, 1.73 over seeds 1-6 (mp2: 1.85, 0.46
+0.22 0.11 0.06, 0.50 0.46 0.44, T=1 1.81 and 1.69; st3: 1.76, 0.47 0.43 0.40, T=1 1.69). st3 (in git history,
+commit 07c92a8) took four runs (Zen 3 times): ``--name smollm2-8k-chat --eval-max-new 192`` (the default data
+and steps; 29 + 17 min), then
 ``--name smollm2-8k-chat-st --init-from smollm2-8k-chat --max-new 384 --gen-batches 0-11,32-51 --epochs 1 --lr 5e-4
 --eval-max-new 192`` (41 + 14 min; it started from the bf16 export of the first, bundled until then), then ``--name
 smollm2-8k-chat-st2 --init-from smollm2-8k-chat-st --gen-batches 0-11,32-67 --lr 3e-4`` (other flags the same; 20 +
