@@ -5,7 +5,7 @@ For each budget N (positions the target verifies per round, the pending token in
 - static trees: ``TreeSpec((w, 1, 1, ...), budget=N)`` for w = 2 and 4 branches at the root, N nodes
   verified under the ancestor mask (``TreeModelDrafter``); the wide one suits a draft whose first guess is
   often wrong but whose top 4 often hold the target's token;
-- dynamic tree: EAGLE-2 style ``DynamicTreeDrafter(top_k, depth, budget=N)``.
+- dynamic tree: EAGLE-2 style ``DynamicTreeDrafter(model, top_k=..., depth=..., budget=N)``.
 All greedy (the deterministic tree rule) and all through the continuous-batching engine, plain decoding as
 the reference, at closed-loop concurrency 1 and --concurrency. The tables report tokens per round (accepted
 path length + 1) next to throughput: a tree may accept longer paths and still lose on time, since it spends

@@ -39,7 +39,12 @@ def main(argv: list[str] | None = None) -> None:
     src.add_argument("--alpha", type=float, help="i.i.d. acceptance probability of every candidate")
     src.add_argument("--accept-at", type=_rates, help="measured conditional acceptance per draft position, a1,a2,...")
     ap.add_argument("--gamma", type=int, default=None, help="draft length (default 4, or len(--accept-at))")
-    ap.add_argument("--draft-ms", type=float, default=None, help="ms per draft step (default 1)")
+    ap.add_argument(
+        "--draft-ms",
+        type=float,
+        default=None,
+        help="ms per draft step (default 1; the seed table, without --alpha/--accept-at, uses its rows' 1 and 3 ms)",
+    )
     ap.add_argument("--verify-ms", type=float, default=12.0, help="ms per verification call")
     ap.add_argument("--state-ms", type=float, default=2.0, help="ms per state update")
     ap.add_argument("--baseline-ms", type=float, default=10.0, help="plain decoding ms per token")

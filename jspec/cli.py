@@ -42,7 +42,7 @@ LAYER_LAYOUTS = ("auto", "stacked", "unstacked")
 
 
 def wants_unstacked(layers: str) -> bool:
-    """--layers: "auto" picks the per-layer fused weights on CPU (XLA:CPU's decode steps run ~1.5x faster on
+    """--layers: "auto" picks the per-layer fused weights on CPU (XLA:CPU's decode steps run 1.6-2x faster on
     them) and the stacked ones elsewhere (one scan over layers: what sharding rules and checkpoints use, and
     2-3x faster to compile; on a GPU the fused layout brings nothing)."""
     if layers not in LAYER_LAYOUTS:
@@ -73,16 +73,15 @@ def build_drafter(args, target, loaded=None):
     tokenizer). A loader ``fn(spec, loaded, max_draft) -> (drafter or Model, draft params)``."""
     if args.drafter == "none":
         return None, None
+    ngram = (_given(args, "ngram_max", 3), _given(args, "ngram_min", 1))
     if args.drafter == "ngram":
         from jspec.ngram import NgramDrafter
 
-        return NgramDrafter(args.ngram_max, args.ngram_min, vocab_size=target.vocab_size), None
+        return NgramDrafter(*ngram, vocab_size=target.vocab_size), None
     if args.drafter == "ngram-tree":
         from jspec.ngram import NgramTreeDrafter
 
-        return NgramTreeDrafter(
-            args.branches, args.gamma, args.ngram_max, args.ngram_min, vocab_size=target.vocab_size
-        ), None
+        return NgramTreeDrafter(_given(args, "branches", 3), args.gamma, *ngram, vocab_size=target.vocab_size), None
     if args.drafter in TRAINED_DRAFTERS:
         fn = model_loader("jspec.drafter_loaders", args.drafter)
         drafter, dparams = fn(args.draft_model, loaded, args.gamma)
@@ -106,12 +105,43 @@ def build_drafter(args, target, loaded=None):
     raise SystemExit(f"unknown drafter '{args.drafter}'; choose from {', '.join(DRAFTERS)}")
 
 
+def _given(args, name: str, default):
+    """A flag whose default is None so that check_flags can tell "given" from "defaulted"."""
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+# Flags that only some drafters read: given to another drafter they would be ignored, so they are refused.
+_FLAG_DRAFTERS = {
+    "draft_model": TRAINED_DRAFTERS,
+    "tree": TRAINED_DRAFTERS,
+    "dynamic_tree": TRAINED_DRAFTERS,
+    "branches": ("ngram-tree",),
+    "ngram_max": ("ngram", "ngram-tree"),
+    "ngram_min": ("ngram", "ngram-tree"),
+}
+
+
+def check_flags(args) -> None:
+    """Refuse flag combinations in which a flag would be silently ignored (before any model is loaded)."""
+    for name, drafters in _FLAG_DRAFTERS.items():
+        if getattr(args, name) is not None and args.drafter not in drafters:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} does not apply to --drafter {args.drafter} (read by: {', '.join(drafters)})")
+    if args.tree_budget is not None and args.tree is None:
+        raise ValueError("--tree-budget applies to --tree")
+    if args.tree_rule is not None and args.tree is None:
+        raise ValueError("--tree-rule applies to --tree (an --dynamic-tree chooses its children deterministically)")
+    if args.drafter == "none" and (args.adaptive or args.block_verify):
+        raise ValueError("--adaptive and --block-verify need a drafter (--drafter none decodes plainly)")
+
+
 def _tree_spec(args):
     """(TreeSpec, TreeRule) from --tree, --tree-budget and --tree-rule."""
     from jspec.tree import TreeRule, TreeSpec
 
     spec = TreeSpec(tuple(int(c) for c in args.tree.split(",")), args.tree_budget)
-    return spec, TreeRule[args.tree_rule.upper().replace("-", "_")]
+    return spec, TreeRule[_given(args, "tree_rule", "deterministic").upper().replace("-", "_")]
 
 
 def _dynamic_tree_args(args) -> tuple[int, int, int]:
@@ -153,13 +183,14 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos):
         min_p=args.min_p,
         eos_ids=eos,
         seed=args.seed,
-        adaptive=args.adaptive,
-        block_verify=args.block_verify,
+        adaptive=args.adaptive and drafter is not None,  # --compare's plain run has no draft to adapt
+        block_verify=args.block_verify and drafter is not None,
     )
     out = prepared.run_timed()
     st = out.stats
     return out.tokens[0], {
         "new_tokens": st["new_tokens"][0],
+        "gamma": prepared.config.gamma,  # the K the loop ran: a tree's depth for tree drafters
         "rounds": st["rounds"][0],
         "tokens_per_round": st["tokens_per_round"],
         "acceptance_rate": st["acceptance_rate"],
@@ -175,6 +206,7 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos):
 
 
 def generate(args) -> int:
+    check_flags(args)
     load = model_loader()
     loaded = load_model(load, args.model, args.dtype, unstacked=wants_unstacked(args.layers))
     _, params, target, tok = loaded
@@ -190,7 +222,7 @@ def generate(args) -> int:
     eos = [] if args.ignore_eos or tok.eos_id is None else [tok.eos_id]
     drafter, dparams = build_drafter(args, target, loaded)
     ids, stats = _run(target, params, prompt_ids, drafter, dparams, args, eos)
-    stats.update(drafter=args.drafter, gamma=args.gamma if drafter is not None else 0)
+    stats.update(drafter=args.drafter)
     result = {
         "text": tok.decode(ids, skip_special_tokens=True),
         "token_ids": ids,
@@ -272,13 +304,18 @@ def main(argv=None) -> int:
         "--tree", default=None, help="static tree (model drafters, LayerSkip, EAGLE): branching per depth, e.g. 3,2,1"
     )
     g.add_argument("--tree-budget", type=int, default=None, help="keep the first N nodes of --tree")
-    g.add_argument("--tree-rule", default="deterministic", choices=("deterministic", "iid", "without-replacement"))
+    g.add_argument(
+        "--tree-rule",
+        default=None,
+        choices=("deterministic", "iid", "without-replacement"),
+        help="how --tree's children are drawn (default deterministic: the most likely tokens)",
+    )
     g.add_argument(
         "--dynamic-tree", default=None, help="EAGLE-2 style tree (model drafters, LayerSkip, EAGLE): TOP_K,DEPTH,BUDGET"
     )
-    g.add_argument("--branches", type=int, default=3, help="continuations of --drafter ngram-tree")
-    g.add_argument("--ngram-max", type=int, default=3)
-    g.add_argument("--ngram-min", type=int, default=1)
+    g.add_argument("--branches", type=int, default=None, help="continuations of --drafter ngram-tree (default 3)")
+    g.add_argument("--ngram-max", type=int, default=None, help="longest suffix n-gram looked up (default 3)")
+    g.add_argument("--ngram-min", type=int, default=None, help="shortest suffix n-gram looked up (default 1)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)

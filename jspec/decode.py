@@ -33,7 +33,7 @@ from jspec.adaptive import AdaptiveK
 from jspec.cache import set_rows, take_rows
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
-from jspec.sampling import SamplingParams, argmax, distribution, sample
+from jspec.sampling import SamplingParams, argmax, distribution, int_array, sample
 from jspec.tree import TreeProposal, ancestor_mask, verify_tree_greedy, verify_tree_key
 from jspec.verify import verify_chain_greedy, verify_chain_key
 
@@ -524,18 +524,32 @@ class DecodeOutput:
         return [len(t) for t in self.tokens]
 
 
-def _prepare(target: Model, drafter, prompts, gamma, max_new_tokens, max_len):
+def check_drafter(target: Model, drafter, gamma: int, adaptive=None, block_verify: bool = False) -> int:
+    """The draft settings ``prepare`` and ``serve.Engine`` share, checked on the host. Returns the K the loop
+    runs: 0 without a drafter, a tree's depth for a tree drafter, ``gamma`` otherwise."""
+    if isinstance(gamma, bool) or not isinstance(gamma, int | np.integer):
+        raise ValueError(f"gamma (draft length K) must be an int, got {gamma!r}")
     if gamma < 0:
         raise ValueError(f"gamma (draft length K) must be >= 0, got {gamma}")
-    if gamma > 0 and drafter is None:
-        raise ValueError("gamma > 0 needs a drafter; pass drafter=None with gamma=0 for plain decoding")
-    if drafter is not None and drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
+    if drafter is None:
+        if adaptive or block_verify:
+            raise ValueError("adaptive draft length and block verification need a drafter")
+        return 0
+    if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
         raise ValueError(
             f"vocabulary mismatch: the drafter's vocab size is {drafter.vocab_size} but the target's "
             f"({target.name}) is {target.vocab_size}; a drafter must share the target's tokenizer"
         )
+    if getattr(drafter, "is_tree", False):
+        if adaptive or block_verify:
+            raise ValueError("adaptive draft length and block verification apply to chains, not trees")
+        return drafter.max_depth  # a tree's accepted path is at most its depth
+    return int(gamma)
+
+
+def _prepare(target: Model, prompts, max_new_tokens, max_len):
     if isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 2:
-        dense = np.asarray(prompts, np.int64)  # B equal-length prompts: validated without a Python loop
+        dense = int_array(prompts, "prompts")  # B equal-length prompts: validated without a Python loop
         if dense.shape[0] == 0 or dense.shape[1] == 0:
             raise ValueError(f"prompts array of shape {dense.shape} is empty: at least one token is needed")
         bad = np.nonzero((dense < 0).any(1) | (dense >= target.vocab_size).any(1))[0]
@@ -548,7 +562,12 @@ def _prepare(target: Model, drafter, prompts, gamma, max_new_tokens, max_len):
             raise ValueError("no prompts given")
         rows = []
         for i, pr in enumerate(prompts):
-            arr = np.asarray(pr, dtype=np.int64).reshape(-1)
+            arr = int_array(pr, f"prompt {i}")
+            if arr.ndim != 1:
+                raise ValueError(
+                    f"prompt {i} must be a 1-D sequence of token ids, got shape {arr.shape}: prompts is a list of "
+                    "prompts ([ids] for one prompt) or a [B, P] array"
+                )
             if arr.size == 0:
                 raise ValueError(f"prompt {i} is empty: at least one token is needed to start decoding")
             if arr.min() < 0 or arr.max() >= target.vocab_size:
@@ -556,7 +575,7 @@ def _prepare(target: Model, drafter, prompts, gamma, max_new_tokens, max_len):
             rows.append(arr.astype(np.int32))
         plen = np.array([len(r) for r in rows], np.int32)
     b = len(rows)
-    mnew = np.asarray(max_new_tokens if max_new_tokens is not None else 0, np.int64)
+    mnew = int_array(max_new_tokens if max_new_tokens is not None else 0, "max_new_tokens")
     mnew = np.full((b,), mnew) if mnew.ndim == 0 else mnew
     if mnew.shape != (b,):
         raise ValueError(f"max_new_tokens must be an int or have one entry per prompt ({b}), got {mnew.shape}")
@@ -572,6 +591,8 @@ def _prepare(target: Model, drafter, prompts, gamma, max_new_tokens, max_len):
     over = np.nonzero((plen + np.where(max_new_tokens is None, 1, mnew)) > max_len)[0]
     if over.size:
         i = int(over[0])
+        if max_new_tokens is None:
+            raise ValueError(f"prompt {i} ({plen[i]} tokens) leaves no cache slot to generate in (max_len={max_len})")
         raise ValueError(
             f"prompt {i} ({plen[i]} tokens) + max_new_tokens ({int(mnew[i])}) exceeds the cache "
             f"(max_len={max_len} slots)"
@@ -662,13 +683,8 @@ def prepare(
     block_verify: bool = False,
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
-    if drafter is None:
-        gamma = 0
-    elif getattr(drafter, "is_tree", False):
-        gamma = drafter.max_depth  # a tree's accepted path is at most its depth
-        if adaptive or block_verify:
-            raise ValueError("adaptive draft length and block verification apply to chains, not trees")
-    prompt, plen, mnew, slots = _prepare(target, drafter, prompts, gamma, max_new_tokens, max_len)
+    gamma = check_drafter(target, drafter, gamma, adaptive, block_verify)
+    prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len)
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
     key = jax.random.key(seed) if key is None else key
     if adaptive is True:

@@ -165,6 +165,14 @@ class NgramTreeDrafter:
     vocab_size: int
     is_tree: bool = dataclasses.field(default=True, init=False)
 
+    def __post_init__(self):
+        if self.branches < 1 or self.depth < 1:
+            raise ValueError(f"need branches >= 1 and depth >= 1, got branches={self.branches}, depth={self.depth}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min={self.min_ngram}, max={self.max_ngram}")
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+
     @property
     def rule(self):
         return TreeRule.DETERMINISTIC

@@ -13,6 +13,20 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def int_array(x, name: str) -> np.ndarray:
+    """``x`` as an int64 array. A value that is not a whole number (2.7, True, a string) is an error naming
+    ``name``: numpy's int cast would truncate it silently."""
+    try:
+        a = np.asarray(x)
+    except ValueError as e:  # ragged nesting
+        raise ValueError(f"{name} must be integers, got {x!r:.80}: {e}") from None
+    if a.dtype.kind in "iu":
+        return a.astype(np.int64)
+    if a.dtype.kind == "f" and np.all(np.isfinite(a)) and np.all(a == np.round(a)):
+        return a.astype(np.int64)  # 3.0 is 3; an empty list is float64 and stays empty
+    raise ValueError(f"{name} must be integers, got {x!r:.80}")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -35,7 +49,7 @@ class SamplingParams:
         """Broadcast scalars or per-row sequences to [B] arrays, validating them on the host."""
 
         def col(x, dtype, name):
-            a = np.asarray(x, dtype=dtype)
+            a = (int_array(x, name) if dtype == np.int32 else np.asarray(x)).astype(dtype)
             if a.ndim == 0:
                 a = np.full((batch,), a, dtype=dtype)
             if a.shape != (batch,):

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.adaptive import AdaptiveK
-from jspec.decode import DecodeConfig, DecodeState, StopReason, decode_round, prefill
+from jspec.decode import DecodeConfig, DecodeState, StopReason, check_drafter, decode_round, prefill
 from jspec.model import Model
-from jspec.sampling import SamplingParams
+from jspec.sampling import SamplingParams, int_array
 
 
 def _insert_state(big: DecodeState, row: jax.Array, one: DecodeState) -> DecodeState:
@@ -84,8 +84,8 @@ def freeze_gc_heap() -> int:
 class Engine:
     """B rows of decoding with per-row requests.
 
-    ``add(prompt, ...)`` puts a request into a free row (prefill + insert, one jitted call per prompt-width
-    bucket); ``step()`` runs rounds for every row and returns {row: tokens emitted by them};
+    ``add(row, prompt, max_new_tokens, ...)`` puts a request into a free row (prefill + insert, one jitted
+    call per prompt-width bucket); ``step()`` runs rounds for every row and returns {row: tokens emitted by them};
     ``finished()`` lists rows whose request ended since the last call, with the stop reason.
 
     rounds_per_sync: rounds one ``step()`` runs on the device before returning to the host (multi-step
@@ -113,9 +113,11 @@ class Engine:
             raise ValueError(f"rounds_per_sync must be >= 1, got {self.rounds_per_sync}")
         if self.bucket < 1:
             raise ValueError(f"bucket (the prompt-width padding multiple) must be >= 1, got {self.bucket}")
-        gamma = 0 if self.drafter is None else self.gamma
-        if getattr(self.drafter, "is_tree", False):
-            gamma = self.drafter.max_depth
+        for name in ("batch", "max_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        gamma = check_drafter(self.target, self.drafter, self.gamma, self.adaptive, self.block_verify)
         self.config = DecodeConfig(
             gamma, self.max_len, tuple(int(e) for e in self.eos_ids), False, self.adaptive, self.block_verify
         )
@@ -146,9 +148,17 @@ class Engine:
         self, row: int, prompt: Sequence[int], max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0
     ) -> int:
         """Prefill ``prompt`` and start it in ``row`` (which must be free). Returns its first token."""
+        if isinstance(row, bool) or not isinstance(row, int | np.integer) or not 0 <= row < self.batch:
+            raise ValueError(f"row must be an int in [0, {self.batch}), got {row!r}")
         if self._stop[row] == StopReason.RUNNING:
             raise ValueError(f"row {row} is still decoding a request")
-        prompt = np.asarray(prompt, np.int32).reshape(-1)
+        prompt = int_array(prompt, "prompt")
+        if prompt.ndim != 1:
+            raise ValueError(f"prompt must be a 1-D sequence of token ids, got shape {prompt.shape}")
+        budget = int_array(max_new_tokens, "max_new_tokens")
+        if budget.ndim != 0:
+            raise ValueError(f"max_new_tokens must be one int, got shape {budget.shape}")
+        max_new_tokens = int(budget)
         if prompt.size == 0:
             raise ValueError("empty prompt: at least one token is needed")
         if prompt.min() < 0 or prompt.max() >= self.target.vocab_size:

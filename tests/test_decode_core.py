@@ -295,6 +295,18 @@ def test_debug_checks_catch_zero_q_proposals():
         (dict(max_new_tokens=100, max_len=64), "exceeds the cache"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(drafter=ModelDrafter(make_table_model(random_table(2, 5, 2))[0]), gamma=2), "vocabulary mismatch"),
+        # Nothing is truncated or flattened silently: numpy's int casts would turn these into other requests.
+        (dict(prompts=[0, 1, 2]), "prompt 0 must be a 1-D sequence"),  # one prompt, not wrapped in a list
+        (dict(prompts=[[[0, 1], [1, 2]]]), "prompt 0 must be a 1-D sequence"),
+        (dict(prompts=[[0, 1.5]]), "prompt 0 must be integers"),
+        (dict(prompts=np.array([[0.0, 1.0], [1.0, 0.5]])), "prompts must be integers"),
+        (dict(top_k=2.5), "top_k must be integers"),
+        (dict(top_k=-0.5), "top_k must be integers"),
+        (dict(max_new_tokens=4.5), "max_new_tokens must be integers"),
+        (dict(drafter=DRAFTER, gamma=2.0), "gamma .* must be an int"),
+        (dict(adaptive=True), "need a drafter"),
+        (dict(block_verify=True), "need a drafter"),
+        (dict(max_new_tokens=None, max_len=9), "prompt 2 \\(9 tokens\\) leaves no cache slot"),
     ],
 )
 def test_bad_input_raises_clear_error(kwargs, message):
@@ -302,6 +314,13 @@ def test_bad_input_raises_clear_error(kwargs, message):
     prompts = kwargs.pop("prompts")
     with pytest.raises(ValueError, match=message):
         dec.decode(TARGET, TARGET_PARAMS, prompts, **kwargs)
+
+
+def test_whole_number_floats_are_accepted_as_ints():
+    """int_array refuses only what a cast would change: 3.0 is the int 3 (as in a JSON request)."""
+    a = dec.decode(TARGET, TARGET_PARAMS, [[0.0, 1.0, 2.0]], max_new_tokens=3.0, top_k=2.0, temperature=1.0)
+    b = dec.decode(TARGET, TARGET_PARAMS, [[0, 1, 2]], max_new_tokens=3, top_k=2, temperature=1.0)
+    assert a.tokens == b.tokens and len(a.tokens[0]) == 3
 
 
 def test_adaptive_k_keeps_greedy_output_and_adapts():

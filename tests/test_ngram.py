@@ -14,7 +14,7 @@ from toy_models import chi2_critical, chi_square, exact_sequence_distribution, m
 
 from jspec.decode import decode
 from jspec.drafters import DraftContext, Proposal
-from jspec.ngram import NgramDrafter, ngram_lookup
+from jspec.ngram import NgramDrafter, NgramTreeDrafter, ngram_lookup
 from jspec.sampling import SamplingParams
 
 
@@ -181,6 +181,10 @@ def test_drafter_is_static_and_validated():
         NgramDrafter(2, 3, vocab_size=7)
     with pytest.raises(ValueError):
         NgramDrafter(2, 0, vocab_size=7)
+    # The tree form checks the same n-gram range and its own shape (a min above the max never proposes).
+    for args, message in (((3, 2, 1, 2), "min_ngram <= max_ngram"), ((0, 2), "branches >= 1"), ((2, 0), "depth >= 1")):
+        with pytest.raises(ValueError, match=message):
+            NgramTreeDrafter(*args, vocab_size=7)
 
 
 # ---- greedy: speculative output == plain output ----

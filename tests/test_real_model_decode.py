@@ -148,6 +148,7 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
         assert out["identical_to_plain"] is True, drafter
         assert out["stats"]["proposed"] > 0 and out["stats"]["new_tokens"] == len(out["token_ids"]) > 0, drafter
         assert np.sum(out["stats"]["proposed_at"]) == out["stats"]["proposed"], drafter
+        assert out["stats"]["gamma"] == (2 if extra else 3), (drafter, extra)  # a tree reports its depth as K
         if drafter == "model":
             assert out["stats"]["accepted"] == out["stats"]["proposed"], out["stats"]
     # Without --draft-model, --drafter eagle decodes with the bundled head (models/heads/), here at the K

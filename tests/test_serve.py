@@ -66,9 +66,39 @@ def test_engine_rejects_bad_requests():
         engine.add(0, [], 4)
     with pytest.raises(ValueError, match="must fit"):
         engine.add(0, [1, 2], 20)
+    # The row, the prompt and the budget are checked, not cast: row -1 would be numpy's last row, 2.5 tokens 2.
+    for args, message in (
+        ((-1, [1], 3), "row must be an int in \\[0, 1\\)"),
+        ((1, [1], 3), "row must be an int"),
+        ((0, [[1, 2]], 3), "1-D sequence"),
+        ((0, [1.5], 3), "prompt must be integers"),
+        ((0, [1], 2.5), "max_new_tokens must be integers"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            engine.add(*args)
     engine.add(0, [1, 2], 5)
     with pytest.raises(ValueError, match="still decoding"):
         engine.add(0, [1], 3)
     for bad in ({"bucket": 0}, {"rounds_per_sync": 0}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))} .*>= 1"):
             Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16, **bad)
+
+
+def test_engine_checks_its_drafter_like_decode():
+    """Engine and decode share one check of the draft settings (jspec.decode.check_drafter)."""
+    from jspec.ngram import NgramDrafter, NgramTreeDrafter
+    from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
+
+    tree = TreeModelDrafter(DRAFTER.model, TreeSpec((2, 1)), TreeRule.DETERMINISTIC)
+    for kwargs, message in (
+        (dict(drafter=DRAFTER, gamma=-1), "gamma"),
+        (dict(drafter=NgramDrafter(vocab_size=TARGET.vocab_size + 1)), "vocabulary mismatch"),
+        (dict(drafter=tree, block_verify=True), "chains, not trees"),
+        (dict(drafter=NgramTreeDrafter(2, 2, vocab_size=TARGET.vocab_size), adaptive=True), "chains, not trees"),
+        (dict(block_verify=True), "need a drafter"),
+        (dict(batch=0), "batch must be an int >= 1"),
+        (dict(max_len=16.5), "max_len must be an int >= 1"),
+    ):
+        kwargs = {"batch": 1, "max_len": 16, **kwargs}
+        with pytest.raises(ValueError, match=message):
+            Engine(TARGET, TARGET_PARAMS, **kwargs)

@@ -1,0 +1,51 @@
+"""``python -m jspec generate`` refuses flags that its drafter would ignore, before any model is loaded."""
+
+import pytest
+
+from jspec import cli
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--drafter", "none", "--draft-model", "x"], "--draft-model does not apply to --drafter none"),
+        (["--drafter", "ngram", "--tree", "2,1"], "--tree does not apply to --drafter ngram"),
+        (["--drafter", "ngram-tree", "--dynamic-tree", "2,2,4"], "--dynamic-tree does not apply"),
+        (["--drafter", "ngram", "--branches", "2"], "--branches does not apply to --drafter ngram "),
+        (["--drafter", "eagle", "--ngram-max", "4"], "--ngram-max does not apply to --drafter eagle"),
+        (["--drafter", "model", "--ngram-min", "2"], "--ngram-min does not apply"),
+        (["--drafter", "eagle", "--tree-budget", "3"], "--tree-budget applies to --tree"),
+        (["--drafter", "eagle", "--dynamic-tree", "2,2,4", "--tree-rule", "iid"], "--tree-rule applies to --tree"),
+        (["--drafter", "none", "--adaptive"], "need a drafter"),
+        (["--drafter", "none", "--block-verify"], "need a drafter"),
+    ],
+)
+def test_ignored_flags_are_refused(flags, message, monkeypatch, capsys):
+    def no_load(*_, **__):
+        raise AssertionError("the flags must be refused before a model is loaded")
+
+    monkeypatch.setattr(cli, "model_loader", no_load)
+    assert cli.main(["generate", "--prompt", "hi", "--compile-cache", "none", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+class _Loaded(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--drafter", "ngram-tree", "--branches", "2", "--ngram-max", "4", "--ngram-min", "2"],
+        ["--drafter", "eagle", "--tree", "3,1", "--tree-budget", "4", "--tree-rule", "iid", "--draft-model", "x"],
+        ["--drafter", "layerskip", "--dynamic-tree", "2,2,4", "--adaptive"],
+        ["--drafter", "none"],
+    ],
+)
+def test_flags_their_drafter_reads_pass_the_check(flags, monkeypatch):
+    def loader(*_, **__):
+        raise _Loaded  # the check passed: the model would load now
+
+    monkeypatch.setattr(cli, "model_loader", loader)
+    with pytest.raises(_Loaded):
+        cli.main(["generate", "--prompt", "hi", "--compile-cache", "none", *flags])
