@@ -40,7 +40,8 @@ from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec
 def static_tree(budget: int, width: int = 2) -> TreeSpec:
     """``width`` branches at the root (at most budget - 1), then single children, cut to ``budget`` nodes in
     breadth-first order."""
-    width = min(width, budget - 1)
+    if not 1 <= width <= budget - 1:
+        raise ValueError(f"a root width of {width} does not fit budget N={budget}: it must be in [1, {budget - 1}]")
     depth = max(1, math.ceil((budget - 1) / width))
     return TreeSpec((width,) + (1,) * (depth - 1), budget=budget)
 
@@ -64,10 +65,10 @@ def static_tree_specs(model, params, n: int, widths, rules=(TreeRule.DETERMINIST
 def specs_for_budget(model, params, n: int, widths=(2, 4), dynamic: bool = True, rules=(TreeRule.DETERMINISTIC,)):
     chain = Spec(f"chain K={n - 1} (N={n})", ModelDrafter(model), n - 1, params, peer="chain")
     trees = static_tree_specs(model, params, n, widths, rules)
-    depth = max(2, min(n - 1, 4))
+    depth, top_k = max(2, min(n - 1, 4)), min(4, n - 1)
     dyn = Spec(
-        f"dynamic tree k=4 d={depth} (N={n})",
-        DynamicTreeDrafter(model, top_k=min(4, n - 1), depth=depth, budget=n),
+        f"dynamic tree k={top_k} d={depth} (N={n})",
+        DynamicTreeDrafter(model, top_k=top_k, depth=depth, budget=n),
         depth,
         params,
         peer="tree",
@@ -75,7 +76,7 @@ def specs_for_budget(model, params, n: int, widths=(2, 4), dynamic: bool = True,
     return [chain, *trees, *([dyn] if dynamic else [])]
 
 
-def layerskip_specs_for_budget(target, spec: str, n: int, widths=(2, 4)) -> list[Spec]:
+def layerskip_specs_for_budget(target, spec: str, n: int, widths=(2, 4), rules=(TreeRule.DETERMINISTIC,)) -> list[Spec]:
     """LayerSkip self-speculation at budget N: its chain (K = N - 1, early-layer K/V shared with the target)
     vs static trees drafted by the same exit as a stand-alone model (``LayerSkipDrafter.as_model``)."""
     from models.registry import load_layerskip_drafter
@@ -83,7 +84,7 @@ def layerskip_specs_for_budget(target, spec: str, n: int, widths=(2, 4)) -> list
     drafter, dparams = load_layerskip_drafter(spec, target, n - 1)
     chain = Spec(f"layerskip chain K={n - 1} (N={n})", drafter, n - 1, dparams, peer="chain")
     model, mparams = drafter.as_model(dparams)
-    return [chain, *static_tree_specs(model, mparams, n, widths, prefix="layerskip tree")]
+    return [chain, *static_tree_specs(model, mparams, n, widths, rules, prefix="layerskip tree")]
 
 
 def ngram_specs_for_budget(target, n: int) -> list[Spec]:
@@ -109,12 +110,13 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-layers", type=int, default=4)
     ap.add_argument("--draft", default=None, help="a distilled draft instead of the truncated target")
     ap.add_argument("--ngram", action="store_true", help="n-gram chain vs n-gram trees instead of a draft model")
-    ap.add_argument("--widths", default="2,4", help="root widths of the static trees (draft model only)")
+    ap.add_argument("--widths", default="2,4", help="root widths of the static trees (draft model, --layerskip)")
     ap.add_argument("--no-dynamic", action="store_true", help="skip the dynamic tree (draft model only)")
     ap.add_argument(
         "--rules",
         default="deterministic",
-        help="static-tree verification rules to compare (draft model only): deterministic,iid,without-replacement",
+        help="static-tree verification rules to compare (draft model, --layerskip): "
+        "deterministic,iid,without-replacement",
     )
     ap.add_argument(
         "--layerskip", default=None, help="LayerSkip exit (trained adapter name or exit:E) instead of a draft"
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
             specs += [s for s in ngram_specs_for_budget(target, n) if s.label not in {t.label for t in specs}]
     elif args.layerskip:
         for n in (int(x) for x in args.budgets.split(",")):
-            specs += layerskip_specs_for_budget(target, args.layerskip, n, widths)
+            specs += layerskip_specs_for_budget(target, args.layerskip, n, widths, rules)
     else:
         draft = distilled_draft(target, args.draft) if args.draft else truncated_draft(target, args.draft_layers)
         for n in (int(x) for x in args.budgets.split(",")):

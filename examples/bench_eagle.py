@@ -45,7 +45,7 @@ from jspec.drafters import DraftContext  # noqa: E402
 from jspec.ngram import NgramDrafter  # noqa: E402
 from jspec.tree import TreeRule, TreeSpec  # noqa: E402
 from models import eagle as EG  # noqa: E402
-from models import registry  # noqa: E402
+from models import llama, registry  # noqa: E402
 
 PROMPTS = [
     "What are some fun things to do on a rainy afternoon?",
@@ -140,6 +140,8 @@ def main(argv=None) -> dict:
         help="target layer layout, see models.llama.unstack_layers (auto: unstacked on CPU only)",
     )
     args = ap.parse_args(argv)
+    if not 1 <= args.prompts <= len(PROMPTS):
+        ap.error(f"--prompts must be in [1, {len(PROMPTS)}] (the built-in prompts), got {args.prompts}")
     ks = [int(x) for x in args.ks.split(",")]
     temps = [float(x) for x in args.temperatures.split(",")]
 
@@ -153,6 +155,8 @@ def main(argv=None) -> dict:
     }
     heads = args.head.split(",")
     dtypes = args.packed_dtypes.split(",")
+    if len(dtypes) > 1 and not llama.is_packed(tparams):
+        raise SystemExit("--packed-dtypes: only a packed target (the CPU kernel layout) uses them; give one")
     for head, pdt in [(h, d) for h in heads for d in dtypes]:
         # Several heads or dtypes: compared in the same run, each config tagged with what differs.
         diff = [x for x, many in ((head, len(heads) > 1), (pdt, len(dtypes) > 1)) if many]

@@ -112,6 +112,8 @@ def main(argv=None) -> None:
         help="target layer layout, see models.llama.unstack_layers (auto: unstacked on CPU only)",
     )
     args = ap.parse_args(argv)
+    if not 1 <= args.prompts <= len(CHATS):
+        ap.error(f"--prompts must be in [1, {len(CHATS)}] (the built-in prompts), got {args.prompts}")
 
     cfg, params, model, tok = load(args.model, dtype="float32", unstacked=wants_unstacked(args.layers))
     prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS[: args.prompts]]

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         draft = truncated_draft(target, args.draft_layers) if args.draft_layers else None
         if draft is not None:
             specs += [suite.model_spec(f"draft {args.draft_layers}L K={k}", *draft, k) for k in ks]
-        rs = suite.run_specs(target, specs, [Load.closed(args.k_concurrency)], jobs, cfg)
+        rs = suite.run_specs(target, specs, [Load.closed(args.k_concurrency, cfg.timeout_s)], jobs, cfg)
         plain = rs[0]
         for r in rs[1:]:
             series = "ngram" if r.spec.label.startswith("ngram") else f"draft {args.draft_layers}L"
@@ -87,8 +87,8 @@ def main(argv=None) -> int:
             n_needed = max(cfg.n_per_workload, -(-2 * b // len(cfg.workloads)))
             bcfg = dataclasses.replace(cfg, n_per_workload=n_needed)
             bjobs, _ = suite.prepare_jobs(target, bcfg)
-            rs = suite.run_specs(target, [suite.plain_spec(), suite.ngram_spec(target, args.gamma)], [Load.closed(b)],
-                                 bjobs, bcfg)  # fmt: skip
+            bspecs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma)]
+            rs = suite.run_specs(target, bspecs, [Load.closed(b, cfg.timeout_s)], bjobs, bcfg)
             plain = rs[0]
             b_points.append({"series": "plain", "batch": b, "tokens_per_s": plain.summary["output_tokens_per_s"]})
             b_points.append(_point(f"ngram K={args.gamma}", rs[1], plain, "batch", b))

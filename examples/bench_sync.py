@@ -47,6 +47,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--layers", default="auto", choices=LAYER_LAYOUTS)
     args = ap.parse_args(argv)
+    if not 1 <= args.prompts <= len(PROMPTS):
+        ap.error(f"--prompts must be in [1, {len(PROMPTS)}] (the built-in prompts), got {args.prompts}")
 
     cfg, params, model, tok = registry.load(args.model, unstacked=wants_unstacked(args.layers))
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]

@@ -58,6 +58,9 @@ class TreeSpec:
             raise ValueError(f"branching must be a non-empty tuple of counts >= 1, got {self.branching}")
         if self.budget is not None and self.budget < 2:
             raise ValueError(f"a tree budget counts the root: it must be >= 2, got {self.budget}")
+        full = 1 + sum(int(np.prod(self.branching[: d + 1])) for d in range(len(self.branching)))
+        if self.budget is not None and self.budget > full:
+            raise ValueError(f"budget {self.budget} is larger than the tree: {self.branching} has {full} nodes")
 
     @property
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

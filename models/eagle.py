@@ -396,10 +396,10 @@ class EagleDrafter:
             raise ValueError(f"head has {ids.shape[0]} token ids, config says N={self.ecfg.n}")
         rows = head_rows(self.ecfg.target, target_params, ids).astype(self.ecfg.target.jdtype)
         hp = {**head_params, "rows": rows}
+        dt = llama.DTYPES[llama.canonical_dtype(packed_dtype)]  # checked whatever the layout
         if llama.is_packed(target_params):
             # Next to a target on the CPU kernel, the head's own matmuls (its layer, fc and the N rows) use it
             # too: a draft step reads ~36 MB of head weights, and XLA's matmuls read them at a lower rate.
-            dt = llama.DTYPES[llama.canonical_dtype(packed_dtype)]
             hp["layers"] = cpu_kernels.cast_panels(llama.unstack_layer_stack(head_params["layers"], packed=True), dt)
             hp["fc"] = {"kernel": cpu_kernels.pack(jnp.asarray(head_params["fc"]["kernel"], jnp.float32), dtype=dt)}
             hp["rows"] = cpu_kernels.pack(rows.T, dtype=dt)

@@ -1,5 +1,5 @@
 """Sharded speculative decoding: meshes, the logical-axis table, placement, the jitted sharded decode,
-multi-process runs and checkpoints. See sharding/README_SECTION.md.
+multi-process runs and checkpoints. See "Sharded and multi-host decoding" in README.md.
 
     mesh = make_mesh({"data": 2, "model": -1})
     plan = make_plan(mesh, "data_tensor", draft="data")

@@ -154,9 +154,15 @@ def test_running_request_past_its_deadline_is_a_timeout():
 
 
 def test_wall_limit_marks_the_rest_not_run():
-    res = _run(PLAIN, Load.closed(2), [Job(f"w{i}", "a", (0, 1)) for i in range(5)], max_wall_s=0.0, warmup=False)
-    s = res.summary
-    assert s["finished"] + s["not_run"] == 5 and s["not_run"] >= 2
+    jobs = [Job(f"w{i}", "a", (0, 1)) for i in range(5)]
+    res = _run(PLAIN, Load.closed(2), jobs, max_wall_s=0.0, warmup=False)
+    assert res.summary["not_run"] == 5 and res.summary["finished"] == 0  # the limit has passed at the start
+    # A clock that ticks once per reading: the limit passes while the first two requests decode (9 tokens,
+    # several readings per step), so they finish and the three their clients send later never start.
+    ticks = iter(range(10**6))
+    res = _run(PLAIN, Load.closed(2), jobs, max_wall_s=8.0, warmup=False, clock=lambda: float(next(ticks)))
+    assert [r.stop_reason for r in res.records].count("not_run") == 3 and res.summary["finished"] == 2
+    assert all(r.admitted <= 8.0 for r in res.records if r.admitted is not None)
 
 
 def test_inter_token_intervals_are_bursts():
@@ -298,7 +304,7 @@ def test_warmup_compiles_everything_the_timed_run_calls():
 def test_chain_vs_tree_budgets():
     """bench_chain_vs_tree compares shapes at one verification budget N: every static tree has exactly N nodes
     (the root included), the node a budget cut keeps below a wide root hangs under the top-ranked child, and
-    --widths / --no-dynamic choose the rows."""
+    --widths / --no-dynamic choose the rows; a width that does not fit the budget is an error."""
     import os
     import sys
 
@@ -307,9 +313,11 @@ def test_chain_vs_tree_budgets():
 
     from jspec.tree import TreeRule
 
-    for budget, width, branching in [(5, 3, (3, 1)), (5, 4, (4,)), (5, 9, (4,)), (8, 2, (2, 1, 1, 1))]:
+    for budget, width, branching in [(5, 3, (3, 1)), (5, 4, (4,)), (8, 2, (2, 1, 1, 1))]:
         st = bench.static_tree(budget, width)
         assert (st.branching, st.num_nodes) == (branching, budget)
+    with pytest.raises(ValueError, match="root width of 9 does not fit budget N=5"):
+        bench.static_tree(5, 9)  # not narrowed to 4 behind the user's back (two --widths would give one row twice)
     parent, depth, rank = bench.static_tree(5, 3).arrays
     assert (list(parent), list(depth), list(rank)) == ([-1, 0, 0, 0, 1], [0, 1, 1, 1, 2], [0, 0, 1, 2, 0])
     labels = [s.label for s in bench.specs_for_budget(DRAFTER.model, DRAFT_PARAMS, 5, widths=(3,), dynamic=False)]

@@ -40,6 +40,9 @@ def test_tree_spec_shapes():
     assert TreeSpec((3, 2, 2), budget=6).num_nodes == 6
     with pytest.raises(ValueError, match="branching"):
         TreeSpec((2, 0))
+    assert TreeSpec((2, 1), budget=5).num_nodes == 5  # 1 + 2 + 2: the whole tree
+    with pytest.raises(ValueError, match=r"budget 6 is larger than the tree: \(2, 1\) has 5 nodes"):
+        TreeSpec((2, 1), budget=6)  # a budget is never clamped silently
 
 
 def test_ancestor_mask_and_children():

@@ -506,8 +506,9 @@ def measure_phases(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Per-phase costs in ms (medians of ``repeats``) at batch ``batch`` with ``context_len`` committed tokens
-    per row in a cache of ``config.slots`` slots. The prompt is random token ids; costs do not depend on
-    the values (an n-gram lookup scans the whole history either way, a draft model runs its full rollout).
+    per row in a cache of ``config.slots`` slots. The prompt repeats a random block of token ids, so a
+    lookup drafter proposes its full K and the round takes its wide path, as a model drafter's always does
+    (``PhaseTimer``); round_narrow_ms times the same round on distinct tokens, where a lookup finds nothing.
 
     Returns plain_step_ms, draft_ms (the whole rollout for K, or the tree), verify_ms, state_ms (accept +
     commit), round_ms (the fused round as the loop runs it), other_ms = round - draft - verify - state, and

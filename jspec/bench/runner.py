@@ -303,7 +303,8 @@ def run(
     max_len: the engine's cache slots per row; a job whose prompt + max_new_tokens does not fit raises in
     ``Engine.add`` and is recorded as an error. decode_text / scorer: turn tokens into text and score it
     (``workloads.score``) after the run, outside the timed part. max_wall_s: stop admitting new requests
-    after this long (those never started are recorded as timeouts with the error "run wall limit").
+    after this long; running ones finish, and those never started are recorded with stop reason "not_run"
+    (neither errors nor timeouts).
     rounds_per_sync: decode rounds per engine step (``jspec.serve.Engine``); tokens are timestamped when
     their step returns. freeze_gc: freeze the Python heap for the timed part, as a server does once warm
     (``metrics.timed_region_gc``); the collections that still run there are timed into ``engine["gc"]``.
@@ -364,7 +365,9 @@ def run(
             if max_wall_s is not None and t > max_wall_s and not stopped_admitting:
                 stopped_admitting = True
             # Deadlines of queued requests.
-            if load.timeout_s is not None or stopped_admitting:
+            # Past the wall limit the queue is drained to the end: in a closed loop each request marked
+            # not_run sends its client's next one, which must not be admitted either.
+            while load.timeout_s is not None or stopped_admitting:
                 for i in list(queue):
                     late = load.timeout_s is not None and t - records[i].arrival > load.timeout_s
                     if late:
@@ -374,6 +377,8 @@ def run(
                         queue.remove(i)
                         finish(i, t, "not_run")
                 arrive(t)
+                if not (stopped_admitting and queue):
+                    break
             # Fill free rows.
             busy = set(owner)
             for row in engine.free_rows():
