@@ -209,6 +209,43 @@ def test_code_check_parses_runs_and_sandboxes():
     assert not loop["correct"] and loop["error"]
 
 
+def test_cost_model_check_arithmetic():
+    """cost_model_check on hand-made measurements, every number worked out by hand (chain, K = 3):
+    drafted positions [100, 100, 100] with [80, 40, 20] in the accepted prefix: E[N] = 1 + .8 + .4 + .2 = 2.4;
+    seed cycle 3 x (3 ms / 3) + 12 + 1 = 16 ms, speedup 10 x 2.4 / 16 = 1.5 (the plain round is 10 ms);
+    pieces: 3/4 wide rounds 3 + 12 + 1 = 16 ms and 1/4 narrow 3 + 8 + 1 = 12 ms: 15 ms, 10 x 2.5 / 15 = 5/3;
+    whole rounds: 3/4 x 17 + 1/4 x 13 = 16 ms, 10 x 2.5 / 16 = 1.5625. Measured 150 / 100 = 1.5 tok/s ratio."""
+    from types import SimpleNamespace as NS
+
+    stats = dict(tokens_per_round=2.5, wide_verify_fraction=0.75, accepted_at=[80, 40, 20], proposed_at=[100] * 3)
+    spec_run = NS(
+        summary={"decode_tokens_per_s": 150.0, "output_tokens_per_s": 140.0},
+        decode_stats=stats,
+        spec=NS(kind="chain", gamma=3),
+    )
+    plain_run = NS(summary={"decode_tokens_per_s": 100.0, "output_tokens_per_s": 112.0})
+    phases = dict(draft_ms=3.0, verify_ms=12.0, state_ms=1.0, round_ms=17.0, round_narrow_ms=13.0, gamma=3)
+    cm = runner.cost_model_check(spec_run, plain_run, phases, {"round_ms": 10.0, "plain_step_ms": 8.0})
+    assert cm["measured_speedup"] == pytest.approx(1.5) and cm["measured_output_speedup"] == pytest.approx(1.25)
+    assert cm["seed"]["accept_at"] == pytest.approx([0.8, 0.5, 0.5])
+    assert cm["seed"]["expected_tokens"] == pytest.approx(2.4) and cm["seed"]["cycle_ms"] == pytest.approx(16.0)
+    assert cm["seed"]["speedup"] == pytest.approx(1.5) and cm["seed"]["ratio_to_measured"] == pytest.approx(1.0)
+    assert cm["measured_en"]["cycle_ms"] == pytest.approx(15.0)
+    assert cm["measured_en"]["speedup"] == pytest.approx(5 / 3)
+    assert cm["measured_en"]["ratio_to_measured"] == pytest.approx(10 / 9)
+    assert cm["measured_rounds"]["cycle_ms"] == pytest.approx(16.0)
+    assert cm["measured_rounds"]["speedup"] == pytest.approx(1.5625)
+    # A tree verifies its N nodes every round: the whole cycle is the wide one whatever the fraction says.
+    tree = runner.cost_model_check(
+        NS(summary=spec_run.summary, decode_stats=stats, spec=NS(kind="tree", gamma=3)),
+        plain_run,
+        phases,
+        {"round_ms": 10.0, "plain_step_ms": 8.0},
+    )
+    assert "seed" not in tree and tree["measured_rounds"]["cycle_ms"] == pytest.approx(17.0)
+    assert tree["measured_en"]["cycle_ms"] == pytest.approx(16.0)
+
+
 def test_phase_costs_and_cost_model(closed_runs):
     config = DecodeConfig(3, MAX_LEN)
     ph = metrics.measure_phases(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, config, 2, 6, repeats=2)

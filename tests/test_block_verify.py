@@ -65,7 +65,9 @@ def test_block_whole_sequence_distribution(gamma):
         exact = exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)
         stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
         assert stat < chi2_critical(df), (g, stat, df)
-    # Same seed = same drafts and uniforms: block verification keeps at least as many tokens per round.
+    # Same seed = same drafts and uniforms: block verification keeps more tokens per round (Sun et al.: it
+    # is optimal among valid rules). Over ~290k rounds the standard error of tokens per round is ~0.002
+    # (sd <= 1.2 a round), so a margin of 0.01 also tells the rule from a flag that is silently ignored.
     tok = dec.decode(
         TARGET,
         TARGET_PARAMS,
@@ -76,7 +78,7 @@ def test_block_whole_sequence_distribution(gamma):
     blk = dec.decode(
         TARGET, TARGET_PARAMS, prompts[: 2 * n], block_verify=True, **{**kw, **{k: v[: 2 * n] for k, v in cols.items()}}
     )
-    assert blk.stats["tokens_per_round"] >= tok.stats["tokens_per_round"]
+    assert blk.stats["tokens_per_round"] > tok.stats["tokens_per_round"] + 0.01, (blk.stats, tok.stats)
 
 
 def test_block_greedy_equals_plain():

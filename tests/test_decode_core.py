@@ -349,9 +349,16 @@ def test_adaptive_k_keeps_greedy_output_and_adapts():
 
 
 def test_adaptive_k_distribution():
-    """Per-row draft lengths that change from round to round must not change what is sampled."""
+    """Per-row draft lengths that change from round to round must not change what is sampled.
+
+    The policy (draft cost 0.25 + verify 0.075 a position, EMA weight 0.3 on the past) makes K change: at the
+    prior 0.6, 1 + ... + 0.6^k over 1 + 0.325 k peaks at K = 1 (1.21 against 1.19 for K = 2), so every row's
+    first round drafts 1; an accepted draft moves the estimate to 0.88, where K = 3 wins (1.69 against 1.61),
+    a rejected one to 0.18, where K = 0 does. 7 new tokens leave room for the 3-candidate rounds."""
+    from jspec.adaptive import AdaptiveK
+
     groups = [GROUPS[0], GROUPS[3]]
-    n, n_new = N_PER_GROUP, 5
+    n, n_new = N_PER_GROUP, 7
     prompts, cols = grouped_rows(PROMPT, groups, n)
     out = dec.decode(
         TARGET,
@@ -363,11 +370,12 @@ def test_adaptive_k_distribution():
         max_new_tokens=n_new,
         max_len=DIST_SLOTS,
         seed=77,
-        adaptive=True,
+        adaptive=AdaptiveK(draft_cost=0.25, beta=0.3),
         **cols,
     )
     tokens = np.asarray(out.tokens)
-    assert out.stats["proposed"] > 0
+    at = out.stats["proposed_at"]
+    assert at[2] > 0 and at[0] > at[1], at  # rounds of 3 candidates after first rounds of 1: K changed
     for i, g in enumerate(groups):
         stat, df = chi_square(
             tokens[i * n : (i + 1) * n], exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)

@@ -172,6 +172,8 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     assert "expected exit:E" in capsys.readouterr().err
     assert cli.main([*base, "--drafter", "draft", "--draft-model", str(tmp_path / "nothing")]) == 2
     assert "no draft" in capsys.readouterr().err
+    assert cli.main([*base, "--drafter", "model"]) == 2
+    assert "--drafter model needs --draft-model" in capsys.readouterr().err
     # --drafter model refuses a checkpoint with another tokenizer (here another vocabulary) before decoding.
     pytest.importorskip("transformers")
     from test_models_hf import tiny_model
@@ -179,8 +181,6 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     tiny_model("llama", tied=True).save_pretrained(tmp_path / "other")
     assert cli.main([*base, "--drafter", "model", "--draft-model", str(tmp_path / "other")]) == 2
     assert "vocabulary mismatch" in capsys.readouterr().err
-    assert cli.main([*base, "--drafter", "model"]) == 2
-    assert "--drafter model needs --draft-model" in capsys.readouterr().err
 
 
 def test_loader_layout_argument_only_reaches_loaders_that_take_it():

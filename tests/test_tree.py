@@ -1,5 +1,6 @@
 """Candidate trees: lossless verification under each rule, greedy equivalence, masks and commits."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -131,6 +132,20 @@ def test_dynamic_tree_greedy_equals_plain_and_shapes_differ_per_row():
         TARGET, TARGET_PARAMS, PROMPTS, drafter=DRAFTERS["dynamic"], draft_params=DRAFT_PARAMS, max_new_tokens=20
     )
     assert tree.tokens == plain.tokens and tree.stats["tokens_per_round"] > 1.5
+    # The proposals of a few rounds, stepped as the loop does: each row's tree follows the draft's own
+    # cumulative probabilities, so the parent arrays (the shapes) differ between rows.
+    drafter = DRAFTERS["dynamic"]
+    prepared = dec.prepare(
+        TARGET, TARGET_PARAMS, PROMPTS, drafter=drafter, draft_params=DRAFT_PARAMS, max_new_tokens=20
+    )
+    pre, step = dec._stream_fns(TARGET, drafter, prepared.config)
+    st, shapes = pre(*prepared.args), set()
+    for r in range(3):
+        ctx = dec.DraftContext(st.seq, st.seq_len, jnp.full((len(PROMPTS),), drafter.max_depth), st.sampling)
+        prop = drafter.propose_tree(DRAFT_PARAMS, st.draft_state, ctx, jax.random.key(r))
+        shapes |= {tuple(p) for p in np.asarray(prop.parent).tolist()}
+        st = step(TARGET_PARAMS, DRAFT_PARAMS, st)[0]
+    assert len(shapes) > 1, shapes
     with pytest.raises(ValueError, match="budget"):
         DynamicTreeDrafter(DRAFT, top_k=2, depth=2, budget=8)
 
