@@ -123,6 +123,23 @@ def main(argv=None) -> int:
     )
     ap.set_defaults(out="results/chain_vs_tree", n=2)
     args = ap.parse_args(argv)
+    if args.ngram and args.layerskip:
+        ap.error("--ngram and --layerskip are exclusive")
+    # Flags the chosen drafter does not read are refused rather than ignored.
+    default = {name: ap.get_default(name) for name in ("draft_layers", "rules", "widths")}
+    given = {
+        "--draft": args.draft is not None,
+        "--draft-layers": args.draft_layers != default["draft_layers"],
+        "--no-dynamic": args.no_dynamic,
+        "--rules": args.rules != default["rules"],
+        "--widths": args.widths != default["widths"],
+    }
+    mode = "--ngram" if args.ngram else "--layerskip" if args.layerskip else None
+    reads = {None: set(given), "--ngram": set(), "--layerskip": {"--widths", "--rules"}}[mode]
+    for flag in (f for f, on in given.items() if on and f not in reads):
+        ap.error(f"{flag} does not apply to {mode}")
+    if given["--draft"] and given["--draft-layers"]:
+        ap.error("--draft-layers (a truncated target) and --draft (a distilled draft) are exclusive")
     cfg = suite.config_from_args(args)
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)

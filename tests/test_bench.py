@@ -369,6 +369,29 @@ def test_chain_vs_tree_budgets():
     assert [s.drafter.rule for s in specs[1:]] == list(rules)
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ngram", "--widths", "3"], "--widths does not apply to --ngram"),
+        (["--ngram", "--rules", "iid"], "--rules does not apply to --ngram"),
+        (["--layerskip", "exit:4", "--no-dynamic"], "--no-dynamic does not apply to --layerskip"),
+        (["--layerskip", "exit:4", "--draft", "d"], "--draft does not apply to --layerskip"),
+        (["--draft", "d", "--draft-layers", "2"], "are exclusive"),
+        (["--ngram", "--layerskip", "exit:4"], "are exclusive"),
+    ],
+)
+def test_chain_vs_tree_refuses_flags_its_drafter_ignores(flags, message, capsys):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import bench_chain_vs_tree as bench
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(flags)  # refused while parsing: no model is loaded
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_ngram_variants_parse_and_label():
     """bench_spec_vs_plain --ngram-variants: 'K' keeps the default 3..1 n-gram range, 'K,MAX,MIN' sets it, and
     the spec's label names a non-default range (specs in one run need distinct labels); malformed values are
