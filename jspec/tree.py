@@ -470,8 +470,10 @@ class DynamicTreeDrafter(DynamicTreeShape, TreeModelDrafter):
     """EAGLE-2 style dynamic tree from a draft model (``grow_dynamic_tree`` with width ``top_k``): the shape
     differs per row; children are chosen deterministically (DETERMINISTIC rule)."""
 
-    spec: TreeSpec = None  # unused; the tree is built per row
-    rule: TreeRule = TreeRule.DETERMINISTIC
+    # Not constructor arguments: the tree is built per row and its children are always the most likely, so
+    # ``DynamicTreeDrafter(model, top_k, depth, budget)`` reads as it is written.
+    spec: TreeSpec = dataclasses.field(default=None, init=False)
+    rule: TreeRule = dataclasses.field(default=TreeRule.DETERMINISTIC, init=False)
     top_k: int = 4
     depth: int = 4
     budget: int = 16

@@ -148,6 +148,8 @@ def test_dynamic_tree_greedy_equals_plain_and_shapes_differ_per_row():
     assert len(shapes) > 1, shapes
     with pytest.raises(ValueError, match="budget"):
         DynamicTreeDrafter(DRAFT, top_k=2, depth=2, budget=8)
+    # Positional arguments are top_k, depth, budget as the README writes them (spec and rule are not arguments).
+    assert DynamicTreeDrafter(DRAFT, 2, 3, 6) == DRAFTERS["dynamic"]
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
