@@ -76,7 +76,7 @@ class TreeSpec:
                     rank.append(r)
                     nxt.append(len(parent) - 1)
             frontier = nxt
-        n = len(parent) if self.budget is None else min(self.budget, len(parent))
+        n = len(parent) if self.budget is None else self.budget  # __post_init__: budget <= len(parent)
         return np.array(parent[:n]), np.array(depth[:n]), np.array(rank[:n])
 
     @property
