@@ -127,7 +127,7 @@ def main(argv=None):
         "--layers",
         default="auto",
         choices=("auto", "stacked", "unstacked"),
-        help="target (and draft) layer layout, see models.llama.unstack_layers (auto: unstacked on CPU only)",
+        help="target (and draft) layer layout, see models.llama.unstack_layers (auto: unstacked on CPU and GPU)",
     )
     args = ap.parse_args(argv)
     gammas = [int(g) for g in args.gammas.split(",")]

@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
         "--layers",
         default="auto",
         choices=("auto", "stacked", "unstacked"),
-        help="target layer layout, see models.llama.unstack_layers (auto: unstacked on CPU only)",
+        help="target layer layout, see models.llama.unstack_layers (auto: unstacked on CPU and GPU)",
     )
     args = ap.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS):

@@ -193,16 +193,15 @@ def test_loader_layout_argument_only_reaches_loaders_that_take_it():
     assert seen == [True, {"unstacked": False}]
 
 
-def test_layers_auto_is_unstacked_on_cpu_only(monkeypatch):
+def test_layers_auto_is_unstacked_on_cpu_and_gpu_only(monkeypatch):
     import jax
 
     from jspec.cli import wants_unstacked
 
     assert wants_unstacked("unstacked") and not wants_unstacked("stacked")
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert wants_unstacked("auto")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert not wants_unstacked("auto")
+    for backend, unstacked in (("cpu", True), ("gpu", True), ("tpu", False)):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert wants_unstacked("auto") is unstacked, backend
     with pytest.raises(ValueError, match="--layers must be one of auto, stacked, unstacked, got 'fused'"):
         wants_unstacked("fused")
     # The benchmark suite's loader (default --layers auto) passes the resolved layout to the model loader.
@@ -216,7 +215,7 @@ def test_layers_auto_is_unstacked_on_cpu_only(monkeypatch):
         lambda *a, **k: lambda name, dtype, unstacked: seen.append(unstacked) or (None, None, None, object()),
     )
     suite.load_target("m", layers="auto")
-    assert seen == [False]  # default_backend is "gpu" here
+    assert seen == [False]  # default_backend is "tpu" here
     with pytest.raises(ValueError, match="got 'fused'"):
         suite.load_target("m", layers="fused")
     assert seen == [False]  # refused before loading

@@ -82,7 +82,7 @@ def _checkpoint_path(load, name: str) -> str | None:
 
 def load_target(name: str = "smollm2-135m-instruct", dtype: str = "float32", layers: str = "stacked") -> Target:
     """layers: "stacked", "unstacked" (per-layer arrays: faster CPU decode steps, longer compiles) or "auto"
-    (unstacked on CPU only)."""
+    (unstacked on CPU and GPU)."""
     from jspec.cli import load_model, model_loader, wants_unstacked
 
     unstacked = wants_unstacked(layers)  # refuses anything else before loading
@@ -480,7 +480,7 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
         "--layers",
         default="auto",
         choices=("auto", "stacked", "unstacked"),
-        help="target layer weights (as python -m jspec generate --layers; auto = unstacked on CPU only)",
+        help="target layer weights (as python -m jspec generate --layers; auto = unstacked on CPU and GPU)",
     )
 
 
