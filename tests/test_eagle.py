@@ -635,8 +635,8 @@ def test_whole_sequence_distribution_equals_target():
 
 def test_tree_whole_sequence_distribution_equals_target():
     """A (2, 1) tree whose children are drawn from the head's reduced vocabulary without replacement (the rule
-    whose q changes after each rejection; every rule's own maths is tested on enumerated trees in
-    tests/test_tree.py)."""
+    whose q changes after each rejection; tests/test_tree.py checks every rule's sampled distribution on toy
+    drafters, and that the same statistic rejects a q misreported by 10%)."""
     ecfg, hp = _dist_head()
     _sample_and_check(EagleTreeDrafter(ecfg, spec=TreeSpec((2, 1)), rule=TreeRule.WITHOUT_REPLACEMENT), hp, 6)
 

@@ -1,5 +1,7 @@
 """Candidate trees: lossless verification under each rule, greedy equivalence, masks and commits."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,29 +154,71 @@ def test_dynamic_tree_greedy_equals_plain_and_shapes_differ_per_row():
     assert DynamicTreeDrafter(DRAFT, 2, 3, 6) == DRAFTERS["dynamic"]
 
 
-@pytest.mark.parametrize("name", list(DRAFTERS))
-def test_tree_whole_sequence_distribution(name):
-    """Static trees under each rule and dynamic trees: >= 100k sampled sequences per setting, chi-square."""
-    n, n_new = N_PER_GROUP, 5
-    groups = [GROUPS[0], GROUPS[3]]  # T 0.7 with top-k, T 1.3 with top-p
-    prompts, cols = grouped_rows(PROMPT, groups, n)
+TREE_GROUPS = [GROUPS[0], GROUPS[3]]  # T 0.7 with top-k, T 1.3 with top-p
+TREE_NEW = 5
+
+
+def _tree_statistics(name, drafter):
+    """N_PER_GROUP sampled sequences per group in one decode -> (stats, [(statistic, critical value)])."""
+    n = N_PER_GROUP
+    prompts, cols = grouped_rows(PROMPT, TREE_GROUPS, n)
     out = dec.decode(
         TARGET,
         TARGET_PARAMS,
         prompts,
-        drafter=DRAFTERS[name],
+        drafter=drafter,
         draft_params=DRAFT_PARAMS,
-        max_new_tokens=n_new,
+        max_new_tokens=TREE_NEW,
         max_len=DIST_SLOTS,
         seed=31 + len(name),
         **cols,
     )
     tokens = np.asarray(out.tokens)
-    assert out.stats["tokens_per_round"] > 1.1  # trees really accepted paths (stats are per round)
-    for i, g in enumerate(groups):
-        exact = exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)
+    checks = []
+    for i, g in enumerate(TREE_GROUPS):
+        exact = exact_sequence_distribution(TARGET_TABLE, PROMPT, TREE_NEW, **g)
         stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
-        assert stat < chi2_critical(df), (name, g, stat, df)
+        checks.append((stat, chi2_critical(df)))
+    return out.stats, checks
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_tree_whole_sequence_distribution(name):
+    """Static trees under each rule and dynamic trees: >= 100k sampled sequences per setting, chi-square."""
+    stats, checks = _tree_statistics(name, DRAFTERS[name])
+    assert stats["tokens_per_round"] > 1.1  # trees really accepted paths (stats are per round)
+    for g, (stat, critical) in zip(TREE_GROUPS, checks):
+        assert stat < critical, (name, g, stat, critical)
+
+
+@dataclasses.dataclass(frozen=True)
+class MisreportedTreeQ:
+    """A deliberately lossy tree drafter: ``inner``'s trees, with every node's q reported mixed with the
+    uniform distribution (weight 1 - w), so the rule's acceptance and residual maths run on a q the children
+    were not drawn from."""
+
+    inner: TreeModelDrafter
+    w: float
+
+    def __getattr__(self, name):  # max_children, rule, follow_path, init, ...: the inner drafter's
+        if name in ("inner", "w"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def propose_tree(self, params, state, ctx, key):
+        prop = self.inner.propose_tree(params, state, ctx, key)
+        return dataclasses.replace(prop, q=self.w * prop.q + (1 - self.w) / self.inner.vocab_size)
+
+
+@pytest.mark.parametrize("name", ["static-iid", "static-without-replacement"])
+def test_tree_distribution_check_has_power(name):
+    """The rules that read q (IID: accept with min(1, p / q), then the residual; without replacement: q
+    renormalised after each rejected sibling), at the same rows, seed and statistic as above, with q
+    misreported by 10%: every group is rejected, so the test above would catch a rule whose q bookkeeping
+    is that far off."""
+    _, checks = _tree_statistics(name, MisreportedTreeQ(DRAFTERS[name], 0.9))
+    for g, (stat, critical) in zip(TREE_GROUPS, checks):
+        assert stat > critical, (name, g, stat, critical)
 
 
 def test_tree_target_cache_equals_fresh_prefill():
