@@ -4,7 +4,7 @@ The core never imports a model zoo: checkpoints are found through the ``jspec.mo
 group (this repository's ``models`` package registers ``llama``), so any installed package can provide them.
 A loader is ``load(name_or_path, dtype) -> (config, params, model: jspec.model.Model, tokenizer)``; one that
 also takes ``unstacked=`` is asked for the parameter layout that decodes fastest (``--layers``). The
-tokenizer needs ``encode``, ``decode``, ``encode_chat(messages)`` and ``eos_id``.
+tokenizer needs ``encode``, ``decode(ids, skip_special_tokens=...)``, ``encode_chat(messages)`` and ``eos_id``.
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ class Engine:
 
     ``add(row, prompt, max_new_tokens, ...)`` puts a request into a free row (prefill + insert, one jitted
     call per prompt-width bucket); ``step()`` runs rounds for every row and returns {row: tokens emitted by them};
-    ``finished()`` lists rows whose request ended since the last call, with the stop reason.
+    ``stop_reason(row)`` says why a row's request ended and ``free_rows()`` lists the rows ready for a new one.
 
     rounds_per_sync: rounds one ``step()`` runs on the device before returning to the host (multi-step
     scheduling). Each return is a host sync; on a GPU at small batch it costs about as much as a round. A

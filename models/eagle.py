@@ -22,11 +22,12 @@ Round (``EagleDrafter``). The drafter state holds the features of the last verif
 position where that block starts. ``propose`` first catches up: the pairs of the newly committed tokens
 (accepted drafts and the new pending token, n_accepted + 1 <= K + 1 of them, their features all in the
 stored block) go through the head as one block at the head cache's committed end, which is rewound by index
-masking alone (``KVCache.lengths``); then the head rolls out K steps on its own predicted features in a
-``lax.scan``. ``verify`` replaces the decoder's target call: one target pass over [pending, drafts] that
-also returns the features, which become the new state, so no target work is repeated. The prompt's features
-come from ``init``, which runs the target once more over the prompt (the decoder's own prefill does not
-return hidden states): one extra prompt pass per decode call.
+masking alone (``KVCache.lengths``); the catch-up's last output gives the first draft, and K - 1 more head
+steps on its own predicted features run in a ``lax.scan``. ``verify`` replaces the decoder's target call: one
+target pass over [pending, drafts] that also returns the features, which become the new state, so no target
+work is repeated. The prompt's features come from ``prefill``, the decoder's optional hook: its one target
+pass over the prompt also returns them (``init``, which would run the target again, is only the drafter
+protocol's fallback).
 
 Parameters. Trainable head params (``init_head``): emb_norm, feat_norm, fc, layers (one stacked Llama
 block), out_norm, with ``fuse`` the fusion's per-layer norms and projection, plus the frozen ``token_ids`` [N]
