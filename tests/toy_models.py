@@ -159,9 +159,10 @@ def chi2_critical(df: int, z: float = 4.265) -> float:
 
 def grouped_rows(prompt: list[int], groups: list[dict], n: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """n rows per sampling group, all in one batch: (prompts [n * G, P] int32, per-row ``temperature`` /
-    ``top_k`` / ``top_p`` columns [n * G] for ``jspec.decode``), group g owning rows [g * n, (g + 1) * n)."""
+    ``top_k`` / ``top_p`` / ``min_p`` columns [n * G] for ``jspec.decode``), group g owning rows
+    [g * n, (g + 1) * n)."""
     cols = {
         key: np.repeat([g.get(key, d) for g in groups], n)
-        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))
+        for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
     }
     return np.tile(np.asarray(prompt, np.int32), (n * len(groups), 1)), cols
