@@ -57,7 +57,7 @@ def test_greedy_speculative_equals_plain_real_model(smollm2, chat_prompts, plain
     kwargs = dict(kwargs)
     kind = kwargs.pop("drafter")
     drafter = NgramDrafter(3, 1, vocab_size=v) if kind == "ngram" else NgramTreeDrafter(3, 4, vocab_size=v)
-    got, proposed = [], 0
+    got, proposed, accepted = [], 0, 0
     for i in range(0, len(chat_prompts), 2):
         out = dec.decode(
             smollm2.model,
@@ -70,8 +70,9 @@ def test_greedy_speculative_equals_plain_real_model(smollm2, chat_prompts, plain
         )
         got += out.tokens
         proposed += out.stats["proposed"]
+        accepted += out.stats["accepted"]
     assert got == plain
-    assert proposed > 0
+    assert 0 < accepted < proposed  # multi-token commits and corrections both ran
 
 
 def _cli(*args, env=None):
@@ -100,6 +101,7 @@ def test_cli_json_main_job(smollm2_path, tmp_path):
         assert key in out["stats"], key
     assert out["stats"]["seconds"] > 0 and out["stats"]["tokens_per_s"] > 0
     assert out["identical_to_plain"] is True and out["speedup"] > 0
+    assert out["token_ids"] == out["plain"]["token_ids"]  # the flag's own inputs, not only the flag
 
 
 def test_cli_bad_input_is_a_clear_error(smollm2_path):
@@ -145,7 +147,7 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     ):
         assert cli.main([*base, "--drafter", drafter, "--draft-model", str(spec), *extra]) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["identical_to_plain"] is True, drafter
+        assert out["identical_to_plain"] is True and out["token_ids"] == out["plain"]["token_ids"], drafter
         assert out["stats"]["proposed"] > 0 and out["stats"]["new_tokens"] == len(out["token_ids"]) > 0, drafter
         assert np.sum(out["stats"]["proposed_at"]) == out["stats"]["proposed"], drafter
         assert out["stats"]["gamma"] == (2 if extra else 3), (drafter, extra)  # a tree reports its depth as K
@@ -156,6 +158,7 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     assert cli.main([*base, "--drafter", "eagle", "--gamma", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["identical_to_plain"] is True and out["stats"]["proposed"] > 0
+    assert out["token_ids"] == out["plain"]["token_ids"]
     # Missing or malformed specs are clear errors naming the flag.
     monkeypatch.setattr(E, "BUNDLED_DIR", str(tmp_path / "no-bundle"))
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "empty-cache"))
