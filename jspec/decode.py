@@ -407,6 +407,9 @@ def decode_round(
 
     if config.adaptive is not None:
         max_draft = jnp.minimum(max_draft, adapt.choose_k(config.adaptive, st.accept_ema, k))
+    # A row that has ended proposes nothing: otherwise it alone could make the batch draft and verify K+1
+    # wide while the running rows asked for no candidates (and the stats, counting running rows, hide it).
+    max_draft = jnp.where(active, max_draft, 0)
 
     pending = take_rows(st.seq, committed)
     if getattr(drafter, "is_tree", False):
@@ -597,7 +600,7 @@ def _prepare(target: Model, prompts, max_new_tokens, max_len):
             f"prompt {i} ({plen[i]} tokens) + max_new_tokens ({int(mnew[i])}) exceeds the cache "
             f"(max_len={max_len} slots)"
         )
-    pw = -(-int(plen.max()) // 16) * 16
+    pw = min(-(-int(plen.max()) // 16) * 16, max_len)  # padding never past the cache (max_len < 16, say)
     prompt = np.zeros((b, pw), np.int32)
     if isinstance(rows, np.ndarray):
         prompt[:, : rows.shape[1]] = rows

@@ -199,6 +199,20 @@ def test_cache_full_stops_with_reason(gamma):
     assert out.lengths == [slots + 1 - len(p) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_cache_narrower_than_the_prompt_padding(gamma):
+    """Prompts are padded to a multiple of 16 for compilation; a cache that holds the prompt and its budget
+    but not that padding (an explicit max_len of 30 for 20 + 5 tokens, of 10 for 9 + the rest) still decodes
+    as a roomy cache does."""
+    kw = dict(drafter=DRAFTER if gamma else None, draft_params=DRAFT_PARAMS, gamma=gamma)
+    prompt = [[2, 0, 1, 1] * 5]
+    roomy = dec.decode(TARGET, TARGET_PARAMS, prompt, max_new_tokens=5, **kw)
+    assert dec.decode(TARGET, TARGET_PARAMS, prompt, max_new_tokens=5, max_len=30, **kw).tokens == roomy.tokens
+    tight = dec.decode(TARGET, TARGET_PARAMS, [[1, 2, 0] * 3], max_new_tokens=None, max_len=10, **kw)
+    assert tight.lengths == [2] and tight.stop_reason == [dec.StopReason.CACHE_FULL]
+    assert tight.tokens == dec.decode(TARGET, TARGET_PARAMS, [[1, 2, 0] * 3], max_new_tokens=2, **kw).tokens
+
+
 def test_target_cache_equals_fresh_prefill():
     """After generation the committed cache holds exactly what a fresh prefill of the final sequence
     computes: no rejected candidate leaked into a committed slot."""

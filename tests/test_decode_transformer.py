@@ -1,5 +1,7 @@
 """The decode loop with tiny random Flax transformers (models.llama) as target and draft."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,3 +102,35 @@ def test_transformer_cache_equals_fresh_prefill_after_speculation():
                 atol=1e-4,
                 rtol=1e-4,
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class SpyDrafter:
+    """The n-gram drafter, recording every round's per-row ``max_draft`` (what each row may propose)."""
+
+    inner: NgramDrafter
+    seen: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+
+    def __getattr__(self, name):
+        if name in ("inner", "seen"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def propose(self, params, state, ctx, key, k):
+        jax.debug.callback(lambda m: self.seen.append(np.asarray(m).tolist()), ctx.max_draft, ordered=True)
+        return self.inner.propose(params, state, ctx, key, k)
+
+
+def test_a_stopped_row_proposes_nothing():
+    """A row that ended (here at EOS straight after prefill) gets max_draft 0, so it neither drafts nor makes
+    the batch's verification K+1 wide while the other rows run on."""
+    first = dec.decode(TARGET, PARAMS, [[5, 9, 5, 9, 5, 9]], max_new_tokens=1).tokens[0][0]
+    rest = [p for p in (RNG.integers(0, 64, size=6).tolist() for _ in range(20))]
+    runner = next(p for p in rest if first not in dec.decode(TARGET, PARAMS, [p], max_new_tokens=12).tokens[0])
+    spy = SpyDrafter(NgramDrafter(vocab_size=64))
+    out = dec.decode(
+        TARGET, PARAMS, [[5, 9, 5, 9, 5, 9], runner], drafter=spy, gamma=3, max_new_tokens=12, eos_ids=[first]
+    )
+    assert out.tokens[0] == [first] and len(out.tokens[1]) == 12
+    assert spy.seen and all(m[0] == 0 for m in spy.seen), spy.seen
+    assert any(m[1] > 0 for m in spy.seen), spy.seen
