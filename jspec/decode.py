@@ -527,6 +527,22 @@ class DecodeOutput:
         return [len(t) for t in self.tokens]
 
 
+def check_eos(eos_ids, vocab_size: int) -> tuple[int, ...]:
+    """``eos_ids`` (a sequence of token ids) -> the static tuple of DecodeConfig; an id that is not a whole
+    number or outside [0, V) could never end a row, so it is an error rather than cast or kept."""
+    if eos_ids is None:
+        return ()
+    if isinstance(eos_ids, int | np.integer):
+        raise ValueError(f"eos_ids must be a sequence of token ids, got the single value {eos_ids!r}: use [{eos_ids}]")
+    ids = int_array(list(eos_ids), "eos_ids")
+    if ids.ndim != 1:
+        raise ValueError(f"eos_ids must be a flat sequence of token ids, got shape {ids.shape}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"eos_ids must be token ids in [0, {vocab_size}), got {bad.tolist()}")
+    return tuple(int(e) for e in ids)
+
+
 def check_drafter(target: Model, drafter, gamma: int, adaptive=None, block_verify: bool = False) -> int:
     """The draft settings ``prepare`` and ``serve.Engine`` share, checked on the host. Returns the K the loop
     runs: 0 without a drafter, a tree's depth for a tree drafter, ``gamma`` otherwise."""
@@ -692,7 +708,8 @@ def prepare(
     key = jax.random.key(seed) if key is None else key
     if adaptive is True:
         adaptive = AdaptiveK()
-    config = DecodeConfig(gamma, slots, tuple(int(e) for e in eos_ids), debug_checks, adaptive or None, block_verify)
+    eos = check_eos(eos_ids, target.vocab_size)
+    config = DecodeConfig(gamma, slots, eos, debug_checks, adaptive or None, block_verify)
     arrays = (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
     return PreparedDecode(_compiled(target, drafter, config), (target_params, draft_params, *arrays), config)
 

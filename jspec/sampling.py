@@ -49,7 +49,18 @@ class SamplingParams:
         """Broadcast scalars or per-row sequences to [B] arrays, validating them on the host."""
 
         def col(x, dtype, name):
-            a = (int_array(x, name) if dtype == np.int32 else np.asarray(x)).astype(dtype)
+            if dtype == np.int32:
+                a = int_array(x, name)
+                if a.size and np.abs(a).max() > np.iinfo(np.int32).max:  # the int32 cast would wrap it
+                    raise ValueError(f"{name} is out of range: {a.tolist()!r:.80}")
+            else:
+                try:
+                    a = np.asarray(x)
+                except ValueError as e:  # ragged nesting
+                    raise ValueError(f"{name} must be numbers, got {x!r:.80}: {e}") from None
+                if a.dtype.kind not in "iuf":  # True is not 1.0, nor the string "0.7" a temperature
+                    raise ValueError(f"{name} must be numbers, got {x!r:.80}")
+            a = a.astype(dtype)
             if a.ndim == 0:
                 a = np.full((batch,), a, dtype=dtype)
             if a.shape != (batch,):

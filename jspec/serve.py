@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.adaptive import AdaptiveK
-from jspec.decode import DecodeConfig, DecodeState, StopReason, check_drafter, decode_round, prefill
+from jspec.decode import DecodeConfig, DecodeState, StopReason, check_drafter, check_eos, decode_round, prefill
 from jspec.model import Model
 from jspec.sampling import SamplingParams, int_array
 
@@ -119,7 +119,12 @@ class Engine:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         gamma = check_drafter(self.target, self.drafter, self.gamma, self.adaptive, self.block_verify)
         self.config = DecodeConfig(
-            gamma, self.max_len, tuple(int(e) for e in self.eos_ids), False, self.adaptive, self.block_verify
+            gamma,
+            self.max_len,
+            check_eos(self.eos_ids, self.target.vocab_size),
+            False,
+            self.adaptive,
+            self.block_verify,
         )
         self._prefill, self._insert, self._step = _engine_fns(
             self.target, self.drafter, self.config, self.rounds_per_sync

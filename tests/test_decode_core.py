@@ -323,6 +323,10 @@ def test_debug_checks_catch_zero_q_proposals():
         (dict(adaptive=True), "need a drafter"),
         (dict(block_verify=True), "need a drafter"),
         (dict(max_new_tokens=None, max_len=9), "prompt 2 \\(9 tokens\\) leaves no cache slot"),
+        # An EOS id that could never match, or would be cast into another token, is refused.
+        (dict(eos_ids=[1.5]), "eos_ids must be integers"),
+        (dict(eos_ids=[3]), "eos_ids must be token ids in \\[0, 3\\), got \\[3\\]"),
+        (dict(eos_ids=2), "eos_ids must be a sequence of token ids, got the single value 2"),
     ],
 )
 def test_bad_input_raises_clear_error(kwargs, message):

@@ -68,6 +68,11 @@ def test_changing_parameters_does_not_recompile():
         (dict(top_k=-1), "top_k"),
         (dict(min_p=1.5), "min_p"),
         (dict(temperature=[0.5, 0.5, 0.5]), "shape"),
+        # Nothing cast silently: the int32 cast would wrap 2**32 + 3 to 3; True is not 1.0, "0.7" not 0.7.
+        (dict(top_k=2**32 + 3), "top_k is out of range"),
+        (dict(temperature=True), "temperature must be numbers"),
+        (dict(temperature="0.7"), "temperature must be numbers"),
+        (dict(top_p=[0.9, None]), "top_p must be numbers"),
     ],
 )
 def test_bad_sampling_parameters_raise(kwargs, message):
