@@ -592,6 +592,17 @@ def _dist_head():
     return ecfg, random_head(ecfg, DIST_PARAMS, 7, scale=0.5, token_ids=DIST_SUBSET)
 
 
+def test_draft_params_refuse_token_ids_that_would_break_q():
+    """expand_to_vocab scatters the head's q over its token ids: a repeated id (later entries overwrite
+    earlier ones), an unsorted table or an id outside the vocabulary would make the verified q differ from
+    the sampled one, so draft_params refuses them."""
+    ecfg, hp = _dist_head()
+    EagleDrafter(ecfg).draft_params(DIST_PARAMS, hp)  # the valid table passes
+    for ids in ([0, 1, 1, 4], [0, 2, 1, 4], [0, 1, 2, DIST.vocab_size]):
+        with pytest.raises(ValueError, match="strictly ascending ids"):
+            EagleDrafter(ecfg).draft_params(DIST_PARAMS, {**hp, "token_ids": jnp.asarray(ids, jnp.int32)})
+
+
 def _sample_and_check(drafter, hp, seed: int, params=DIST_PARAMS, **decode_kw):
     """100k sequences per sampling setting, both settings in ONE jitted decode, against the exact
     distribution; chi-square at a 1e-5 false-alarm level; 5 new tokens (the first from prefill)."""
