@@ -557,6 +557,8 @@ class EagleTreeDrafter(EagleDrafter):
     spec: TreeSpec | None = None
     rule: TreeRule | None = None  # None = DETERMINISTIC
     is_tree: bool = dataclasses.field(default=True, init=False)
+    # Set from the tree's depth in __post_init__: not an argument, so a max_draft passed in is not ignored.
+    max_draft: int = dataclasses.field(default=0, init=False)
 
     def __post_init__(self):
         if not isinstance(self.spec, TreeSpec):

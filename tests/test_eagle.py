@@ -453,6 +453,9 @@ def test_tree_rollout_equals_training_time_test():
     spec = TreeSpec((2, 2, 1))
     ecfg, hp = _rollout_head()
     drafter = EagleTreeDrafter(ecfg, spec=spec)
+    assert drafter.max_draft == spec.max_depth == 3  # the feature block holds the accepted path
+    with pytest.raises(TypeError, match="max_draft"):  # the tree's depth sets it: not an argument to ignore
+        EagleTreeDrafter(ecfg, max_draft=5, spec=spec)
     dparams = drafter.draft_params(TINY_PARAMS, hp)
     b, dmax = len(PROMPTS), spec.max_depth
     prepared = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, max_new_tokens=40)

@@ -139,6 +139,9 @@ def test_dynamic_tree_refuses_what_it_cannot_build():
         EagleDrafter(ecfg).as_dynamic_tree(0, 2, 2)
     with pytest.raises(ValueError, match="deterministically"):
         EagleDynamicTreeDrafter(ecfg, rule=TreeRule.IID)
+    with pytest.raises(TypeError, match="max_draft"):  # depth sets it
+        EagleDynamicTreeDrafter(ecfg, max_draft=6, top_k=2, depth=2, budget=4)
+    assert EagleDynamicTreeDrafter(ecfg, top_k=2, depth=3, budget=5).max_draft == 3
 
 
 def test_dynamic_tree_whole_sequence_distribution_equals_target():
