@@ -156,6 +156,22 @@ def pack_q6_k(x):
     return np.stack(out).reshape(x.shape[0], nb * 210), np.stack(deq).reshape(x.shape)
 
 
+def dequant_legacy(raw, qtype, shape):
+    """GGML's 32-value block formats from their definitions (an independent reference for the loader, which
+    calls gguf-py): Q8_0 = f16 d + 32 int8, x = d q; Q4_0 = f16 d + 16 bytes, x = d (q - 8); Q4_1 = f16 d,
+    f16 m + 16 bytes, x = d q + m; a byte's low nibble is value i, its high nibble value i + 16."""
+    size = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[qtype]
+    blocks = np.asarray(raw, np.uint8).reshape(-1, size)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    if qtype == Q.Q8_0:
+        return (d * blocks[:, 2:].copy().view(np.int8).astype(np.float32)).reshape(shape)
+    body = blocks[:, 4:] if qtype == Q.Q4_1 else blocks[:, 2:]
+    q = np.concatenate([body & 15, body >> 4], axis=1).astype(np.float32)
+    if qtype == Q.Q4_0:
+        return (d * (q - 8)).reshape(shape)
+    return (d * q + blocks[:, 2:4].copy().view(np.float16).astype(np.float32)).reshape(shape)
+
+
 def encode(w, qtype):
     """(raw tensor for GGUFWriter, raw_dtype, the values a correct reader must return or None if only approx)."""
     if qtype == Q.F32:
@@ -171,6 +187,9 @@ def encode(w, qtype):
     if qtype == Q.Q6_K:
         raw, deq = pack_q6_k(w)
         return raw, Q.Q6_K, deq
+    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+        raw = gguf.quants.quantize(w, qtype)
+        return raw, qtype, dequant_legacy(raw, qtype, w.shape)
     return gguf.quants.quantize(w, qtype), qtype, None
 
 
