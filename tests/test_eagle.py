@@ -182,7 +182,7 @@ class _EagleWithoutInit(EagleDrafter):
         raise AssertionError("the decoder's prefill should use the drafter's prefill hook, not init")
 
 
-def test_prefill_hook_equals_init_and_runs_the_target_once():
+def test_prefill_hook_equals_init_and_runs_the_target_once(monkeypatch):
     """``EagleDrafter.prefill`` (one target pass for the logits and the features) gives the logits of each
     row's last prompt token, the target cache and the head state that ``init`` builds from a second pass; the
     decoder takes it instead of ``init`` (a drafter whose init raises still prefills)."""
@@ -207,11 +207,15 @@ def test_prefill_hook_equals_init_and_runs_the_target_once():
         c = int(plen[r]) - 1
         np.testing.assert_allclose(state.cache.k[:, r, :, :c], ref_state.cache.k[:, r, :, :c], atol=1e-5, rtol=0)
 
-    # Traced, not compiled (the decoded tokens are held to plain's by the greedy tests, which take this path).
+    # Traced, not compiled (the decoded tokens are held to plain's by the greedy tests, which take this path),
+    # counting the target passes: every one goes through llama.forward with the target's config.
     no_init = _EagleWithoutInit(drafter.ecfg, max_draft=3)
     prepared = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=no_init, draft_params=dparams, gamma=3)
+    passes, forward = [], llama.forward
+    monkeypatch.setattr(llama, "forward", lambda cfg, *a, **k: passes.append(cfg == TINY) or forward(cfg, *a, **k))
     st = jax.eval_shape(functools.partial(dec.prefill, TINY_MODEL, no_init, prepared.config), *prepared.args)
     assert st.draft_state.feats.shape == (b, 4, TINY.hidden)
+    assert passes.count(True) == 1, passes
 
 
 def test_training_time_test_matches_rollout():
