@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from toy_models import (
+    MisreportedQ,
     chi2_critical,
     chi_square,
     exact_sequence_distribution,
@@ -79,13 +80,26 @@ def test_whole_sequence_distribution_equals_target(gamma):
 
 
 def test_distribution_test_has_power():
-    """The same statistic rejects the draft's own distribution, which is what a broken verifier yields."""
-    g = GROUPS[3]
-    n = N_PER_GROUP
-    prompts = np.tile(np.asarray(PROMPT, np.int32), (n, 1))
-    out = dec.decode(DRAFT, DRAFT_PARAMS, prompts, max_new_tokens=4, max_len=DIST_SLOTS, seed=7, **g)
-    stat, df = chi_square(np.asarray(out.tokens), exact_sequence_distribution(TARGET_TABLE, PROMPT, 4, **g))
-    assert stat > 10 * chi2_critical(df)
+    """The K=3 test's statistic, rows per group and seed reject a chain whose q is misreported by 10% (mixed
+    with the uniform distribution) in a top-k and a top-p group: a subtly lossy verifier would be caught."""
+    groups, n = [GROUPS[0], GROUPS[3]], N_PER_GROUP
+    prompts, cols = grouped_rows(PROMPT, groups, n)
+    out = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        prompts,
+        drafter=MisreportedQ(DRAFTER, 0.9),
+        draft_params=DRAFT_PARAMS,
+        gamma=3,
+        max_new_tokens=5,
+        max_len=DIST_SLOTS,
+        seed=103,
+        **cols,
+    )
+    for i, g in enumerate(groups):
+        exact = exact_sequence_distribution(TARGET_TABLE, PROMPT, 5, **g)
+        stat, df = chi_square(np.asarray(out.tokens)[i * n : (i + 1) * n], exact)
+        assert stat > chi2_critical(df), (g, stat, df, chi2_critical(df))
 
 
 PROMPTS = [[0, 1, 2, 0, 1], [2], [1, 1, 0, 2, 2, 1, 0, 0, 1], [0, 2]]

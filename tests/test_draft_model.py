@@ -3,7 +3,6 @@ losslessness with a frequent-token head (greedy on the real model, exact distrib
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 from conftest import TEST_XLA_FLAGS
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tk_models
-from toy_models import chi2_critical, chi_square, exact_causal_distribution
+from toy_models import MisreportedQ, chi2_critical, chi_square, exact_causal_distribution
 
 from jspec import decode as dec
 from jspec.drafters import ModelDrafter
@@ -283,25 +282,6 @@ def _exact(tparams, prompt, n_new, sampling) -> dict:
         return forward(TINY_T, tparams, rows, pos, init_cache(TINY_T, b, t))[0]
 
     return exact_causal_distribution(logits_fn, V, prompt, n_new, **sampling)
-
-
-@dataclasses.dataclass(frozen=True)
-class MisreportedQ:
-    """A deliberately lossy drafter for the power check: it proposes exactly what ``inner`` proposes but
-    reports q mixed with the uniform distribution (weight 1 - w), so verification accepts and corrects
-    against a q the tokens were not drawn from."""
-
-    inner: ModelDrafter
-    w: float
-
-    def __getattr__(self, name):  # init, observe, vocab_size, ...: the inner drafter's
-        if name in ("inner", "w"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def propose(self, params, state, ctx, key, k):
-        prop = self.inner.propose(params, state, ctx, key, k)
-        return dataclasses.replace(prop, q=self.w * prop.q + (1 - self.w) / self.vocab_size)
 
 
 def _grouped_decode(drafter):

@@ -9,6 +9,7 @@ tree masks are exercised exactly as for a real model: a stale or leaked cache en
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax.numpy as jnp
@@ -166,3 +167,22 @@ def grouped_rows(prompt: list[int], groups: list[dict], n: int) -> tuple[np.ndar
         for key, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
     }
     return np.tile(np.asarray(prompt, np.int32), (n * len(groups), 1)), cols
+
+
+@dataclasses.dataclass(frozen=True)
+class MisreportedQ:
+    """A deliberately lossy drafter for the power check: it proposes exactly what ``inner`` proposes but
+    reports q mixed with the uniform distribution (weight 1 - w), so verification accepts and corrects
+    against a q the tokens were not drawn from."""
+
+    inner: object  # any chain drafter (jspec.drafters protocol)
+    w: float
+
+    def __getattr__(self, name):  # init, observe, vocab_size, ...: the inner drafter's
+        if name in ("inner", "w"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def propose(self, params, state, ctx, key, k):
+        prop = self.inner.propose(params, state, ctx, key, k)
+        return dataclasses.replace(prop, q=self.w * prop.q + (1 - self.w) / self.vocab_size)
