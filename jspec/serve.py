@@ -109,14 +109,18 @@ class Engine:
     rounds_per_sync: int = 1
 
     def __post_init__(self):
-        if self.rounds_per_sync < 1:
-            raise ValueError(f"rounds_per_sync must be >= 1, got {self.rounds_per_sync}")
-        if self.bucket < 1:
-            raise ValueError(f"bucket (the prompt-width padding multiple) must be >= 1, got {self.bucket}")
-        for name in ("batch", "max_len"):
+        for name, what in (
+            ("batch", "batch"),
+            ("max_len", "max_len"),
+            ("bucket", "bucket (the prompt-width padding multiple)"),
+            ("rounds_per_sync", "rounds_per_sync"),
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+                raise ValueError(f"{what} must be an int >= 1, got {v!r}")
+        if self.adaptive is True:  # as decode takes it: the default policy
+            self.adaptive = AdaptiveK()
+        self.adaptive = self.adaptive or None  # False: fixed K
         gamma = check_drafter(self.target, self.drafter, self.gamma, self.adaptive, self.block_verify)
         self.config = DecodeConfig(
             gamma,
@@ -207,6 +211,8 @@ class Engine:
         }
 
     def stop_reason(self, row: int) -> StopReason:
+        if isinstance(row, bool) or not isinstance(row, int | np.integer) or not 0 <= row < self.batch:
+            raise ValueError(f"row must be an int in [0, {self.batch}), got {row!r}")  # -1 is not the last row
         return StopReason(int(self._stop[row]))
 
 

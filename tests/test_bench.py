@@ -165,6 +165,16 @@ def test_wall_limit_marks_the_rest_not_run():
     assert all(r.admitted <= 8.0 for r in res.records if r.admitted is not None)
 
 
+def test_wall_limit_ends_an_open_loop_once_drained():
+    """Open loop, arrivals at 0.68, 1.70, 1.72, 1.72 and 2.27 s (Poisson, rate 1/s, seed 0), a 0.1 s limit:
+    the first arrival comes after the limit, so nothing starts, and the run ends once it is drained instead of
+    sleeping until 2.27 s only to mark the later arrivals not run (which also diluted throughput)."""
+    jobs = [Job(f"o{i}", "a", (0, 1)) for i in range(5)]
+    res = _run(PLAIN, Load.open(1.0, rows=2, seed=0), jobs, max_wall_s=0.1, warmup=False)
+    assert res.summary["not_run"] == 5 and res.summary["finished"] == 0
+    assert 0.6 < res.summary["wall_s"] < 1.5, res.summary["wall_s"]
+
+
 def test_inter_token_intervals_are_bursts():
     em = [(1.0, 1), (1.5, 3), (1.75, 1), (2.0, 2)]
     assert metrics.inter_token_intervals(em) == [0.5, 0.0, 0.0, 0.25, 0.25, 0.0]

@@ -79,9 +79,28 @@ def test_engine_rejects_bad_requests():
     engine.add(0, [1, 2], 5)
     with pytest.raises(ValueError, match="still decoding"):
         engine.add(0, [1], 3)
-    for bad in ({"bucket": 0}, {"rounds_per_sync": 0}):
-        with pytest.raises(ValueError, match=f"{next(iter(bad))} .*>= 1"):
+    with pytest.raises(ValueError, match="row must be an int in \\[0, 1\\)"):
+        engine.stop_reason(-1)
+    for bad in ({"bucket": 0}, {"rounds_per_sync": 0}, {"bucket": 2.5}, {"rounds_per_sync": 2.5}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} .*must be an int >= 1"):
             Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16, **bad)
+
+
+def test_engine_takes_adaptive_as_decode_does():
+    """adaptive=True is the default policy and False fixed K, in the Engine as in decode (a bool reached the
+    loop's config before, and the first round failed on it)."""
+    from jspec.adaptive import AdaptiveK
+
+    kw = dict(batch=1, max_len=16, drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=2)
+    assert Engine(TARGET, TARGET_PARAMS, adaptive=True, **kw).config.adaptive == AdaptiveK()
+    assert Engine(TARGET, TARGET_PARAMS, adaptive=False, **kw).config.adaptive is None
+    engine = Engine(TARGET, TARGET_PARAMS, adaptive=True, **kw)
+    first = engine.add(0, [2, 0, 1], 6)
+    out = [first]
+    while engine.stop_reason(0) == dec.StopReason.RUNNING:
+        out += engine.step().get(0, [])
+    want = dec.decode(TARGET, TARGET_PARAMS, [[2, 0, 1]], max_new_tokens=6).tokens[0]
+    assert out == want  # greedy: the same tokens as plain decoding
 
 
 def test_engine_checks_its_drafter_like_decode():

@@ -418,6 +418,8 @@ def run(
             running = [r for r in owner if engine.stop_reason(r) == StopReason.RUNNING]
             if not running:
                 owner.clear()
+                if stopped_admitting:  # drained: later arrivals are recorded as not run, not waited for
+                    break
                 if next_job >= n and not queue:
                     if load.mode == "closed" and len(arrivals) < n:
                         continue
