@@ -63,5 +63,11 @@ def initialize(
 def rows_for_process(plan: DecodePlan, global_batch: int) -> np.ndarray:
     """The batch rows this process must build (ascending). With the data axis leading in the mesh, each
     process gets a contiguous block; when the batch is not split (``tensor`` preset) every process builds
-    every row."""
+    every row. A batch the data axis does not divide is an error (pad it with dummy rows): the row sharding
+    would fall back to replication and every process would build, and decode, every row."""
+    if global_batch % plan.data_size:
+        raise ValueError(
+            f"batch {global_batch} is not divisible by the data axis ({plan.batch_axis}={plan.data_size}); "
+            "pad the batch with dummy rows"
+        )
     return local_rows(plan.rows((global_batch,), global_batch), (global_batch,))

@@ -268,6 +268,10 @@ def multiprocess_scenario() -> dict:
         "rows": rows,
         "tokens": {},
     }
+    try:  # 7 rows over the 2-way data axis: replicated, every process would build and decode every row
+        rows_for_process(plan, len(PROMPT_LENS) - 1)
+    except ValueError as e:
+        out["indivisible_rows"] = str(e)
     for s in SAMPLING:
         sd = prepare_sharded(
             make_model(cfg),

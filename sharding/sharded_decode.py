@@ -376,8 +376,22 @@ def prepare_sharded(
     tp_sh = _shardings_of(target_params, plan.mesh, "target_params")
     dp_sh = _shardings_of(draft_params, plan.mesh, "draft_params")
     if process_local and jax.process_count() > 1:
-        # Every process must compile the same program: agree on the batch and on the cache size.
-        global_b = int(np.sum(multihost_utils.process_allgather(np.asarray([len(prompts)], np.int64))))
+        # Every process must compile the same program: agree on the batch and on the cache size. Rows split
+        # over processes add up; rows every process holds (the batch not split over processes, e.g. the
+        # tensor preset) are counted once.
+        from sharding.distributed import rows_for_process
+
+        counts = np.asarray(multihost_utils.process_allgather(np.asarray([len(prompts)], np.int64))).ravel()
+        local = len(prompts)
+        if np.all(counts == local) and local % plan.data_size == 0 and len(rows_for_process(plan, local)) == local:
+            global_b = local
+        else:
+            global_b = int(counts.sum())
+            if global_b % plan.data_size == 0 and len(rows_for_process(plan, global_b)) != local:
+                raise ValueError(
+                    f"this process passed {local} rows, but a batch of {global_b} gives it "
+                    f"{len(rows_for_process(plan, global_b))}: pass the rows of rows_for_process(plan, batch)"
+                )
         if max_len is None:
             budget = kwargs.get("max_new_tokens", 64)
             if budget is None:

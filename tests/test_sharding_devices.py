@@ -183,6 +183,8 @@ def test_two_processes_match_single_process(runs):
     assert sorted(procs) == [0, 1]
     assert procs[0]["devices"] == 8 and procs[0]["processes"] == 2
     assert procs[0]["rows"] == [0, 1, 2, 3] and procs[1]["rows"] == [4, 5, 6, 7]  # inputs built per process
+    for p in (0, 1):  # an odd batch is refused, not replicated into duplicate rows
+        assert "batch 7 is not divisible by the data axis" in procs[p].get("indivisible_rows", ""), procs[p]
     assert min(procs[1]["local_device_ids"]) >= 4  # process 1's global device ids (2048.. on CPU)
     ref = _reference(runs)["model"]
     for p in (0, 1):
