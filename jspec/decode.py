@@ -410,16 +410,17 @@ def decode_round(
     # A row that has ended proposes nothing: otherwise it alone could make the batch draft and verify K+1
     # wide while the running rows asked for no candidates (and the stats, counting running rows, hide it).
     max_draft = jnp.where(active, max_draft, 0)
+    # Nor is it sampled: its outputs are discarded, and its temperature would put every greedy row of the
+    # batch on the sampled path (distributions over [B, K+1, V]) until the row is refilled. The state keeps
+    # the row's own parameters.
+    temperature = jnp.where(active, st.sampling.temperature, 0.0)
+    rst = dataclasses.replace(st, sampling=dataclasses.replace(st.sampling, temperature=temperature))
 
     pending = take_rows(st.seq, committed)
-    if getattr(drafter, "is_tree", False):
-        step = _tree_step(
-            target, drafter, config, target_params, draft_params, st, pending, committed, max_draft, k_draft, k_verify
-        )
-    else:
-        step = _chain_step(
-            target, drafter, config, target_params, draft_params, st, pending, committed, max_draft, k_draft, k_verify
-        )
+    step_fn = _tree_step if getattr(drafter, "is_tree", False) else _chain_step
+    step = step_fn(
+        target, drafter, config, target_params, draft_params, rst, pending, committed, max_draft, k_draft, k_verify
+    )
     path_tokens, n_acc, next_token, path, cache, draft_state, proposed_at, bad_rows = step
 
     j = jnp.arange(k + 1)[None, :]

@@ -18,6 +18,7 @@ from toy_models import (
 
 from jspec import decode as dec
 from jspec.drafters import ModelDrafter, Proposal
+from jspec.verify import verify_chain_key
 
 VOCAB, PERIOD = 3, 4
 TARGET_TABLE = random_table(0, VOCAB, PERIOD)
@@ -225,6 +226,28 @@ def test_cache_narrower_than_the_prompt_padding(gamma):
     tight = dec.decode(TARGET, TARGET_PARAMS, [[1, 2, 0] * 3], max_new_tokens=None, max_len=10, **kw)
     assert tight.lengths == [2] and tight.stop_reason == [dec.StopReason.CACHE_FULL]
     assert tight.tokens == dec.decode(TARGET, TARGET_PARAMS, [[1, 2, 0] * 3], max_new_tokens=2, **kw).tokens
+
+
+def test_a_stopped_sampled_row_leaves_the_batch_on_the_greedy_path(monkeypatch):
+    """Row 0 samples (T=1) and ends at its first token (a budget of 1); row 1 is greedy. The sampled
+    verification (its [B, K+1, V] distributions) must never run: a spy in it, which only fires when its
+    branch is taken, stays silent, and row 1 decodes as plain greedy decoding does."""
+    calls = []
+
+    def spy(*args, **kw):
+        jax.debug.callback(lambda: calls.append(1))
+        return verify_chain_key(*args, **kw)
+
+    monkeypatch.setattr(dec, "verify_chain_key", spy)
+    prompts = [[2, 0, 1], [1, 1, 0, 2]]
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=2, max_len=40)  # max_len: a fresh trace
+    out = dec.decode(TARGET, TARGET_PARAMS, prompts, max_new_tokens=[1, 12], temperature=[1.0, 0.0], **kw)
+    assert out.lengths == [1, 12] and out.stats["proposed"] > 0
+    assert out.tokens[1] == dec.decode(TARGET, TARGET_PARAMS, prompts[1:], max_new_tokens=12).tokens[0]
+    assert calls == []
+    # Not vacuous: with row 0 still running, the same spy fires.
+    dec.decode(TARGET, TARGET_PARAMS, prompts, max_new_tokens=[12, 12], temperature=[1.0, 0.0], **kw)
+    assert calls
 
 
 def test_target_cache_equals_fresh_prefill():
