@@ -81,9 +81,10 @@ def test_whole_sequence_distribution_equals_target(gamma):
 
 
 def test_distribution_test_has_power():
-    """The K=3 test's statistic, rows per group and seed reject a chain whose q is misreported by 10% (mixed
-    with the uniform distribution) in a top-k and a top-p group: a subtly lossy verifier would be caught."""
-    groups, n = [GROUPS[0], GROUPS[3]], N_PER_GROUP
+    """The K=3 test's statistic and seed, with a quarter of its rows per group, reject a chain whose q is
+    misreported by 10% (mixed with the uniform distribution) in a top-k and a top-p group: a subtly lossy
+    verifier would be caught by the test above."""
+    groups, n = [GROUPS[0], GROUPS[3]], N_PER_GROUP // 4
     prompts, cols = grouped_rows(PROMPT, groups, n)
     out = dec.decode(
         TARGET,

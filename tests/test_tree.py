@@ -158,9 +158,8 @@ TREE_GROUPS = [GROUPS[0], GROUPS[3]]  # T 0.7 with top-k, T 1.3 with top-p
 TREE_NEW = 5
 
 
-def _tree_statistics(name, drafter):
-    """N_PER_GROUP sampled sequences per group in one decode -> (stats, [(statistic, critical value)])."""
-    n = N_PER_GROUP
+def _tree_statistics(name, drafter, n=N_PER_GROUP):
+    """n sampled sequences per group in one decode -> (stats, [(statistic, critical value)])."""
     prompts, cols = grouped_rows(PROMPT, TREE_GROUPS, n)
     out = dec.decode(
         TARGET,
@@ -213,10 +212,10 @@ class MisreportedTreeQ:
 @pytest.mark.parametrize("name", ["static-iid", "static-without-replacement"])
 def test_tree_distribution_check_has_power(name):
     """The rules that read q (IID: accept with min(1, p / q), then the residual; without replacement: q
-    renormalised after each rejected sibling), at the same rows, seed and statistic as above, with q
-    misreported by 10%: every group is rejected, so the test above would catch a rule whose q bookkeeping
-    is that far off."""
-    _, checks = _tree_statistics(name, MisreportedTreeQ(DRAFTERS[name], 0.9))
+    renormalised after each rejected sibling), with q misreported by 10%, seed and statistic as above but a
+    quarter of the rows: every group is still rejected, so the test above (4x the rows) would catch a rule
+    whose q bookkeeping is that far off."""
+    _, checks = _tree_statistics(name, MisreportedTreeQ(DRAFTERS[name], 0.9), n=N_PER_GROUP // 4)
     for g, (stat, critical) in zip(TREE_GROUPS, checks):
         assert stat > critical, (name, g, stat, critical)
 
