@@ -395,10 +395,14 @@ class EagleDrafter:
         ids = jnp.asarray(head_params["token_ids"], jnp.int32)
         if ids.shape != (self.ecfg.n,):
             raise ValueError(f"head has {ids.shape[0]} token ids, config says N={self.ecfg.n}")
-        if not isinstance(ids, jax.core.Tracer):
+        try:  # checked on the host when the ids are concrete (not under a trace)
+            host = np.asarray(ids)
+        except jax.errors.TracerArrayConversionError:
+            host = None
+        if host is not None:
             # expand_to_vocab scatters q over these ids (and takes N == V as arange(V)): a repeated id would
             # overwrite q, so the q verified would not be the q sampled from.
-            v, host = self.ecfg.target.vocab_size, np.asarray(ids)
+            v = self.ecfg.target.vocab_size
             if host.size and (host[0] < 0 or host[-1] >= v or np.any(np.diff(host) <= 0)):
                 raise ValueError(f"head token_ids must be strictly ascending ids in [0, {v}), got {host[:8]}...")
         rows = head_rows(self.ecfg.target, target_params, ids).astype(self.ecfg.target.jdtype)
