@@ -544,6 +544,11 @@ def check_eos(eos_ids, vocab_size: int) -> tuple[int, ...]:
     return tuple(int(e) for e in ids)
 
 
+def adaptive_policy(adaptive) -> AdaptiveK | None:
+    """``adaptive`` as prepare and serve.Engine take it: True = the default ``AdaptiveK``, False/None = fixed K."""
+    return AdaptiveK() if adaptive is True else (adaptive or None)
+
+
 def check_drafter(target: Model, drafter, gamma: int, adaptive=None, block_verify: bool = False) -> int:
     """The draft settings ``prepare`` and ``serve.Engine`` share, checked on the host. Returns the K the loop
     runs: 0 without a drafter, a tree's depth for a tree drafter, ``gamma`` otherwise."""
@@ -707,10 +712,8 @@ def prepare(
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len)
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
     key = jax.random.key(seed) if key is None else key
-    if adaptive is True:
-        adaptive = AdaptiveK()
     eos = check_eos(eos_ids, target.vocab_size)
-    config = DecodeConfig(gamma, slots, eos, debug_checks, adaptive or None, block_verify)
+    config = DecodeConfig(gamma, slots, eos, debug_checks, adaptive_policy(adaptive), block_verify)
     arrays = (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
     return PreparedDecode(_compiled(target, drafter, config), (target_params, draft_params, *arrays), config)
 

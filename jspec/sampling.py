@@ -58,7 +58,7 @@ class SamplingParams:
                     a = np.asarray(x)
                 except ValueError as e:  # ragged nesting
                     raise ValueError(f"{name} must be numbers, got {x!r:.80}: {e}") from None
-                if a.dtype.kind not in "iuf":  # True is not 1.0, nor the string "0.7" a temperature
+                if a.dtype.kind not in "iufV":  # True is not 1.0, nor the string "0.7" a temperature (V: bf16)
                     raise ValueError(f"{name} must be numbers, got {x!r:.80}")
             a = a.astype(dtype)
             if a.ndim == 0:

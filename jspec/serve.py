@@ -17,7 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.adaptive import AdaptiveK
-from jspec.decode import DecodeConfig, DecodeState, StopReason, check_drafter, check_eos, decode_round, prefill
+from jspec.decode import (
+    DecodeConfig,
+    DecodeState,
+    StopReason,
+    adaptive_policy,
+    check_drafter,
+    check_eos,
+    decode_round,
+    prefill,
+)
 from jspec.model import Model
 from jspec.sampling import SamplingParams, int_array
 
@@ -118,9 +127,7 @@ class Engine:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
                 raise ValueError(f"{what} must be an int >= 1, got {v!r}")
-        if self.adaptive is True:  # as decode takes it: the default policy
-            self.adaptive = AdaptiveK()
-        self.adaptive = self.adaptive or None  # False: fixed K
+        self.adaptive = adaptive_policy(self.adaptive)
         gamma = check_drafter(self.target, self.drafter, self.gamma, self.adaptive, self.block_verify)
         self.config = DecodeConfig(
             gamma,

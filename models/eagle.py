@@ -153,8 +153,7 @@ def init_head(ecfg: EagleConfig, target_params: Params, key: jax.Array, token_id
     layer = llama.init_random_params(ecfg.layer_cfg, key, std=0.02)["layers"]
     layer = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), layer)
     ids = np.arange(ecfg.n, dtype=np.int32) if token_ids is None else np.asarray(token_ids, np.int32)
-    if ids.shape != (ecfg.n,) or ids.min() < 0 or ids.max() >= cfg.vocab_size or np.any(np.diff(ids) <= 0):
-        raise ValueError(f"token_ids must be {ecfg.n} distinct ascending ids in [0, {cfg.vocab_size})")
+    _check_token_ids(ecfg, ids)
     fc = np.concatenate([np.zeros((e, e), np.float32), np.eye(e, dtype=np.float32)], axis=0)
     hp = {
         "emb_norm": {"scale": jnp.ones((e,), jnp.float32)},
@@ -332,6 +331,14 @@ def expand_to_vocab(q_sub: jax.Array, token_ids: jax.Array, vocab_size: int) -> 
     return full.at[..., token_ids].set(q_sub)
 
 
+def _check_token_ids(ecfg: EagleConfig, ids: np.ndarray) -> None:
+    """The head's vocabulary: N distinct ascending ids in [0, V). ``expand_to_vocab`` scatters q over them (and
+    takes N == V as arange(V)): a repeated id would overwrite q, so the q verified would not be the q sampled."""
+    v = ecfg.target.vocab_size
+    if ids.shape != (ecfg.n,) or ids.min() < 0 or ids.max() >= v or np.any(np.diff(ids) <= 0):
+        raise ValueError(f"token_ids must be {ecfg.n} distinct ascending ids in [0, {v}), got {ids[:8]}...")
+
+
 def init_head_cache(ecfg: EagleConfig, batch: int, slots: int) -> KVCache:
     """The head's own cache: k/v [1, B, Hkv, S, D]."""
     return llama.init_cache(ecfg.layer_cfg, batch, slots)
@@ -396,15 +403,9 @@ class EagleDrafter:
         if ids.shape != (self.ecfg.n,):
             raise ValueError(f"head has {ids.shape[0]} token ids, config says N={self.ecfg.n}")
         try:  # checked on the host when the ids are concrete (not under a trace)
-            host = np.asarray(ids)
+            _check_token_ids(self.ecfg, np.asarray(ids))
         except jax.errors.TracerArrayConversionError:
-            host = None
-        if host is not None:
-            # expand_to_vocab scatters q over these ids (and takes N == V as arange(V)): a repeated id would
-            # overwrite q, so the q verified would not be the q sampled from.
-            v = self.ecfg.target.vocab_size
-            if host.size and (host[0] < 0 or host[-1] >= v or np.any(np.diff(host) <= 0)):
-                raise ValueError(f"head token_ids must be strictly ascending ids in [0, {v}), got {host[:8]}...")
+            pass
         rows = head_rows(self.ecfg.target, target_params, ids).astype(self.ecfg.target.jdtype)
         hp = {**head_params, "rows": rows}
         dt = llama.DTYPES[llama.canonical_dtype(packed_dtype)]  # checked whatever the layout

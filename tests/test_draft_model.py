@@ -329,7 +329,7 @@ def test_distribution_tiny_llama_draft_with_subset_head_ragged():
     distribution: chi-square at a 1e-5 false-alarm level (statistics 57-122 against critical values 108-230
     when this was written)."""
     out, tparams = _grouped_decode(ModelDrafter)
-    assert 0.25 < out.stats["acceptance_rate"] < 0.95, out.stats["acceptance_rate"]
+    assert 0.3 < out.stats["acceptance_rate"] < 0.95, out.stats["acceptance_rate"]
     assert all(c > 0 for c in out.stats["proposed_at"])
     for g, (stat, critical) in enumerate(_group_statistics(out, tparams)):
         assert stat < critical, (g, GROUPS[g], stat, critical)

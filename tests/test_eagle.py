@@ -601,12 +601,12 @@ def _dist_head():
 
 def test_draft_params_refuse_token_ids_that_would_break_q():
     """expand_to_vocab scatters the head's q over its token ids: a repeated id (later entries overwrite
-    earlier ones), an unsorted table or an id outside the vocabulary would make the verified q differ from
-    the sampled one, so draft_params refuses them."""
+    earlier ones) or an id outside the vocabulary would make the verified q differ from the sampled one, so
+    draft_params refuses them, and an unsorted table, as init_head does (the ids are ascending by contract)."""
     ecfg, hp = _dist_head()
     EagleDrafter(ecfg).draft_params(DIST_PARAMS, hp)  # the valid table passes
     for ids in ([0, 1, 1, 4], [0, 2, 1, 4], [0, 1, 2, DIST.vocab_size]):
-        with pytest.raises(ValueError, match="strictly ascending ids"):
+        with pytest.raises(ValueError, match="distinct ascending ids"):
             EagleDrafter(ecfg).draft_params(DIST_PARAMS, {**hp, "token_ids": jnp.asarray(ids, jnp.int32)})
 
 

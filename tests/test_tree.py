@@ -1,7 +1,5 @@
 """Candidate trees: lossless verification under each rule, greedy equivalence, masks and commits."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +16,7 @@ from test_decode_core import (
     TARGET_PARAMS,
     TARGET_TABLE,
 )
-from toy_models import chi2_critical, chi_square, exact_sequence_distribution, grouped_rows
+from toy_models import MisreportedQ, chi2_critical, chi_square, exact_sequence_distribution, grouped_rows
 
 from jspec import decode as dec
 from jspec.ngram import NgramTreeDrafter
@@ -190,32 +188,13 @@ def test_tree_whole_sequence_distribution(name):
         assert stat < critical, (name, g, stat, critical)
 
 
-@dataclasses.dataclass(frozen=True)
-class MisreportedTreeQ:
-    """A deliberately lossy tree drafter: ``inner``'s trees, with every node's q reported mixed with the
-    uniform distribution (weight 1 - w), so the rule's acceptance and residual maths run on a q the children
-    were not drawn from."""
-
-    inner: TreeModelDrafter
-    w: float
-
-    def __getattr__(self, name):  # max_children, rule, follow_path, init, ...: the inner drafter's
-        if name in ("inner", "w"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def propose_tree(self, params, state, ctx, key):
-        prop = self.inner.propose_tree(params, state, ctx, key)
-        return dataclasses.replace(prop, q=self.w * prop.q + (1 - self.w) / self.inner.vocab_size)
-
-
 @pytest.mark.parametrize("name", ["static-iid", "static-without-replacement"])
 def test_tree_distribution_check_has_power(name):
     """The rules that read q (IID: accept with min(1, p / q), then the residual; without replacement: q
     renormalised after each rejected sibling), with q misreported by 10%, seed and statistic as above but a
     quarter of the rows: every group is still rejected, so the test above (4x the rows) would catch a rule
     whose q bookkeeping is that far off."""
-    _, checks = _tree_statistics(name, MisreportedTreeQ(DRAFTERS[name], 0.9), n=N_PER_GROUP // 4)
+    _, checks = _tree_statistics(name, MisreportedQ(DRAFTERS[name], 0.9), n=N_PER_GROUP // 4)
     for g, (stat, critical) in zip(TREE_GROUPS, checks):
         assert stat > critical, (name, g, stat, critical)
 

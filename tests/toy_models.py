@@ -171,11 +171,11 @@ def grouped_rows(prompt: list[int], groups: list[dict], n: int) -> tuple[np.ndar
 
 @dataclasses.dataclass(frozen=True)
 class MisreportedQ:
-    """A deliberately lossy drafter for the power check: it proposes exactly what ``inner`` proposes but
-    reports q mixed with the uniform distribution (weight 1 - w), so verification accepts and corrects
-    against a q the tokens were not drawn from."""
+    """A deliberately lossy drafter for the power checks: it proposes exactly what ``inner`` proposes (a
+    chain, or a tree's nodes) but reports q mixed with the uniform distribution (weight 1 - w), so
+    verification accepts and corrects against a q the tokens were not drawn from."""
 
-    inner: object  # any chain drafter (jspec.drafters protocol)
+    inner: object  # any drafter of the jspec.drafters protocol, chain or tree
     w: float
 
     def __getattr__(self, name):  # init, observe, vocab_size, ...: the inner drafter's
@@ -183,6 +183,11 @@ class MisreportedQ:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def propose(self, params, state, ctx, key, k):
-        prop = self.inner.propose(params, state, ctx, key, k)
+    def _misreport(self, prop):
         return dataclasses.replace(prop, q=self.w * prop.q + (1 - self.w) / self.vocab_size)
+
+    def propose(self, params, state, ctx, key, k):
+        return self._misreport(self.inner.propose(params, state, ctx, key, k))
+
+    def propose_tree(self, params, state, ctx, key):
+        return self._misreport(self.inner.propose_tree(params, state, ctx, key))
