@@ -348,6 +348,24 @@ def test_warmup_compiles_everything_the_timed_run_calls():
     assert [f._cache_size() for f in fns] == before
 
 
+def test_warmup_compiles_the_clamped_last_bucket():
+    """max_len = 64 with bucket 30: prompts of 61-64 tokens are padded to 64, not 90. A 62-token prompt's
+    width must be compiled by the warm-up, not by the timed run (a stand-in of max_len - 4 = 60 tokens would
+    compile width 60 instead)."""
+    from jspec.serve import _engine_fns
+
+    eos, max_new, load, bucket = (2,), 2, Load.closed(1), 30
+    jobs = [Job("long", "a", (1,) * 62)]  # 62 tokens + 2 new = max_len
+    runner._warm(TARGET, TARGET_PARAMS, PLAIN, load, MAX_LEN, eos, bucket, [62], max_new, runner.Sampling())
+    config = runner._engine(TARGET, TARGET_PARAMS, PLAIN, load.concurrency, MAX_LEN, eos, 0, bucket).config
+    fns = _engine_fns(TARGET, None, config, 1)
+    before = [f._cache_size() for f in fns]
+    res = runner.run(TARGET, TARGET_PARAMS, PLAIN, load, jobs, max_len=MAX_LEN, max_new_tokens=max_new,
+                     eos_ids=eos, warmup=False, bucket=bucket)  # fmt: skip
+    assert [r.error for r in res.records] == [None]
+    assert [f._cache_size() for f in fns] == before
+
+
 def test_chain_vs_tree_budgets():
     """bench_chain_vs_tree compares shapes at one verification budget N: every static tree has exactly N nodes
     (the root included), the node a budget cut keeps below a wide root hangs under the top-ranked child, and

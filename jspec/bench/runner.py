@@ -244,11 +244,18 @@ def _weak(x) -> bool:
 def _warm(target, params, spec, load, max_len, eos_ids, bucket, prompt_lens, max_new, sampling, rounds_per_sync=1):
     """Compile everything the timed run will call, by serving a few short dummy requests the same way: one
     prompt per width bucket, more requests than rows (so requests enter both a fresh engine and rows freed
-    while others decode: the state's weak types differ between the two, and each variant compiles once)."""
-    widths = sorted({min(-(-p // bucket) * bucket, max_len) for p in prompt_lens if 0 < p})
-    if not widths:
+    while others decode: the state's weak types differ between the two, and each variant compiles once).
+    prompt_lens: the run's prompt lengths, each fitting max_len next to max_new new tokens."""
+    # One real prompt length per width bucket: a dummy of the bucket's full width may not fit next to its new
+    # tokens, and a shorter stand-in can fall in the bucket below when max_len clamps the last one.
+    longest: dict[int, int] = {}
+    for p in prompt_lens:
+        if p > 0:
+            w = min(-(-p // bucket) * bucket, max_len)
+            longest[w] = max(longest.get(w, 0), p)
+    if not longest:
         return
-    lens = [min(w, max_len - 4) for w in widths]
+    lens = [longest[w] for w in sorted(longest)]
     lens += [2] * (load.concurrency + 1)
     new = max(1, min(3, max_new))
     jobs = [Job(f"warm{i}", "warmup", (0,) * n) for i, n in enumerate(lens)]
