@@ -284,6 +284,22 @@ def multiprocess_scenario() -> dict:
             **_kw(s, rows),
         )
         out["tokens"][s] = sd.run().tokens
+    # The batch not split over processes (data axis 1, the model axis over both): every process passes every
+    # row, and the batch is 8, not 16.
+    mesh1 = make_mesh((1, 8))
+    plan1 = _plan(mesh1, "data", cfg, tp, dcfg, dp)
+    rows1 = rows_for_process(plan1, len(PROMPT_LENS)).tolist()
+    sd = prepare_sharded(
+        make_model(cfg),
+        shard_params(tp, param_logical_axes(cfg), mesh1, plan1.target),
+        [prompts()[i] for i in rows1],
+        plan=plan1,
+        drafter=drafter,
+        draft_params=shard_params(dp, param_logical_axes(dcfg), mesh1, plan1.draft_rules),
+        process_local=True,
+        **_kw("greedy", rows1),
+    )
+    out["replicated"] = {"rows": rows1, "tokens": sd.run().tokens}
     multihost_utils.sync_global_devices("selfcheck done")
     return out
 

@@ -36,7 +36,7 @@ from jspec import decode as jdecode
 from jspec.decode import DecodeConfig, DecodeOutput, DecodeState, StopReason, decode_round, generate_arrays, prefill
 from jspec.model import Model
 from jspec.sampling import SamplingParams
-from sharding.placement import cache_shardings, put, put_rows, rows_sharding
+from sharding.placement import cache_shardings, local_rows, put, put_rows, rows_sharding
 from sharding.rules import ShardingRules, fit_rules, named, rules
 
 LOGITS_AXES = ("batch", None, "vocab")  # [B, T, V] as the LM head computes them
@@ -352,6 +352,18 @@ def _agree_max(local: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.asarray([local], np.int64))))
 
 
+def global_batch(local: int, held: int, data_size: int) -> int:
+    """The global batch of a process that passed ``local`` rows and holds ``held`` of the data axis's
+    ``data_size`` row blocks: rows split over processes add up, rows several processes hold (the model axis
+    spanning processes, or the batch not split at all) count once."""
+    if local % held:
+        raise ValueError(
+            f"this process passed {local} rows but holds {held} of the {data_size} row blocks of the data "
+            "axis: pass the rows of rows_for_process(plan, batch)"
+        )
+    return local * data_size // held
+
+
 def prepare_sharded(
     target: Model,
     target_params: Any,
@@ -376,22 +388,17 @@ def prepare_sharded(
     tp_sh = _shardings_of(target_params, plan.mesh, "target_params")
     dp_sh = _shardings_of(draft_params, plan.mesh, "draft_params")
     if process_local and jax.process_count() > 1:
-        # Every process must compile the same program: agree on the batch and on the cache size. Rows split
-        # over processes add up; rows every process holds (the batch not split over processes, e.g. the
-        # tensor preset) are counted once.
-        from sharding.distributed import rows_for_process
-
+        # Every process must compile the same program: agree on the batch and on the cache size.
         counts = np.asarray(multihost_utils.process_allgather(np.asarray([len(prompts)], np.int64))).ravel()
-        local = len(prompts)
-        if np.all(counts == local) and local % plan.data_size == 0 and len(rows_for_process(plan, local)) == local:
-            global_b = local
-        else:
-            global_b = int(counts.sum())
-            if global_b % plan.data_size == 0 and len(rows_for_process(plan, global_b)) != local:
-                raise ValueError(
-                    f"this process passed {local} rows, but a batch of {global_b} gives it "
-                    f"{len(rows_for_process(plan, global_b))}: pass the rows of rows_for_process(plan, batch)"
-                )
+        d = plan.data_size
+        held = len(local_rows(plan.rows((d,), d), (d,)))  # this process's share of the data axis: held / d
+        global_b = global_batch(len(prompts), held, d)
+        agreed = np.asarray(multihost_utils.process_allgather(np.asarray([global_b], np.int64))).ravel()
+        if np.any(agreed != global_b):
+            raise ValueError(
+                f"the processes' rows ({counts.tolist()}) make batches of {agreed.tolist()}, not one batch: "
+                "pass the rows of rows_for_process(plan, batch) in every process"
+            )
         if max_len is None:
             budget = kwargs.get("max_new_tokens", 64)
             if budget is None:

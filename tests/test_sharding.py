@@ -184,3 +184,17 @@ def test_launch_sets_env_and_stops_hung_processes():
     hang = "import os, sys, time; sys.exit(3) if os.environ['JSPEC_PROCESS_ID'] == '1' else time.sleep(60)"
     codes, _ = launch([sys.executable, "-c", hang], 2, None, timeout=30, echo=False)
     assert codes[1] == 3 and codes[0] != 0
+
+
+def test_global_batch_counts_rows_shared_by_processes_once():
+    """process_local decoding: a process holding ``held`` of the data axis's ``d`` row blocks passed
+    ``local`` rows of a batch of local * d / held. Cases: the batch split over 2 processes (data 2, one block
+    each), 4 processes x 2 devices on a 2x4 mesh (the model axis spans 2 processes, which share a block: 4
+    local rows of 8, not 16), and the batch not split (every process holds every row)."""
+    from sharding.sharded_decode import global_batch
+
+    assert global_batch(4, held=1, data_size=2) == 8  # split (2 processes), or shared by processes 0 and 1
+    assert global_batch(8, held=1, data_size=1) == 8
+    assert global_batch(6, held=2, data_size=4) == 12
+    with pytest.raises(ValueError, match="passed 3 rows but holds 2 of the 4 row blocks"):
+        global_batch(3, held=2, data_size=4)

@@ -190,3 +190,6 @@ def test_two_processes_match_single_process(runs):
     for p in (0, 1):
         for s in SAMPLINGS:
             assert procs[p]["tokens"][s] == ref[s], (p, s)
+        # Mesh 1x8: every process passes all 8 rows, decoded once as one batch of 8.
+        assert procs[p]["replicated"]["rows"] == list(range(8))
+        assert procs[p]["replicated"]["tokens"] == ref["greedy"], p
