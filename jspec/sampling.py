@@ -13,18 +13,26 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _has_bool(x) -> bool:
+    """A bool anywhere in a (nested) list or tuple: numpy promotes [2, True] to ints, hiding it."""
+    if isinstance(x, bool | np.bool_):
+        return True
+    return isinstance(x, list | tuple) and any(_has_bool(v) for v in x)
+
+
 def int_array(x, name: str) -> np.ndarray:
-    """``x`` as an int64 array. A value that is not a whole number (2.7, True, a string) is an error naming
-    ``name``: numpy's int cast would truncate it silently."""
+    """``x`` as an int64 array. A value that is not a whole number (2.7, True, a string) or does not fit
+    int64 is an error naming ``name``: numpy's int cast would truncate or wrap it silently."""
     try:
         a = np.asarray(x)
     except ValueError as e:  # ragged nesting
         raise ValueError(f"{name} must be integers, got {x!r:.80}: {e}") from None
-    if a.dtype.kind in "iu":
-        return a.astype(np.int64)
-    if a.dtype.kind == "f" and np.all(np.isfinite(a)) and np.all(a == np.round(a)):
-        return a.astype(np.int64)  # 3.0 is 3; an empty list is float64 and stays empty
-    raise ValueError(f"{name} must be integers, got {x!r:.80}")
+    whole = a.dtype.kind in "iu" or (a.dtype.kind == "f" and np.all(np.isfinite(a)) and np.all(a == np.round(a)))
+    if not whole or _has_bool(x):  # 3.0 is 3; an empty list is float64 and stays empty
+        raise ValueError(f"{name} must be integers, got {x!r:.80}")
+    if a.size and (a.min() < -(2**63) or a.max() >= 2**63):  # uint64 or a float past int64
+        raise ValueError(f"{name} is out of range: {x!r:.80}")
+    return a.astype(np.int64)
 
 
 @jax.tree_util.register_dataclass
@@ -51,14 +59,14 @@ class SamplingParams:
         def col(x, dtype, name):
             if dtype == np.int32:
                 a = int_array(x, name)
-                if a.size and np.abs(a).max() > np.iinfo(np.int32).max:  # the int32 cast would wrap it
+                if a.size and (a.min() < -np.iinfo(np.int32).max or a.max() > np.iinfo(np.int32).max):
                     raise ValueError(f"{name} is out of range: {a.tolist()!r:.80}")
             else:
                 try:
                     a = np.asarray(x)
                 except ValueError as e:  # ragged nesting
                     raise ValueError(f"{name} must be numbers, got {x!r:.80}: {e}") from None
-                if a.dtype.kind not in "iufV":  # True is not 1.0, nor the string "0.7" a temperature (V: bf16)
+                if a.dtype.kind not in "iufV" or _has_bool(x):  # True is not 1.0, nor "0.7" a temperature (V: bf16)
                     raise ValueError(f"{name} must be numbers, got {x!r:.80}")
             a = a.astype(dtype)
             if a.ndim == 0:

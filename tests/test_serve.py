@@ -118,6 +118,7 @@ def test_engine_checks_its_drafter_like_decode():
         (dict(batch=0), "batch must be an int >= 1"),
         (dict(max_len=16.5), "max_len must be an int >= 1"),
         (dict(eos_ids=[TARGET.vocab_size]), "eos_ids must be token ids in"),  # the same check_eos as decode
+        (dict(eos_ids=[2, True]), "eos_ids must be integers"),  # not the EOS id 1
     ):
         kwargs = {"batch": 1, "max_len": 16, **kwargs}
         with pytest.raises(ValueError, match=message):
