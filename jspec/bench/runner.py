@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -256,7 +257,7 @@ def _warm(target, params, spec, load, max_len, eos_ids, bucket, prompt_lens, max
     if not longest:
         return
     lens = [longest[w] for w in sorted(longest)]
-    lens += [2] * (load.concurrency + 1)
+    lens += [min(p for p in prompt_lens if p > 0)] * (load.concurrency + 1)  # fits, as every real prompt does
     new = max(1, min(3, max_new))
     jobs = [Job(f"warm{i}", "warmup", (0,) * n) for i, n in enumerate(lens)]
     # The real EOS ids: they are part of the static decode config, so warming with others compiled programs the
@@ -431,8 +432,8 @@ def run(
                     if load.mode == "closed" and len(arrivals) < n:
                         continue
                     break
-                if not queue and next_job < len(arrivals):  # idle until the next arrival
-                    wait = arrivals[next_job] - now()
+                if not queue and next_job < len(arrivals):  # idle until the next arrival or the wall limit
+                    wait = min(arrivals[next_job], math.inf if max_wall_s is None else max_wall_s) - now()
                     if wait > 0:
                         time.sleep(wait)
                 continue
