@@ -374,6 +374,22 @@ def test_warmup_fits_a_cache_its_dummies_would_overflow():
     assert [r.error for r in res.records] == [None]
 
 
+def test_spec_takes_adaptive_as_decode_does():
+    """Spec(adaptive=True/False) as decode and Engine take it: True is the default AdaptiveK (describe() and
+    the phase cost model read its fields), False is none (ngram_spec did label it "adaptive")."""
+    from types import SimpleNamespace
+
+    from jspec.adaptive import AdaptiveK
+    from jspec.bench import suite
+
+    on = Spec("chain", DRAFTER, 3, DRAFT_PARAMS, adaptive=True)
+    assert on.adaptive == AdaptiveK() and on.describe()["adaptive"] == dataclasses.asdict(AdaptiveK())
+    assert Spec("chain", DRAFTER, 3, DRAFT_PARAMS, adaptive=False).adaptive is None
+    target = SimpleNamespace(model=TARGET)
+    assert suite.ngram_spec(target, adaptive=False).label == "ngram K=4"
+    assert suite.ngram_spec(target, adaptive=True).label == "ngram K=4 adaptive"
+
+
 def test_chain_vs_tree_budgets():
     """bench_chain_vs_tree compares shapes at one verification budget N: every static tree has exactly N nodes
     (the root included), the node a budget cut keeps below a wide root hangs under the top-ranked child, and

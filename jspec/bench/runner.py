@@ -31,7 +31,7 @@ import numpy as np
 from jspec import cost_model
 from jspec.bench import metrics
 from jspec.bench.metrics import RequestRecord
-from jspec.decode import StopReason
+from jspec.decode import StopReason, adaptive_policy
 from jspec.serve import Engine
 
 
@@ -65,6 +65,9 @@ class Spec:
     adaptive: Any = None
     block_verify: bool = False
     peer: str | None = None
+
+    def __post_init__(self):  # adaptive as decode and Engine take it: True = the default AdaptiveK, False = none
+        object.__setattr__(self, "adaptive", adaptive_policy(self.adaptive))
 
     @property
     def kind(self) -> str:

@@ -118,8 +118,8 @@ def ngram_spec(target: Target, gamma: int = 4, max_ngram: int = 3, min_ngram: in
 
     d = NgramDrafter(max_ngram, min_ngram, vocab_size=target.model.vocab_size)
     label = f"ngram K={gamma}" + (f" n={max_ngram}..{min_ngram}" if (max_ngram, min_ngram) != (3, 1) else "")
-    label += " adaptive" if adaptive is not None else ""
-    return Spec(label, d, gamma, None, adaptive=adaptive, peer="prompt_lookup")
+    spec = Spec(label, d, gamma, None, adaptive=adaptive, peer="prompt_lookup")
+    return dataclasses.replace(spec, label=label + " adaptive") if spec.adaptive is not None else spec
 
 
 def model_spec(label: str, draft_model, draft_params, gamma: int = 4, peer: str | None = "assisted") -> Spec:
