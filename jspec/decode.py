@@ -573,6 +573,8 @@ def check_drafter(target: Model, drafter, gamma: int, adaptive=None, block_verif
 
 
 def _prepare(target: Model, prompts, max_new_tokens, max_len):
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 1):
+        raise ValueError(f"max_len (cache slots per row) must be an int >= 1, got {max_len!r}")  # as Engine's
     if isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 2:
         dense = int_array(prompts, "prompts")  # B equal-length prompts: validated without a Python loop
         if dense.shape[0] == 0 or dense.shape[1] == 0:

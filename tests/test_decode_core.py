@@ -361,6 +361,8 @@ def test_debug_checks_catch_zero_q_proposals():
         (dict(adaptive=True), "need a drafter"),
         (dict(block_verify=True), "need a drafter"),
         (dict(max_new_tokens=None, max_len=9), "prompt 2 \\(9 tokens\\) leaves no cache slot"),
+        (dict(max_len=100.5), "max_len .* must be an int >= 1, got 100.5"),  # int() would make it 100
+        (dict(max_len=True), "max_len .* must be an int >= 1"),
         # An EOS id that could never match, or would be cast into another token, is refused.
         (dict(eos_ids=[1.5]), "eos_ids must be integers"),
         (dict(eos_ids=[3]), "eos_ids must be token ids in \\[0, 3\\), got \\[3\\]"),
