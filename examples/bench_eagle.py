@@ -111,8 +111,10 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--trees",
         default="",
-        help="static trees for the head, ';'-separated branchings (e.g. '2,1;2,2,1'); children are the head's "
-        "top-c at T = 0 (deterministic rule) and drawn without replacement at T > 0",
+        help="static trees for the head, ';'-separated branchings (e.g. '2,1;2,2,1'), each optionally cut to its "
+        "first N nodes breadth-first with '/N' ('4,1,1/11': tree (4,1) and a third level under its first two "
+        "lines); children are the head's top-c at T = 0 (deterministic rule) and drawn without replacement "
+        "at T > 0",
     )
     ap.add_argument(
         "--dynamic-trees",
@@ -165,7 +167,8 @@ def main(argv=None) -> dict:
             drafter, dparams = EG.load_eagle(head, cfg, tparams, max_draft=k, packed_dtype=pdt)
             configs[f"{tag} K={k}"] = (drafter, dparams, k)
         for branching in filter(None, args.trees.split(";")):
-            spec = TreeSpec(tuple(int(c) for c in branching.split(",")))
+            shape, _, budget = branching.partition("/")
+            spec = TreeSpec(tuple(int(c) for c in shape.split(",")), int(budget) if budget else None)
             chain, dparams = EG.load_eagle(head, cfg, tparams, max_draft=spec.max_depth, packed_dtype=pdt)
             trees = (chain.as_tree(spec, TreeRule.DETERMINISTIC), chain.as_tree(spec, TreeRule.WITHOUT_REPLACEMENT))
             configs[f"{tag} tree {branching}"] = (trees, dparams, spec.max_depth)

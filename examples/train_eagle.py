@@ -9,8 +9,9 @@
 3. Frequent-token map: the N (``--head-tokens``) most frequent tokens of the generated answers, EOS always in.
 4. Training (optax AdamW, warm-up + cosine): on windows of ``--window`` tokens, the head runs ``--unroll``
    passes of training-time test (pass u feeds on pass u-1's predictions and attends as draft step u does,
-   ``models.eagle.head_unrolled``); loss per pass = smooth-L1(f^, f) + ``--ce-weight`` * KL(target restricted
-   to the N tokens || head), pass u weighted ``--pass-decay``^u. tqdm bar; resumable ``ocp.CheckpointManager``.
+   ``models.eagle.head_unrolled``); loss per pass = ``--reg-weight`` * smooth-L1(f^, f) + ``--ce-weight`` *
+   KL(target restricted to the N tokens || head), pass u weighted ``--pass-decay``^u. tqdm bar; resumable
+   ``ocp.CheckpointManager``.
 5. Evaluation: acceptance per draft position with ``jspec.decode`` on held-out chat prompts, greedy and T = 1,
    and the training passes teacher-forced on the held-out greedy answers (what position-1 acceptance tracks;
    the rollout computes exactly what training computes, see tests/test_eagle.py). The agreement printed during
@@ -606,7 +607,7 @@ def make_loss(ecfg: EG.EagleConfig, args):
         m = mask.astype(jnp.float32)[None]
         denom = jnp.maximum(jnp.sum(m), 1.0)
         per_pass = lambda x: jnp.sum(x * m, axis=(1, 2)) / denom  # noqa: E731
-        loss = jnp.sum(decay * (per_pass(reg) + args.ce_weight * per_pass(kl))) / jnp.sum(decay)
+        loss = jnp.sum(decay * (args.reg_weight * per_pass(reg) + args.ce_weight * per_pass(kl))) / jnp.sum(decay)
         # In-sample agreement on the answers alone: the prompt's pairs include the chat template's fixed
         # system prompt, which the head memorises (~0.8 agreement) and the drafter never drafts.
         a = answer.astype(jnp.float32)[None]
@@ -615,6 +616,19 @@ def make_loss(ecfg: EG.EagleConfig, args):
         return loss, {**metrics, "agree_answer": agree_answer}
 
     return loss_fn
+
+
+def draft_vocabulary(args, answers: list, vocab_size: int, eos_id: int) -> np.ndarray | None:
+    """The ``--head-tokens`` most frequent tokens of the generated answers (EOS always in), or None: the full
+    vocabulary, or a fine-tuned head's own map. ``--remap`` rebuilds a fine-tuned head's map from this run's
+    data: its LM head is the target's tied rows, so a new map needs no new weights."""
+    if (args.init_from and not args.remap) or not args.head_tokens or args.head_tokens >= vocab_size:
+        return None
+    counts = EG.token_counts(answers, vocab_size)
+    token_ids = EG.frequent_tokens(counts, args.head_tokens, always=[eos_id])
+    cover = counts[token_ids].sum() / max(counts.sum(), 1)
+    print(f"draft vocabulary: {args.head_tokens} most frequent tokens cover {cover:.4f} of the generated text")
+    return token_ids
 
 
 def init_source(args, target_cfg):
@@ -637,8 +651,10 @@ def init_source(args, target_cfg):
 
 def train(args, target, data, token_ids, out_dir: str):
     ecfg = EG.EagleConfig(target.config, args.head_tokens, args.ffn, name=args.name, fuse=args.fuse)
-    if args.init_from:  # fine-tuning: the trained head's weights and its own frequent-token map
+    if args.init_from:  # fine-tuning: the trained head's weights and its own frequent-token map (or --remap's)
         _, hp = init_source(args, target.config)
+        if token_ids is not None:
+            hp = {**hp, "token_ids": jnp.asarray(token_ids, jnp.int32)}
     else:
         hp = EG.init_head(ecfg, target.params, jax.random.key(args.seed), token_ids)
     trainable, ids = EG.split_trainable(hp)
@@ -795,6 +811,11 @@ def parse_args(argv=None):
         help="fine-tune this trained head (name or directory; same --head-tokens/--ffn/--fuse; its token map)",
     )
     ap.add_argument(
+        "--remap",
+        action="store_true",
+        help="with --init-from: rebuild the frequent-token map from this run's data instead of keeping the head's",
+    )
+    ap.add_argument(
         "--gen-batches",
         default="14",
         help="target generation batches (the data budget): N for batches 0..N-1, or ranges like '0-11,32-51'",
@@ -819,6 +840,13 @@ def parse_args(argv=None):
     ap.add_argument("--unroll", type=int, default=3, help="training-time-test passes (draft steps trained)")
     ap.add_argument("--pass-decay", type=float, default=0.8)
     ap.add_argument("--ce-weight", type=float, default=0.5)
+    ap.add_argument(
+        "--reg-weight",
+        type=float,
+        default=1.0,
+        help="weight of the feature regression; 0 trains on tokens alone, as EAGLE-3 does (f^ then is the "
+        "head's own state, read through the target's LM-head rows)",
+    )
     ap.add_argument("--noise", type=float, default=0.0, help="uniform noise on input features")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--epochs", type=int, default=3)
@@ -852,6 +880,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.remap and not args.init_from:
+        raise SystemExit("--remap rebuilds a fine-tuned head's token map: it needs --init-from")
     out_dir = os.path.join(EG.cache_root(), args.name)
     final = os.path.join(out_dir, "head")
     eval_path = os.path.join(out_dir, "eval.json")
@@ -891,13 +921,7 @@ def main(argv=None) -> dict:
         f"data: {n_ans} generated tokens in {len(files)} batches + {len(doc_files)} docstring files; "
         f"{int(data['mask'].sum())} trained pairs"
     )
-    v = target.config.vocab_size
-    token_ids = None
-    if not args.init_from and args.head_tokens and args.head_tokens < v:  # fine-tuning keeps the head's map
-        counts = EG.token_counts(answers, v)
-        token_ids = EG.frequent_tokens(counts, args.head_tokens, always=[target.tokenizer.eos_id])
-        cover = counts[token_ids].sum() / max(counts.sum(), 1)
-        print(f"draft vocabulary: {args.head_tokens} most frequent tokens cover {cover:.4f} of the generated text")
+    token_ids = draft_vocabulary(args, answers, target.config.vocab_size, target.tokenizer.eos_id)
 
     t1 = time.perf_counter()
     ecfg, hp, history = train(args, target, data, token_ids, out_dir)

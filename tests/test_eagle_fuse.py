@@ -250,3 +250,50 @@ def test_trainer_fine_tunes_only_a_head_of_the_same_shape(tmp_path):
         train_eagle.init_source(SimpleNamespace(**{**vars(args), "fuse": (0, 1)}), TINY)
     with pytest.raises(SystemExit, match=r"--init-from .*\(40, 128, \(0, 2\)\), this run asks for \(20, "):
         train_eagle.init_source(SimpleNamespace(**{**vars(args), "head_tokens": 20}), TINY)
+
+
+def test_trainer_remaps_a_fine_tuned_head_only_when_asked():
+    """A fine-tuned head keeps its own token map unless ``--remap``, which takes the N most frequent tokens of
+    this run's answers (EOS always in, ties to the lower id); ``--remap`` without ``--init-from`` is refused."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_eagle
+
+    answers = [np.array([5, 5, 5, 9, 9, 7]), np.array([9, 3])]  # counts: 9 x3, 5 x3, 7 x1, 3 x1
+    args = SimpleNamespace(init_from="some-head", remap=False, head_tokens=3)
+    assert train_eagle.draft_vocabulary(args, answers, 12, eos_id=0) is None
+    args.remap = True
+    np.testing.assert_array_equal(train_eagle.draft_vocabulary(args, answers, 12, eos_id=0), [0, 5, 9])
+    args.head_tokens = 4  # 3 and 7 tie at one occurrence: the lower id
+    np.testing.assert_array_equal(train_eagle.draft_vocabulary(args, answers, 12, eos_id=0), [0, 3, 5, 9])
+    args.init_from, args.remap = "", False  # a fresh head always gets its map
+    np.testing.assert_array_equal(train_eagle.draft_vocabulary(args, answers, 12, eos_id=0), [0, 3, 5, 9])
+    with pytest.raises(SystemExit, match="--remap .* needs --init-from"):
+        train_eagle.main(["--remap"])
+
+
+def test_trainer_loss_weighs_the_feature_regression_by_reg_weight():
+    """``--reg-weight 0`` trains on tokens alone (EAGLE-3): the loss is then ce_weight x the KL term; with
+    weight 1 the smooth-L1 distance of f^ from f counts too, each pass weighted pass_decay^u."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_eagle
+
+    from models.eagle import split_trainable
+
+    ecfg = EagleConfig(TINY, head_tokens=40)
+    rng = np.random.default_rng(1)
+    hp = random_head(ecfg, TINY_PARAMS, 3, 0.1, np.sort(rng.choice(TINY.vocab_size, 40, replace=False)))
+    trainable, ids = split_trainable(hp)
+    rows = EagleDrafter(ecfg).draft_params(TINY_PARAMS, hp)[1]["rows"]
+    feats = jnp.asarray(rng.normal(size=(2, 9, TINY.hidden)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, (2, 9)), jnp.int32)
+    mask = jnp.ones((2, 8), bool)
+    out = {}
+    for rw in (0.0, 1.0):
+        args = SimpleNamespace(pass_decay=0.5, unroll=2, noise=0.0, ce_weight=0.3, reg_weight=rw)
+        fn = train_eagle.make_loss(ecfg, args)
+        loss, m = fn(trainable, ids, {"embed": TINY_PARAMS["embed"]}, rows, feats, tokens, mask, mask, None)
+        decay = np.array([1.0, 0.5])
+        want = np.sum(decay * (rw * np.asarray(m["reg"]) + 0.3 * np.asarray(m["kl"]))) / decay.sum()
+        np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+        out[rw] = (float(loss), m)
+    assert float(np.min(out[1.0][1]["reg"])) > 0 and out[1.0][0] > out[0.0][0]
