@@ -19,7 +19,7 @@ tokens/s measured right before it. For the head it also reports:
 The default head is the one bundled in models/heads/ (``models.eagle.DEFAULT_HEAD``); examples/train_eagle.py
 trains others into the cache, named by ``--name``.
 
-    python examples/bench_eagle.py [--head smollm2-8k-chat-mp3] [--ks 2,3,4] [--trees '2,1;2,2,1']
+    python examples/bench_eagle.py [--head smollm2-8k-chat-mp5] [--ks 2,3,4] [--trees '2,1;2,2,1']
         [--dynamic-trees '4,3,9'] [--reps 2] [--max-new 96]
 """
 

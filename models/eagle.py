@@ -750,7 +750,7 @@ def cache_root() -> str:
 # hours of CPU its data and training cost. DEFAULT_HEAD is what ``--drafter eagle`` and bench_eagle.py use
 # when no head is named.
 BUNDLED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
-DEFAULT_HEAD = "smollm2-8k-chat-mp3"
+DEFAULT_HEAD = "smollm2-8k-chat-mp5"
 
 
 def bundled_heads() -> list[str]:

@@ -1,0 +1,99 @@
+"""Teacher-forced agreement of EAGLE heads on the same held-out greedy answers, paired: what position-1
+acceptance tracks, resolved ~4x finer than train_eagle.py's 6-prompt evaluation.
+
+The target answers the 12 held-out prompts (train_eagle.py's EVAL_PROMPTS and bench_eagle.py's PROMPTS)
+greedily once; every head then runs ``models.eagle.head_unrolled`` over prompt + answer (the training
+computation, 3 passes of training-time test) and each pass's argmax is compared with the answer's token
+x_{i+2}. ``--maps-from DIR`` also scores each head under the ``--head-tokens`` most frequent tokens of the
+answers in train_eagle's data directory DIR: a head's LM head is the target's tied rows, so a map swaps
+without retraining.
+
+    python examples/eagle_agreement.py --heads MP3_DIR,smollm2-8k-chat-mp5 \\
+        --maps-from ~/.cache/jspec/eagle/_data/smollm2-T0.8-p192-n384-b32-s0
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_eagle  # noqa: E402
+import train_eagle  # noqa: E402
+
+from jspec import decode as dec  # noqa: E402
+from models import eagle as EG  # noqa: E402
+from models import llama, registry  # noqa: E402
+
+
+def data_map(data_dir: str, n: int, vocab_size: int, eos_id: int) -> np.ndarray:
+    files = sorted(glob.glob(os.path.join(os.path.expanduser(data_dir), "*.npz")))
+    files = [f for f in files if ".layers" not in f]
+    if not files:
+        raise SystemExit(f"--maps-from {data_dir}: no train_eagle data files (*.npz) there")
+    answers = []
+    for f in files:
+        d = np.load(f)
+        for r in range(d["tokens"].shape[0]):
+            answers.append(d["tokens"][r, int(d["prompt_lengths"][r]) : int(d["lengths"][r])])
+    return EG.frequent_tokens(EG.token_counts(answers, vocab_size), n, always=[eos_id])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", default=EG.DEFAULT_HEAD, help="comma-separated head names or directories")
+    ap.add_argument("--maps-from", default="", help="train_eagle data directory to build a token map from")
+    ap.add_argument("--head-tokens", type=int, default=8192)
+    ap.add_argument("--max-new", type=int, default=192)
+    args = ap.parse_args(argv)
+
+    target = registry.load("smollm2", dtype="float32")
+    tok, cfg = target.tokenizer, target.config
+    prompts = [train_eagle.encode(tok, p, 512) for p in list(train_eagle.EVAL_PROMPTS) + list(bench_eagle.PROMPTS)]
+    out = dec.decode(
+        target.model, target.params, prompts, max_new_tokens=args.max_new, temperature=0.0, eos_ids=[tok.eos_id]
+    )
+    seqs = [p + list(a) for p, a in zip(prompts, out.tokens)]
+    b, w = len(seqs), -(-max(len(s) for s in seqs) // 16) * 16
+    toks = np.zeros((b, w), np.int32)
+    for r, s in enumerate(seqs):
+        toks[r, : len(s)] = s
+    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    new_map = data_map(args.maps_from, args.head_tokens, cfg.vocab_size, tok.eos_id) if args.maps_from else None
+    embed = target.params["embed"]["embedding"].astype(jnp.float32)  # SmolLM2's LM head is tied
+    first = None
+    for head in filter(None, args.heads.split(",")):
+        ecfg, hp = EG.restore_head(EG.resolve_head(head), cfg)
+        _, raw, _ = EG.target_features(ecfg, target.params, jnp.asarray(toks), pos, llama.init_cache(cfg, b, w))
+        feats = EG.fuse_features(ecfg, hp, raw)
+        f_hat = EG.head_unrolled(ecfg, hp, target.params, feats[:, :-1], jnp.asarray(toks[:, 1:]), 3)
+        maps = {"own map": np.asarray(hp["token_ids"])}
+        if new_map is not None:
+            maps["data map"] = new_map
+        for label, ids in maps.items():
+            sub = jnp.asarray(ids)
+            logits = jnp.einsum("ubte,ne->ubtn", f_hat, embed[sub])
+            pred = np.asarray(sub[jnp.argmax(logits, -1)])  # [U, B, w-1]: the token predicted for x_{i+2}
+            hits = []
+            for r, s in enumerate(seqs):
+                i = np.arange(len(prompts[r]) - 1, len(s) - 2)  # the answer's pairs, as train_eagle counts them
+                hits.append(pred[:, r, i] == toks[r, i + 2][None])
+            h = np.concatenate(hits, axis=1)
+            cover = float(np.isin(np.concatenate(out.tokens), ids).mean())
+            line = f"{head} ({label}, answers {cover:.1%} inside): passes 0-2 {np.round(h.mean(1), 4).tolist()}"
+            if first is None:
+                first = h[0]
+            else:
+                line += f"; pass 0 vs the first: {int(np.sum(h[0] & ~first))} gained, {int(np.sum(first & ~h[0]))} lost"
+            print(line + f" (n={h.shape[1]})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
