@@ -300,6 +300,24 @@ def multiprocess_scenario() -> dict:
         **_kw("greedy", rows1),
     )
     out["replicated"] = {"rows": rows1, "tokens": sd.run().tokens}
+    # Row blocks some processes share while the data axis is split: a 4x2 mesh whose blocks 1 and 2 each span
+    # both processes (devices 2 and 4, 3 and 5). Each process holds 3 of the 4 blocks and passes 6 rows; the
+    # batch is 8 (the old count refused it as a batch of 12).
+    devs = jax.devices()  # process 0's four, then process 1's
+    mesh2 = make_mesh((4, 2), devices=[devs[i] for i in (0, 1, 2, 4, 3, 5, 6, 7)])
+    plan2 = _plan(mesh2, "data", cfg, tp, dcfg, dp)
+    rows2 = rows_for_process(plan2, len(PROMPT_LENS)).tolist()
+    sd = prepare_sharded(
+        make_model(cfg),
+        shard_params(tp, param_logical_axes(cfg), mesh2, plan2.target),
+        [prompts()[i] for i in rows2],
+        plan=plan2,
+        drafter=drafter,
+        draft_params=shard_params(dp, param_logical_axes(dcfg), mesh2, plan2.draft_rules),
+        process_local=True,
+        **_kw("greedy", rows2),
+    )
+    out["shared_blocks"] = {"rows": rows2, "tokens": sd.run().tokens}
     multihost_utils.sync_global_devices("selfcheck done")
     return out
 

@@ -392,8 +392,13 @@ def prepare_sharded(
         counts = np.asarray(multihost_utils.process_allgather(np.asarray([len(prompts)], np.int64))).ravel()
         d = plan.data_size
         held = len(local_rows(plan.rows((d,), d), (d,)))  # this process's share of the data axis: held / d
-        global_b = global_batch(len(prompts), held, d)
+        try:
+            global_b, error = global_batch(len(prompts), held, d), None
+        except ValueError as e:  # raised after the gather below: the other processes must not wait in it
+            global_b, error = -1, e
         agreed = np.asarray(multihost_utils.process_allgather(np.asarray([global_b], np.int64))).ravel()
+        if error is not None:
+            raise error
         if np.any(agreed != global_b):
             raise ValueError(
                 f"the processes' rows ({counts.tolist()}) make batches of {agreed.tolist()}, not one batch: "

@@ -193,3 +193,6 @@ def test_two_processes_match_single_process(runs):
         # Mesh 1x8: every process passes all 8 rows, decoded once as one batch of 8.
         assert procs[p]["replicated"]["rows"] == list(range(8))
         assert procs[p]["replicated"]["tokens"] == ref["greedy"], p
+        # Mesh 4x2 with row blocks 1 and 2 on both processes: 6 rows each, one batch of 8.
+        assert procs[p]["shared_blocks"]["rows"] == [list(range(6)), list(range(2, 8))][p]
+        assert procs[p]["shared_blocks"]["tokens"] == ref["greedy"], p
