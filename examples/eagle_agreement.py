@@ -1,21 +1,21 @@
 """Teacher-forced agreement of EAGLE heads on the same held-out greedy answers, paired: what position-1
-acceptance tracks, resolved ~4x finer than train_eagle.py's 6-prompt evaluation.
+acceptance tracks, on twice the answers of train_eagle.py's 6-prompt evaluation, every head on the same pairs.
 
 The target answers the 12 held-out prompts (train_eagle.py's EVAL_PROMPTS and bench_eagle.py's PROMPTS)
 greedily once; every head then runs ``models.eagle.head_unrolled`` over prompt + answer (the training
 computation, 3 passes of training-time test) and each pass's argmax is compared with the answer's token
-x_{i+2}. ``--maps-from DIR`` also scores each head under the ``--head-tokens`` most frequent tokens of the
-answers in train_eagle's data directory DIR: a head's LM head is the target's tied rows, so a map swaps
-without retraining.
+x_{i+2}. ``--maps-from DIR --self-batches N`` also scores each head under the ``--head-tokens`` most frequent
+tokens of the answers in the first N self-written batches of train_eagle's data directory DIR (how
+``train_eagle.py --remap --self-batches N`` builds its map): a head's LM head is the target's tied rows, so a
+map swaps without retraining.
 
     python examples/eagle_agreement.py --heads MP3_DIR,smollm2-8k-chat-mp5 \\
-        --maps-from ~/.cache/jspec/eagle/_data/smollm2-T0.8-p192-n384-b32-s0
+        --maps-from ~/.cache/jspec/eagle/_data/smollm2-T0.8-p192-n384-b32-s0 --self-batches 24
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import sys
 
@@ -33,11 +33,11 @@ from models import eagle as EG  # noqa: E402
 from models import llama, registry  # noqa: E402
 
 
-def data_map(data_dir: str, n: int, vocab_size: int, eos_id: int) -> np.ndarray:
-    files = sorted(glob.glob(os.path.join(os.path.expanduser(data_dir), "*.npz")))
-    files = [f for f in files if ".layers" not in f]
-    if not files:
-        raise SystemExit(f"--maps-from {data_dir}: no train_eagle data files (*.npz) there")
+def data_map(data_dir: str, batches: int, n: int, vocab_size: int, eos_id: int) -> np.ndarray:
+    files = [os.path.join(os.path.expanduser(data_dir), f"self_{i:04d}.npz") for i in range(batches)]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise SystemExit(f"--maps-from {data_dir} --self-batches {batches}: {len(missing)} missing, e.g. {missing[0]}")
     answers = []
     for f in files:
         d = np.load(f)
@@ -50,12 +50,16 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", default=EG.DEFAULT_HEAD, help="comma-separated head names or directories")
     ap.add_argument("--maps-from", default="", help="train_eagle data directory to build a token map from")
+    ap.add_argument("--self-batches", type=int, default=24, help="its first N self-written batches make the map")
     ap.add_argument("--head-tokens", type=int, default=8192)
     ap.add_argument("--max-new", type=int, default=192)
     args = ap.parse_args(argv)
 
     target = registry.load("smollm2", dtype="float32")
     tok, cfg = target.tokenizer, target.config
+    new_map = None
+    if args.maps_from:
+        new_map = data_map(args.maps_from, args.self_batches, args.head_tokens, cfg.vocab_size, tok.eos_id)
     prompts = [train_eagle.encode(tok, p, 512) for p in list(train_eagle.EVAL_PROMPTS) + list(bench_eagle.PROMPTS)]
     out = dec.decode(
         target.model, target.params, prompts, max_new_tokens=args.max_new, temperature=0.0, eos_ids=[tok.eos_id]
@@ -66,7 +70,6 @@ def main(argv=None) -> None:
     for r, s in enumerate(seqs):
         toks[r, : len(s)] = s
     pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-    new_map = data_map(args.maps_from, args.head_tokens, cfg.vocab_size, tok.eos_id) if args.maps_from else None
     embed = target.params["embed"]["embedding"].astype(jnp.float32)  # SmolLM2's LM head is tied
     first = None
     for head in filter(None, args.heads.split(",")):

@@ -65,7 +65,8 @@ default, is mp3 fine-tuned once more with a new token map: ``--name smollm2-8k-c
 6 min on a 2-core Xeon). mp3's map, inherited from the first heads' templated data, covered 90.7% of those
 answers and 89.6% of the held-out greedy answers; the new one covers 99.2% and 93.0%. Held out, teacher-forced on
 12 prompts (``examples/eagle_agreement.py``): 0.544 0.489 0.465 against mp3's 0.523 0.472 0.447 (mp3 under the
-new map alone, no training: 0.539); greedy K=4 1.91 tokens per round on the 6 evaluation prompts; T=1 K=2 over
+new map alone, no training: 0.539); greedy K=4 1.91 tokens per round on the 6 evaluation prompts (mp3's 1.93
+below was measured on another machine; a one-epoch fine-tune with mp3's own map, on the Xeon, 1.85); T=1 K=2 over
 seeds 1-6 on the 12 prompts 1.595 against mp3's 1.587. mp3 is st3 fine-tuned three times on self-written
 requests: ``--name smollm2-8k-chat-mp --init-from DIR
 --gen-batches none --self-batches 48 --max-new 384 --epochs 1 --lr 3e-4 --doc-tokens 0 --eval-max-new 192`` (DIR:

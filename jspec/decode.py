@@ -546,7 +546,9 @@ def check_eos(eos_ids, vocab_size: int) -> tuple[int, ...]:
 
 def adaptive_policy(adaptive) -> AdaptiveK | None:
     """``adaptive`` as prepare and serve.Engine take it: True = the default ``AdaptiveK``, False/None = fixed K."""
-    return AdaptiveK() if adaptive is True else (adaptive or None)
+    if isinstance(adaptive, bool | np.bool_):  # numpy's True too: it is not `True`, and not a policy
+        return AdaptiveK() if adaptive else None
+    return adaptive or None
 
 
 def check_drafter(target: Model, drafter, gamma: int, adaptive=None, block_verify: bool = False) -> int:

@@ -14,8 +14,9 @@ import numpy as np
 
 
 def _has_bool(x) -> bool:
-    """A bool anywhere in a (nested) list or tuple: numpy promotes [2, True] to ints, hiding it."""
-    if isinstance(x, bool | np.bool_):
+    """A bool anywhere in a (nested) list or tuple, or a bool array in one: numpy promotes [2, True] to ints,
+    hiding it."""
+    if isinstance(x, bool | np.bool_) or getattr(x, "dtype", None) == np.bool_:
         return True
     return isinstance(x, list | tuple) and any(_has_bool(v) for v in x)
 

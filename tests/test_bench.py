@@ -385,6 +385,7 @@ def test_spec_takes_adaptive_as_decode_does():
     on = Spec("chain", DRAFTER, 3, DRAFT_PARAMS, adaptive=True)
     assert on.adaptive == AdaptiveK() and on.describe()["adaptive"] == dataclasses.asdict(AdaptiveK())
     assert Spec("chain", DRAFTER, 3, DRAFT_PARAMS, adaptive=False).adaptive is None
+    assert Spec("chain", DRAFTER, 3, DRAFT_PARAMS, adaptive=np.True_).adaptive == AdaptiveK()
     target = SimpleNamespace(model=TARGET)
     assert suite.ngram_spec(target, adaptive=False).label == "ngram K=4"
     assert suite.ngram_spec(target, adaptive=True).label == "ngram K=4 adaptive"

@@ -76,6 +76,7 @@ def test_changing_parameters_does_not_recompile():
         # A bool inside a list: numpy would promote [True, 40] to [1, 40] and [0.7, True] to [0.7, 1.0].
         (dict(top_k=[True, 40]), "top_k must be integers"),
         (dict(temperature=[0.7, True]), "temperature must be numbers"),
+        (dict(top_k=[np.array(True), 40]), "top_k must be integers"),
         # Past int64: the cast would wrap 2**63 to -2**63, whose abs is still negative.
         (dict(top_k=2**63), "top_k is out of range"),
         (dict(top_k=float(2**63)), "top_k is out of range"),
