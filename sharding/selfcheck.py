@@ -284,40 +284,30 @@ def multiprocess_scenario() -> dict:
             **_kw(s, rows),
         )
         out["tokens"][s] = sd.run().tokens
+
+    def greedy_on(mesh) -> dict:  # this process's rows of the batch on another mesh, and the decoded batch
+        plan_m = _plan(mesh, "data", cfg, tp, dcfg, dp)
+        rows_m = rows_for_process(plan_m, len(PROMPT_LENS)).tolist()
+        sd = prepare_sharded(
+            make_model(cfg),
+            shard_params(tp, param_logical_axes(cfg), mesh, plan_m.target),
+            [prompts()[i] for i in rows_m],
+            plan=plan_m,
+            drafter=drafter,
+            draft_params=shard_params(dp, param_logical_axes(dcfg), mesh, plan_m.draft_rules),
+            process_local=True,
+            **_kw("greedy", rows_m),
+        )
+        return {"rows": rows_m, "tokens": sd.run().tokens}
+
     # The batch not split over processes (data axis 1, the model axis over both): every process passes every
     # row, and the batch is 8, not 16.
-    mesh1 = make_mesh((1, 8))
-    plan1 = _plan(mesh1, "data", cfg, tp, dcfg, dp)
-    rows1 = rows_for_process(plan1, len(PROMPT_LENS)).tolist()
-    sd = prepare_sharded(
-        make_model(cfg),
-        shard_params(tp, param_logical_axes(cfg), mesh1, plan1.target),
-        [prompts()[i] for i in rows1],
-        plan=plan1,
-        drafter=drafter,
-        draft_params=shard_params(dp, param_logical_axes(dcfg), mesh1, plan1.draft_rules),
-        process_local=True,
-        **_kw("greedy", rows1),
-    )
-    out["replicated"] = {"rows": rows1, "tokens": sd.run().tokens}
+    out["replicated"] = greedy_on(make_mesh((1, 8)))
     # Row blocks some processes share while the data axis is split: a 4x2 mesh whose blocks 1 and 2 each span
     # both processes (devices 2 and 4, 3 and 5). Each process holds 3 of the 4 blocks and passes 6 rows; the
     # batch is 8 (the old count refused it as a batch of 12).
     devs = jax.devices()  # process 0's four, then process 1's
-    mesh2 = make_mesh((4, 2), devices=[devs[i] for i in (0, 1, 2, 4, 3, 5, 6, 7)])
-    plan2 = _plan(mesh2, "data", cfg, tp, dcfg, dp)
-    rows2 = rows_for_process(plan2, len(PROMPT_LENS)).tolist()
-    sd = prepare_sharded(
-        make_model(cfg),
-        shard_params(tp, param_logical_axes(cfg), mesh2, plan2.target),
-        [prompts()[i] for i in rows2],
-        plan=plan2,
-        drafter=drafter,
-        draft_params=shard_params(dp, param_logical_axes(dcfg), mesh2, plan2.draft_rules),
-        process_local=True,
-        **_kw("greedy", rows2),
-    )
-    out["shared_blocks"] = {"rows": rows2, "tokens": sd.run().tokens}
+    out["shared_blocks"] = greedy_on(make_mesh((4, 2), devices=[devs[i] for i in (0, 1, 2, 4, 3, 5, 6, 7)]))
     multihost_utils.sync_global_devices("selfcheck done")
     return out
 
