@@ -30,7 +30,7 @@ import train_eagle  # noqa: E402
 
 from jspec import decode as dec  # noqa: E402
 from models import eagle as EG  # noqa: E402
-from models import llama, registry  # noqa: E402
+from models import registry  # noqa: E402
 
 
 def data_map(data_dir: str, batches: int, n: int, vocab_size: int, eos_id: int) -> np.ndarray:
@@ -64,31 +64,15 @@ def main(argv=None) -> None:
     out = dec.decode(
         target.model, target.params, prompts, max_new_tokens=args.max_new, temperature=0.0, eos_ids=[tok.eos_id]
     )
-    seqs = [p + list(a) for p, a in zip(prompts, out.tokens)]
-    b, w = len(seqs), -(-max(len(s) for s in seqs) // 16) * 16
-    toks = np.zeros((b, w), np.int32)
-    for r, s in enumerate(seqs):
-        toks[r, : len(s)] = s
-    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-    embed = target.params["embed"]["embedding"].astype(jnp.float32)  # SmolLM2's LM head is tied
     first = None
     for head in filter(None, args.heads.split(",")):
         ecfg, hp = EG.restore_head(EG.resolve_head(head), cfg)
-        _, raw, _ = EG.target_features(ecfg, target.params, jnp.asarray(toks), pos, llama.init_cache(cfg, b, w))
-        feats = EG.fuse_features(ecfg, hp, raw)
-        f_hat = EG.head_unrolled(ecfg, hp, target.params, feats[:, :-1], jnp.asarray(toks[:, 1:]), 3)
         maps = {"own map": np.asarray(hp["token_ids"])}
         if new_map is not None:
             maps["data map"] = new_map
         for label, ids in maps.items():
-            sub = jnp.asarray(ids)
-            logits = jnp.einsum("ubte,ne->ubtn", f_hat, embed[sub])
-            pred = np.asarray(sub[jnp.argmax(logits, -1)])  # [U, B, w-1]: the token predicted for x_{i+2}
-            hits = []
-            for r, s in enumerate(seqs):
-                i = np.arange(len(prompts[r]) - 1, len(s) - 2)  # the answer's pairs, as train_eagle counts them
-                hits.append(pred[:, r, i] == toks[r, i + 2][None])
-            h = np.concatenate(hits, axis=1)
+            _, hp_map = EG.EagleDrafter(ecfg).draft_params(target.params, {**hp, "token_ids": jnp.asarray(ids)})
+            h = train_eagle.teacher_forced_hits(target, ecfg, hp_map, prompts, out.tokens)
             cover = float(np.isin(np.concatenate(out.tokens), ids).mean())
             line = f"{head} ({label}, answers {cover:.1%} inside): passes 0-2 {np.round(h.mean(1), 4).tolist()}"
             if first is None:

@@ -726,31 +726,37 @@ def train(args, target, data, token_ids, out_dir: str):
 # ---- stage 5: evaluation ------------------------------------------------------------------------------
 
 
-def teacher_forced_agreement(target, drafter, dparams, prompts: list[list[int]], answers: list[list[int]]):
-    """Per pass u: the share of answer pairs i (i >= P - 1) at which ``head_unrolled`` pass u, teacher-forced
+def teacher_forced_hits(target, ecfg, hp, prompts: list[list[int]], answers: list[list[int]]) -> np.ndarray:
+    """[U, n] bool, per pass u and answer pair i (i >= P - 1, in order): ``head_unrolled`` pass u, teacher-forced
     on the target's own features of prompt + answer, puts its argmax on the answer's actual token x_{i+2}.
-    The training computation on held-out text, against the full-vocabulary token (a token outside the draft
-    vocabulary is a miss): for a greedy answer, pass 0 is the acceptance rate draft position 1 would have if
-    a round started at every position."""
-    cfg, hp = target.config, dparams[1]
-    seqs = [p + a for p, a in zip(prompts, answers)]
+    hp: the head's params with ``rows`` (``EagleDrafter.draft_params`` next to an unpacked target)."""
+    cfg = target.config
+    seqs = [list(p) + list(a) for p, a in zip(prompts, answers)]
     b, w = len(seqs), -(-max(len(s) for s in seqs) // 16) * 16
     toks = np.zeros((b, w), np.int32)
     for r, s in enumerate(seqs):
         toks[r, : len(s)] = s
     pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
-    _, raw, _ = EG.target_features(drafter.ecfg, target.params, jnp.asarray(toks), pos, llama.init_cache(cfg, b, w))
-    feats = EG.fuse_features(drafter.ecfg, hp, raw)
+    _, raw, _ = EG.target_features(ecfg, target.params, jnp.asarray(toks), pos, llama.init_cache(cfg, b, w))
+    feats = EG.fuse_features(ecfg, hp, raw)
     unroll = 3
-    f_hat = EG.head_unrolled(drafter.ecfg, hp, target.params, feats[:, :-1], jnp.asarray(toks[:, 1:]), unroll)
+    f_hat = EG.head_unrolled(ecfg, hp, target.params, feats[:, :-1], jnp.asarray(toks[:, 1:]), unroll)
     best = np.stack([np.asarray(jnp.argmax(EG.subset_logits(f_hat[u], hp["rows"]), -1)) for u in range(unroll)])
     pred = np.asarray(hp["token_ids"])[best]  # [U, B, w-1] token predicted for x_{i+2}
-    hits, n = np.zeros(unroll), 0
+    hits = [np.zeros((unroll, 0), bool)]
     for r, s in enumerate(seqs):
         i = np.arange(len(prompts[r]) - 1, len(s) - 2)
-        hits += (pred[:, r, i] == toks[r, i + 2][None]).sum(axis=1)
-        n += i.size
-    return (hits / max(n, 1)).tolist()
+        hits.append(pred[:, r, i] == toks[r, i + 2][None])
+    return np.concatenate(hits, axis=1)
+
+
+def teacher_forced_agreement(target, drafter, dparams, prompts: list[list[int]], answers: list[list[int]]):
+    """Per pass u: the share of answer pairs at which pass u is right (``teacher_forced_hits``). The training
+    computation on held-out text, against the full-vocabulary token (a token outside the draft vocabulary is a
+    miss): for a greedy answer, pass 0 is the acceptance rate draft position 1 would have if a round started at
+    every position."""
+    hits = teacher_forced_hits(target, drafter.ecfg, dparams[1], prompts, answers)
+    return (hits.sum(axis=1) / max(hits.shape[1], 1)).tolist()
 
 
 def evaluate(target, path: str, gamma: int, max_new: int, seed: int = 0) -> dict:
