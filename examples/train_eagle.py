@@ -653,16 +653,27 @@ def init_source(args, target_cfg):
             f"--init-from {args.init_from}: that head has (head tokens, ffn, fuse) = {theirs}, this run asks "
             f"for {mine}: pass the same --head-tokens / --ffn, and the same --fuse or none on an unfused head"
         )
+    layers = getattr(args, "head_layers", 0) or src.layers
+    if layers < src.layers:
+        raise SystemExit(
+            f"--head-layers {layers}: --init-from {args.init_from} has {src.layers} layers (a head can gain "
+            "layers, not lose them)"
+        )
     if graft:
         src = dataclasses.replace(src, fuse=tuple(args.fuse))
         hp = EG.graft_fusion(src, hp)
+    if layers > src.layers:  # the new layers start as the identity: the head drafts as before
+        src = dataclasses.replace(src, layers=layers)
+        hp = EG.graft_layers(src, hp, jax.random.key(getattr(args, "seed", 0)))
     return src, hp
 
 
 def train(args, target, data, token_ids, out_dir: str):
-    ecfg = EG.EagleConfig(target.config, args.head_tokens, args.ffn, name=args.name, fuse=args.fuse)
+    layers = args.head_layers or 1
+    ecfg = EG.EagleConfig(target.config, args.head_tokens, args.ffn, name=args.name, fuse=args.fuse, layers=layers)
     if args.init_from:  # fine-tuning: the trained head's weights and its own frequent-token map (or --remap's)
-        _, hp = init_source(args, target.config)
+        src, hp = init_source(args, target.config)
+        ecfg = dataclasses.replace(ecfg, layers=src.layers)
         if token_ids is not None:
             hp = {**hp, "token_ids": jnp.asarray(token_ids, jnp.int32)}
     else:
@@ -817,6 +828,13 @@ def parse_args(argv=None):
     ap.add_argument("--head-tokens", type=int, default=8192, help="frequent-token draft vocabulary N; 0 = all")
     ap.add_argument("--ffn", type=int, default=0, help="head layer FFN width (0: the target's)")
     ap.add_argument(
+        "--head-layers",
+        type=int,
+        default=0,
+        help="the head's decoder layers (0: one, or --init-from's); more than --init-from's grafts new layers "
+        "on top that start as the identity",
+    )
+    ap.add_argument(
         "--fuse",
         default="",
         help="target layers whose outputs join f as the head's input, e.g. '2,15' (EAGLE-3 fusion; '' = none)",
@@ -886,6 +904,8 @@ def parse_args(argv=None):
         args.fuse = tuple(int(x) for x in args.fuse.split(",")) if args.fuse.strip() else ()
     except ValueError:
         ap.error(f"--fuse {args.fuse!r}: expected comma-separated layer indices such as '2,15'")
+    if args.head_layers < 0:
+        ap.error(f"--head-layers {args.head_layers}: expected 0 (one, or --init-from's) or more")
     if args.name is None:
         n = args.head_tokens
         args.name = f"{args.model}-{f'{n // 1024}k' if n and n % 1024 == 0 else (n or 'full')}"
@@ -913,10 +933,10 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     target = registry.load(args.model, dtype="float32")
-    try:  # bad --fuse layers are refused before any model call
-        EG.EagleConfig(target.config, args.head_tokens, args.ffn, fuse=args.fuse)
+    try:  # bad --fuse layers or --head-layers are refused before any model call
+        EG.EagleConfig(target.config, args.head_tokens, args.ffn, fuse=args.fuse, layers=args.head_layers or 1)
     except ValueError as e:
-        raise SystemExit(f"--fuse: {e}") from None
+        raise SystemExit(f"--fuse / --head-layers: {e}") from None
     if args.init_from:  # so is a head to fine-tune that does not fit this run
         init_source(args, target.config)
     # The target's text and features come from the CPU decode layout (per-layer weights on the CPU kernels,

@@ -77,7 +77,8 @@ class EagleConfig:
     target: the target's config (widths, vocabulary, RoPE, dtype). head_tokens: N, the size of the draft
     vocabulary (0 or V: the full LM head). ffn: the head layer's feed-forward width (0: the target's).
     fuse: target layers (ascending, each < L - 1) whose outputs join the final feature f_i as the head's
-    input (EAGLE-3's low / mid / high fusion, ``fuse_features``); () = f_i alone (EAGLE-1/2).
+    input (EAGLE-3's low / mid / high fusion, ``fuse_features``); () = f_i alone (EAGLE-1/2). layers: the
+    head's decoder layers (EAGLE uses one; ``graft_layers`` deepens a trained head).
     """
 
     target: LlamaConfig
@@ -85,10 +86,14 @@ class EagleConfig:
     ffn: int = 0
     name: str = "eagle"
     fuse: tuple[int, ...] = ()
+    layers: int = 1
 
     def __post_init__(self):
         if not 0 <= self.head_tokens <= self.target.vocab_size:
             raise ValueError(f"head_tokens={self.head_tokens} must be in [0, {self.target.vocab_size}]")
+        if isinstance(self.layers, bool) or not isinstance(self.layers, (int, np.integer)) or self.layers < 1:
+            raise ValueError(f"layers={self.layers!r} must be an int >= 1")
+        object.__setattr__(self, "layers", int(self.layers))
         f = tuple(self.fuse)
         if f and (list(f) != sorted(set(f)) or f[0] < 0 or f[-1] >= self.target.num_layers - 1):
             raise ValueError(
@@ -103,8 +108,8 @@ class EagleConfig:
 
     @property
     def layer_cfg(self) -> LlamaConfig:
-        """The head's decoder layer: the target's attention shape, one layer, its own FFN width."""
-        return self.target.replace(num_layers=1, ffn=self.ffn or self.target.ffn, name=f"{self.name}-layer")
+        """The head's decoder layers: the target's attention shape, ``layers`` layers, their own FFN width."""
+        return self.target.replace(num_layers=self.layers, ffn=self.ffn or self.target.ffn, name=f"{self.name}-layer")
 
     @property
     def raw_width(self) -> int:
@@ -113,12 +118,13 @@ class EagleConfig:
 
     def to_json(self) -> dict:
         d = {"target": dataclasses.asdict(self.target), "head_tokens": self.head_tokens, "ffn": self.ffn}
-        return {**d, "fuse": list(self.fuse)}
+        return {**d, "fuse": list(self.fuse), "layers": self.layers}
 
     @classmethod
     def from_json(cls, d: dict, name: str = "eagle") -> EagleConfig:
         fuse = tuple(int(i) for i in d.get("fuse", ()))  # heads saved before fusion existed have none
-        return cls(LlamaConfig(**d["target"]), int(d["head_tokens"]), int(d["ffn"]), name, fuse)
+        layers = int(d.get("layers", 1))  # nor did they say their depth: one layer
+        return cls(LlamaConfig(**d["target"]), int(d["head_tokens"]), int(d["ffn"]), name, fuse, layers)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -179,6 +185,23 @@ def graft_fusion(ecfg: EagleConfig, hp: Params) -> Params:
     e, n = ecfg.target.hidden, len(ecfg.fuse)
     kernel = np.concatenate([np.zeros((n * e, e), np.float32), np.eye(e, dtype=np.float32)], axis=0)
     return {**hp, "fuse": {"norm": jnp.ones((n, e), jnp.float32), "kernel": jnp.asarray(kernel)}}
+
+
+def graft_layers(ecfg: EagleConfig, hp: Params, key: jax.Array) -> Params:
+    """``hp`` (a trained head's params, fewer layers than ``ecfg.layers``) with fresh layers appended on top,
+    each starting as the identity: its attention and MLP output projections are zero, so the deeper head drafts
+    exactly as ``hp`` did until training gives the new layers a share of the work (the other weights are drawn
+    as ``init_head`` draws them, so their gradients are not zero once the projections move)."""
+    have = jax.tree.leaves(hp["layers"])[0].shape[0]
+    if have >= ecfg.layers:
+        raise ValueError(f"graft_layers: the head has {have} layers, the config asks for {ecfg.layers}")
+    extra = ecfg.layer_cfg.replace(num_layers=ecfg.layers - have)
+    new = llama.init_random_params(extra, key, std=0.02)["layers"]
+    new = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), new)
+    new["attn"]["wo"] = jnp.zeros_like(new["attn"]["wo"])
+    new["mlp"]["w_down"] = jnp.zeros_like(new["mlp"]["w_down"])
+    old = jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), hp["layers"])
+    return {**hp, "layers": jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=0), old, new)}
 
 
 def abstract_head(ecfg: EagleConfig) -> Params:
@@ -288,7 +311,6 @@ def head_unrolled(
     cache = init_head_cache(ecfg, b, unroll * t)
     k_all, v_all = cache.k, cache.v
     block = llama.Block(lcfg)
-    layer = jax.tree.map(lambda w: w[0], hp["layers"])
     f_in, outs = feats.astype(dt), []
     for u in range(unroll):
         x = jnp.concatenate([emb, _rms(f_in, hp["feat_norm"]["scale"].astype(dt), cfg.rms_eps)], axis=-1)
@@ -296,17 +318,18 @@ def head_unrolled(
         mask = np.zeros((t, unroll * t), bool)
         mask[:, : (u + 1) * t] = unroll_mask(t, u)
         lengths = jnp.full((b,), u * t, jnp.int32)
-        x, k_all, v_all = block.apply(
-            {"params": layer},
-            x,
-            cos,
-            sin,
-            k_all,
-            v_all,
-            jnp.int32(0),
-            lengths,
-            jnp.broadcast_to(mask, (b, t, t * unroll)),
-        )
+        for li in range(ecfg.layers):
+            x, k_all, v_all = block.apply(
+                {"params": jax.tree.map(lambda w, li=li: w[li], hp["layers"])},
+                x,
+                cos,
+                sin,
+                k_all,
+                v_all,
+                jnp.int32(li),
+                lengths,
+                jnp.broadcast_to(mask, (b, t, t * unroll)),
+            )
         f_hat = _rms(x, hp["out_norm"]["scale"].astype(dt), cfg.rms_eps)
         outs.append(f_hat)
         # Position i of the next pass reads the prediction of f_i (made at i - 1); position 0 keeps f_0.
@@ -340,7 +363,7 @@ def _check_token_ids(ecfg: EagleConfig, ids: np.ndarray) -> None:
 
 
 def init_head_cache(ecfg: EagleConfig, batch: int, slots: int) -> KVCache:
-    """The head's own cache: k/v [1, B, Hkv, S, D]."""
+    """The head's own cache: k/v [layers, B, Hkv, S, D]."""
     return llama.init_cache(ecfg.layer_cfg, batch, slots)
 
 
