@@ -82,6 +82,15 @@ class SamplingParams:
         m = col(min_p, np.float32, "min_p")
         if not np.all(np.isfinite(t)) or np.any(t < 0):
             raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {t.tolist()}")
+        # Below float32's smallest normal number a temperature is 0 after the cast or a subnormal that XLA
+        # flushes to 0: either way greedy, which was not asked for.
+        asked = np.broadcast_to(np.asarray(temperature, np.float64), t.shape)
+        tiny = (asked > 0) & (asked < np.finfo(np.float32).tiny)
+        if np.any(tiny):
+            raise ValueError(
+                f"temperature {float(asked[tiny][0])!r} is below float32's smallest normal value "
+                f"({float(np.finfo(np.float32).tiny):.3g}): pass 0 for greedy"
+            )
         if np.any(k < 0):
             raise ValueError(f"top_k must be >= 0 (0 = disabled), got {k.tolist()}")
         if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):
@@ -153,7 +162,10 @@ def _filtered(logits: jax.Array, params: SamplingParams) -> jax.Array:
     with K=4 cost ~0.8 s; the 64 passes over a row cost ~0.5-1 ms (``examples/bench_sampler.py``)."""
     nd = logits.ndim
     temp = _expand(params.temperature, nd)
-    scaled = logits / jnp.where(temp > 0, temp, 1.0)
+    # Shifted by the row max first: at a tiny positive temperature logits / T overflows to +-inf, and softmax's
+    # own shift then computes inf - inf = NaN; shifted, the max is 0 and the rest go to -inf (one-hot on the max).
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    scaled = shifted / jnp.where(temp > 0, temp, 1.0)
     probs = jax.nn.softmax(scaled, axis=-1)
 
     def with_filters(probs):

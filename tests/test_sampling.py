@@ -81,11 +81,25 @@ def test_changing_parameters_does_not_recompile():
         (dict(top_k=2**63), "top_k is out of range"),
         (dict(top_k=float(2**63)), "top_k is out of range"),
         (dict(top_k=-(2**63)), "top_k is out of range"),
+        # Positive, but 0 in float32: the row would run greedy.
+        (dict(temperature=[0.7, 1e-50]), "temperature 1e-50 is below float32's smallest normal value"),
+        (dict(temperature=1e-40), "temperature 1e-40 is below float32's smallest normal value"),  # subnormal
     ],
 )
 def test_bad_sampling_parameters_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams.make(2, **kwargs)
+
+
+def test_tiny_positive_temperature_is_the_greedy_limit_not_nan():
+    """At T -> 0+ the distribution tends to one-hot on the argmax (uniform over a tie): logits / T alone
+    overflowed to +-inf there, and the softmax's inf - inf made the whole row NaN (then token 0 forever)."""
+    # At T = 2e-38 logits / T is +inf in row 0 and -inf everywhere in row 1; 25 - 2**-18 is ~4e3 temperatures
+    # below the max at T = 1e-9 (e**-4e3 is 0 in float32).
+    logits = jnp.asarray([[-3.0, 25.0, 24.9, -1e4, 25.0 - 2.0**-18], [-20.0, -27.0, -20.0, -50.0, -23.0]])
+    for t in (2e-38, 1e-37, 1e-9):
+        probs = np.asarray(distribution(logits, SamplingParams.make(2, t)))
+        np.testing.assert_array_equal(probs, [[0, 1, 0, 0, 0], [0.5, 0, 0.5, 0, 0]])
 
 
 def test_inverse_cdf_draw():
