@@ -29,6 +29,28 @@ class AdaptiveK:
     min_k: int = 0  # 0 lets a row stop speculating; 1 keeps it always proposing
     drift: float = 0.05  # per idle round, towards the prior
 
+    def __post_init__(self):
+        # Out of these ranges the estimate stops learning (beta = 1) or diverges (beta > 1 or < 0), and a
+        # negative cost can make a round cost nothing or less. (A min_k above K is refused by prepare.)
+        for name, lo, hi, hi_open in (
+            ("beta", 0.0, 1.0, True),
+            ("prior", 0.0, 1.0, False),
+            ("drift", 0.0, 1.0, False),
+            ("draft_cost", 0.0, float("inf"), True),
+            ("verify_cost", 0.0, float("inf"), True),
+        ):
+            v = getattr(self, name)
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int | float)
+                or not (lo <= v and (v < hi if hi_open else v <= hi))
+            ):
+                raise ValueError(
+                    f"AdaptiveK.{name} must be a number in [{lo}, {hi}{')' if hi_open else ']'}, got {v!r}"
+                )
+        if isinstance(self.min_k, bool) or not isinstance(self.min_k, int) or self.min_k < 0:
+            raise ValueError(f"AdaptiveK.min_k must be an int >= 0, got {self.min_k!r}")
+
 
 def choose_k(policy: AdaptiveK, ema, k_max: int):
     """ema [B] acceptance estimates -> [B] int32 draft lengths in [policy.min_k, k_max]."""

@@ -16,7 +16,7 @@ import os
 import sys
 from importlib.metadata import entry_points
 
-from jspec.decode import prepare
+from jspec.decode import DEFAULT_GAMMA, prepare
 from jspec.model import Model
 
 # The last four come from the ``jspec.drafter_loaders`` entry points (this repository's ``models``).
@@ -85,10 +85,11 @@ def build_drafter(args, target, loaded=None):
     if args.drafter == "ngram-tree":
         from jspec.ngram import NgramTreeDrafter
 
-        return NgramTreeDrafter(_given(args, "branches", 3), args.gamma, *ngram, vocab_size=target.vocab_size), None
+        depth = _given(args, "gamma", DEFAULT_GAMMA)  # its chains' length: the tree's depth
+        return NgramTreeDrafter(_given(args, "branches", 3), depth, *ngram, vocab_size=target.vocab_size), None
     if args.drafter in TRAINED_DRAFTERS:
         fn = model_loader("jspec.drafter_loaders", args.drafter)
-        drafter, dparams = fn(args.draft_model, loaded, args.gamma)
+        drafter, dparams = fn(args.draft_model, loaded, _given(args, "gamma", DEFAULT_GAMMA))
         if isinstance(drafter, Model):  # a plain draft model: chain or tree as the flags say
             drafter = _model_drafter(args, drafter)
         elif (args.tree or args.dynamic_tree) and hasattr(drafter, "as_model"):
@@ -138,6 +139,16 @@ def check_flags(args) -> None:
         raise ValueError("--tree-rule applies to --tree (an --dynamic-tree chooses its children deterministically)")
     if args.drafter == "none" and (args.adaptive or args.block_verify):
         raise ValueError("--adaptive and --block-verify need a drafter (--drafter none decodes plainly)")
+    if args.drafter == "none" and (args.gamma is not None or args.compare):
+        flag = "--gamma" if args.gamma is not None else "--compare"
+        raise ValueError(f"{flag} needs a drafter (--drafter none decodes plainly)")
+    if args.gamma is not None and args.gamma < 1:
+        raise ValueError(f"--gamma {args.gamma}: a drafter drafts K >= 1 tokens a round (--drafter none for plain)")
+    if args.gamma is not None and (args.tree or args.dynamic_tree):
+        flag = "--tree" if args.tree else "--dynamic-tree"
+        raise ValueError(f"--gamma does not apply with {flag}: a tree drafts to its depth, which its shape sets")
+    if args.system is not None and args.raw:
+        raise ValueError("--system needs the chat template, which --raw turns off")
 
 
 def _tree_spec(args):
@@ -179,7 +190,7 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos):
         [prompt_ids],
         drafter=drafter,
         draft_params=dparams,
-        gamma=args.gamma,
+        gamma=args.gamma if drafter is not None else None,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -301,7 +312,12 @@ def main(argv=None) -> int:
         "cache name; eagle without one: the head bundled for SmolLM2); layerskip: a trained exit adapter, or "
         "exit:E for the bare first E layers",
     )
-    g.add_argument("--gamma", type=int, default=4, help="K, candidates per round")
+    g.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help=f"K, candidates per round of a chain drafter (default {DEFAULT_GAMMA}); --drafter ngram-tree: its depth",
+    )
     g.add_argument("--adaptive", action="store_true", help="per-row draft length from measured acceptance")
     g.add_argument("--block-verify", action="store_true", help="block verification of chains (Sun et al.)")
     g.add_argument(

@@ -34,7 +34,7 @@ from jspec.cache import set_rows, take_rows
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
 from jspec.sampling import SamplingParams, argmax, distribution, int_array, sample
-from jspec.tree import TreeProposal, ancestor_mask, verify_tree_greedy, verify_tree_key
+from jspec.tree import TreeProposal, TreeRule, ancestor_mask, verify_tree_greedy, verify_tree_key
 from jspec.verify import verify_chain_greedy, verify_chain_key
 
 
@@ -387,7 +387,14 @@ def _tree_step(
     path_tokens = take_rows(tokens, res.path[:, 1:])  # [B, D]
     depth_hot = jax.nn.one_hot(prop.depth - 1, drafter.max_depth, dtype=jnp.int32)  # [B, N, D]; root -> none
     proposed_at = jnp.einsum("bnd,bn->bd", depth_hot, valid.astype(jnp.int32))  # candidate nodes per depth
-    return path_tokens, res.n_accepted, res.next_token, res.path, cache, state, proposed_at, jnp.zeros((b,), bool)
+    bad = jnp.zeros((b,), bool)
+    if config.debug_checks and drafter.rule != TreeRule.DETERMINISTIC:
+        # Sampled children (IID, without replacement) are verified against the q they were drawn from: a usable
+        # node whose parent's q gives its token probability 0 breaks losslessness (deterministic trees are
+        # verified without q).
+        q_x = prop.q[jnp.arange(b)[:, None], jnp.maximum(prop.parent, 0), tokens]  # [B, N] q_parent(token)
+        bad = jnp.any(valid[:, 1:] & (q_x[:, 1:] <= 0), axis=1)
+    return path_tokens, res.n_accepted, res.next_token, res.path, cache, state, proposed_at, bad
 
 
 def decode_round(
@@ -544,34 +551,75 @@ def check_eos(eos_ids, vocab_size: int) -> tuple[int, ...]:
     return tuple(int(e) for e in ids)
 
 
+DEFAULT_GAMMA = 4  # a chain drafter's K when none is given
+
+
 def adaptive_policy(adaptive) -> AdaptiveK | None:
-    """``adaptive`` as prepare and serve.Engine take it: True = the default ``AdaptiveK``, False/None = fixed K."""
+    """``adaptive`` as prepare and serve.Engine take it: True = the default ``AdaptiveK``, False/None = fixed K,
+    or an ``AdaptiveK``."""
+    if adaptive is None or isinstance(adaptive, AdaptiveK):
+        return adaptive
     if isinstance(adaptive, bool | np.bool_):  # numpy's True too: it is not `True`, and not a policy
         return AdaptiveK() if adaptive else None
-    return adaptive or None
+    raise ValueError(f"adaptive must be True, False, None or an AdaptiveK policy, got {adaptive!r}")
 
 
-def check_drafter(target: Model, drafter, gamma: int, adaptive=None, block_verify: bool = False) -> int:
+def check_drafter(
+    target: Model, drafter, gamma: int | None, adaptive=None, block_verify: bool = False, draft_params=None
+) -> int:
     """The draft settings ``prepare`` and ``serve.Engine`` share, checked on the host. Returns the K the loop
-    runs: 0 without a drafter, a tree's depth for a tree drafter, ``gamma`` otherwise."""
-    if isinstance(gamma, bool) or not isinstance(gamma, int | np.integer):
-        raise ValueError(f"gamma (draft length K) must be an int, got {gamma!r}")
-    if gamma < 0:
-        raise ValueError(f"gamma (draft length K) must be >= 0, got {gamma}")
+    runs. ``gamma=None`` takes the drafter's own: 0 without a drafter, a tree's depth for a tree drafter,
+    ``DEFAULT_GAMMA`` for a chain. A given gamma must be what runs (0 without a drafter, >= 1 with a chain
+    drafter, the depth with a tree drafter): a value the loop would replace is refused, not ignored."""
+    if gamma is not None:
+        if isinstance(gamma, bool) or not isinstance(gamma, int | np.integer):
+            raise ValueError(f"gamma (draft length K) must be an int, got {gamma!r}")
+        if gamma < 0:
+            raise ValueError(f"gamma (draft length K) must be >= 0, got {gamma}")
+    policy = adaptive_policy(adaptive)
     if drafter is None:
-        if adaptive or block_verify:
+        if policy is not None or block_verify:
             raise ValueError("adaptive draft length and block verification need a drafter")
+        if gamma:
+            raise ValueError(f"gamma={gamma} needs a drafter: without one the decode is plain (K = 0)")
         return 0
     if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
         raise ValueError(
             f"vocabulary mismatch: the drafter's vocab size is {drafter.vocab_size} but the target's "
             f"({target.name}) is {target.vocab_size}; a drafter must share the target's tokenizer"
         )
+    name = type(drafter).__name__
     if getattr(drafter, "is_tree", False):
-        if adaptive or block_verify:
+        if policy is not None or block_verify:
             raise ValueError("adaptive draft length and block verification apply to chains, not trees")
-        return drafter.max_depth  # a tree's accepted path is at most its depth
-    return int(gamma)
+        if gamma is not None and gamma != drafter.max_depth:
+            raise ValueError(
+                f"gamma={gamma}, but a tree drafter drafts to its depth, {drafter.max_depth}: leave gamma unset "
+                f"(or pass {drafter.max_depth}) and set the depth in the tree's shape"
+            )
+        k = drafter.max_depth  # a tree's accepted path is at most its depth
+    else:
+        k = _chain_k(drafter, gamma, policy)
+    # A drafter that reads params says so (``needs_params``): without them it would fail deep inside its model
+    # at trace time. (Params given to a drafter that reads none, or with no drafter, are unused: harmless.)
+    if getattr(drafter, "needs_params", False) and draft_params is None:
+        raise ValueError(f"{name} needs draft_params (its model's or head's parameters), got None")
+    return k
+
+
+def _chain_k(drafter, gamma: int | None, policy: AdaptiveK | None) -> int:
+    """A chain's K: ``gamma`` or ``DEFAULT_GAMMA``, >= 1, within the drafter's ``max_draft`` (when it states
+    one) and no less than the adaptive policy's ``min_k``."""
+    name = type(drafter).__name__
+    k = DEFAULT_GAMMA if gamma is None else int(gamma)
+    if k == 0:
+        raise ValueError("gamma=0 with a drafter drafts nothing: pass drafter=None for plain decoding, or gamma >= 1")
+    limit = getattr(drafter, "max_draft", None)
+    if isinstance(limit, int | np.integer) and k > limit:
+        raise ValueError(f"gamma={k} is more than {name}'s max_draft={int(limit)}")
+    if policy is not None and policy.min_k > k:
+        raise ValueError(f"the adaptive policy's min_k={policy.min_k} is more than gamma={k}")
+    return k
 
 
 def _prepare(target: Model, prompts, max_new_tokens, max_len):
@@ -697,7 +745,7 @@ def prepare(
     *,
     drafter=None,
     draft_params=None,
-    gamma: int = 4,
+    gamma: int | None = None,
     max_new_tokens: int | Sequence[int] | None = 64,
     temperature: float | Sequence[float] = 0.0,
     top_k: int | Sequence[int] = 0,
@@ -712,7 +760,7 @@ def prepare(
     block_verify: bool = False,
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
-    gamma = check_drafter(target, drafter, gamma, adaptive, block_verify)
+    gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params)
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len)
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
     key = jax.random.key(seed) if key is None else key
@@ -726,7 +774,8 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     """Generate up to ``max_new_tokens`` per prompt with speculative decoding (plain when drafter is None).
 
     prompts: B token-id lists of any (non-zero) lengths, or a [B, P] array. Keyword arguments (see
-    ``prepare``): drafter, draft_params, gamma (K candidates per round; forced to 0 without a drafter),
+    ``prepare``): drafter, draft_params, gamma (K candidates per round; unset: 4 for a chain drafter, the
+    depth of a tree drafter, 0 without a drafter; a given value must be the one that runs, see ``check_drafter``),
     max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature / top_k / top_p /
     min_p (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key, max_len (cache slots
     S; default the longest prompt + budget rounded up to a multiple of 128), adaptive, block_verify,
@@ -762,5 +811,8 @@ def _stream_fns(target, drafter, config):
     copies the whole KV cache into the new state every round (SmolLM2, 1024 slots: streaming ran at 34.7
     plain / 41.5 n-gram tokens/s against 42.0 / 49.8 donated). The caller must use only the returned state."""
     pre = jax.jit(functools.partial(prefill, target, drafter, config))
-    step = jax.jit(functools.partial(decode_round, target, drafter, config), donate_argnums=(2,))
-    return pre, step
+    rnd = functools.partial(decode_round, target, drafter, config)
+    if config.debug_checks:  # the round's check must be functionalised; it raises on the host after the round
+        checked = jax.jit(checkify.checkify(rnd), donate_argnums=(2,))
+        return pre, lambda *args: _throw(checked(*args))
+    return pre, jax.jit(rnd, donate_argnums=(2,))

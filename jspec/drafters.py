@@ -24,7 +24,7 @@ which then replaces both the decoder's prefill call and ``init``, so the target 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +78,8 @@ class ModelDrafter:
     """
 
     model: Model
+
+    needs_params: ClassVar[bool] = True  # its model's params: prepare refuses None
 
     @property
     def vocab_size(self) -> int:

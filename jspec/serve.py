@@ -109,7 +109,7 @@ class Engine:
     max_len: int
     drafter: object = None
     draft_params: object = None
-    gamma: int = 4
+    gamma: int | None = None
     eos_ids: Sequence[int] = ()
     block_verify: bool = False
     adaptive: AdaptiveK | None = None
@@ -128,7 +128,9 @@ class Engine:
             if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
                 raise ValueError(f"{what} must be an int >= 1, got {v!r}")
         self.adaptive = adaptive_policy(self.adaptive)
-        gamma = check_drafter(self.target, self.drafter, self.gamma, self.adaptive, self.block_verify)
+        gamma = check_drafter(
+            self.target, self.drafter, self.gamma, self.adaptive, self.block_verify, self.draft_params
+        )
         self.config = DecodeConfig(
             gamma,
             self.max_len,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -386,6 +387,8 @@ class TreeModelDrafter:
     spec: TreeSpec
     rule: TreeRule = TreeRule.DETERMINISTIC
     is_tree: bool = dataclasses.field(default=True, init=False)
+
+    needs_params: ClassVar[bool] = True
 
     @property
     def vocab_size(self) -> int:

@@ -404,6 +404,7 @@ class EagleDrafter:
     max_draft: int = 8
 
     verify_updates_state: ClassVar[bool] = True
+    needs_params: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.max_draft < 1:

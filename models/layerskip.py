@@ -201,6 +201,7 @@ class LayerSkipDrafter:
     max_draft: int = 8
 
     shares_target_cache: ClassVar[bool] = True
+    needs_params: ClassVar[bool] = True
 
     def __post_init__(self):
         if not 1 <= self.exit_layer < self.cfg.num_layers:

@@ -18,6 +18,12 @@ from jspec import cli
         (["--drafter", "eagle", "--dynamic-tree", "2,2,4", "--tree-rule", "iid"], "--tree-rule applies to --tree"),
         (["--drafter", "none", "--adaptive"], "need a drafter"),
         (["--drafter", "none", "--block-verify"], "need a drafter"),
+        (["--drafter", "none", "--gamma", "3"], "--gamma needs a drafter"),
+        (["--drafter", "none", "--compare"], "--compare needs a drafter"),
+        (["--drafter", "ngram", "--gamma", "0"], "--gamma 0: a drafter drafts K >= 1"),
+        (["--drafter", "eagle", "--tree", "2,1", "--gamma", "3"], "--gamma does not apply with --tree"),
+        (["--drafter", "model", "--dynamic-tree", "2,2,4", "--gamma", "2"], "--gamma does not apply with --dynamic"),
+        (["--raw", "--system", "be terse"], "--system needs the chat template, which --raw turns off"),
     ],
 )
 def test_ignored_flags_are_refused(flags, message, monkeypatch, capsys):
@@ -40,6 +46,8 @@ class _Loaded(Exception):
         ["--drafter", "eagle", "--tree", "3,1", "--tree-budget", "4", "--tree-rule", "iid", "--draft-model", "x"],
         ["--drafter", "layerskip", "--dynamic-tree", "2,2,4", "--adaptive"],
         ["--drafter", "none"],
+        ["--drafter", "ngram-tree", "--gamma", "3"],  # its depth
+        ["--drafter", "ngram", "--gamma", "2", "--compare", "--system", "be terse"],
     ],
 )
 def test_flags_their_drafter_reads_pass_the_check(flags, monkeypatch):

@@ -441,3 +441,111 @@ def test_adaptive_k_distribution():
             tokens[i * n : (i + 1) * n], exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)
         )
         assert stat < chi2_critical(df), (g, stat, df)
+
+
+# ---- the draft length: what is given is what runs ----
+
+
+def test_gamma_unset_is_the_drafters_own_and_a_given_one_is_what_runs():
+    """gamma=None: 0 without a drafter, 4 (DEFAULT_GAMMA) for a chain, a tree's depth for a tree. A given gamma
+    the loop would have replaced (a tree drafted to its depth whatever gamma said; gamma=0 with a drafter ran
+    plain; gamma without a drafter ran plain) is refused naming both values."""
+    from jspec.ngram import NgramTreeDrafter
+
+    tree = NgramTreeDrafter(2, 3, vocab_size=VOCAB)
+
+    def k(**kw):
+        return dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=4, **kw).config.gamma
+
+    assert k() == 0 and k(gamma=0) == 0
+    assert k(drafter=DRAFTER, draft_params=DRAFT_PARAMS) == dec.DEFAULT_GAMMA == 4
+    assert k(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=2) == 2
+    assert k(drafter=tree) == 3 and k(drafter=tree, gamma=3) == 3
+    for kw, message in (
+        (dict(drafter=tree, gamma=2), "gamma=2, but a tree drafter drafts to its depth, 3"),
+        (dict(drafter=tree, gamma=4), "gamma=4, but a tree drafter drafts to its depth, 3"),
+        (dict(gamma=3), "gamma=3 needs a drafter"),
+        (dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=0), "gamma=0 with a drafter drafts nothing"),
+        (dict(drafter=DRAFTER), "ModelDrafter needs draft_params"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            k(**kw)
+    with pytest.raises(ValueError, match="gamma=4 is more than _Capped's max_draft=3"):
+        k(drafter=_Capped(), gamma=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Capped:
+    """A chain drafter that states the largest K it serves (its state is sized for it): refused on the host."""
+
+    vocab_size: int = VOCAB
+    max_draft: int = 3
+
+
+def test_adaptive_policies_are_checked():
+    from jspec.adaptive import AdaptiveK
+
+    base = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, max_new_tokens=4)
+    for bad in ("yes", 1, 0.5):
+        with pytest.raises(ValueError, match="adaptive must be True, False, None or an AdaptiveK"):
+            dec.decode(TARGET, TARGET_PARAMS, PROMPTS, adaptive=bad, **base)
+    with pytest.raises(ValueError, match="min_k=3 is more than gamma=2"):  # no k would be allowed
+        dec.decode(TARGET, TARGET_PARAMS, PROMPTS, gamma=2, adaptive=AdaptiveK(min_k=3), **base)
+    for field, value in (("beta", 1.0), ("beta", -0.1), ("prior", 1.5), ("drift", -0.01), ("verify_cost", -0.1)):
+        with pytest.raises(ValueError, match=f"AdaptiveK.{field} must be a number in"):
+            AdaptiveK(**{field: value})
+    for value in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="AdaptiveK.min_k must be an int >= 0"):
+            AdaptiveK(min_k=value)
+    AdaptiveK(beta=0.0, prior=1.0, drift=1.0, draft_cost=0.0, verify_cost=0.0, min_k=2)  # the range ends are valid
+
+
+# ---- debug checks on every path ----
+
+
+def test_debug_checks_in_the_streaming_path():
+    """decode_stream with debug_checks raises the drafter bug on the host (it used to fail to trace), and a
+    sound drafter streams the fused loop's tokens."""
+    with pytest.raises(Exception, match="probability 0"):
+        list(
+            dec.decode_stream(
+                TARGET, TARGET_PARAMS, PROMPTS, drafter=_BrokenDrafter(), gamma=2, max_new_tokens=5, debug_checks=True
+            )
+        )
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=2, max_new_tokens=6, temperature=1.0, seed=3)
+    chunks = list(dec.decode_stream(TARGET, TARGET_PARAMS, PROMPTS, debug_checks=True, **kw))
+    streamed = [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))]
+    assert streamed == dec.decode(TARGET, TARGET_PARAMS, PROMPTS, **kw).tokens
+
+
+def _zero_q_tree(rule):
+    """A tree drafter whose reported q gives each proposed child probability 0 (every row of q moved onto the
+    next token id), the tree analogue of ``_BrokenDrafter``."""
+    from jspec.tree import TreeModelDrafter, TreeSpec
+
+    class ZeroQTree(TreeModelDrafter):
+        def propose_tree(self, params, state, ctx, key):
+            prop = super().propose_tree(params, state, ctx, key)
+            # q rows are per parent node: put each parent's mass on a token none of its children has.
+            kids = (
+                jnp.zeros(prop.q.shape, bool)
+                .at[jnp.arange(prop.q.shape[0])[:, None], jnp.maximum(prop.parent, 0), prop.tokens]
+                .set(prop.valid.at[:, 0].set(False))  # the root is nobody's child
+            )
+            free = jnp.argmin(kids, axis=-1)  # a token no child of that node carries (V=3 > 2 children)
+            return dataclasses.replace(prop, q=jax.nn.one_hot(free, VOCAB))
+
+    return ZeroQTree(DRAFT, TreeSpec((2, 1)), rule)
+
+
+def test_debug_checks_catch_zero_q_tree_nodes():
+    """Sampled trees (IID, without replacement) verify against q: a node that its parent's q gives probability
+    0 is a drafter bug that debug_checks reports; deterministic trees do not read q, so the same tree passes."""
+    from jspec.tree import TreeRule
+
+    kw = dict(draft_params=DRAFT_PARAMS, max_new_tokens=6, temperature=1.0, debug_checks=True)
+    for rule in (TreeRule.IID, TreeRule.WITHOUT_REPLACEMENT):
+        with pytest.raises(Exception, match="probability 0"):
+            dec.decode(TARGET, TARGET_PARAMS, PROMPTS, drafter=_zero_q_tree(rule), **kw)
+    out = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, drafter=_zero_q_tree(TreeRule.DETERMINISTIC), **kw)
+    assert out.stats["proposed"] > 0

@@ -135,26 +135,27 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
             (lambda *_, **__: smollm2) if group == "jspec.model_loaders" else real(group, name)
         ),
     )
-    base = ["generate", "--prompt", QUESTIONS[1], "--max-new-tokens", "12", "--gamma", "3", "--compare", "--json"]
+    base = ["generate", "--prompt", QUESTIONS[1], "--max-new-tokens", "12", "--compare", "--json"]
     base += ["--compile-cache", "none"]
+    k3 = ["--gamma", "3"]
     for drafter, spec, extra in (
-        ("draft", tmp_path / "draft", []),
-        ("layerskip", "exit:6", []),
+        ("draft", tmp_path / "draft", k3),
+        ("layerskip", "exit:6", k3),
         ("layerskip", "exit:6", ["--tree", "2,1"]),  # the exit as a stand-alone tree draft (as_model)
-        ("eagle", tmp_path / "eagle", []),
+        ("eagle", tmp_path / "eagle", k3),
         ("eagle", tmp_path / "eagle", ["--dynamic-tree", "2,2,4"]),  # EAGLE-2 trees from the same head
-        ("model", "smollm2-135m-instruct", []),  # the target as its own draft: every proposal is accepted
+        ("model", "smollm2-135m-instruct", k3),  # the target as its own draft: every proposal is accepted
     ):
         assert cli.main([*base, "--drafter", drafter, "--draft-model", str(spec), *extra]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["identical_to_plain"] is True and out["token_ids"] == out["plain"]["token_ids"], drafter
         assert out["stats"]["proposed"] > 0 and out["stats"]["new_tokens"] == len(out["token_ids"]) > 0, drafter
         assert np.sum(out["stats"]["proposed_at"]) == out["stats"]["proposed"], drafter
-        assert out["stats"]["gamma"] == (2 if extra else 3), (drafter, extra)  # a tree reports its depth as K
+        assert out["stats"]["gamma"] == (3 if extra == k3 else 2), (drafter, extra)  # a tree reports its depth as K
         if drafter == "model":
             assert out["stats"]["accepted"] == out["stats"]["proposed"], out["stats"]
     # Without --draft-model, --drafter eagle decodes with the bundled head (models/heads/), here at the K
-    # it is benchmarked with on AVX2 (README, "Choosing K"; a later --gamma wins over base's).
+    # it is benchmarked with on AVX2 (README, "Choosing K").
     assert cli.main([*base, "--drafter", "eagle", "--gamma", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["identical_to_plain"] is True and out["stats"]["proposed"] > 0
@@ -171,6 +172,8 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     assert "budget must be in [2, 7] for top_k=2, depth=2, got 9" in capsys.readouterr().err
     assert cli.main([*eagle, "--dynamic-tree", "2,2,4", "--tree", "2,1"]) == 2
     assert "--tree and --dynamic-tree are exclusive" in capsys.readouterr().err
+    assert cli.main([*eagle, "--tree", "2,1", "--gamma", "3"]) == 2  # a tree drafts to its depth: not silently 2
+    assert "--gamma does not apply with --tree: a tree drafts to its depth" in capsys.readouterr().err
     assert cli.main([*base, "--drafter", "layerskip", "--draft-model", "exit:x"]) == 2
     assert "expected exit:E" in capsys.readouterr().err
     assert cli.main([*base, "--drafter", "draft", "--draft-model", str(tmp_path / "nothing")]) == 2

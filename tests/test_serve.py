@@ -115,6 +115,10 @@ def test_engine_checks_its_drafter_like_decode():
         (dict(drafter=tree, block_verify=True), "chains, not trees"),
         (dict(drafter=NgramTreeDrafter(2, 2, vocab_size=TARGET.vocab_size), adaptive=True), "chains, not trees"),
         (dict(block_verify=True), "need a drafter"),
+        (dict(drafter=tree, draft_params=DRAFT_PARAMS, gamma=3), "gamma=3, but a tree drafter drafts to its depth, 2"),
+        (dict(gamma=2), "gamma=2 needs a drafter"),
+        (dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=0), "gamma=0 with a drafter drafts nothing"),
+        (dict(drafter=DRAFTER), "ModelDrafter needs draft_params"),
         (dict(batch=0), "batch must be an int >= 1"),
         (dict(max_len=16.5), "max_len must be an int >= 1"),
         (dict(eos_ids=[TARGET.vocab_size]), "eos_ids must be token ids in"),  # the same check_eos as decode
