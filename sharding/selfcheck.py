@@ -88,9 +88,12 @@ def _drafters(cfg, dcfg):
     }
 
 
-def _kw(sampling: str, rows=None) -> dict[str, Any]:
-    """decode keyword arguments for a sampling setting, restricted to ``rows`` (per-process inputs)."""
-    kw = dict(gamma=GAMMA, max_len=MAX_LEN, max_new_tokens=list(MAX_NEW), **SAMPLING[sampling])
+def _kw(sampling: str, rows=None, drafter=None) -> dict[str, Any]:
+    """decode keyword arguments for a sampling setting, restricted to ``rows`` (per-process inputs); K = GAMMA
+    with a drafter (plain decoding takes none)."""
+    kw = dict(max_len=MAX_LEN, max_new_tokens=list(MAX_NEW), **SAMPLING[sampling])
+    if drafter is not None:
+        kw["gamma"] = GAMMA
     if rows is not None:
         kw = {k: ([v[i] for i in rows] if isinstance(v, list) else v) for k, v in kw.items()}
     return kw
@@ -123,7 +126,7 @@ def reference(drafter_names=("plain", "model", "ngram")) -> dict:
         dr = drafters[name]
         for s in SAMPLING:
             dparams = dp if name == "model" else None
-            res = decode(make_model(cfg), tp, prompts(), drafter=dr, draft_params=dparams, **_kw(s))
+            res = decode(make_model(cfg), tp, prompts(), drafter=dr, draft_params=dparams, **_kw(s, drafter=dr))
             out.setdefault(name, {})[s] = res.tokens
     return out
 
@@ -156,7 +159,9 @@ def decode_scenario(meshes=MESHES, with_reference: bool = True) -> dict:
             t1 = time.perf_counter()
             dparams = sdp if name == "model" else None
             builds = {
-                s: prepare_sharded(model, stp, prompts(), plan=plan, drafter=dr, draft_params=dparams, **_kw(s))
+                s: prepare_sharded(
+                    model, stp, prompts(), plan=plan, drafter=dr, draft_params=dparams, **_kw(s, drafter=dr)
+                )
                 for s in SAMPLING
             }
             compiled = builds["greedy"].compile()  # one compilation serves both settings (sampling is data)
@@ -281,7 +286,7 @@ def multiprocess_scenario() -> dict:
             drafter=drafter,
             draft_params=sdp,
             process_local=True,
-            **_kw(s, rows),
+            **_kw(s, rows, drafter),
         )
         out["tokens"][s] = sd.run().tokens
 
@@ -296,7 +301,7 @@ def multiprocess_scenario() -> dict:
             drafter=drafter,
             draft_params=shard_params(dp, param_logical_axes(dcfg), mesh, plan_m.draft_rules),
             process_local=True,
-            **_kw("greedy", rows_m),
+            **_kw("greedy", rows_m, drafter),
         )
         return {"rows": rows_m, "tokens": sd.run().tokens}
 

@@ -560,7 +560,7 @@ def test_continuous_batching_matches_single_requests():
     chain = EagleDrafter(ecfg, max_draft=3)
     dparams = chain.draft_params(TINY_PARAMS, hp)
     for drafter in (chain.as_tree(TreeSpec((2, 1))),):
-        kw = dict(drafter=drafter, draft_params=dparams, gamma=3)
+        kw = dict(drafter=drafter, draft_params=dparams)  # K: the tree's depth
         alone = [
             decode(TINY_MODEL, TINY_PARAMS, [r], max_new_tokens=m, **kw).tokens[0] for r, m in zip(REQUESTS, BUDGETS)
         ]
