@@ -90,7 +90,9 @@ class ModelDrafter:
         cache = self.model.init_cache(b, slots)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         _, cache = self.model.apply(params, prompt, positions, cache)
-        return cache.with_lengths(prompt_len)
+        # A commit, not a length change: a cache with more state (a compressed model's block summaries) keeps
+        # what the prompt's tokens wrote only when they are committed.
+        return cache.commit(prompt_len)
 
     def _catch_up(self, params, cache, ctx: DraftContext):
         """Rewind to one slot before the pending token and feed [previous, pending]: afterwards the cache

@@ -407,7 +407,7 @@ class TreeModelDrafter:
         cache = self.model.init_cache(b, slots)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         _, cache = self.model.apply(params, prompt, positions, cache)
-        return cache.with_lengths(prompt_len)
+        return cache.commit(prompt_len)  # a commit: see ``ModelDrafter.init``
 
     def _catch_up(self, params, cache, seq, seq_len):
         """Feed every token from ``cache.lengths`` to the pending token; return its logits [B, V]."""
@@ -418,7 +418,7 @@ class TreeModelDrafter:
         toks = take_rows(seq, jnp.minimum(idx, w_seq - 1))
         logits, cache = self.model.apply(params, toks, idx, cache)
         pend = seq_len - 1
-        return take_rows(logits, pend - start), cache.with_lengths(seq_len)
+        return take_rows(logits, pend - start), cache.commit(seq_len - start)  # through the pending token
 
     def propose_tree(self, params, cache, ctx, key) -> TreeProposal:
         parent_np, depth_np, _ = self.spec.arrays

@@ -85,3 +85,16 @@ def test_siblings_get_different_compressed_states_and_do_not_see_each_other():
         np.asarray(logits_a)[0, [0, 1, 3]], np.asarray(logits_b)[0, [0, 1, 3]], atol=1e-4, rtol=1e-4
     )
     assert not np.allclose(np.asarray(logits_a)[0, 2], np.asarray(logits_b)[0, 2])
+
+
+def test_a_compressed_model_drafting_for_itself_is_always_accepted():
+    """The compressed model as its own draft (greedy): every proposal on the greedy path is accepted only if the
+    draft's own cache commits its block summaries, the prompt's included (``init`` and a tree's catch-up once
+    moved only the lengths, so the draft attended to empty summaries: 2 of 15 and 2 of 23 rejected here)."""
+    chain = dec.decode(TARGET, PARAMS, PROMPTS, drafter=ModelDrafter(TARGET), draft_params=PARAMS, max_new_tokens=24)
+    assert chain.stats["accepted_at"] == chain.stats["proposed_at"] and chain.stats["proposed"] > 20, chain.stats
+    tree = TreeModelDrafter(TARGET, TreeSpec((2, 1)))  # 2 nodes at each depth: 2 proposed per round per depth
+    out = dec.decode(TARGET, PARAMS, PROMPTS, drafter=tree, draft_params=PARAMS, max_new_tokens=24)
+    assert out.tokens == dec.decode(TARGET, PARAMS, PROMPTS, max_new_tokens=24).tokens
+    rounds_at = [n // 2 for n in out.stats["proposed_at"]]
+    assert out.stats["accepted_at"] == rounds_at and rounds_at[1] > 15, out.stats
