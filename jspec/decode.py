@@ -51,7 +51,8 @@ class DecodeConfig:
     """Static loop configuration: changing any field recompiles. Everything per call is an array.
 
     gamma: K, the (maximum) number of candidates per round; 0 = plain autoregressive decoding.
-    slots: S, cache slots per row (prompt + generated tokens must fit).
+    slots: S, cache slots per row: the prompt and every generated token but the last (never fed back) must fit,
+      P + N <= S + 1.
     eos_ids: token ids that end a row (the EOS token is emitted, nothing after it).
     debug_checks: check invariants on device (a proposal with q(x) == 0 raises).
     adaptive: per-row draft length policy (``jspec.adaptive.AdaptiveK``); None = always K.
@@ -511,8 +512,7 @@ def generate_arrays(
 def _compiled(target, drafter, config):
     fn = functools.partial(generate_arrays, target, drafter, config)
     if config.debug_checks:
-        jitted = jax.jit(checkify.checkify(fn))
-        return lambda *args: _throw(jitted(*args))
+        return _Checked(jax.jit(checkify.checkify(fn)))
     return jax.jit(fn)
 
 
@@ -520,6 +520,31 @@ def _throw(err_out):
     err, out = err_out
     err.throw()
     return out
+
+
+class _Checked:
+    """A checkified jitted function that raises its error on the host; ``lower(...).compile()`` as jax.jit's,
+    so ``PreparedDecode.run_timed`` compiles before it times under ``debug_checks`` too."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def __call__(self, *args):
+        return _throw(self.jitted(*args))
+
+    def lower(self, *args):
+        return _CheckedLowered(self.jitted.lower(*args))
+
+
+class _CheckedLowered:
+    """``_Checked``'s lowering: its ``compile()`` raises the check's error on the host after each call."""
+
+    def __init__(self, lowered):
+        self.lowered = lowered
+
+    def compile(self):
+        compiled = self.lowered.compile()
+        return lambda *args: _throw(compiled(*args))
 
 
 @dataclasses.dataclass
@@ -665,14 +690,16 @@ def _prepare(target: Model, prompts, max_new_tokens, max_len):
         max_len = -(-need // 128) * 128  # round up so nearby request sizes share one compilation
     if max_new_tokens is None:
         mnew = np.full((b,), max_len + 1, np.int64)  # the cache, not the budget, ends these rows
-    over = np.nonzero((plen + np.where(max_new_tokens is None, 1, mnew)) > max_len)[0]
+    # The last generated token is never fed back, so it takes no slot: P + N <= S + 1 (what max_new_tokens=None
+    # generates into a full cache).
+    over = np.nonzero(np.where(max_new_tokens is None, plen + 1, plen + mnew - 1) > max_len)[0]
     if over.size:
         i = int(over[0])
         if max_new_tokens is None:
             raise ValueError(f"prompt {i} ({plen[i]} tokens) leaves no cache slot to generate in (max_len={max_len})")
         raise ValueError(
             f"prompt {i} ({plen[i]} tokens) + max_new_tokens ({int(mnew[i])}) exceeds the cache "
-            f"(max_len={max_len} slots)"
+            f"(max_len={max_len} slots hold the prompt and every generated token but the last)"
         )
     pw = min(-(-int(plen.max()) // 16) * 16, max_len)  # padding never past the cache (max_len < 16, say)
     prompt = np.zeros((b, pw), np.int32)
@@ -752,7 +779,7 @@ def prepare(
     top_p: float | Sequence[float] = 1.0,
     min_p: float | Sequence[float] = 0.0,
     eos_ids: Sequence[int] = (),
-    seed: int = 0,
+    seed: int | None = None,
     key: jax.Array | None = None,
     max_len: int | None = None,
     debug_checks: bool = False,
@@ -763,11 +790,25 @@ def prepare(
     gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params)
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len)
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
-    key = jax.random.key(seed) if key is None else key
+    key = _decode_key(seed, key)
     eos = check_eos(eos_ids, target.vocab_size)
     config = DecodeConfig(gamma, slots, eos, debug_checks, adaptive_policy(adaptive), block_verify)
     arrays = (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
     return PreparedDecode(_compiled(target, drafter, config), (target_params, draft_params, *arrays), config)
+
+
+def _decode_key(seed, key) -> jax.Array:
+    """The loop's PRNG key: ``key``, or one made from ``seed`` (default 0); both given is refused (one would be
+    ignored)."""
+    if key is not None:
+        if seed is not None:
+            raise ValueError("give seed or key, not both (the seed would be ignored)")
+        return key
+    if seed is None:
+        return jax.random.key(0)
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    return jax.random.key(seed)
 
 
 def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
@@ -777,7 +818,8 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     ``prepare``): drafter, draft_params, gamma (K candidates per round; unset: 4 for a chain drafter, the
     depth of a tree drafter, 0 without a drafter; a given value must be the one that runs, see ``check_drafter``),
     max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature / top_k / top_p /
-    min_p (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key, max_len (cache slots
+    min_p (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key (not both; seed 0 by
+    default), max_len (cache slots
     S; default the longest prompt + budget rounded up to a multiple of 128), adaptive, block_verify,
     debug_checks. Returns generated tokens per row, the stop reason per row and statistics (defined in the
     module doc). Sampling parameters, the seed or key and the budgets are arrays: new values reuse the

@@ -181,10 +181,11 @@ class Engine:
             raise ValueError("empty prompt: at least one token is needed")
         if prompt.min() < 0 or prompt.max() >= self.target.vocab_size:
             raise ValueError(f"prompt has token ids outside [0, {self.target.vocab_size})")
-        if max_new_tokens < 1 or prompt.size + max_new_tokens > self.max_len:
+        if max_new_tokens < 1 or prompt.size + max_new_tokens - 1 > self.max_len:
             raise ValueError(
                 f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) must fit the engine's cache "
-                f"({self.max_len} slots) and max_new_tokens must be >= 1"
+                f"({self.max_len} slots hold the prompt and every generated token but the last) and "
+                "max_new_tokens must be >= 1"
             )
         width = min(-(-prompt.size // self.bucket) * self.bucket, self.max_len)
         padded = np.zeros((1, width), np.int32)

@@ -227,6 +227,11 @@ def test_cache_narrower_than_the_prompt_padding(gamma):
     tight = dec.decode(TARGET, TARGET_PARAMS, [[1, 2, 0] * 3], max_new_tokens=None, max_len=10, **kw)
     assert tight.lengths == [2] and tight.stop_reason == [dec.StopReason.CACHE_FULL]
     assert tight.tokens == dec.decode(TARGET, TARGET_PARAMS, [[1, 2, 0] * 3], max_new_tokens=2, **kw).tokens
+    # The same budget asked for explicitly fits the same cache (P + N <= S + 1: the last token takes no slot).
+    exact = dec.decode(TARGET, TARGET_PARAMS, [[1, 2, 0] * 3], max_new_tokens=2, max_len=10, **kw)
+    assert exact.tokens == tight.tokens and exact.stop_reason == [dec.StopReason.MAX_NEW_TOKENS]
+    with pytest.raises(ValueError, match=r"prompt 0 \(9 tokens\) \+ max_new_tokens \(3\) exceeds the cache"):
+        dec.decode(TARGET, TARGET_PARAMS, [[1, 2, 0] * 3], max_new_tokens=3, max_len=10, **kw)
 
 
 def test_a_stopped_sampled_row_leaves_the_batch_on_the_greedy_path(monkeypatch):
@@ -549,3 +554,40 @@ def test_debug_checks_catch_zero_q_tree_nodes():
             dec.decode(TARGET, TARGET_PARAMS, PROMPTS, drafter=_zero_q_tree(rule), **kw)
     out = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, drafter=_zero_q_tree(TreeRule.DETERMINISTIC), **kw)
     assert out.stats["proposed"] > 0
+
+
+def test_seed_or_key_not_both():
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=2, max_new_tokens=6, temperature=1.0)
+    by_seed = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, seed=5, **kw).tokens
+    assert dec.decode(TARGET, TARGET_PARAMS, PROMPTS, key=jax.random.key(5), **kw).tokens == by_seed
+    assert (
+        dec.decode(TARGET, TARGET_PARAMS, PROMPTS, **kw).tokens
+        == dec.decode(TARGET, TARGET_PARAMS, PROMPTS, seed=0, **kw).tokens
+    )  # the default seed is 0
+    with pytest.raises(ValueError, match="give seed or key, not both"):
+        dec.decode(TARGET, TARGET_PARAMS, PROMPTS, seed=5, key=jax.random.key(5), **kw)
+    for bad in (1.5, True, "3"):
+        with pytest.raises(ValueError, match="seed must be an int"):
+            dec.decode(TARGET, TARGET_PARAMS, PROMPTS, seed=bad, **kw)
+
+
+def test_debug_checks_compile_ahead_like_the_plain_loop():
+    """``prepare(..., debug_checks=True).compile()`` compiles (run_timed then times execution alone, as without
+    the checks) and the compiled call still raises a drafter bug."""
+    broken = dec.prepare(
+        TARGET, TARGET_PARAMS, PROMPTS, drafter=_BrokenDrafter(), gamma=2, max_new_tokens=5, debug_checks=True
+    )
+    compiled = broken.compile()
+    assert compiled is not broken.fn
+    with pytest.raises(Exception, match="probability 0"):
+        broken.run(compiled)
+    sound = dec.prepare(
+        TARGET, TARGET_PARAMS, PROMPTS, drafter=DRAFTER, draft_params=DRAFT_PARAMS, max_new_tokens=5, debug_checks=True
+    )
+    out = sound.run_timed()
+    assert (
+        out.tokens
+        == dec.decode(
+            TARGET, TARGET_PARAMS, PROMPTS, drafter=DRAFTER, draft_params=DRAFT_PARAMS, max_new_tokens=5
+        ).tokens
+    )

@@ -66,6 +66,8 @@ def test_engine_rejects_bad_requests():
         engine.add(0, [], 4)
     with pytest.raises(ValueError, match="must fit"):
         engine.add(0, [1, 2], 20)
+    with pytest.raises(ValueError, match="must fit"):  # 2 + 16 tokens: 17 slots, the last token takes none
+        engine.add(0, [1, 2], 16)
     # The row, the prompt and the budget are checked, not cast: row -1 would be numpy's last row, 2.5 tokens 2.
     for args, message in (
         ((-1, [1], 3), "row must be an int in \\[0, 1\\)"),
@@ -84,6 +86,18 @@ def test_engine_rejects_bad_requests():
     for bad in ({"bucket": 0}, {"rounds_per_sync": 0}, {"bucket": 2.5}, {"rounds_per_sync": 2.5}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))} .*must be an int >= 1"):
             Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16, **bad)
+
+
+def test_engine_fills_its_cache_as_decode_does():
+    """A budget of S + 1 - P tokens fits an S-slot engine (the last token is never fed back) and decodes what
+    jspec.decode decodes with the same cache."""
+    engine = Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16)
+    out = [engine.add(0, [1, 2], 15)]
+    while engine.stop_reason(0) == dec.StopReason.RUNNING:
+        out += engine.step().get(0, [])
+    want = dec.decode(TARGET, TARGET_PARAMS, [[1, 2]], max_new_tokens=15, max_len=16)
+    assert out == want.tokens[0] and len(out) == 15
+    assert engine.stop_reason(0) == want.stop_reason[0] == dec.StopReason.MAX_NEW_TOKENS
 
 
 def test_engine_takes_adaptive_as_decode_does():
