@@ -38,9 +38,11 @@ features are computed once from the cached tokens and stored next to each data f
 matched the unfused head (held out, 6 prompts x 192 tokens: first position 0.35 both, teacher-forced 0.38
 against 0.39). ``--fuse`` with ``--init-from`` an unfused head grafts a fusion onto it that starts as the
 identity on f (``models.eagle.graft_fusion``): on mp2 and its data, held out 1.92 tokens per round against 1.85
-(docs/results.md, fifteenth session). ``--init-from NAME`` fine-tunes a trained head (same shape; its token
-map is kept), e.g. on a
-larger ``--gen-batches`` budget: past the first 1018 prompts come the STYLES requests (other kinds of request
+(docs/results.md, fifteenth session). ``--head-layers 2`` with ``--init-from`` grafts a second decoder layer on
+top that starts as the identity (``models.eagle.graft_layers``): on mp5 and its data, one epoch of it matched one
+more epoch of the one-layer head (held out 0.552 at the first position, both; twentieth session).
+``--init-from NAME`` fine-tunes a trained head (same shape; its token map is kept), e.g. on a larger
+``--gen-batches`` budget: past the first 1018 prompts come the STYLES requests (other kinds of request
 over every topic). ``--name smollm2-8k-long2 --max-new 384 --gen-batches 42 --doc-tokens 200000 --epochs 1
 --init-from smollm2-8k-long --lr 5e-4`` (18 more batches, 10 of them STYLES requests; 27 + 19 min): held out at
 192 tokens, first position 0.46 and teacher-forced 0.48 against the long head's 0.41 / 0.44. Once more:
