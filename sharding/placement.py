@@ -81,8 +81,10 @@ def rows_sharding(mesh: Mesh, batch_axis: str | None, shape: tuple[int, ...], ba
 
 def cache_shardings(cache: Any, mesh: Mesh, rules: ShardingRules, batch: int) -> Any:
     """Shardings for any pytree that may contain KV caches (a cache, a drafter's state, the decode state):
-    K/V arrays follow ``KV_AXES`` (batch and KV heads split, never the sequence); every other leaf is split
-    over the batch axis when its leading dimension is the batch (B), else replicated."""
+    K/V arrays follow ``KV_AXES`` (batch and KV heads split, never the sequence), and so does every other leaf
+    of a cache laid out like them ([L, B, Hkv, *, D]: a compressed cache's block summaries and scratch pad);
+    every other leaf is split over the batch axis when its leading dimension is the batch (B), else
+    replicated."""
     batch_axis = rules["batch"]
 
     def leaf(x):
@@ -91,9 +93,14 @@ def cache_shardings(cache: Any, mesh: Mesh, rules: ShardingRules, batch: int) ->
     def node(x):
         if not is_kv_cache(x):
             return leaf(x)
-        out = jax.tree.map(leaf, x)
-        return dataclasses.replace(
-            out, k=named(KV_AXES, x.k.shape, mesh, rules), v=named(KV_AXES, x.v.shape, mesh, rules)
-        )
+        k = tuple(x.k.shape)
+
+        def in_cache(y):
+            s = tuple(y.shape)
+            if len(s) == len(KV_AXES) and s[:3] == k[:3] and s[4] == k[4]:
+                return named(KV_AXES, s, mesh, rules)
+            return leaf(y)
+
+        return jax.tree.map(in_cache, x)
 
     return jax.tree.map(node, cache, is_leaf=is_kv_cache)

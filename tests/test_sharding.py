@@ -8,6 +8,7 @@ import sys
 import types
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -198,3 +199,22 @@ def test_global_batch_counts_rows_shared_by_processes_once():
     assert global_batch(6, held=2, data_size=4) == 12
     with pytest.raises(ValueError, match="passed 3 rows but holds 2 of the 4 row blocks"):
         global_batch(3, held=2, data_size=4)
+
+
+def test_cache_shardings_split_every_kv_shaped_leaf_of_a_cache(monkeypatch):
+    """A compressed cache's block summaries (ck/cv, [L, B, Hkv, C, D]) and scratch pad (sk/sv) are split like
+    its K/V (they were replicated on every device); lengths follow the batch; a [B, ...] leaf outside a cache
+    too. The placement helpers are stubbed to name the rule each leaf got (no 8 devices in this process)."""
+    from models.compressed import init_cache as compressed_cache
+    from sharding import placement
+
+    monkeypatch.setattr(placement, "named", lambda axes, shape, mesh, rules: ("kv", tuple(axes), tuple(shape)))
+    monkeypatch.setattr(placement, "rows_sharding", lambda mesh, axis, shape, batch: ("rows", tuple(shape)))
+    cache = compressed_cache(CFG, 4, batch=2, slots=16)
+    got = placement.cache_shardings({"cache": cache, "seq": jnp.zeros((2, 17))}, None, rules("data_tensor"), 2)
+    c = got["cache"]
+    for name in ("k", "v", "sk", "sv"):
+        assert getattr(c, name) == ("kv", KV_AXES, (2, 2, 4, 16, 8)), name
+    for name in ("ck", "cv"):
+        assert getattr(c, name) == ("kv", KV_AXES, (2, 2, 4, 5, 8)), name
+    assert c.lengths == ("rows", (2,)) and got["seq"] == ("rows", (2, 17))
