@@ -683,11 +683,28 @@ def _prepare(target: Model, prompts, max_new_tokens, max_len):
         raise ValueError(f"max_new_tokens must be an int or have one entry per prompt ({b}), got {mnew.shape}")
     if max_new_tokens is not None and np.any(mnew < 1):
         raise ValueError(f"max_new_tokens must be >= 1, got {mnew.tolist()}")
+    # Positions fed to the model: 0 .. P + N - 2 (the last token is never fed back); none may reach its context.
+    ctx = target.max_positions
+    if ctx is not None and max_new_tokens is not None:
+        far = np.nonzero(plen + mnew - 1 > ctx)[0]
+        if far.size:
+            i = int(far[0])
+            raise ValueError(
+                f"prompt {i} ({plen[i]} tokens) + max_new_tokens ({int(mnew[i])}) runs past {target.name}'s "
+                f"context length ({ctx} positions)"
+            )
     if max_len is None:
         if max_new_tokens is None:
             raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
         need = int((plen + mnew).max())
         max_len = -(-need // 128) * 128  # round up so nearby request sizes share one compilation
+        if ctx is not None:
+            max_len = min(max_len, ctx)  # still >= every P + N - 1 (checked above)
+    elif ctx is not None and max_new_tokens is None and max_len > ctx:
+        raise ValueError(
+            f"max_len={max_len} with max_new_tokens=None decodes up to position {max_len - 1}, past "
+            f"{target.name}'s context length ({ctx} positions): pass max_len <= {ctx}"
+        )
     if max_new_tokens is None:
         mnew = np.full((b,), max_len + 1, np.int64)  # the cache, not the budget, ends these rows
     # The last generated token is never fed back, so it takes no slot: P + N <= S + 1 (what max_new_tokens=None

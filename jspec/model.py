@@ -40,6 +40,8 @@ class Model:
       platform. The greedy paths of a round (plain steps, chain and tree verification) take it for the
       target's logits: on SmolLM2's CPU layout XLA's reductions over a 9-token call's logits were ~0.3 ms of a
       round. Without it, ``jspec.sampling.argmax``.
+    max_positions: optional context length: ``prepare`` and ``serve.Engine`` refuse requests that would feed a
+      position at or past it (RoPE positions beyond training are accepted by the maths and silently degrade).
 
     Build one ``Model`` per model and reuse it: it is a static argument of the jitted decoder, compared by
     the identity of its functions.
@@ -51,3 +53,4 @@ class Model:
     name: str = "model"
     apply_at: Callable[..., tuple[jax.Array, Any]] | None = None
     argmax: Callable[[jax.Array], jax.Array] | None = None
+    max_positions: int | None = None

@@ -187,6 +187,12 @@ class Engine:
                 f"({self.max_len} slots hold the prompt and every generated token but the last) and "
                 "max_new_tokens must be >= 1"
             )
+        ctx = self.target.max_positions
+        if ctx is not None and prompt.size + max_new_tokens - 1 > ctx:
+            raise ValueError(
+                f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) runs past "
+                f"{self.target.name}'s context length ({ctx} positions)"
+            )
         width = min(-(-prompt.size // self.bucket) * self.bucket, self.max_len)
         padded = np.zeros((1, width), np.int32)
         padded[0, : prompt.size] = prompt

@@ -103,6 +103,11 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
     scaling = _field(gf, f"{arch}.rope.scaling.type", required=False)
     if scaling not in (None, "none"):
         raise CheckpointError(f"{gf.path}: RoPE scaling '{scaling}' is not supported")
+    # llama.cpp scales positions linearly by these factors even without a scaling type: refused, not ignored.
+    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+        factor = _field(gf, key, required=False)
+        if factor not in (None, 0, 0.0, 1, 1.0):
+            raise CheckpointError(f"{gf.path}: RoPE scaling factor {key}={factor} is not supported")
     hidden = int(_field(gf, f"{arch}.embedding_length"))
     heads = int(_field(gf, f"{arch}.attention.head_count"))
     head_dim = int(_field(gf, f"{arch}.attention.key_length", hidden // heads))
@@ -132,7 +137,12 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
         eos_id=_field(gf, "tokenizer.ggml.eos_token_id", required=False),
         dtype=canonical_dtype(dtype),
         name=name or _field(gf, "general.name", "", required=False) or arch,
+        max_positions=_optional_int(_field(gf, f"{arch}.context_length", required=False)),
     )
+
+
+def _optional_int(x) -> int | None:
+    return None if x is None else int(x)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

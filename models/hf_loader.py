@@ -122,6 +122,7 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
         "sliding_window": mtype == "mistral" and c.get("sliding_window") is not None,
         f"hidden_act={c.get('hidden_act')}": c.get("hidden_act", "silu") != "silu",
     }
+    unsupported[f"partial_rotary_factor={c.get('partial_rotary_factor')}"] = c.get("partial_rotary_factor", 1.0) != 1.0
     bad = [k for k, v in unsupported.items() if v]
     if bad:
         raise CheckpointError(f"{cfg_path}: unsupported setting {bad[0]}")
@@ -146,6 +147,7 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
             eos_id=eos,
             dtype=canonical_dtype(dtype),
             name=name or os.path.basename(os.path.normpath(path)),
+            max_positions=int(c["max_position_embeddings"]) if c.get("max_position_embeddings") else None,
         )
     except KeyError as e:
         raise CheckpointError(f"{cfg_path}: missing key {e}") from e

@@ -55,7 +55,9 @@ def canonical_dtype(dtype: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Static shape and numerics of a Llama-family model (hashable: it keys the jit cache)."""
+    """Static shape and numerics of a Llama-family model (hashable: it keys the jit cache). max_positions: the
+    context length it was trained for (GGUF ``context_length``, HF ``max_position_embeddings``; None when
+    unknown): ``jspec.decode`` refuses a request that would feed a position at or past it."""
 
     vocab_size: int
     hidden: int
@@ -72,9 +74,12 @@ class LlamaConfig:
     eos_id: int | None = None
     dtype: str = "float32"
     name: str = "llama"
+    max_positions: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.max_positions is not None and int(self.max_positions) < 1:
+            raise ValueError(f"max_positions={self.max_positions} must be >= 1 (or None: unknown)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
@@ -732,4 +737,5 @@ def make_model(cfg: LlamaConfig, kernel_argmax: bool = False) -> Model:
         name=cfg.name,
         apply_at=apply_at,
         argmax=cpu_kernels.row_argmax if kernel_argmax else None,
+        max_positions=cfg.max_positions,
     )

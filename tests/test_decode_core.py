@@ -591,3 +591,26 @@ def test_debug_checks_compile_ahead_like_the_plain_loop():
             TARGET, TARGET_PARAMS, PROMPTS, drafter=DRAFTER, draft_params=DRAFT_PARAMS, max_new_tokens=5
         ).tokens
     )
+
+
+def test_requests_past_the_models_context_are_refused():
+    """A model that states its context length (``Model.max_positions``; SmolLM2's GGUF says 8192) is never fed a
+    position at or past it: a budget that would is refused by name (decode and Engine), a default cache is
+    capped at the context, and max_new_tokens=None needs a cache that fits it."""
+    from jspec.serve import Engine
+
+    short = dataclasses.replace(TARGET, max_positions=12)
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3)
+    prompt = [[2, 0, 1, 1, 0]]  # positions 0-4; 8 new tokens feed positions up to 11
+    fits = dec.prepare(short, TARGET_PARAMS, prompt, max_new_tokens=8, **kw)
+    assert fits.config.slots == 12  # the default 128 slots, capped
+    assert fits.run().tokens == dec.decode(TARGET, TARGET_PARAMS, prompt, max_new_tokens=8, **kw).tokens
+    with pytest.raises(ValueError, match=r"prompt 0 \(5 tokens\) \+ max_new_tokens \(9\) runs past target's context"):
+        dec.decode(short, TARGET_PARAMS, prompt, max_new_tokens=9, **kw)
+    with pytest.raises(ValueError, match=r"max_len=13 with max_new_tokens=None decodes up to position 12, past"):
+        dec.decode(short, TARGET_PARAMS, prompt, max_new_tokens=None, max_len=13)
+    assert dec.decode(short, TARGET_PARAMS, prompt, max_new_tokens=None, max_len=12).lengths == [8]
+    engine = Engine(short, TARGET_PARAMS, batch=1, max_len=32)
+    with pytest.raises(ValueError, match=r"runs past target's context length \(12 positions\)"):
+        engine.add(0, prompt[0], 9)
+    engine.add(0, prompt[0], 8)

@@ -207,7 +207,7 @@ def write_gguf(path, state, qtype=Q.F32, arch="llama", drop=(), reshape=None, ex
     w.add_vocab_size(V)
     w.add_rope_dimension_count(D)
     for k, v in (extra_meta or {}).items():
-        w.add_uint32(k, v)
+        w.add_float32(k, v) if isinstance(v, float) else w.add_uint32(k, v)
     expected = {}
     for hf, arr in state.items():
         name = to_gguf_name(hf)
@@ -475,3 +475,16 @@ def test_config_reads_metadata_not_defaults(tmp_path):
     write_gguf(path, hf_state(seed=11), Q.F32)
     cfg = config_from_gguf(open_gguf(path), dtype="bfloat16")
     assert isinstance(cfg, LlamaConfig) and cfg.rms_eps == pytest.approx(1e-5) and cfg.dtype == "bfloat16"
+    assert cfg.max_positions == 256  # context_length: decode refuses positions past it
+
+
+@pytest.mark.parametrize("key", ["llama.rope.scale_linear", "llama.rope.scaling.factor"])
+def test_rope_scaling_factor_without_a_type_is_refused(tmp_path, key):
+    """llama.cpp scales positions by these factors even when no scaling type is written: loading such a file
+    as plain RoPE would rotate every position wrongly, so it is refused; a factor of 1 is plain RoPE."""
+    path = tmp_path / "scaled.gguf"
+    write_gguf(path, hf_state(seed=11), Q.F32, extra_meta={key: 4.0})
+    with pytest.raises(CheckpointError, match=f"RoPE scaling factor {key}=4.0 is not supported"):
+        config_from_gguf(open_gguf(path))
+    write_gguf(path, hf_state(seed=11), Q.F32, extra_meta={key: 1.0})
+    assert config_from_gguf(open_gguf(path)).rope_theta == 5000.0

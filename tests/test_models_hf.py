@@ -142,3 +142,17 @@ def test_unsupported_model_type_and_rope_scaling(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(scaled))
     with pytest.raises(CheckpointError, match="RoPE scaling 'llama3' is not supported"):
         config_from_hf(tmp_path)
+
+
+def test_context_length_and_partial_rope_from_config(tmp_path):
+    """max_position_embeddings becomes the model's context (decode refuses positions past it);
+    partial_rotary_factor (RoPE on part of each head, as transformers applies it) is refused, not ignored."""
+    tiny_model("llama", tied=True).save_pretrained(tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    cfg = config_from_hf(tmp_path)
+    assert cfg.max_positions == conf["max_position_embeddings"] and make_model(cfg).max_positions == cfg.max_positions
+    (tmp_path / "config.json").write_text(json.dumps(conf | {"partial_rotary_factor": 0.5}))
+    with pytest.raises(CheckpointError, match="unsupported setting partial_rotary_factor=0.5"):
+        config_from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(conf | {"partial_rotary_factor": 1.0}))
+    assert config_from_hf(tmp_path) == cfg
