@@ -366,6 +366,17 @@ def test_warmup_compiles_the_clamped_last_bucket():
     assert [f._cache_size() for f in fns] == before
 
 
+def test_warmup_takes_every_prompt_the_engine_takes(monkeypatch):
+    """A prompt of max_len - N + 1 tokens fits the engine (the last new token needs no slot), so the warm-up
+    must compile its width too (it was left out, and its first insert compiled inside the timed run)."""
+    seen = []
+    real = runner._warm
+    monkeypatch.setattr(runner, "_warm", lambda *a, **k: (seen.append(list(a[7])), real(*a, **k))[1])
+    jobs = [Job("edge", "a", (1,) * 63)]  # 63 + 2 new tokens: 64 slots
+    res = runner.run(TARGET, TARGET_PARAMS, PLAIN, Load.closed(1), jobs, max_new_tokens=2, max_len=MAX_LEN)
+    assert [r.error for r in res.records] == [None] and seen == [[63]]
+
+
 def test_warmup_fits_a_cache_its_dummies_would_overflow():
     """max_len 4 with 3 new tokens: a 1-token prompt fits, a 2-token warm-up dummy would not (the warm-up
     raised before the run started)."""

@@ -322,7 +322,8 @@ def run(
     """
     rows = load.concurrency
     if warmup:
-        lens = [len(j.prompt) for j in jobs if j.prompt is not None and len(j.prompt) + max_new_tokens <= max_len]
+        # Every prompt the engine takes (P + N - 1 <= max_len: the last token needs no slot) is warmed.
+        lens = [len(j.prompt) for j in jobs if j.prompt is not None and len(j.prompt) + max_new_tokens - 1 <= max_len]
         _warm(target, params, spec, load, max_len, eos_ids, bucket, lens, max_new_tokens, sampling, rounds_per_sync)
     engine = _engine(target, params, spec, rows, max_len, eos_ids, seed, bucket, rounds_per_sync)
     k = engine.config.gamma
