@@ -313,6 +313,25 @@ def multiprocess_scenario() -> dict:
     # batch is 8 (the old count refused it as a batch of 12).
     devs = jax.devices()  # process 0's four, then process 1's
     out["shared_blocks"] = greedy_on(make_mesh((4, 2), devices=[devs[i] for i in (0, 1, 2, 4, 3, 5, 6, 7)]))
+    # A bad row in one process only: every process raises (the others naming it) instead of waiting for good in
+    # a collective the failing process never reaches.
+    bad = [list(p) for p in local_prompts]
+    if jax.process_index() == 1:
+        bad[0][0] = cfg.vocab_size
+    try:
+        prepare_sharded(
+            make_model(cfg),
+            stp,
+            bad,
+            plan=plan,
+            drafter=drafter,
+            draft_params=sdp,
+            process_local=True,
+            **_kw("greedy", rows, drafter),
+        )
+        out["bad_row"] = "accepted"
+    except ValueError as e:
+        out["bad_row"] = str(e)
     multihost_utils.sync_global_devices("selfcheck done")
     return out
 

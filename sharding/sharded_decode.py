@@ -345,6 +345,20 @@ def gather_output(st: DecodeState) -> DecodeOutput:
     return jdecode.to_output(host)
 
 
+def _agree_ok(error: Exception | None) -> None:
+    """A collective (every process calls it at the same point): the processes whose local check failed raise
+    their own error, the others a ValueError naming them, so that none goes on to a gather the others never
+    reach."""
+    failed = np.asarray(multihost_utils.process_allgather(np.asarray([error is not None], np.int64))).ravel()
+    if error is not None:
+        raise error
+    if failed.any():
+        raise ValueError(
+            f"process(es) {np.nonzero(failed)[0].tolist()} refused their rows' inputs (their own error says why); "
+            f"process {jax.process_index()}'s were valid"
+        )
+
+
 def _agree_max(local: int) -> int:
     """Max of an int over all processes (every process must compile the same shapes)."""
     if jax.process_count() == 1:
@@ -356,6 +370,11 @@ def global_batch(local: int, held: int, data_size: int) -> int:
     """The global batch of a process that passed ``local`` rows and holds ``held`` of the data axis's
     ``data_size`` row blocks: rows split over processes add up, rows several processes hold (the model axis
     spanning processes, or the batch not split at all) count once."""
+    if held == 0:
+        raise ValueError(
+            "this process holds none of the data axis's row blocks (its devices are not in the plan's mesh): "
+            "run the decode on a mesh over every process's devices"
+        )
     if local % held:
         raise ValueError(
             f"this process passed {local} rows but holds {held} of the {data_size} row blocks of the data "
@@ -387,7 +406,8 @@ def prepare_sharded(
     """
     tp_sh = _shardings_of(target_params, plan.mesh, "target_params")
     dp_sh = _shardings_of(draft_params, plan.mesh, "draft_params")
-    if process_local and jax.process_count() > 1:
+    multi = process_local and jax.process_count() > 1
+    if multi:
         # Every process must compile the same program: agree on the batch and on the cache size.
         counts = np.asarray(multihost_utils.process_allgather(np.asarray([len(prompts)], np.int64))).ravel()
         d = plan.data_size
@@ -405,17 +425,32 @@ def prepare_sharded(
                 "pass the rows of rows_for_process(plan, batch) in every process"
             )
         if max_len is None:
-            budget = kwargs.get("max_new_tokens", 64)
-            if budget is None:
-                raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
-            lens = np.asarray([len(p) for p in prompts], np.int64)
-            need = int(np.max(lens + np.broadcast_to(np.asarray(budget, np.int64), lens.shape)))
+            need, error = 0, None
+            try:
+                budget = kwargs.get("max_new_tokens", 64)
+                if budget is None:
+                    raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
+                lens = np.asarray([len(p) for p in prompts], np.int64)
+                need = int(np.max(lens + np.broadcast_to(np.asarray(budget, np.int64), lens.shape)))
+            except (ValueError, TypeError) as e:
+                error = e
+            _agree_ok(error)
             max_len = -(-_agree_max(need) // 128) * 128
     else:
         global_b = len(prompts)
-    pd = jdecode.prepare(
-        target, target_params, prompts, drafter=drafter, draft_params=draft_params, max_len=max_len, **kwargs
-    )
+    # This process's rows are checked here, between collectives: a process that refused them while the others
+    # went on to the next gather would leave those waiting in it for good.
+    pd, error = None, None
+    try:
+        pd = jdecode.prepare(
+            target, target_params, prompts, drafter=drafter, draft_params=draft_params, max_len=max_len, **kwargs
+        )
+    except (ValueError, TypeError) as e:
+        if not multi:
+            raise
+        error = e
+    if multi:
+        _agree_ok(error)
     if global_b % plan.data_size:
         raise ValueError(
             f"batch {global_b} is not divisible by the data axis ({plan.batch_axis}={plan.data_size}); "

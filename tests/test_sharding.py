@@ -199,6 +199,8 @@ def test_global_batch_counts_rows_shared_by_processes_once():
     assert global_batch(6, held=2, data_size=4) == 12
     with pytest.raises(ValueError, match="passed 3 rows but holds 2 of the 4 row blocks"):
         global_batch(3, held=2, data_size=4)
+    with pytest.raises(ValueError, match="holds none of the data axis's row blocks"):  # was a ZeroDivisionError
+        global_batch(4, held=0, data_size=2)
 
 
 def test_cache_shardings_split_every_kv_shaped_leaf_of_a_cache(monkeypatch):

@@ -196,3 +196,6 @@ def test_two_processes_match_single_process(runs):
         # Mesh 4x2 with row blocks 1 and 2 on both processes: 6 rows each, one batch of 8.
         assert procs[p]["shared_blocks"]["rows"] == [list(range(6)), list(range(2, 8))][p]
         assert procs[p]["shared_blocks"]["tokens"] == ref["greedy"], p
+    # Process 1's row 0 holds an out-of-vocabulary id: it raises that, process 0 names it (both return).
+    assert "prompt 0 has token ids outside" in procs[1]["bad_row"], procs[1]["bad_row"]
+    assert "process(es) [1] refused their rows' inputs" in procs[0]["bad_row"], procs[0]["bad_row"]
