@@ -550,3 +550,17 @@ def test_peers_are_timed_with_the_heap_frozen_too():
     assert run.info["gc"]["frozen"] and all(r.ok for r in records)
     peers._serve_sequentially([Job("p", "a", (0,))], generate_one, None, run, freeze_gc=False)
     assert seen[-1] == 0 and not run.info["gc"]["frozen"]
+
+
+def test_peer_emissions_are_cut_with_their_tokens_at_eos():
+    """transformers' streamer pushes tokens past EOS; they are cut from the record, and so must their bursts be
+    (else zero gaps for dropped tokens pull the peer's inter-token intervals towards 0)."""
+    from jspec.bench.metrics import RequestRecord
+    from jspec.bench.peers import _trim_emissions
+
+    rec = RequestRecord("r", "a", 0, 0.0)
+    rec.emissions = [(0.1, 1), (0.2, 3), (0.3, 2)]
+    _trim_emissions(rec, 3)
+    assert rec.emissions == [(0.1, 1), (0.2, 2)]
+    _trim_emissions(rec, 3)
+    assert rec.emissions == [(0.1, 1), (0.2, 2)]

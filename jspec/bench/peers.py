@@ -207,6 +207,7 @@ def run_transformers(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
     threads: int | None = None,
     decode_text=None,
     scorer=None,
@@ -265,7 +266,7 @@ def run_transformers(
             out.append(PeerRun(lib, tech, f"{lib} {tech}", False, f"unknown technique {tech!r}"))
             continue
         sample = (
-            {"do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": top_p}
+            dict(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=top_p, min_p=min_p or None)
             if temperature > 0
             else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
         )
@@ -286,6 +287,7 @@ def run_transformers(
             rec.finished = time.perf_counter() - t0
             if eos_id is not None and eos_id in rec.tokens:  # nothing after EOS, as in jspec
                 rec.tokens = rec.tokens[: rec.tokens.index(eos_id) + 1]
+                _trim_emissions(rec, len(rec.tokens))
             rec.stop_reason = _stop(rec.tokens, eos_id)
 
         run = PeerRun(lib, tech, label, True, None, info=dict(info, generate_kwargs=_jsonable(kw)))
@@ -300,6 +302,18 @@ def run_transformers(
         _finalize(run, records, wall, jobs, decode_text, scorer)
         out.append(run)
     return out
+
+
+def _trim_emissions(rec, n: int) -> None:
+    """Keep the emission bursts of the first ``n`` tokens only: bursts of tokens dropped after EOS would add
+    zero gaps to the inter-token intervals, which jspec's records (nothing after EOS) never have."""
+    kept, total = [], 0
+    for t, k in rec.emissions:
+        if total >= n:
+            break
+        kept.append((t, min(k, n - total)))
+        total += kept[-1][1]
+    rec.emissions = kept
 
 
 def _stop(tokens: list[int], eos_id: int | None) -> str:
@@ -326,6 +340,7 @@ def run_llama_cpp(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
     threads: int | None = None,
     decode_text=None,
     scorer=None,
@@ -364,8 +379,14 @@ def run_llama_cpp(
 
         def generate_one(prompt, rec, t0, llm=llm):
             llm.reset()  # no prefix reuse between requests: every request pays its prefill, as in jspec
+            # min_p explicitly: llama-cpp-python's own default (0.05) would filter tokens jspec's run keeps.
             gen = llm.generate(
-                list(prompt), temp=temperature, top_k=top_k if temperature > 0 else 1, top_p=top_p, reset=True
+                list(prompt),
+                temp=temperature,
+                top_k=top_k if temperature > 0 else 1,
+                top_p=top_p,
+                min_p=min_p,
+                reset=True,
             )
             for tok in gen:
                 t = time.perf_counter() - t0

@@ -341,6 +341,7 @@ def run_peer_set(
         temperature=cfg.sampling.temperature,
         top_k=cfg.sampling.top_k,
         top_p=cfg.sampling.top_p,
+        min_p=cfg.sampling.min_p,
         decode_text=target.decode_text,
         scorer=_scorer,
         max_wall_s=cfg.max_wall_s,
