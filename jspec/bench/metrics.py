@@ -400,7 +400,7 @@ def _phase_fns(target, drafter, config: DecodeConfig):
     return (
         pre,
         jax.jit(plain, donate_argnums=1),
-        jax.jit(draft),
+        jax.jit(draft, donate_argnums=1),  # the round updates the drafter's cache in place: so must this piece
         jax.jit(verify, donate_argnums=1),
         jax.jit(update, donate_argnums=3),
         jax.jit(round_, donate_argnums=2),
@@ -419,7 +419,8 @@ class PhaseTimer:
     ratios are not biased by load that drifts over minutes (the noise these shared CPUs have)."""
 
     def __init__(self, target, target_params, drafter, draft_params, config: DecodeConfig, batch: int,
-                 context_len: int, *, temperature: float = 0.0, seed: int = 0):  # fmt: skip
+                 context_len: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, seed: int = 0):  # fmt: skip
         b, s = batch, config.slots
         n = self.context_len = int(min(max(context_len, 2), s - config.gamma - 3))
         rng = np.random.default_rng(seed)
@@ -429,7 +430,9 @@ class PhaseTimer:
         prompt = jnp.asarray(np.tile(block, (1, -(-n // block.shape[1])))[:, :n], jnp.int32)
         plen = jnp.full((b,), n, jnp.int32)
         max_new = jnp.full((b,), s, jnp.int32)
-        sampling = SamplingParams.make(b, temperature)
+        # The run's own filters: with none set the sampling path skips its threshold searches, so timing
+        # without them would price another configuration than the one measured.
+        sampling = SamplingParams.make(b, temperature, top_k, top_p, min_p)
         key = jax.random.key(seed)
         pre, plain, draft, verify, update, round_ = _phase_fns(target, drafter, config)
         st = jax.block_until_ready(pre(target_params, draft_params, prompt, plen, max_new, sampling, key))
@@ -440,9 +443,9 @@ class PhaseTimer:
         }
         self.info: dict[str, Any] = {"batch": b, "context_len": self.context_len, "slots": s, "gamma": config.gamma}
         if drafter is not None:
-            prop = draft(dp, st, key)
+            prop = draft(dp, _fresh(st), key)
             p, cache = verify(tp, _fresh(st.cache), st, prop)
-            self.pieces["draft_ms"] = (lambda: (dp, st, key), draft)
+            self.pieces["draft_ms"] = (lambda: (dp, _fresh(st), key), draft)
             self.pieces["verify_ms"] = (lambda: (tp, _fresh(st.cache), st, prop), verify)
             self.pieces["state_ms"] = (lambda: (st, prop, p, _fresh(cache), key), update)
             self.info["verify_positions"] = int(prop.tokens.shape[1] + (0 if getattr(drafter, "is_tree", False) else 1))

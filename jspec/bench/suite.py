@@ -231,7 +231,8 @@ def attach_phases(target: Target, group: Sequence[RunResult], cfg: SuiteConfig, 
         config = DecodeConfig(res.engine["gamma"], cfg.max_len, target.eos_ids, False, spec.adaptive, spec.block_verify)
         timers.append(
             metrics.PhaseTimer(target.model, target.params, spec.drafter, spec.draft_params, config,
-                               res.load.concurrency, context_len, temperature=cfg.sampling.temperature)
+                               res.load.concurrency, context_len, temperature=cfg.sampling.temperature,
+                               top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, min_p=cfg.sampling.min_p)
         )  # fmt: skip
     for res, ph in zip(group, metrics.measure_phases_interleaved(timers, cfg.phase_repeats)):
         res.phases = ph
