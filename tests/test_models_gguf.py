@@ -488,3 +488,26 @@ def test_rope_scaling_factor_without_a_type_is_refused(tmp_path, key):
         config_from_gguf(open_gguf(path))
     write_gguf(path, hf_state(seed=11), Q.F32, extra_meta={key: 1.0})
     assert config_from_gguf(open_gguf(path)).rope_theta == 5000.0
+
+
+def test_tokenizer_without_a_pre_tokenizer_is_refused(tmp_path):
+    """Without tokenizer.ggml.pre llama.cpp splits text with its 'default' rules; the tokenizer used to guess
+    GPT-2's (which split differently) instead of saying so."""
+    from models.tokenizer import Tokenizer
+
+    for pre in (None, "gpt-2"):
+        w = gguf.GGUFWriter(os.fspath(tmp_path / "tok.gguf"), "llama")
+        w.add_tokenizer_model("gpt2")
+        if pre:
+            w.add_tokenizer_pre(pre)
+        w.add_token_list(["a", "b", "ab"])
+        w.add_token_merges(["a b"])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        if pre is None:
+            with pytest.raises(CheckpointError, match="no tokenizer.ggml.pre: llama.cpp would split the text"):
+                Tokenizer.from_gguf(open_gguf(tmp_path / "tok.gguf"))
+        else:
+            assert Tokenizer.from_gguf(open_gguf(tmp_path / "tok.gguf")).encode("ab", add_bos=False) == [2]

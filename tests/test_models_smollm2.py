@@ -153,3 +153,26 @@ def test_tokenizer_from_hf_directory(tmp_path, smollm2, hf_smollm2_tokenizer):
     for text in TEXTS:
         assert tok.encode(text) == smollm2.tokenizer.encode(text)
     assert tok.apply_chat_template(CHAT) == smollm2.tokenizer.apply_chat_template(CHAT)
+
+
+def test_tokenizer_takes_special_ids_from_config_json(tmp_path, hf_smollm2_tokenizer):
+    """A repository whose tokenizer_config.json names no BOS/EOS keeps their ids in config.json (the registry
+    passes it): without that fallback eos_id was None and generation never stopped at EOS. Several EOS ids
+    there are refused (the tokenizer keeps one), as is a named token missing from the vocabulary."""
+    import json
+    import re
+
+    from models.checkpoint import CheckpointError
+
+    hf_smollm2_tokenizer.save_pretrained(tmp_path)
+    path = tmp_path / "tokenizer_config.json"
+    tcfg = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in tcfg.items() if k not in ("bos_token", "eos_token")}))
+    tok = Tokenizer.from_hf_dir(tmp_path, config={"bos_token_id": 1, "eos_token_id": [2]})
+    assert (tok.bos_id, tok.eos_id) == (1, 2)
+    assert Tokenizer.from_hf_dir(tmp_path).eos_id is None  # no config: nothing to fall back on
+    with pytest.raises(CheckpointError, match=r"lists several eos_token_id values \[2, 7\]"):
+        Tokenizer.from_hf_dir(tmp_path, config={"eos_token_id": [2, 7]})
+    path.write_text(json.dumps(tcfg | {"eos_token": "<|no such token|>"}))
+    with pytest.raises(CheckpointError, match=re.escape("eos_token '<|no such token|>' of tokenizer_config.json")):
+        Tokenizer.from_hf_dir(tmp_path)
