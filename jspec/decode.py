@@ -833,15 +833,15 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
 
     prompts: B token-id lists of any (non-zero) lengths, or a [B, P] array. Keyword arguments (see
     ``prepare``): drafter, draft_params, gamma (K candidates per round; unset: 4 for a chain drafter, the
-    depth of a tree drafter, 0 without a drafter; a given value must be the one that runs, see ``check_drafter``),
-    max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature / top_k / top_p /
-    min_p (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key (not both; seed 0 by
-    default), max_len (cache slots
-    S; default the longest prompt + budget rounded up to a multiple of 128), adaptive, block_verify,
-    debug_checks. Returns generated tokens per row, the stop reason per row and statistics (defined in the
-    module doc). Sampling parameters, the seed or key and the budgets are arrays: new values reuse the
-    compiled loop as long as the batch, the padded prompt width (a multiple of 16) and max_len stay the same
-    (a default max_len follows the budget); drafter, gamma, eos_ids, adaptive, block_verify and debug_checks
+    depth of a tree drafter, 0 without a drafter; a given value must be the one that runs, see
+    ``check_drafter``), max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature /
+    top_k / top_p / min_p (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key (not both;
+    seed 0 by default), max_len (cache slots S; default the longest prompt + budget rounded up to a multiple
+    of 128, capped at the model's context length), adaptive, block_verify, debug_checks. Returns generated
+    tokens per row, the stop reason per row and statistics (defined in the module doc). Sampling parameters,
+    the seed or key and the budgets are arrays: new values reuse the compiled loop as long as the batch, the
+    padded prompt width (a multiple of 16) and max_len stay the same (a default max_len follows the budget);
+    drafter, gamma, eos_ids, adaptive, block_verify and debug_checks
     are static and compile a loop of their own.
     """
     return prepare(target, target_params, prompts, **kwargs).run()

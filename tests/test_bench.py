@@ -564,3 +564,18 @@ def test_peer_emissions_are_cut_with_their_tokens_at_eos():
     assert rec.emissions == [(0.1, 1), (0.2, 2)]
     _trim_emissions(rec, 3)
     assert rec.emissions == [(0.1, 1), (0.2, 2)]
+
+
+def test_spec_without_gamma_takes_the_drafters_own():
+    """A Spec with no gamma runs the K decode would: 0 plain, 4 for a chain, a tree's depth (its old default 0
+    is refused by the engine for any drafter now that a given gamma must be the K that runs)."""
+    from jspec.ngram import NgramDrafter, NgramTreeDrafter
+
+    assert Spec("plain").gamma == 0
+    assert Spec("chain", NgramDrafter(vocab_size=5)).gamma == 4
+    assert Spec("tree", NgramTreeDrafter(2, 3, vocab_size=5)).gamma == 3
+    assert Spec("chain", DRAFTER, 3, DRAFT_PARAMS).gamma == 3
+    jobs = [Job("a", "a", (1, 2, 0, 1, 2, 0))]
+    res = runner.run(TARGET, TARGET_PARAMS, Spec("tree", NgramTreeDrafter(2, 3, vocab_size=TARGET.vocab_size)),
+                     Load.closed(1), jobs, max_new_tokens=4, max_len=MAX_LEN)  # fmt: skip
+    assert [r.error for r in res.records] == [None]

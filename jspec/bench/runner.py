@@ -31,7 +31,7 @@ import numpy as np
 from jspec import cost_model
 from jspec.bench import metrics
 from jspec.bench.metrics import RequestRecord
-from jspec.decode import StopReason, adaptive_policy
+from jspec.decode import DEFAULT_GAMMA, StopReason, adaptive_policy
 from jspec.serve import Engine
 
 
@@ -60,7 +60,7 @@ class Spec:
 
     label: str
     drafter: Any = None
-    gamma: int = 0
+    gamma: int | None = None
     draft_params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
     adaptive: Any = None
     block_verify: bool = False
@@ -68,6 +68,10 @@ class Spec:
 
     def __post_init__(self):  # adaptive as decode and Engine take it: True = the default AdaptiveK, False = none
         object.__setattr__(self, "adaptive", adaptive_policy(self.adaptive))
+        if self.gamma is None:  # the K decode takes when none is given: 0 plain, a tree's depth, else 4
+            d = self.drafter
+            k = 0 if d is None else d.max_depth if getattr(d, "is_tree", False) else DEFAULT_GAMMA
+            object.__setattr__(self, "gamma", k)
 
     @property
     def kind(self) -> str:
