@@ -166,7 +166,9 @@ def _filtered(logits: jax.Array, params: SamplingParams) -> jax.Array:
     # own shift then computes inf - inf = NaN; shifted, the max is 0 and the rest go to -inf (one-hot on the max).
     shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
     scaled = shifted / jnp.where(temp > 0, temp, 1.0)
-    probs = jax.nn.softmax(scaled, axis=-1)
+    # The row max is already 0: softmax's own max-subtraction would be a second reduction over V for nothing.
+    e = jnp.exp(scaled)
+    probs = e / jnp.sum(e, axis=-1, keepdims=True)
 
     def with_filters(probs):
         v = probs.shape[-1]
