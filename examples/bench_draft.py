@@ -137,7 +137,7 @@ def main(argv=None):
     tok = target.tokenizer
     drafts = {name: get_draft(name, target, args.model, unstacked) for name in args.drafts.split(",")}
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    common = dict(max_new_tokens=args.max_new, eos_ids=[tok.eos_id], temperature=0.0)
+    common = dict(max_new_tokens=args.max_new, eos_ids=tok.eos_ids, temperature=0.0)
 
     configs = [("plain", None, 0)] + [(n, d, k) for n, d in drafts.items() for k in gammas]
     prepared = {}

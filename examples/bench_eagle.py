@@ -61,11 +61,11 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def time_round_parts(target, drafter, dparams, tparams, prompt_ids, k: int, eos: int, reps: int = 15) -> dict:
+def time_round_parts(target, drafter, dparams, tparams, prompt_ids, k: int, eos: tuple, reps: int = 15) -> dict:
     """Median ms of a jitted propose (catch-up + K head steps) and a jitted verify (K+1 target positions with
     features) on a live state after a few rounds, and of a plain 1-token target step, interleaved."""
     prepared = dec.prepare(
-        target, tparams, [prompt_ids], drafter=drafter, draft_params=dparams, gamma=k, max_new_tokens=64, eos_ids=[eos]
+        target, tparams, [prompt_ids], drafter=drafter, draft_params=dparams, gamma=k, max_new_tokens=64, eos_ids=eos
     )
     pre, step = dec._stream_fns(target, drafter, prepared.config)
     st = pre(*prepared.args)
@@ -149,7 +149,7 @@ def main(argv=None) -> dict:
 
     target = registry.load(args.model, dtype="float32", unstacked=wants_unstacked(args.layers))
     cfg, tparams, model, tok = target
-    eos = tok.eos_id
+    eos = tok.eos_ids
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]
     configs = {
         "plain": (None, None, 0),
@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
                         gamma=k,
                         max_new_tokens=args.max_new,
                         temperature=t,
-                        eos_ids=[eos],
+                        eos_ids=eos,
                         seed=1000 * rep + i,
                     ).run_timed()
                     s = out.stats

@@ -117,7 +117,7 @@ def main(argv=None) -> None:
 
     cfg, params, model, tok = load(args.model, dtype="float32", unstacked=wants_unstacked(args.layers))
     prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS[: args.prompts]]
-    kw = dict(max_new_tokens=args.max_new_tokens, eos_ids=[cfg.eos_id], max_len=256)
+    kw = dict(max_new_tokens=args.max_new_tokens, eos_ids=cfg.eos_ids, max_len=256)
 
     runs = {"plain": (None, None, 0)}  # name -> (drafter, draft params, K)
     for item in args.settings.split(","):

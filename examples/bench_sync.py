@@ -52,7 +52,7 @@ def main(argv=None) -> None:
 
     cfg, params, model, tok = registry.load(args.model, unstacked=wants_unstacked(args.layers))
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]
-    eos = [cfg.eos_id]
+    eos = cfg.eos_ids
     drafters = {
         "plain": (None, 0),
         f"ngram K={args.gamma}": (NgramDrafter(3, 1, vocab_size=cfg.vocab_size), args.gamma),

@@ -62,7 +62,7 @@ def main(argv=None) -> None:
         new_map = data_map(args.maps_from, args.self_batches, args.head_tokens, cfg.vocab_size, tok.eos_id)
     prompts = [train_eagle.encode(tok, p, 512) for p in list(train_eagle.EVAL_PROMPTS) + list(bench_eagle.PROMPTS)]
     out = dec.decode(
-        target.model, target.params, prompts, max_new_tokens=args.max_new, temperature=0.0, eos_ids=[tok.eos_id]
+        target.model, target.params, prompts, max_new_tokens=args.max_new, temperature=0.0, eos_ids=tok.eos_ids
     )
     first = None
     for head in filter(None, args.heads.split(",")):

@@ -171,7 +171,7 @@ def generate_data(args, target, data_dir: str, prompts: list[str]) -> list[str]:
             ids,
             max_new_tokens=args.max_new,
             temperature=[temps[r % len(temps)] for r in range(len(ids))],
-            eos_ids=[tok.eos_id],
+            eos_ids=tok.eos_ids,
             seed=args.seed * 1000 + i,
         )
         seqs = [p + t for p, t in zip(ids, out.tokens)]
@@ -255,7 +255,7 @@ def train(args, target, data, out_dir: str):
     token_map = None
     if args.head_size:
         counts = D.token_counts(answers, target.config.vocab_size)
-        token_map = D.frequent_token_map(counts, args.head_size, always=[tok.eos_id])
+        token_map = D.frequent_token_map(counts, args.head_size, always=list(tok.eos_ids))
         covered = counts[token_map].sum() / max(counts.sum(), 1)
         print(f"frequent-token head: {args.head_size} tokens cover {covered:.4f} of the generated answers")
     params = D.init_from_target(dcfg, target.params, token_map)
@@ -338,7 +338,7 @@ def evaluate(target, loaded: D.LoadedDraft, gamma: int, max_new: int, seed: int 
             gamma=gamma,
             max_new_tokens=max_new,
             temperature=temp,
-            eos_ids=[tok.eos_id],
+            eos_ids=tok.eos_ids,
             seed=seed,
         )
         st = out.stats

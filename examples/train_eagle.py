@@ -352,7 +352,7 @@ def answer_batch(args, target, features, prompt_ids: list[list[int]], temp: floa
         prompt_ids,
         max_new_tokens=args.max_new,
         temperature=temp,
-        eos_ids=[tok.eos_id],
+        eos_ids=tok.eos_ids,
         seed=seed,
     )
     seqs = [p + t for p, t in zip(prompt_ids, out.tokens)]
@@ -411,11 +411,11 @@ def self_prompts(target, batch: int, seed: int, held_out: list[str], max_len: in
             [prefix] * (2 * batch),
             max_new_tokens=max_len,
             temperature=1.0,
-            eos_ids=[tok.eos_id],
+            eos_ids=tok.eos_ids,
             seed=seed * 100 + attempt,
         )
         for t in out.tokens:
-            if not t or t[-1] != tok.eos_id:
+            if not t or t[-1] not in tok.eos_ids:
                 continue  # ran past max_len: not a finished request
             text = tok.decode(t[:-1]).strip()
             key = " ".join(sorted(_words(text)))
@@ -789,7 +789,7 @@ def evaluate(target, path: str, gamma: int, max_new: int, seed: int = 0) -> dict
             gamma=gamma,
             max_new_tokens=max_new,
             temperature=temp,
-            eos_ids=[tok.eos_id],
+            eos_ids=tok.eos_ids,
             seed=seed,
         )
         st = out.stats

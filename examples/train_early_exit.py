@@ -162,7 +162,7 @@ def generate_data(cfg, params, model, tok, n_doc: int, new_tokens: int, batch: i
             [prompts[i] for i in idx],
             max_new_tokens=new_tokens,
             temperature=[0.0 if i % 2 == 0 else 0.7 for i in idx],
-            eos_ids=[cfg.eos_id],
+            eos_ids=cfg.eos_ids,
             seed=start,
         )
         for i, gen in zip(idx, out.tokens):
@@ -299,7 +299,7 @@ def evaluate(cfg, params, model, tok, exit_layer, ex_params, k: int, new_tokens:
     results = {}
     head = {"token_ids": ex_params["token_ids"]} if "token_ids" in ex_params else {}
     n_head = len(ex_params["token_ids"]) if head else 0
-    plain = decode(model, params, prompts, max_new_tokens=new_tokens, eos_ids=[cfg.eos_id], max_len=256)
+    plain = decode(model, params, prompts, max_new_tokens=new_tokens, eos_ids=cfg.eos_ids, max_len=256)
     for use_adapter in (False, True):
         drafter = LayerSkipDrafter(cfg, exit_layer, adapter=use_adapter, head_tokens=n_head, max_draft=k)
         ex = dict(head, adapter=ex_params["adapter"]) if use_adapter else head
@@ -314,7 +314,7 @@ def evaluate(cfg, params, model, tok, exit_layer, ex_params, k: int, new_tokens:
                 gamma=k,
                 max_new_tokens=new_tokens,
                 temperature=temp,
-                eos_ids=[cfg.eos_id],
+                eos_ids=cfg.eos_ids,
                 seed=1,
                 max_len=256,
             )

@@ -4,7 +4,8 @@ The core never imports a model zoo: checkpoints are found through the ``jspec.mo
 group (this repository's ``models`` package registers ``llama``), so any installed package can provide them.
 A loader is ``load(name_or_path, dtype) -> (config, params, model: jspec.model.Model, tokenizer)``; one that
 also takes ``unstacked=`` is asked for the parameter layout that decodes fastest (``--layers``). The
-tokenizer needs ``encode``, ``decode(ids, skip_special_tokens=...)``, ``encode_chat(messages)`` and ``eos_id``.
+tokenizer needs ``encode``, ``decode(ids, skip_special_tokens=...)``, ``encode_chat(messages)`` and ``eos_ids``
+(every id that ends generation; a plain ``eos_id`` is accepted too).
 """
 
 from __future__ import annotations
@@ -183,6 +184,14 @@ def _model_drafter(args, dmodel):
     return ModelDrafter(dmodel)
 
 
+def end_ids(tok) -> list[int]:
+    """Every id that ends generation: ``tok.eos_ids``, else the single ``tok.eos_id``."""
+    ends = getattr(tok, "eos_ids", None)
+    if ends is None:
+        ends = [] if getattr(tok, "eos_id", None) is None else [tok.eos_id]
+    return [int(i) for i in ends]
+
+
 def _run(target, params, prompt_ids, drafter, dparams, args, eos):
     prepared = prepare(
         target,
@@ -234,7 +243,7 @@ def generate(args) -> int:
             {"role": "user", "content": args.prompt}
         ]
         prompt_ids = tok.encode_chat(msgs)
-    eos = [] if args.ignore_eos or tok.eos_id is None else [tok.eos_id]
+    eos = [] if args.ignore_eos else end_ids(tok)
     drafter, dparams = build_drafter(args, target, loaded)
     ids, stats = _run(target, params, prompt_ids, drafter, dparams, args, eos)
     stats.update(drafter=args.drafter)

@@ -7,6 +7,8 @@ Both loaders bring their tensors into the Hugging Face layout first (names like
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
@@ -116,3 +118,24 @@ def params_from_hf_layout(cfg: LlamaConfig, get: Callable[[str], np.ndarray]) ->
     if not cfg.tie_embeddings:
         params["lm_head"] = {"kernel": to_jax(np.asarray(get("lm_head.weight")).T)}
     return params
+
+
+# GGUF keys of tokens that end generation besides ``tokenizer.ggml.eos_token_id``.
+GGUF_END_KEYS = ("eot", "eom")
+
+
+def read_json(path: str) -> dict | None:
+    """The JSON object in ``path``, or None when there is no such file."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def hf_id_list(config: dict | None, key: str, path) -> list[int]:
+    """``config[key]`` (an id, a list of ids or absent) as a list; anything else is refused by name."""
+    ids = (config or {}).get(key)
+    ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{path}: {key} must be a token id or a list of token ids, got {config[key]!r}")
+    return ids

@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from models.checkpoint import CheckpointError, check_tensors, hf_expected_shapes, params_from_hf_layout
+from models.checkpoint import GGUF_END_KEYS, CheckpointError, check_tensors, hf_expected_shapes, params_from_hf_layout
 from models.llama import LlamaConfig, Params, canonical_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -135,6 +135,9 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
         qkv_bias=arch == "qwen2",
         bos_id=_field(gf, "tokenizer.ggml.bos_token_id", required=False),
         eos_id=_field(gf, "tokenizer.ggml.eos_token_id", required=False),
+        eos_ids=tuple(
+            i for k in GGUF_END_KEYS if (i := _field(gf, f"tokenizer.ggml.{k}_token_id", required=False)) is not None
+        ),
         dtype=canonical_dtype(dtype),
         name=name or _field(gf, "general.name", "", required=False) or arch,
         max_positions=_optional_int(_field(gf, f"{arch}.context_length", required=False)),

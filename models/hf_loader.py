@@ -18,7 +18,14 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from models.checkpoint import CheckpointError, check_tensors, hf_expected_shapes, params_from_hf_layout
+from models.checkpoint import (
+    CheckpointError,
+    check_tensors,
+    hf_expected_shapes,
+    hf_id_list,
+    params_from_hf_layout,
+    read_json,
+)
 from models.llama import LlamaConfig, Params, canonical_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -127,9 +134,11 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
     if bad:
         raise CheckpointError(f"{cfg_path}: unsupported setting {bad[0]}")
     heads = int(c["num_attention_heads"])
-    eos = c.get("eos_token_id")
-    if isinstance(eos, list):  # several end tokens: the first is the canonical one
-        eos = eos[0] if eos else None
+    # Several end tokens (Llama-3.1: <|end_of_text|>, <|eom_id|>, <|eot_id|>): the first is the canonical one;
+    # generate() stops at those of generation_config.json as well.
+    eos = hf_id_list(c, "eos_token_id", cfg_path) + hf_id_list(
+        read_json(gen := os.path.join(path, "generation_config.json")), "eos_token_id", gen
+    )
     try:
         return LlamaConfig(
             vocab_size=int(c["vocab_size"]),
@@ -144,7 +153,8 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=mtype == "qwen2",
             bos_id=c.get("bos_token_id"),
-            eos_id=eos,
+            eos_id=eos[0] if eos else None,
+            eos_ids=tuple(eos),
             dtype=canonical_dtype(dtype),
             name=name or os.path.basename(os.path.normpath(path)),
             max_positions=int(c["max_position_embeddings"]) if c.get("max_position_embeddings") else None,

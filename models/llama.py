@@ -57,7 +57,8 @@ def canonical_dtype(dtype: Any) -> str:
 class LlamaConfig:
     """Static shape and numerics of a Llama-family model (hashable: it keys the jit cache). max_positions: the
     context length it was trained for (GGUF ``context_length``, HF ``max_position_embeddings``; None when
-    unknown): ``jspec.decode`` refuses a request that would feed a position at or past it."""
+    unknown): ``jspec.decode`` refuses a request that would feed a position at or past it. eos_ids: every id
+    that ends generation (``eos_id``, the canonical one, first; Llama-3 lists ``<|eot_id|>`` too)."""
 
     vocab_size: int
     hidden: int
@@ -75,9 +76,13 @@ class LlamaConfig:
     dtype: str = "float32"
     name: str = "llama"
     max_positions: int | None = None
+    eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        ends = tuple(dict.fromkeys(int(i) for i in (self.eos_id, *self.eos_ids) if i is not None))
+        object.__setattr__(self, "eos_ids", ends)
+        object.__setattr__(self, "eos_id", ends[0] if ends else None)
         if self.max_positions is not None and int(self.max_positions) < 1:
             raise ValueError(f"max_positions={self.max_positions} must be >= 1 (or None: unknown)")
         if self.num_heads % self.num_kv_heads:

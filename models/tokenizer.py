@@ -8,6 +8,7 @@ like ``<|im_start|>`` would be split into ordinary pieces.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from models.checkpoint import CheckpointError
+from models.checkpoint import GGUF_END_KEYS, CheckpointError, hf_id_list, read_json
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -66,16 +67,27 @@ def _render_env() -> jinja2.Environment:
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
+    def strftime_now(fmt):  # Llama-3.1+ templates date their system prompt with it
+        return datetime.datetime.now().strftime(fmt)
+
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
     return env
+
+
+def _unique_ids(ids) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 class Tokenizer:
     """encode/decode plus the checkpoint's chat template and special ids.
 
     bos_id / eos_id: ints or None. add_bos: whether ``encode`` prepends BOS (False for ChatML models, whose
-    template writes ``<|im_start|>`` itself).
+    template writes ``<|im_start|>`` itself). eos_ids: every id that ends generation, the canonical ``eos_id``
+    first, then ``extra_eos_ids`` (Llama-3's ``<|eot_id|>``, GGUF's end-of-turn token, the lists of config.json
+    and generation_config.json): pass it to ``jspec.decode(eos_ids=...)``, as transformers and llama.cpp stop
+    at any of them.
     """
 
     def __init__(
@@ -86,10 +98,12 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos: bool = False,
         pad_id: int | None = None,
+        extra_eos_ids: Sequence[int] = (),
     ):
         self.backend = backend
         self.bos_id = bos_id
-        self.eos_id = eos_id
+        self.eos_ids = _unique_ids([eos_id, *extra_eos_ids])
+        self.eos_id = self.eos_ids[0] if self.eos_ids else None
         self.pad_id = pad_id
         self.add_bos = add_bos
         self.chat_template = chat_template
@@ -184,6 +198,8 @@ class Tokenizer:
             chat_template=get("tokenizer.chat_template"),
             add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
             pad_id=get("tokenizer.ggml.padding_token_id"),
+            # llama.cpp ends generation at end-of-turn / end-of-message too (Llama-3's <|eot_id|>, <|eom_id|>).
+            extra_eos_ids=[get(f"tokenizer.ggml.{k}_token_id") for k in GGUF_END_KEYS],
         )
 
     @classmethod
@@ -210,15 +226,8 @@ class Tokenizer:
             if isinstance(tok, dict):
                 tok = tok.get("content")
             if tok is None:  # older repositories name their special tokens in config.json only
-                ids = (config or {}).get(f"{key}_id")
-                if isinstance(ids, list):
-                    if len(ids) > 1:
-                        raise CheckpointError(
-                            f"{path}: config.json lists several {key}_id values {ids} and tokenizer_config.json "
-                            f"names no {key}: set {key} there (this tokenizer keeps one)"
-                        )
-                    ids = ids[0] if ids else None
-                return ids
+                ids = hf_id_list(config, f"{key}_id", path)
+                return ids[0] if ids else None
             found = backend.token_to_id(tok)
             if found is None:
                 raise CheckpointError(f"{path}: {key} {tok!r} of tokenizer_config.json is not in the vocabulary")
@@ -236,4 +245,7 @@ class Tokenizer:
             chat_template=template,
             add_bos=bool(add_bos),
             pad_id=token_id("pad_token"),
+            # transformers' generate stops at every id of generation_config.json (else config.json).
+            extra_eos_ids=hf_id_list(config, "eos_token_id", path)
+            + hf_id_list(read_json(gen := os.path.join(path, "generation_config.json")), "eos_token_id", gen),
         )

@@ -321,11 +321,11 @@ def test_passes_alternate_the_order_and_give_each_pass_ratio(closed_runs, monkey
 
 def test_missing_peer_is_skipped_with_a_reason(monkeypatch):
     monkeypatch.setattr(peers, "_missing", lambda mods: list(mods))
-    out = peers.run_peers(["llama_cpp", "transformers", "vllm"], "/x/model.gguf", [], max_new_tokens=4, eos_id=2)
+    out = peers.run_peers(["llama_cpp", "transformers", "vllm"], "/x/model.gguf", [], max_new_tokens=4, eos_ids=[2])
     assert [p.available for p in out] == [False] * len(out)
     assert all(p.reason for p in out)
     assert any("unknown peer" in p.reason for p in out)
-    assert peers.run_peers(["transformers"], None, [], max_new_tokens=4, eos_id=2)[0].reason.startswith("needs")
+    assert peers.run_peers(["transformers"], None, [], max_new_tokens=4, eos_ids=[2])[0].reason.startswith("needs")
 
 
 def test_warmup_compiles_everything_the_timed_run_calls():

@@ -511,3 +511,30 @@ def test_tokenizer_without_a_pre_tokenizer_is_refused(tmp_path):
                 Tokenizer.from_gguf(open_gguf(tmp_path / "tok.gguf"))
         else:
             assert Tokenizer.from_gguf(open_gguf(tmp_path / "tok.gguf")).encode("ab", add_bos=False) == [2]
+
+
+def test_end_of_turn_tokens_end_generation(tmp_path):
+    """llama.cpp ends generation at tokenizer.ggml.eot_token_id / eom_token_id as well as at EOS (a Llama-3
+    GGUF may name <|end_of_text|> as EOS and <|eot_id|>, the token its chat turns end with, as EOT): both the
+    config and the tokenizer list them after the canonical EOS."""
+    from models.tokenizer import Tokenizer
+
+    path = tmp_path / "eot.gguf"
+    meta = {"tokenizer.ggml.eos_token_id": 3, "tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 3}
+    write_gguf(path, hf_state(seed=11), Q.F32, extra_meta=meta)
+    cfg = config_from_gguf(open_gguf(path))
+    assert (cfg.eos_id, cfg.eos_ids) == (3, (3, 7))
+
+    w = gguf.GGUFWriter(os.fspath(tmp_path / "tok.gguf"), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(["a", "b", "ab", "<eos>", "<eot>"])
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(3)
+    w.add_eot_token_id(4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = Tokenizer.from_gguf(open_gguf(tmp_path / "tok.gguf"))
+    assert (tok.eos_id, tok.eos_ids) == (3, (3, 4))

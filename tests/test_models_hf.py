@@ -156,3 +156,42 @@ def test_context_length_and_partial_rope_from_config(tmp_path):
         config_from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(conf | {"partial_rotary_factor": 1.0}))
     assert config_from_hf(tmp_path) == cfg
+
+
+def test_generation_stops_at_every_end_token_like_transformers(tmp_path):
+    """config.json and generation_config.json may list several end tokens (Llama-3.1: <|end_of_text|>,
+    <|eom_id|>, <|eot_id|>); the loader kept only config.json's first, so decoding ran past the one the model
+    actually ends its turn with. The loaded config now carries them all, and greedy decoding with them stops
+    exactly where transformers' generate (which reads generation_config.json itself) stops."""
+    import torch
+    import transformers
+
+    from jspec.decode import decode
+
+    model = tiny_model("llama", tied=True)
+    prompt = TOKENS[:, :4]
+    with torch.no_grad():
+        free = model.generate(torch.from_numpy(prompt).long(), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    free = free[0, prompt.shape[1] :].tolist()
+    # An end token that first appears a few tokens in, listed only by generation_config.json.
+    stop = next(t for i, t in enumerate(free) if i >= 3 and t not in free[:i])
+    unused = next(t for t in range(128) if t not in free)
+    model.config.eos_token_id = [unused]
+    model.generation_config = transformers.GenerationConfig(eos_token_id=[unused, stop], pad_token_id=unused)
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        theirs = reloaded.generate(torch.from_numpy(prompt).long(), max_new_tokens=12, do_sample=False)
+    theirs = theirs[0, prompt.shape[1] :].tolist()
+    assert theirs == free[: free.index(stop) + 1]  # the peer does stop there
+
+    cfg, params = load_hf(tmp_path)
+    assert (cfg.eos_id, cfg.eos_ids) == (unused, (unused, stop))
+    kw = dict(max_new_tokens=12, temperature=0.0, eos_ids=cfg.eos_ids)
+    out = decode(make_model(cfg), params, [prompt[0].tolist()], **kw)
+    assert out.tokens[0] == theirs
+
+    conf = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps(conf | {"eos_token_id": [stop, None]}))
+    with pytest.raises(CheckpointError, match=r"generation_config.json.*eos_token_id must be a token id or a list"):
+        config_from_hf(tmp_path)

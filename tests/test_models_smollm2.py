@@ -158,7 +158,9 @@ def test_tokenizer_from_hf_directory(tmp_path, smollm2, hf_smollm2_tokenizer):
 def test_tokenizer_takes_special_ids_from_config_json(tmp_path, hf_smollm2_tokenizer):
     """A repository whose tokenizer_config.json names no BOS/EOS keeps their ids in config.json (the registry
     passes it): without that fallback eos_id was None and generation never stopped at EOS. Several EOS ids
-    there are refused (the tokenizer keeps one), as is a named token missing from the vocabulary."""
+    there (Llama-3.1 lists three) all end generation, the first being the canonical one; generation_config.json's
+    list is added, as transformers' generate stops at those. A named token missing from the vocabulary and a
+    non-id EOS entry are refused."""
     import json
     import re
 
@@ -169,10 +171,27 @@ def test_tokenizer_takes_special_ids_from_config_json(tmp_path, hf_smollm2_token
     tcfg = json.loads(path.read_text())
     path.write_text(json.dumps({k: v for k, v in tcfg.items() if k not in ("bos_token", "eos_token")}))
     tok = Tokenizer.from_hf_dir(tmp_path, config={"bos_token_id": 1, "eos_token_id": [2]})
-    assert (tok.bos_id, tok.eos_id) == (1, 2)
+    assert (tok.bos_id, tok.eos_id, tok.eos_ids) == (1, 2, (2,))
     assert Tokenizer.from_hf_dir(tmp_path).eos_id is None  # no config: nothing to fall back on
-    with pytest.raises(CheckpointError, match=r"lists several eos_token_id values \[2, 7\]"):
-        Tokenizer.from_hf_dir(tmp_path, config={"eos_token_id": [2, 7]})
+    tok = Tokenizer.from_hf_dir(tmp_path, config={"eos_token_id": [7, 2]})
+    assert (tok.eos_id, tok.eos_ids) == (7, (7, 2))
+    with pytest.raises(CheckpointError, match=r"eos_token_id must be a token id or a list of token ids, got '2'"):
+        Tokenizer.from_hf_dir(tmp_path, config={"eos_token_id": "2"})
+    path.write_text(json.dumps(tcfg))  # names <|im_end|> (id 2): canonical, then config's and generation's
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    tok = Tokenizer.from_hf_dir(tmp_path, config={"eos_token_id": 7})
+    assert (tok.eos_id, tok.eos_ids) == (2, (2, 7, 0))
     path.write_text(json.dumps(tcfg | {"eos_token": "<|no such token|>"}))
     with pytest.raises(CheckpointError, match=re.escape("eos_token '<|no such token|>' of tokenizer_config.json")):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_chat_template_can_date_its_system_prompt(smollm2, hf_smollm2_tokenizer):
+    """Llama-3.1+ templates call ``strftime_now`` (a global transformers gives its renderer); without it the
+    template failed to render. Compared with transformers' rendering of the same template."""
+    import datetime
+
+    template = "{{ strftime_now('%Y') }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    ours = Tokenizer(smollm2.tokenizer.backend, None, 2, chat_template=template).apply_chat_template(CHAT)
+    theirs = hf_smollm2_tokenizer.apply_chat_template(CHAT, chat_template=template, tokenize=False)
+    assert ours == theirs and ours.startswith(str(datetime.date.today().year))

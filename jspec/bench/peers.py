@@ -203,7 +203,7 @@ def run_transformers(
     max_ngram: int = 3,
     assistant_layers: int | None = None,
     max_new_tokens: int,
-    eos_id: int | None,
+    eos_ids: Sequence[int],
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -278,17 +278,18 @@ def run_transformers(
                     input_ids=ids,
                     attention_mask=torch.ones_like(ids),
                     max_new_tokens=max_new_tokens,
-                    eos_token_id=eos_id,
-                    pad_token_id=eos_id,
+                    eos_token_id=list(eos_ids) or None,
+                    pad_token_id=eos_ids[0] if eos_ids else None,
                     streamer=_TimingStreamer(rec, t0),
                     **sample,
                     **kw,
                 )
             rec.finished = time.perf_counter() - t0
-            if eos_id is not None and eos_id in rec.tokens:  # nothing after EOS, as in jspec
-                rec.tokens = rec.tokens[: rec.tokens.index(eos_id) + 1]
+            ends = [i for i, t in enumerate(rec.tokens) if t in eos_ids]
+            if ends:  # nothing after the first end token, as in jspec
+                rec.tokens = rec.tokens[: ends[0] + 1]
                 _trim_emissions(rec, len(rec.tokens))
-            rec.stop_reason = _stop(rec.tokens, eos_id)
+            rec.stop_reason = _stop(rec.tokens, eos_ids)
 
         run = PeerRun(lib, tech, label, True, None, info=dict(info, generate_kwargs=_jsonable(kw)))
         try:  # warm-up outside the timed loop (first calls allocate and pick kernels)
@@ -316,8 +317,8 @@ def _trim_emissions(rec, n: int) -> None:
     rec.emissions = kept
 
 
-def _stop(tokens: list[int], eos_id: int | None) -> str:
-    return "eos" if eos_id is not None and tokens and tokens[-1] == eos_id else "max_new_tokens"
+def _stop(tokens: list[int], eos_ids: Sequence[int]) -> str:
+    return "eos" if tokens and tokens[-1] in eos_ids else "max_new_tokens"
 
 
 def _jsonable(kw: dict) -> dict:
@@ -336,7 +337,7 @@ def run_llama_cpp(
     gamma: int = 4,
     max_new_tokens: int,
     max_len: int,
-    eos_id: int | None,
+    eos_ids: Sequence[int],
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -392,10 +393,10 @@ def run_llama_cpp(
                 t = time.perf_counter() - t0
                 rec.emissions.append((t, 1))
                 rec.tokens.append(int(tok))
-                if (eos_id is not None and tok == eos_id) or len(rec.tokens) >= max_new_tokens:
+                if tok in eos_ids or len(rec.tokens) >= max_new_tokens:
                     break
             rec.finished = time.perf_counter() - t0
-            rec.stop_reason = _stop(rec.tokens, eos_id)
+            rec.stop_reason = _stop(rec.tokens, eos_ids)
 
         run = PeerRun(lib, tech, label, True, None, info=info)
         try:

@@ -30,7 +30,7 @@ import numpy as np
 
 from jspec.bench import metrics, peers, report, runner, workloads
 from jspec.bench.runner import Load, RunResult, Sampling, Spec
-from jspec.cli import COMPILE_CACHE_DEFAULT
+from jspec.cli import COMPILE_CACHE_DEFAULT, end_ids
 
 
 @dataclasses.dataclass
@@ -47,8 +47,7 @@ class Target:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        eos = getattr(self.tokenizer, "eos_id", None)
-        return () if eos is None else (int(eos),)
+        return tuple(end_ids(self.tokenizer))  # every end token (Llama-3: <|eot_id|> too)
 
     def decode_text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -99,6 +98,7 @@ def tokenizer_info(tok) -> dict[str, Any]:
         "type": type(tok).__name__,
         "vocab_size": getattr(tok, "vocab_size", None),
         "eos_id": getattr(tok, "eos_id", None),
+        "eos_ids": list(getattr(tok, "eos_ids", ())),
         "bos_id": getattr(tok, "bos_id", None),
         "chat_template_sha256": hashlib.sha256(tmpl.encode()).hexdigest()[:16] if tmpl else None,
         "summary": f"{type(tok).__name__} (vocab {getattr(tok, 'vocab_size', '?')}, EOS {getattr(tok, 'eos_id', '?')})",
@@ -338,7 +338,7 @@ def run_peer_set(
         gamma=gamma,
         max_new_tokens=cfg.max_new_tokens,
         max_len=cfg.max_len,
-        eos_id=target.eos_ids[0] if target.eos_ids else None,
+        eos_ids=target.eos_ids,
         temperature=cfg.sampling.temperature,
         top_k=cfg.sampling.top_k,
         top_p=cfg.sampling.top_p,
