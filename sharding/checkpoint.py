@@ -20,7 +20,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.rules import AxesTree, ShardingRules, tree_shardings
+from sharding.rules import AxesTree, ShardingRules, fit_rules, tree_shardings
 
 TARGET = "target"
 DRAFT = "draft"
@@ -96,14 +96,20 @@ def restore_decode_params(
     dtype: Any = None,
 ) -> tuple[Any, Any]:
     """(target_params, draft_params or None) onto ``mesh``; the draft gets its own rules (e.g. replicated
-    next to a tensor-parallel target: ``rules('data')``), defaulting to the target's."""
+    next to a tensor-parallel target: ``rules('data')``), defaulting to the target's. Both are fitted to the
+    stored shapes on this mesh (``fit_rules``), so rules fitted for the mesh the checkpoint was saved from
+    cannot leave query heads split over KV heads that this one replicates. Without ``draft_axes`` a stored
+    draft is restored whole on every device (and ``draft_rules`` cannot be given)."""
     shapes = stored_shapes(path)
-    shardings = {TARGET: tree_shardings(target_axes, shapes[TARGET], mesh, target_rules)}
+    tr = fit_rules(target_rules, target_axes, shapes[TARGET], mesh)
+    shardings = {TARGET: tree_shardings(target_axes, shapes[TARGET], mesh, tr)}
+    if draft_rules is not None and draft_axes is None:
+        raise ValueError("draft_rules were given without draft_axes: the draft cannot be laid out without its axes")
     if DRAFT in shapes:
-        dr = draft_rules or target_rules
         if draft_axes is None:
             shardings[DRAFT] = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), shapes[DRAFT])
         else:
+            dr = fit_rules(draft_rules or target_rules, draft_axes, shapes[DRAFT], mesh)
             shardings[DRAFT] = tree_shardings(draft_axes, shapes[DRAFT], mesh, dr)
     out = restore(path, abstract(shapes, shardings, dtype))
     return out[TARGET], out.get(DRAFT)

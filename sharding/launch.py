@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +29,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+
+
 def launch(
     cmd: Sequence[str],
     num_processes: int = 2,
@@ -40,7 +48,9 @@ def launch(
 ) -> tuple[list[int], list[str]]:
     """Run ``cmd`` as ``num_processes`` processes; returns (exit codes, captured stdout+stderr per process).
 
-    A child still running at the timeout, or once another child has failed, is killed (exit code -9)."""
+    A child still running at the timeout, or once another child has failed, is killed with every process it
+    started (each child leads its own process group: a ``bash -c`` wrapper's Python would otherwise outlive it,
+    holding the coordinator port and the output pipe) (exit code -9)."""
     port = free_port()
     procs, outputs, threads = [], [[] for _ in range(num_processes)], []
     for i in range(num_processes):
@@ -51,7 +61,13 @@ def launch(
         if cpu_devices:
             child_env[ENV_CPU_DEVICES] = str(cpu_devices)
         p = subprocess.Popen(
-            list(cmd), env=child_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            list(cmd),
+            env=child_env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         procs.append(p)
 
@@ -71,7 +87,7 @@ def launch(
         if failed or time.monotonic() > deadline:
             for p in procs:
                 if p.poll() is None:
-                    p.kill()
+                    _kill_group(p)
             break
         time.sleep(0.1)
     for p in procs:

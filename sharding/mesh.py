@@ -51,13 +51,25 @@ def resolve_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
 def parse_shape(text: str) -> dict[str, int]:
     """'data=2,model=-1' or '2x4' (data x model) -> {'data': 2, 'model': 4}; for command lines."""
     text = text.strip()
+    form = "'data=2,model=4' or '2x4' (data x model)"
+
+    def size(s: str) -> int:
+        try:
+            return int(s)
+        except ValueError:
+            raise ValueError(f"mesh shape {text!r}: {s.strip()!r} is not an axis size; write it as {form}") from None
+
     if "=" in text:
-        out = {}
+        out: dict[str, int] = {}
         for part in text.split(","):
-            name, _, size = part.partition("=")
-            out[name.strip()] = int(size)
+            name, eq, n = (x.strip() for x in part.partition("="))
+            if not eq or not name:
+                raise ValueError(f"mesh shape {text!r}: {part.strip()!r} is not name=size; write it as {form}")
+            if name in out:
+                raise ValueError(f"mesh shape {text!r}: axis {name!r} is given twice")
+            out[name] = size(n)
         return out
-    sizes = [int(s) for s in text.lower().split("x")]
+    sizes = [size(s) for s in text.lower().split("x")]
     if len(sizes) != len(DEFAULT_AXES):
         raise ValueError(f"mesh shape {text!r}: expected {len(DEFAULT_AXES)} sizes like '2x4' (data x model)")
     return dict(zip(DEFAULT_AXES, sizes))
@@ -96,5 +108,6 @@ def make_mesh(
 
 
 def single_device_mesh(device: jax.Device | None = None, axis_names: Sequence[str] = DEFAULT_AXES) -> Mesh:
-    """A 1x1 mesh on one device: the same code path as a real mesh, with nothing sharded."""
-    return make_mesh((1,) * len(axis_names), axis_names, devices=[device or jax.devices()[0]])
+    """A 1x1 mesh on one device (default: this process's first, which it can address even when several
+    processes run): the same code path as a real mesh, with nothing sharded."""
+    return make_mesh((1,) * len(axis_names), axis_names, devices=[device or jax.local_devices()[0]])

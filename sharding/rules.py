@@ -149,12 +149,25 @@ _FOLLOWS = {"heads": "kv_heads"}
 
 
 def logical_sizes(axes: AxesTree, shapes: Any) -> dict[str, set[int]]:
-    """{logical name: the sizes it has across the tree's arrays}."""
+    """{logical name: the sizes it has across the tree's arrays}. ``shapes`` must have ``axes``' structure
+    (a mismatch, e.g. unstacked parameters against stacked axes, would pair names with the wrong sizes)."""
+    if shapes is None:
+        raise ValueError("logical axes were given without the parameter shapes to fit them to")
     sizes: dict[str, set[int]] = {}
-    for a, x in zip(jax.tree.leaves(axes, is_leaf=_is_axes), jax.tree.leaves(shapes)):
+
+    def add(a, x):
+        if len(a) != len(x.shape):
+            raise ValueError(f"logical axes {a} do not match shape {tuple(x.shape)}")
         for name, n in zip(a, x.shape):
             if name is not None:
                 sizes.setdefault(name, set()).add(int(n))
+
+    try:
+        jax.tree.map(add, axes, shapes, is_leaf=_is_axes)
+    except ValueError as e:  # jax names the first structural difference
+        if "logical axes" in str(e):
+            raise
+        raise ValueError(f"the parameter shapes do not have the structure of the logical axes: {e}") from e
     return sizes
 
 

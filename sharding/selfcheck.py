@@ -230,6 +230,7 @@ def checkpoint_scenario() -> dict:
         save_decode_params(path, stp, sdp)
         for name, mesh, tr, dr in [
             ("4x2", make_mesh((4, 2)), r, rules("data")),
+            ("1x8", make_mesh((1, 8)), r, r),  # 4 KV heads cannot split 8 ways: the rules are refitted
             ("1 device", single_device_mesh(), rules("replicated"), rules("replicated")),
         ]:
             rtp, rdp = restore_decode_params(path, mesh, tr, param_logical_axes(cfg), dr, param_logical_axes(dcfg))
@@ -243,6 +244,7 @@ def checkpoint_scenario() -> dict:
                 "params_equal": bool(same_params),
                 "max_abs_logit_diff": {k: float(np.max(np.abs(after[k] - before[k]))) for k in before},
                 "wq_spec": spec_str(rtp["layers"]["attn"]["wq"].sharding.spec),
+                "wk_spec": spec_str(rtp["layers"]["attn"]["wk"].sharding.spec),
                 "draft_wq_spec": spec_str(rdp["layers"]["attn"]["wq"].sharding.spec),
             }
     return out
@@ -332,6 +334,14 @@ def multiprocess_scenario() -> dict:
         out["bad_row"] = "accepted"
     except ValueError as e:
         out["bad_row"] = str(e)
+    # Each process's own rows but process_local forgotten: every device would take its rows from its own
+    # process's "whole batch", mixing the two; refused in both processes instead.
+    try:
+        kw = _kw("greedy", rows, drafter)
+        prepare_sharded(make_model(cfg), stp, local_prompts, plan=plan, drafter=drafter, draft_params=sdp, **kw)
+        out["mixed_batches"] = "accepted"
+    except ValueError as e:
+        out["mixed_batches"] = str(e)
     multihost_utils.sync_global_devices("selfcheck done")
     return out
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -49,12 +50,24 @@ class DecodePlan:
     The draft's ``batch`` entry always follows the target's, so a row's draft state lives on the devices that
     hold its target state and no row moves between devices during a round. ``draft=None``: same as target.
     A replicated draft model next to a tensor-parallel target is ``draft=rules('data')`` (parameters whole on
-    every device, draft cache still split by rows).
+    every device, draft cache still split by rows). draft_fitted: whether the draft rules were fitted to the
+    draft model's own shapes (``make_plan`` with ``draft_axes``); a draft model under unfitted rules that split
+    it is refused when the decode is prepared.
     """
 
     mesh: Mesh
     target: ShardingRules
     draft: ShardingRules | None = None
+    draft_fitted: bool = True
+
+    def __post_init__(self):
+        for which, r in (("target", self.target), ("draft", self.draft)):
+            for logical, axis in () if r is None else r.mapping:
+                if axis is not None and axis not in self.mesh.shape:
+                    raise ValueError(
+                        f"the {which} rules {r.name!r} map {logical!r} to mesh axis {axis!r}, which the mesh "
+                        f"(axes {tuple(self.mesh.shape)}) does not have"
+                    )
 
     @property
     def batch_axis(self) -> str | None:
@@ -87,14 +100,19 @@ def make_plan(
 ) -> DecodePlan:
     """``DecodePlan`` from preset names (or rules). Given a model's logical axes and parameter shapes
     (arrays or ShapeDtypeStructs), its rules are fitted to the mesh (``sharding.rules.fit_rules``: axes that
-    do not divide are replicated, query heads follow KV heads), which also fixes the cache layout."""
+    do not divide are replicated, query heads follow KV heads), which also fixes the cache layout. The draft
+    model is fitted to its own shapes, starting from its preset (default: the target's preset, not the
+    target's fitted rules); without ``draft_axes`` its rules stay unfitted, and ``prepare_sharded`` refuses
+    a draft model that they would split."""
     t = rules(target)
     if target_axes is not None:
         t = fit_rules(t, target_axes, target_shapes, mesh)
-    d = None if draft is None else rules(draft)
+    d = rules(target if draft is None else draft)
     if draft_axes is not None:
-        d = fit_rules(d or t, draft_axes, draft_shapes, mesh)
-    return DecodePlan(mesh, t, d)
+        d = fit_rules(d, draft_axes, draft_shapes, mesh)
+    elif draft is None:
+        d = None  # no draft model described: the draft state follows the target's rules
+    return DecodePlan(mesh, t, d, draft_fitted=draft_axes is not None)
 
 
 def state_shardings(st: DecodeState, plan: DecodePlan) -> DecodeState:
@@ -174,6 +192,13 @@ def pinned_drafter(drafter, plan: DecodePlan):
     the pinned draft model under the draft rules; any other drafter is returned unchanged."""
     inner = getattr(drafter, "model", None)
     if dataclasses.is_dataclass(drafter) and isinstance(inner, Model):
+        split = [k for k, v in plan.draft_rules.mapping if k != "batch" and v is not None and plan.mesh.shape[v] > 1]
+        if not plan.draft_fitted and split:
+            raise ValueError(
+                f"the plan's draft rules split {split} of the draft model but were never fitted to its shapes "
+                "(an axis the mesh cannot divide would be replicated in some arrays only, e.g. query heads split "
+                "while KV heads stay whole): pass draft_axes= and draft_shapes= to make_plan"
+            )
         return dataclasses.replace(drafter, model=pinned_model(inner, plan, plan.draft_rules))
     return drafter
 
@@ -359,6 +384,24 @@ def _agree_ok(error: Exception | None) -> None:
         )
 
 
+def _agree_same(arrays: Sequence[np.ndarray]) -> None:
+    """A collective: refuses (in every process) inputs that are not the same in every process."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(str((a.dtype.str, a.shape)).encode())
+        h.update(a.tobytes())
+    digest = np.frombuffer(h.digest()[:8], np.int64)
+    digests = np.asarray(multihost_utils.process_allgather(digest)).ravel()
+    if np.any(digests != digests[0]):
+        groups = [np.nonzero(digests == d)[0].tolist() for d in dict.fromkeys(digests.tolist())]
+        raise ValueError(
+            f"process_local=False, but the processes passed different inputs (groups of equal ones: {groups}): "
+            "pass the same prompts and options in every process, or each process's own rows "
+            "(rows_for_process) with process_local=True"
+        )
+
+
 def _agree_max(local: int) -> int:
     """Max of an int over all processes (every process must compile the same shapes)."""
     if jax.process_count() == 1:
@@ -440,16 +483,17 @@ def prepare_sharded(
         global_b = len(prompts)
     # This process's rows are checked here, between collectives: a process that refused them while the others
     # went on to the next gather would leave those waiting in it for good.
+    many = jax.process_count() > 1
     pd, error = None, None
     try:
         pd = jdecode.prepare(
             target, target_params, prompts, drafter=drafter, draft_params=draft_params, max_len=max_len, **kwargs
         )
     except (ValueError, TypeError) as e:
-        if not multi:
+        if not many:
             raise
         error = e
-    if multi:
+    if many:
         _agree_ok(error)
     if global_b % plan.data_size:
         raise ValueError(
@@ -465,6 +509,10 @@ def prepare_sharded(
     samp = {f.name: np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingParams)}
     key_data = np.asarray(jax.random.key_data(key))
     key_impl = jax.random.key_impl(key)  # a str or a PRNGSpec depending on the JAX version; both hashable
+    if many and not process_local:
+        # Every process claims to hold the whole batch: each device would take its rows from its own process's
+        # copy, so copies that differ would be mixed silently (and other cache sizes compile other programs).
+        _agree_same([prompt, plen, mnew, key_data, np.asarray([pd.config.slots]), *samp.values()])
 
     def rows(x):
         return plan.rows((global_b, *x.shape[1:]), global_b)

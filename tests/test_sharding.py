@@ -4,6 +4,7 @@ fallbacks, HLO collective counting, the launcher. The multi-device checks run in
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -220,3 +221,98 @@ def test_cache_shardings_split_every_kv_shaped_leaf_of_a_cache(monkeypatch):
     for name in ("ck", "cv"):
         assert getattr(c, name) == ("kv", KV_AXES, (2, 2, 4, 5, 8)), name
     assert c.lengths == ("rows", (2,)) and got["seq"] == ("rows", (2, 17))
+
+
+@dataclasses.dataclass(frozen=True)
+class _HashableMesh:
+    """A stand-in mesh that can key ``pinned_model``'s cache."""
+
+    sizes: tuple[tuple[str, int], ...]
+
+    @property
+    def shape(self):
+        return dict(self.sizes)
+
+
+def test_draft_rules_are_fitted_to_the_draft_not_inherited_from_the_target():
+    """The draft model was fitted starting from the target's already-fitted rules (or not fitted at all when
+    draft_axes was not given), so it inherited the target's fallbacks, or split its query heads over KV heads
+    it could not split. Now it is fitted from its own preset, and an unfitted plan that would split a draft
+    model is refused when the decode is prepared."""
+    from jspec.drafters import ModelDrafter
+    from models.llama import make_model
+    from sharding.sharded_decode import make_plan, pinned_drafter
+
+    draft_cfg = CFG.replace(num_heads=8, num_kv_heads=8, name="draft")
+    mesh = _HashableMesh((("data", 1), ("model", 8)))
+    kw = dict(target_axes=param_logical_axes(CFG), target_shapes=_shapes(CFG))
+    draft = dict(draft_axes=param_logical_axes(draft_cfg), draft_shapes=_shapes(draft_cfg))
+    plan = make_plan(mesh, "data_tensor", **kw, **draft)
+    assert plan.target["kv_heads"] is None and plan.target["heads"] is None  # 4 KV heads cannot split 8 ways
+    assert plan.draft_rules["kv_heads"] == "model" and plan.draft_rules["heads"] == "model"  # 8 can
+
+    small = CFG.replace(num_heads=4, num_kv_heads=2, name="small")  # 4 query / 2 KV heads on model=4
+    mesh4 = _HashableMesh((("data", 2), ("model", 4)))
+    plan = make_plan(mesh4, "data_tensor", **kw)  # no draft_axes: draft rules unfitted
+    with pytest.raises(ValueError, match=r"never fitted to its shapes.*pass draft_axes= and draft_shapes="):
+        pinned_drafter(ModelDrafter(make_model(small)), plan)
+    fitted = make_plan(mesh4, "data_tensor", **kw, draft_axes=param_logical_axes(small), draft_shapes=_shapes(small))
+    assert fitted.draft_rules["kv_heads"] is None and fitted.draft_rules["heads"] is None
+    assert pinned_drafter(ModelDrafter(make_model(small)), fitted).model is not None
+    # A replicated draft preset splits nothing but rows: nothing to fit.
+    assert pinned_drafter(ModelDrafter(make_model(small)), make_plan(mesh4, "data_tensor", "data", **kw))
+
+
+def test_fitting_needs_shapes_of_the_same_structure():
+    """Axes without shapes, or shapes of another structure (e.g. another layout of the layers), made
+    fit_rules pair names with no or the wrong sizes and return the rules unfitted, silently."""
+    with pytest.raises(ValueError, match="logical axes were given without the parameter shapes"):
+        fit_rules(rules("data_tensor"), param_logical_axes(CFG), None, _mesh(1, 8))
+    partial = {k: v for k, v in _shapes(CFG).items() if k != "final_norm"}
+    with pytest.raises(ValueError, match="do not have the structure of the logical axes"):
+        fit_rules(rules("data_tensor"), param_logical_axes(CFG), partial, _mesh(1, 8))
+    bad = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), _shapes(CFG))
+    with pytest.raises(ValueError, match="do not match shape"):
+        fit_rules(rules("data_tensor"), param_logical_axes(CFG), bad, _mesh(1, 8))
+
+
+def test_plan_rules_must_name_mesh_axes():
+    from sharding.sharded_decode import make_plan
+
+    with pytest.raises(ValueError, match=r"map 'batch' to mesh axis 'data', which the mesh \(axes \('dp', 'tp'\)\)"):
+        make_plan(_HashableMesh((("dp", 2), ("tp", 4))), "data_tensor")
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("data=2,data=4", "axis 'data' is given twice"),
+        ("data=2,,model=4", "'' is not name=size"),
+        ("model:4", "'model:4' is not an axis size"),
+        ("data=two", "'two' is not an axis size"),
+    ],
+)
+def test_parse_shape_refuses_malformed_text(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_shape(text)
+
+
+def test_launch_kills_the_processes_a_child_started(tmp_path):
+    """Only the direct child was killed: a command wrapped in ``bash -c`` left its Python running, holding
+    the coordinator port and the output pipe."""
+    import os
+    import time
+
+    pidfile = tmp_path / "pid"
+    script = f"{sys.executable} -c 'import time; time.sleep(120)' & echo $! > {pidfile}; wait"
+    codes, _ = launch(["bash", "-c", script], 1, None, timeout=3, echo=False)
+    assert codes == [-9]
+    pid = int(pidfile.read_text())
+    for _ in range(50):  # the kernel reaps it once init collects the orphan
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"grandchild {pid} survived the launcher's timeout")

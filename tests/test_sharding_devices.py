@@ -165,13 +165,15 @@ def test_error_messages(runs):
     assert "must be placed on the plan's mesh" in errs["unplaced_params"]
 
 
-@pytest.mark.parametrize("target", ["4x2", "1 device"])
+@pytest.mark.parametrize("target", ["4x2", "1x8", "1 device"])
 def test_checkpoint_from_2x4_restores_elsewhere(runs, target):
     r = _ok(runs["b"])["checkpoint"]["restored"][target]
     assert r["params_equal"]
     assert r["max_abs_logit_diff"]["target"] < 1e-5 and r["max_abs_logit_diff"]["draft"] < 1e-5
     if target == "4x2":
         assert r["devices"] == 8 and r["wq_spec"] == "P(None, None, 'model')" and r["draft_wq_spec"] == "P()"
+    elif target == "1x8":  # the preset is refitted to this mesh: query heads follow the unsplittable KV heads
+        assert r["devices"] == 8 and r["wq_spec"] == r["wk_spec"] == "P()"
     else:
         assert r["devices"] == 1 and r["wq_spec"] == "P()"
 
@@ -198,4 +200,6 @@ def test_two_processes_match_single_process(runs):
         assert procs[p]["shared_blocks"]["tokens"] == ref["greedy"], p
     # Process 1's row 0 holds an out-of-vocabulary id: it raises that, process 0 names it (both return).
     assert "prompt 0 has token ids outside" in procs[1]["bad_row"], procs[1]["bad_row"]
+    for p in (0, 1):  # each process's own rows without process_local=True: refused, not mixed
+        assert "process_local=False, but the processes passed different inputs" in procs[p]["mixed_batches"]
     assert "process(es) [1] refused their rows' inputs" in procs[0]["bad_row"], procs[0]["bad_row"]
