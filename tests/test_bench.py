@@ -9,6 +9,8 @@ import json
 import math
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_decode_core import DRAFT_PARAMS, DRAFTER, TARGET, TARGET_PARAMS
@@ -579,3 +581,52 @@ def test_spec_without_gamma_takes_the_drafters_own():
     res = runner.run(TARGET, TARGET_PARAMS, Spec("tree", NgramTreeDrafter(2, 3, vocab_size=TARGET.vocab_size)),
                      Load.closed(1), jobs, max_new_tokens=4, max_len=MAX_LEN)  # fmt: skip
     assert [r.error for r in res.records] == [None]
+
+
+def _phase_drafters():
+    """(name, target, target params, drafter, draft params, K): drafters whose round takes a path of its own."""
+    import test_eagle
+    import test_layerskip
+
+    from jspec.tree import TreeSpec
+    from models.layerskip import LayerSkipDrafter
+
+    ls = LayerSkipDrafter(test_layerskip.TINY, 2, adapter=True, head_tokens=40, max_draft=3)
+    ls_params = ls.draft_params(test_layerskip.TINY_PARAMS, test_layerskip.random_exit(test_layerskip.TINY, ls, 11))
+    eagle, eagle_params, _ = test_eagle.tiny_drafter(k=3)
+    tree = eagle.as_tree(TreeSpec((2, 1)))
+    tp = test_eagle.TINY_PARAMS
+    return [
+        ("layerskip", test_layerskip.TINY_MODEL, test_layerskip.TINY_PARAMS, ls, ls_params, 3),
+        ("eagle", test_eagle.TINY_MODEL, tp, eagle, eagle_params, 3),
+        ("eagle tree", test_eagle.TINY_MODEL, tp, tree, eagle_params, tree.max_depth),
+    ]
+
+
+def test_phase_pieces_compose_to_the_round_for_every_drafter_path():
+    """The phase timer's pieces (draft, verify, accept + commit) re-trace the round, so they must take its
+    paths: LayerSkip drafts from the target's cache (the draft piece crashed: no target cache in its context),
+    EAGLE verifies through its own call (the piece timed a plain target call the round never makes), and a
+    greedy batch verifies on argmax ids (the pieces built [B, T, V] distributions). Composed, the pieces
+    must commit exactly the sequence the real round commits; sampled, they must run."""
+    from jspec.bench.metrics import _fresh, _phase_fns
+    from jspec.sampling import SamplingParams
+
+    rows = np.asarray([[1, 5, 9, 3, 7, 2], [2, 4, 6, 8, 10, 12]], np.int32)
+    for name, target, tp, drafter, dp, k in _phase_drafters():
+        config = DecodeConfig(k, 32)
+        for greedy in (True, False):
+            pre, _, draft, verify, update, round_ = _phase_fns(target, drafter, config, greedy)
+            sampling = SamplingParams.make(2, 0.0 if greedy else 1.0)
+            key = jax.random.key(3)
+            plen = jnp.full((2,), rows.shape[1], jnp.int32)
+            st = pre(tp, dp, jnp.asarray(rows), plen, jnp.full((2,), 20, jnp.int32), sampling, key)
+            prop = draft(dp, _fresh(st), key)
+            p, cache = verify(tp, dp, _fresh(st.cache), st, prop)
+            seq, _ = update(st, prop, p, cache, key)
+            if greedy:
+                assert p.shape[:2] == (2, prop.tokens.shape[1] + (0 if getattr(drafter, "is_tree", False) else 1))
+                assert p.ndim == 2
+                np.testing.assert_array_equal(np.asarray(seq), np.asarray(round_(tp, dp, _fresh(st)).seq), name)
+            else:
+                assert p.ndim == 3 and np.allclose(np.asarray(p).sum(-1), 1.0, atol=1e-5), name

@@ -49,10 +49,10 @@ import numpy as np
 
 from jspec.decode import DecodeConfig, decode_round, prefill
 from jspec.drafters import DraftContext
-from jspec.sampling import SamplingParams, distribution
+from jspec.sampling import SamplingParams, argmax, distribution
 from jspec.serve import freeze_gc_heap
-from jspec.tree import ancestor_mask, verify_tree_key
-from jspec.verify import verify_chain_key
+from jspec.tree import ancestor_mask, verify_tree_greedy, verify_tree_key
+from jspec.verify import verify_chain_greedy, verify_chain_key
 
 
 def dist_summary(values: Sequence[float], scale: float = 1.0) -> dict[str, float | int | None]:
@@ -330,48 +330,62 @@ def _scatter_rows(buf: jax.Array, start: jax.Array, vals: jax.Array, n: jax.Arra
 
 
 @functools.lru_cache(maxsize=16)
-def _phase_fns(target, drafter, config: DecodeConfig):
+def _phase_fns(target, drafter, config: DecodeConfig, greedy: bool):
     """Jitted pieces of one round, each taking the loop state as an argument (never closed over, so the
     arrays are inputs, not constants folded into the program). The pieces that return a KV cache take it
     donated, as the serving engine's step does: otherwise XLA copies the whole cache into every output
     (~1.6 ms for SmolLM2 at 640 slots, on the plain step and the round alike). ``PhaseTimer`` hands each
-    call fresh copies, made outside the timed region."""
+    call fresh copies, made outside the timed region. They take the paths the round takes: a drafter that
+    shares the target's cache drafts from it, a drafter with its own ``verify`` (EAGLE: the target call that
+    also returns its features) verifies, and a greedy batch works on the argmax ids (``greedy``), not on
+    [B, T, V] distributions."""
     k = config.gamma
     is_tree = getattr(drafter, "is_tree", False)
+    shares = getattr(drafter, "shares_target_cache", False)
     pre = jax.jit(functools.partial(prefill, target, drafter, config))
+    best = target.argmax or argmax
 
     def _pending(st):
         rows = jnp.arange(st.seq.shape[0])
         committed = st.seq_len - 1
         return st.seq[rows, committed], committed
 
+    def scores(logits, sampling):
+        return best(logits).astype(jnp.int32) if greedy else distribution(logits.astype(jnp.float32), sampling)
+
     def plain(tp, cache, st):  # one plain decoding step: [B, 1] through the target
         st = dataclasses.replace(st, cache=cache)
         pending, committed = _pending(st)
         logits, cache = target.apply(tp, pending[:, None], committed[:, None], st.cache)
-        return distribution(logits, st.sampling), cache
+        return scores(logits, st.sampling), cache
 
     def ctx(st):
         max_draft = jnp.full(st.seq_len.shape, k, jnp.int32)
-        return DraftContext(st.seq, st.seq_len, max_draft, st.sampling)
+        return DraftContext(st.seq, st.seq_len, max_draft, st.sampling, st.cache if shares else None)
 
     def draft(dp, st, key):
         if is_tree:
             return drafter.propose_tree(dp, st.draft_state, ctx(st), key)
         return drafter.propose(dp, st.draft_state, ctx(st), key, k)
 
-    def verify(tp, cache, st, prop):
+    def verify(tp, dp, cache, st, prop):
         st = dataclasses.replace(st, cache=cache)
         pending, committed = _pending(st)
+        mask = None
         if is_tree:
             tokens = prop.tokens.at[:, 0].set(pending)
             positions = committed[:, None] + prop.depth
-            logits, cache = target.apply(tp, tokens, positions, st.cache, ancestor_mask(prop.parent))
+            mask = ancestor_mask(prop.parent)
         else:
             tokens = jnp.concatenate([pending[:, None], prop.tokens], axis=1)  # [B, K+1]
             positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-            logits, cache = target.apply(tp, tokens, positions, st.cache)
-        return distribution(logits, st.sampling), cache
+        if hasattr(drafter, "verify"):
+            extra = () if mask is None else (mask,)
+            out = drafter.verify(target, tp, dp, prop.state, tokens, positions, st.cache, *extra)
+            logits, cache = out[0], out[1]
+        else:
+            logits, cache = target.apply(tp, tokens, positions, st.cache, mask)
+        return scores(logits, st.sampling), cache
 
     def update(st, prop, p, cache, key):
         """Acceptance + commit: the verification rule, the emitted tokens, the sequence and cache commit."""
@@ -379,13 +393,19 @@ def _phase_fns(target, drafter, config: DecodeConfig):
         if is_tree:
             pending, _ = _pending(st)
             tokens = prop.tokens.at[:, 0].set(pending)
-            res = verify_tree_key(
-                key, p, prop.q, tokens, prop.parent, prop.valid, drafter.rule, drafter.max_depth, drafter.max_children
-            )
+            d, c = drafter.max_depth, drafter.max_children
+            if greedy:
+                res = verify_tree_greedy(p, tokens, prop.parent, prop.valid, d, c)
+            else:
+                res = verify_tree_key(key, p, prop.q, tokens, prop.parent, prop.valid, drafter.rule, d, c)
             path_tokens = tokens[jnp.arange(b)[:, None], res.path[:, 1:]]
             cache = cache.commit(res.n_accepted + 1, res.path)
         else:
-            res = verify_chain_key(key, p, prop.q, prop.tokens, prop.n_draft, block=config.block_verify)
+            if greedy:
+                q_x = jnp.take_along_axis(prop.q, prop.tokens[..., None], axis=-1)[..., 0]
+                res = verify_chain_greedy(p, prop.tokens, prop.n_draft, q_x)
+            else:
+                res = verify_chain_key(key, p, prop.q, prop.tokens, prop.n_draft, block=config.block_verify)
             path_tokens = prop.tokens
             cache = cache.commit(res.n_accepted + 1)
         j = jnp.arange(path_tokens.shape[1] + 1)[None, :]
@@ -401,7 +421,7 @@ def _phase_fns(target, drafter, config: DecodeConfig):
         pre,
         jax.jit(plain, donate_argnums=1),
         jax.jit(draft, donate_argnums=1),  # the round updates the drafter's cache in place: so must this piece
-        jax.jit(verify, donate_argnums=1),
+        jax.jit(verify, donate_argnums=2),
         jax.jit(update, donate_argnums=3),
         jax.jit(round_, donate_argnums=2),
     )
@@ -434,7 +454,7 @@ class PhaseTimer:
         # without them would price another configuration than the one measured.
         sampling = SamplingParams.make(b, temperature, top_k, top_p, min_p)
         key = jax.random.key(seed)
-        pre, plain, draft, verify, update, round_ = _phase_fns(target, drafter, config)
+        pre, plain, draft, verify, update, round_ = _phase_fns(target, drafter, config, bool(temperature == 0))
         st = jax.block_until_ready(pre(target_params, draft_params, prompt, plen, max_new, sampling, key))
         tp, dp = target_params, draft_params
         # name -> (arguments, made before the clock starts: fresh copies of what the piece consumes; the piece)
@@ -444,9 +464,9 @@ class PhaseTimer:
         self.info: dict[str, Any] = {"batch": b, "context_len": self.context_len, "slots": s, "gamma": config.gamma}
         if drafter is not None:
             prop = draft(dp, _fresh(st), key)
-            p, cache = verify(tp, _fresh(st.cache), st, prop)
+            p, cache = verify(tp, dp, _fresh(st.cache), st, prop)
             self.pieces["draft_ms"] = (lambda: (dp, _fresh(st), key), draft)
-            self.pieces["verify_ms"] = (lambda: (tp, _fresh(st.cache), st, prop), verify)
+            self.pieces["verify_ms"] = (lambda: (tp, dp, _fresh(st.cache), st, prop), verify)
             self.pieces["state_ms"] = (lambda: (st, prop, p, _fresh(cache), key), update)
             self.info["verify_positions"] = int(prop.tokens.shape[1] + (0 if getattr(drafter, "is_tree", False) else 1))
         self.pieces["round_ms"] = (lambda: (tp, dp, _fresh(st)), round_)
