@@ -219,6 +219,18 @@ def test_code_check_parses_runs_and_sandboxes():
     assert not evil["correct"] and "refused" in evil["error"]
     loop = workloads.check_code("def sum_of_squares(n):\n    while True:\n        pass", "sum_of_squares", tests, 3.0)
     assert not loop["correct"] and loop["error"]
+    # What small models write around a correct function: a print, a class, a main guard. These were scored
+    # wrong (print and class missing from the sandbox's builtins, __name__ refused as a dunder name).
+    script = (
+        "class Acc:\n    def __init__(self):\n        self.t = 0\n"
+        "def sum_of_squares(n):\n    a = Acc()\n    for i in range(1, n + 1):\n        a.t += i * i\n    return a.t\n"
+        "print(sum_of_squares(3))\n"
+        "if __name__ == '__main__':\n    print('main', sum_of_squares(2))\n"
+    )
+    r = workloads.check_code(script, "sum_of_squares", tests)
+    assert r["correct"] and r["passed"] == 2, r
+    sneaky = workloads.check_code("def sum_of_squares(n):\n    return __builtins__", "sum_of_squares", tests)
+    assert "refused: name __builtins__" in sneaky["error"]
 
 
 def test_cost_model_check_arithmetic():
@@ -630,3 +642,22 @@ def test_phase_pieces_compose_to_the_round_for_every_drafter_path():
                 np.testing.assert_array_equal(np.asarray(seq), np.asarray(round_(tp, dp, _fresh(st)).seq), name)
             else:
                 assert p.ndim == 3 and np.allclose(np.asarray(p).sum(-1), 1.0, atol=1e-5), name
+
+
+def test_run_settings_are_checked_before_any_request():
+    """A bad run setting used to reach Engine.add with every request, which recorded each as that request's
+    error and finished '0/N done' (max_new_tokens=0 read as a 0.00x speed-up); a negative timeout marked every
+    request timed out, and --n 0 failed later on a NaN median."""
+    bad = [
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+        (dict(max_new_tokens=4, max_len=0), "max_len must be an integer >= 1, got 0"),
+        (dict(max_new_tokens=4, max_wall_s=-1), "max_wall_s must be >= 0 seconds"),
+        (dict(max_new_tokens=4, sampling=runner.Sampling(top_p=1.5)), r"top_p must be in \(0, 1\]"),
+    ]
+    for kw, message in bad:
+        with pytest.raises(ValueError, match=message):
+            runner.run(TARGET, TARGET_PARAMS, PLAIN, Load.closed(1), _jobs(), **{"max_len": MAX_LEN, **kw})
+    with pytest.raises(ValueError, match="timeout_s .* must be >= 0 seconds or None, got -1"):
+        Load.closed(1, timeout_s=-1)
+    with pytest.raises(ValueError, match="n_per_workload .* must be an integer >= 1, got 0"):
+        workloads.build(["math"], 0)

@@ -32,6 +32,7 @@ from jspec import cost_model
 from jspec.bench import metrics
 from jspec.bench.metrics import RequestRecord
 from jspec.decode import DEFAULT_GAMMA, StopReason, adaptive_policy
+from jspec.sampling import SamplingParams
 from jspec.serve import Engine
 
 
@@ -129,6 +130,8 @@ class Load:
             raise ValueError(f"concurrency (engine rows) must be >= 1, got {self.concurrency}")
         if self.mode == "open" and not (self.rate and self.rate > 0):
             raise ValueError(f"an open loop needs a rate > 0 requests/s, got {self.rate}")
+        if self.timeout_s is not None and not self.timeout_s >= 0:  # 0: every request times out (a test of that)
+            raise ValueError(f"timeout_s (the per-request deadline) must be >= 0 seconds or None, got {self.timeout_s}")
 
     @property
     def name(self) -> str:
@@ -324,6 +327,14 @@ def run(
     their step returns. freeze_gc: freeze the Python heap for the timed part, as a server does once warm
     (``metrics.timed_region_gc``); the collections that still run there are timed into ``engine["gc"]``.
     """
+    # The run's own settings are checked here: in the loop below a request that Engine.add refuses is
+    # recorded as that request's error, so a bad setting would turn every request into one and still "finish".
+    for name, value in (("max_new_tokens", max_new_tokens), ("max_len", max_len)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if max_wall_s is not None and not max_wall_s >= 0:  # 0: nothing is admitted (every request "not_run")
+        raise ValueError(f"max_wall_s must be >= 0 seconds or None, got {max_wall_s}")
+    SamplingParams.make(1, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)  # names a bad one
     rows = load.concurrency
     if warmup:
         # Every prompt the engine takes (P + N - 1 <= max_len: the last token needs no slot) is warmed.
@@ -417,7 +428,7 @@ def run(
                             sampling.top_p,
                             sampling.min_p,
                         )
-                    except Exception as e:  # a failing request is recorded, the run continues
+                    except (ValueError, TypeError) as e:  # a request refused by its checks; the run goes on
                         finish(i, now(), "error", f"{type(e).__name__}: {e}")
                         continue
                     ta = now()

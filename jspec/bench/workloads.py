@@ -225,6 +225,12 @@ _FORBIDDEN_NAMES = frozenset(
 )  # fmt: skip
 
 
+def _dunder(name: str) -> bool:
+    # ``if __name__ == "__main__":`` is how small models end a script; the sandbox names the module
+    # "candidate", so such a block does not run.
+    return name.startswith("__") and name != "__name__"
+
+
 def static_code_problems(tree: ast.AST) -> list[str]:
     """Why the parsed code may not run in the property check (empty list: it may)."""
     bad = []
@@ -234,7 +240,7 @@ def static_code_problems(tree: ast.AST) -> list[str]:
             bad += [f"import {m}" for m in mods if m.split(".")[0] not in _ALLOWED_IMPORTS]
         elif isinstance(node, ast.Attribute) and node.attr.startswith("__"):
             bad.append(f"attribute {node.attr}")
-        elif isinstance(node, ast.Name) and (node.id in _FORBIDDEN_NAMES or node.id.startswith("__")):
+        elif isinstance(node, ast.Name) and (node.id in _FORBIDDEN_NAMES or _dunder(node.id)):
             bad.append(f"name {node.id}")
     return bad
 
@@ -258,9 +264,14 @@ SAFE = ["abs", "all", "any", "bool", "chr", "dict", "divmod", "enumerate", "filt
         "isinstance", "len", "list", "map", "max", "min", "ord", "pow", "range", "reversed", "round", "set",
         "sorted", "str", "sum", "tuple", "zip", "ValueError", "TypeError", "IndexError", "KeyError",
         "Exception", "ZeroDivisionError", "StopIteration", "True", "False", "None", "iter", "next",
-        "hash", "slice", "type"]
+        "hash", "slice", "type", "object", "__build_class__"]
 env = {"__builtins__": {k: getattr(builtins, k) for k in SAFE if hasattr(builtins, k)}}
 env["__builtins__"]["__import__"] = guarded_import
+def to_stderr(*args, **kw):  # a reply's own prints: stdout carries only the result line
+    kw.pop("file", None)
+    kw.pop("flush", None)
+    builtins.print(*args, file=sys.stderr, **kw)
+env["__builtins__"]["print"] = to_stderr
 env["__name__"] = "candidate"
 results = []
 try:
@@ -395,7 +406,13 @@ def _load_passage(source: str, max_chars: int) -> str:
         if out and len("\n\n".join([*out, p])) > max_chars:
             break
         out.append(p)
-    return "\n\n".join(out)[: max_chars * 2]
+    text = "\n\n".join(out)
+    if len(text) > max_chars * 2:  # one very long first paragraph: cut after its last sentence that fits
+        cut = text.rfind(". ", 0, max_chars * 2)
+        if cut < 0:
+            raise ValueError(f"{source}: the first paragraph has no sentence end within {max_chars * 2} characters")
+        text = text[: cut + 1]
+    return text
 
 
 def grounded_requests(n: int, seed: int = 0, max_chars: int = 600) -> list[Request]:
@@ -443,6 +460,8 @@ _BUILDERS: dict[str, Callable[[int, int], list[Request]]] = {
 def build(workloads: Sequence[str], n_per_workload: int, seed: int = 0, interleave: bool = True) -> list[Request]:
     """Requests of the named workloads, ``n_per_workload`` each. Interleaved (math, code, chat, grounded,
     math, ...) by default, so a run cut short or a batch of rows still mixes the workloads."""
+    if not isinstance(n_per_workload, int) or n_per_workload < 1:
+        raise ValueError(f"n_per_workload (requests per workload) must be an integer >= 1, got {n_per_workload!r}")
     unknown = [w for w in workloads if w not in _BUILDERS]
     if unknown:
         raise ValueError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
