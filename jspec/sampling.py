@@ -183,7 +183,11 @@ def _filtered(logits: jax.Array, params: SamplingParams) -> jax.Array:
         # min-p is relative to the largest remaining probability, which the earlier filters never remove.
         min_p = _expand(params.min_p, nd)
         kept = jnp.where(kept >= min_p * jnp.max(kept, axis=-1, keepdims=True), kept, 0.0)
-        return kept / jnp.sum(kept, axis=-1, keepdims=True)
+        kept = kept / jnp.sum(kept, axis=-1, keepdims=True)
+        # A row without filters keeps its probabilities bit for bit: renormalised again it moved by an ulp or
+        # so, enough to change a sampled token with the batch's other rows (batch 1 vs batch 8, same seed).
+        own = ((k > 0) & (k < v)) | (top_p < 1.0) | (min_p > 0)
+        return jnp.where(own, kept, probs)
 
     # Rows without filters (the usual case) skip the threshold searches entirely.
     needs_filter = jnp.any(params.top_k > 0) | jnp.any(params.top_p < 1.0) | jnp.any(params.min_p > 0)

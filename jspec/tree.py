@@ -281,7 +281,11 @@ def choose_children(key, logits: jax.Array, q: jax.Array, c: int, rule: TreeRule
         u = jax.random.uniform(key, q.shape[:-1] + (c,))
         cdf = jnp.cumsum(q, axis=-1)
         idx = jnp.sum(cdf[..., None, :] <= u[..., None] * cdf[..., -1:, None], axis=-1)
-        idx = jnp.minimum(idx, q.shape[-1] - 1).astype(jnp.int32)
+        # Capped at the last token with mass, as ``sample_from`` does: a cumsum computed as a parallel scan can
+        # leave cdf[-1] a few ulps above cdf at that token, and a draw landing in the gap would pick a q = 0
+        # token, drop the child, and make which children survive depend on their values.
+        last_positive = q.shape[-1] - 1 - jnp.argmax(jnp.flip(q > 0, axis=-1), axis=-1)
+        idx = jnp.minimum(idx, last_positive[..., None]).astype(jnp.int32)
         return idx, jnp.take_along_axis(q, idx, axis=-1) > 0
     tok = _gumbel_top(key, jnp.log(q), c)
     # Without replacement, a draw exists only while q has mass left outside the earlier children.
