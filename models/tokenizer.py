@@ -55,7 +55,11 @@ _PRE_TOKENIZERS = {
     "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
     "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
     "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "llama-v3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
 }
+# llama.cpp's LLAMA3 pre-tokenizer type: a piece that is a whole vocabulary entry is that token, merges or not
+# (tokenizer.json's ``ignore_merges``), and BOS is added unless the file says otherwise.
+_LLAMA3_PRE = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 
 def _render_env() -> jinja2.Environment:
@@ -182,6 +186,7 @@ class Tokenizer:
                 vocab={t: i for i, t in enumerate(tokens)},
                 merges=[tuple(m.split(" ", 1)) for m in merges],
                 fuse_unk=False,
+                ignore_merges=pre in _LLAMA3_PRE,
             )
         )
         backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
@@ -196,7 +201,7 @@ class Tokenizer:
             bos_id=get("tokenizer.ggml.bos_token_id"),
             eos_id=get("tokenizer.ggml.eos_token_id"),
             chat_template=get("tokenizer.chat_template"),
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE)),
             pad_id=get("tokenizer.ggml.padding_token_id"),
             # llama.cpp ends generation at end-of-turn / end-of-message too (Llama-3's <|eot_id|>, <|eom_id|>).
             extra_eos_ids=[get(f"tokenizer.ggml.{k}_token_id") for k in GGUF_END_KEYS],

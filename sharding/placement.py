@@ -20,8 +20,10 @@ from sharding.rules import AxesTree, ShardingRules, named, tree_shardings
 
 
 def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-    """Place one array whose global value every process knows."""
-    if jax.process_count() == 1:
+    """Place one array whose global value every process knows (host data), or re-lay out a ``jax.Array``
+    that already spans the processes (a restored checkpoint: ``np.asarray`` of it would fail on the shards
+    this process cannot address)."""
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return jax.device_put(x, sharding)
     host = np.asarray(x)  # each process builds only its addressable shards from the full host copy
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])

@@ -334,6 +334,17 @@ def multiprocess_scenario() -> dict:
         out["bad_row"] = "accepted"
     except ValueError as e:
         out["bad_row"] = str(e)
+    # Re-laying out parameters that already span both processes (as a restore returns them): np.asarray of
+    # such an array fails on the shards this process cannot address, so put must reshard it on device.
+    from sharding.rules import rules, spec_str
+
+    try:
+        moved = shard_params(stp, param_logical_axes(cfg), mesh, rules("data"))
+        wq = np.asarray(moved["layers"]["attn"]["wq"].addressable_data(0))
+        same = bool(np.array_equal(wq, np.asarray(tp["layers"]["attn"]["wq"])))
+        out["relayout"] = {"wq_spec": spec_str(moved["layers"]["attn"]["wq"].sharding.spec), "equal": same}
+    except Exception as e:  # reported, not raised: the other scenarios' results still come back
+        out["relayout"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     # Each process's own rows but process_local forgotten: every device would take its rows from its own
     # process's "whole batch", mixing the two; refused in both processes instead.
     try:

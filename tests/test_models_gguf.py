@@ -538,3 +538,30 @@ def test_end_of_turn_tokens_end_generation(tmp_path):
     w.close()
     tok = Tokenizer.from_gguf(open_gguf(tmp_path / "tok.gguf"))
     assert (tok.eos_id, tok.eos_ids) == (3, (3, 4))
+
+
+def test_llama3_vocabularies_take_whole_words_before_merges(tmp_path):
+    """llama.cpp's LLAMA3 pre-tokenizer (llama-bpe / llama3 / llama-v3) ignores the merges for a piece that is
+    itself a vocabulary entry (tokenizer.json's ignore_merges) and adds BOS unless told not to; other
+    pre-tokenizers merge. Toy vocabulary: "abc" is an entry no merge reaches (only "a b" is a merge)."""
+    from models.tokenizer import Tokenizer
+
+    def tokenizer(pre: str, add_bos=None):
+        w = gguf.GGUFWriter(os.fspath(tmp_path / f"{pre}.gguf"), "llama")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(["a", "b", "c", "ab", "abc", "<s>"])
+        w.add_token_merges(["a b"])
+        w.add_bos_token_id(5)
+        if add_bos is not None:
+            w.add_add_bos_token(add_bos)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return Tokenizer.from_gguf(open_gguf(tmp_path / f"{pre}.gguf"))
+
+    assert tokenizer("gpt-2").encode("abc") == [3, 2]  # merges only: "ab" + "c"
+    for pre in ("llama-bpe", "llama3", "llama-v3"):
+        assert tokenizer(pre).encode("abc") == [5, 4], pre  # BOS, then the whole word
+    assert tokenizer("llama-bpe", add_bos=False).encode("abc") == [4]

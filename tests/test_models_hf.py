@@ -195,3 +195,17 @@ def test_generation_stops_at_every_end_token_like_transformers(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(conf | {"eos_token_id": [stop, None]}))
     with pytest.raises(CheckpointError, match=r"generation_config.json.*eos_token_id must be a token id or a list"):
         config_from_hf(tmp_path)
+
+
+def test_registry_hands_config_json_to_the_tokenizer(tmp_path, hf_smollm2_tokenizer):
+    """A repository whose tokenizer_config.json names no EOS keeps its end tokens in config.json (and
+    generation_config.json): the registry must pass them on, or generation never stops at EOS."""
+    model = tiny_model("llama", tied=True)
+    model.config.eos_token_id = [2, 7]
+    model.save_pretrained(tmp_path)
+    hf_smollm2_tokenizer.save_pretrained(tmp_path)
+    path = tmp_path / "tokenizer_config.json"
+    tcfg = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in tcfg.items() if k not in ("bos_token", "eos_token")}))
+    cfg, _, _, tok = load(str(tmp_path))
+    assert tok.eos_ids == cfg.eos_ids == (2, 7) and tok.eos_id == 2

@@ -200,6 +200,8 @@ def test_two_processes_match_single_process(runs):
         assert procs[p]["shared_blocks"]["tokens"] == ref["greedy"], p
     # Process 1's row 0 holds an out-of-vocabulary id: it raises that, process 0 names it (both return).
     assert "prompt 0 has token ids outside" in procs[1]["bad_row"], procs[1]["bad_row"]
+    for p in (0, 1):  # parameters spanning both processes re-laid out (replicated) on device
+        assert procs[p]["relayout"] == {"wq_spec": "P()", "equal": True}, procs[p]["relayout"]
     for p in (0, 1):  # each process's own rows without process_local=True: refused, not mixed
         assert "process_local=False, but the processes passed different inputs" in procs[p]["mixed_batches"]
     assert "process(es) [1] refused their rows' inputs" in procs[0]["bad_row"], procs[0]["bad_row"]
