@@ -251,7 +251,7 @@ def environment() -> dict[str, Any]:
     """Hardware and versions, written into every result."""
     dev = jax.devices()[0]
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu_model": cpu_model(),
