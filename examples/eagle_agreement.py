@@ -33,7 +33,9 @@ from models import eagle as EG  # noqa: E402
 from models import registry  # noqa: E402
 
 
-def data_map(data_dir: str, batches: int, n: int, vocab_size: int, eos_id: int) -> np.ndarray:
+def data_map(data_dir: str, batches: int, n: int, vocab_size: int, eos_ids) -> np.ndarray:
+    if batches < 1:
+        raise SystemExit(f"--maps-from {data_dir}: --self-batches {batches} reads no answers to build a map from")
     files = [os.path.join(os.path.expanduser(data_dir), f"self_{i:04d}.npz") for i in range(batches)]
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
@@ -43,7 +45,7 @@ def data_map(data_dir: str, batches: int, n: int, vocab_size: int, eos_id: int) 
         d = np.load(f)
         for r in range(d["tokens"].shape[0]):
             answers.append(d["tokens"][r, int(d["prompt_lengths"][r]) : int(d["lengths"][r])])
-    return EG.frequent_tokens(EG.token_counts(answers, vocab_size), n, always=[eos_id])
+    return EG.frequent_tokens(EG.token_counts(answers, vocab_size), n, always=list(eos_ids))
 
 
 def main(argv=None) -> None:
@@ -59,7 +61,7 @@ def main(argv=None) -> None:
     tok, cfg = target.tokenizer, target.config
     new_map = None
     if args.maps_from:
-        new_map = data_map(args.maps_from, args.self_batches, args.head_tokens, cfg.vocab_size, tok.eos_id)
+        new_map = data_map(args.maps_from, args.self_batches, args.head_tokens, cfg.vocab_size, tok.eos_ids)
     prompts = [train_eagle.encode(tok, p, 512) for p in list(train_eagle.EVAL_PROMPTS) + list(bench_eagle.PROMPTS)]
     out = dec.decode(
         target.model, target.params, prompts, max_new_tokens=args.max_new, temperature=0.0, eos_ids=tok.eos_ids

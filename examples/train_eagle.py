@@ -235,7 +235,12 @@ def training_prompts(seed: int, doc_every: int = 4) -> list[str]:
 
 
 def encode(tok, text: str, max_prompt: int) -> list[int]:
-    return tok.encode_chat([{"role": "user", "content": text}])[-max_prompt:]
+    """The chat-formatted request, cut to its last ``max_prompt`` tokens (``--max-prompt``; said when it
+    happens: 5 of the 3358 templated requests are longer than the default 192 and lose their system turn)."""
+    ids = tok.encode_chat([{"role": "user", "content": text}])
+    if len(ids) > max_prompt:
+        print(f"request of {len(ids)} tokens cut to its last {max_prompt} (--max-prompt): {text[:60]!r}...")
+    return ids[-max_prompt:]
 
 
 # ---- stages 1-2: target text and features ---------------------------------------------------------------
@@ -630,14 +635,14 @@ def make_loss(ecfg: EG.EagleConfig, args):
     return loss_fn
 
 
-def draft_vocabulary(args, answers: list, vocab_size: int, eos_id: int) -> np.ndarray | None:
-    """The ``--head-tokens`` most frequent tokens of the generated answers (EOS always in), or None: the full
+def draft_vocabulary(args, answers: list, vocab_size: int, eos_ids) -> np.ndarray | None:
+    """The ``--head-tokens`` most frequent tokens of the generated answers (every end token in), or None: the full
     vocabulary, or a fine-tuned head's own map. ``--remap`` rebuilds a fine-tuned head's map from this run's
     data: its LM head is the target's tied rows, so a new map needs no new weights."""
     if (args.init_from and not args.remap) or not args.head_tokens or args.head_tokens >= vocab_size:
         return None
     counts = EG.token_counts(answers, vocab_size)
-    token_ids = EG.frequent_tokens(counts, args.head_tokens, always=[eos_id])
+    token_ids = EG.frequent_tokens(counts, args.head_tokens, always=list(eos_ids))
     cover = counts[token_ids].sum() / max(counts.sum(), 1)
     print(f"draft vocabulary: {args.head_tokens} most frequent tokens cover {cover:.4f} of the generated text")
     return token_ids
@@ -916,6 +921,45 @@ def parse_args(argv=None):
     return args
 
 
+# Arguments that do not change the trained head: a cached head or checkpoint made with other values is the same.
+_NOT_TRAINING = frozenset({"force", "export", "no_eval", "eval_max_new", "gamma", "name"})
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _training_args(args_dict: dict) -> dict:
+    return {k: v for k, v in json.loads(json.dumps(args_dict)).items() if k not in _NOT_TRAINING}
+
+
+def check_same_run(args, out_dir: str, eval_path: str) -> None:
+    """A head or checkpoint under ``out_dir`` made with other training settings is refused by name (it was
+    reused as this run's result, or resumed on a new schedule); a fresh directory records this run's."""
+    path = os.path.join(out_dir, "args.json")
+    mine = _training_args(vars(args))
+    theirs = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            theirs = json.load(f)
+    elif os.path.isfile(eval_path):  # made before args.json existed: its report has the arguments
+        with open(eval_path) as f:
+            theirs = _training_args(json.load(f).get("args", {}))
+    if theirs is not None:
+        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if differ:
+            what = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
+            raise SystemExit(
+                f"{out_dir} holds a head trained with other settings ({what}): give this run another --name, "
+                "or --force to retrain"
+            )
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(mine, f, indent=1)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.remap and not args.init_from:
@@ -924,7 +968,13 @@ def main(argv=None) -> dict:
     final = os.path.join(out_dir, "head")
     eval_path = os.path.join(out_dir, "eval.json")
     if args.force and os.path.isdir(out_dir):
+        if args.init_from and _inside(EG.resolve_head(args.init_from), out_dir):
+            raise SystemExit(
+                f"--force would delete {out_dir}, which holds the head --init-from {args.init_from} names: "
+                "give this run another --name"
+            )
         shutil.rmtree(out_dir)  # the target data (data_dir) is kept
+    check_same_run(args, out_dir, eval_path)
     if os.path.isfile(os.path.join(final, "meta.json")) and os.path.isfile(eval_path):
         with open(eval_path) as f:
             report = json.load(f)
@@ -959,7 +1009,7 @@ def main(argv=None) -> dict:
         f"data: {n_ans} generated tokens in {len(files)} batches + {len(doc_files)} docstring files; "
         f"{int(data['mask'].sum())} trained pairs"
     )
-    token_ids = draft_vocabulary(args, answers, target.config.vocab_size, target.tokenizer.eos_id)
+    token_ids = draft_vocabulary(args, answers, target.config.vocab_size, target.tokenizer.eos_ids)
 
     t1 = time.perf_counter()
     ecfg, hp, history = train(args, target, data, token_ids, out_dir)

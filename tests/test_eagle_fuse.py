@@ -260,13 +260,13 @@ def test_trainer_remaps_a_fine_tuned_head_only_when_asked():
 
     answers = [np.array([5, 5, 5, 9, 9, 7]), np.array([9, 3])]  # counts: 9 x3, 5 x3, 7 x1, 3 x1
     args = SimpleNamespace(init_from="some-head", remap=False, head_tokens=3)
-    assert train_eagle.draft_vocabulary(args, answers, 12, eos_id=0) is None
+    assert train_eagle.draft_vocabulary(args, answers, 12, eos_ids=[0]) is None
     args.remap = True
-    np.testing.assert_array_equal(train_eagle.draft_vocabulary(args, answers, 12, eos_id=0), [0, 5, 9])
+    np.testing.assert_array_equal(train_eagle.draft_vocabulary(args, answers, 12, eos_ids=[0]), [0, 5, 9])
     args.head_tokens = 4  # 3 and 7 tie at one occurrence: the lower id
-    np.testing.assert_array_equal(train_eagle.draft_vocabulary(args, answers, 12, eos_id=0), [0, 3, 5, 9])
+    np.testing.assert_array_equal(train_eagle.draft_vocabulary(args, answers, 12, eos_ids=[0]), [0, 3, 5, 9])
     args.init_from, args.remap = "", False  # a fresh head always gets its map
-    np.testing.assert_array_equal(train_eagle.draft_vocabulary(args, answers, 12, eos_id=0), [0, 3, 5, 9])
+    np.testing.assert_array_equal(train_eagle.draft_vocabulary(args, answers, 12, eos_ids=[0]), [0, 3, 5, 9])
     with pytest.raises(SystemExit, match="--remap .* needs --init-from"):
         train_eagle.main(["--remap"])
 
@@ -297,3 +297,32 @@ def test_trainer_loss_weighs_the_feature_regression_by_reg_weight():
         np.testing.assert_allclose(float(loss), want, rtol=1e-5)
         out[rw] = (float(loss), m)
     assert float(np.min(out[1.0][1]["reg"])) > 0 and out[1.0][0] > out[0.0][0]
+
+
+def test_trainer_refuses_a_cached_head_or_checkpoint_made_with_other_settings(tmp_path, monkeypatch):
+    """A finished head under --name was printed and exported as this run's result whatever the settings, and a
+    checkpoint was resumed on another schedule; now the first run records its training settings and a later
+    one with other values is refused, naming them (settings that only change the evaluation do not count).
+    Every end token is in a fresh head's map, and --force cannot delete the head --init-from names."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_eagle
+
+    out, ev = str(tmp_path / "run"), str(tmp_path / "run" / "eval.json")
+    first = train_eagle.parse_args(["--lr", "3e-4"])
+    train_eagle.check_same_run(first, out, ev)
+    train_eagle.check_same_run(first, out, ev)  # the same run again (a resume): accepted
+    train_eagle.check_same_run(train_eagle.parse_args(["--lr", "3e-4", "--gamma", "5", "--no-eval"]), out, ev)
+    with pytest.raises(SystemExit, match=r"other settings \(epochs: .* there, 6 here, lr: 0.0003 there, 0.001 here\)"):
+        train_eagle.check_same_run(train_eagle.parse_args(["--lr", "1e-3", "--epochs", "6"]), out, ev)
+
+    answers = [np.array([5, 5, 9])]
+    args = SimpleNamespace(init_from="", remap=False, head_tokens=3)
+    np.testing.assert_array_equal(train_eagle.draft_vocabulary(args, answers, 12, eos_ids=[0, 11]), [0, 5, 11])
+
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    head_dir = tmp_path / "cache" / "eagle" / "mine" / "head"
+    head_dir.mkdir(parents=True)
+    (head_dir / "meta.json").write_text("{}")
+    with pytest.raises(SystemExit, match="--force would delete .* which holds the head --init-from mine names"):
+        train_eagle.main(["--name", "mine", "--init-from", "mine", "--force"])
+    assert (head_dir / "meta.json").exists()
