@@ -156,6 +156,8 @@ def make_compressed_model(cfg: LlamaConfig, block: int = 4) -> Model:
     """A ``jspec.model.Model`` over a (tied-embedding) Llama parameter tree with block-compressed state."""
     if not cfg.tie_embeddings:
         raise ValueError("the compressed-state stand-in uses tied embeddings")
+    if cfg.qkv_bias:  # its projections have no bias terms: a Qwen2 model's logits would silently differ
+        raise ValueError("the compressed-state stand-in does not implement q/k/v biases (qkv_bias=True)")
 
     def apply(params, tokens, positions, cache, tree_mask=None):
         return forward(cfg, block, params, tokens, positions, cache, tree_mask)

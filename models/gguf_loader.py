@@ -108,6 +108,11 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
         factor = _field(gf, key, required=False)
         if factor not in (None, 0, 0.0, 1, 1.0):
             raise CheckpointError(f"{gf.path}: RoPE scaling factor {key}={factor} is not supported")
+    # Llama-3.1/3.2 files carry their frequency scaling as a tensor, not as metadata.
+    if any(t.name == "rope_freqs.weight" for t in gf.reader.tensors):
+        raise CheckpointError(
+            f"{gf.path}: RoPE frequency scaling (tensor rope_freqs.weight, Llama-3.1) is not supported"
+        )
     hidden = int(_field(gf, f"{arch}.embedding_length"))
     heads = int(_field(gf, f"{arch}.attention.head_count"))
     head_dim = int(_field(gf, f"{arch}.attention.key_length", hidden // heads))

@@ -49,8 +49,6 @@ class TensorRef:
     end: int
 
     def load(self) -> np.ndarray:
-        if self.dtype not in _ST_DTYPES:
-            raise CheckpointError(f"{self.file}: tensor dtype {self.dtype} not supported ({sorted(_ST_DTYPES)})")
         count = (self.end - self.start) // _ST_DTYPES[self.dtype].itemsize
         arr = np.memmap(self.file, dtype=_ST_DTYPES[self.dtype], mode="r", offset=self.start, shape=(count,))
         return np.asarray(arr).reshape(self.shape)
@@ -77,7 +75,15 @@ def _read_safetensors_header(path: str) -> dict[str, TensorRef]:
         start, end = info["data_offsets"]
         if base + end > size:
             raise CheckpointError(f"{path}: truncated safetensors file: tensor '{name}' ends past the end of the file")
-        refs[name] = TensorRef(path, info["dtype"], tuple(info["shape"]), base + start, base + end)
+        dtype, shape = info["dtype"], tuple(info["shape"])
+        if dtype not in _ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype}, not supported ({sorted(_ST_DTYPES)})")
+        if end - start != int(np.prod(shape)) * _ST_DTYPES[dtype].itemsize:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: tensor '{name}' of shape {shape} and dtype {dtype} spans "
+                f"{end - start} bytes"
+            )
+        refs[name] = TensorRef(path, dtype, shape, base + start, base + end)
     return refs
 
 
@@ -89,13 +95,20 @@ def index_safetensors(path: str | os.PathLike) -> dict[str, TensorRef]:
     if os.path.isfile(index):
         with open(index) as f:
             weight_map = json.load(f)["weight_map"]
-        refs: dict[str, TensorRef] = {}
+        shards: dict[str, dict[str, TensorRef]] = {}
         for shard in sorted(set(weight_map.values())):
             shard_path = os.path.join(path, shard)
             if not os.path.isfile(shard_path):
                 raise CheckpointError(f"{path}: shard '{shard}' listed in the index is missing")
-            refs.update(_read_safetensors_header(shard_path))
-        missing = sorted(n for n in weight_map if n not in refs)
+            shards[shard] = _read_safetensors_header(shard_path)
+        # Each tensor from the shard the index names (a copy in another shard must not win by file order),
+        # and every tensor of every shard listed in the index (an unlisted one is still checked as unexpected).
+        refs: dict[str, TensorRef] = {}
+        for shard, found in shards.items():
+            for name, ref in found.items():
+                if weight_map.get(name, shard) == shard:
+                    refs[name] = ref
+        missing = sorted(n for n, shard in weight_map.items() if n not in shards[shard])
         if missing:
             raise CheckpointError(f"{path}: tensor '{missing[0]}' listed in the index is not in its shard")
         return refs
@@ -119,9 +132,16 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
         )
     rope = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
-    if rope_type != "default":
-        raise CheckpointError(f"{cfg_path}: RoPE scaling '{rope_type}' is not supported")
+    # Both places may name a type; a scaling entry that names none (only a factor) still scales positions.
+    for where, d in (("rope_scaling", scaling), ("rope_parameters", rope)):
+        rope_type = d.get("rope_type", d.get("type"))
+        if rope_type not in (None, "default"):
+            raise CheckpointError(f"{cfg_path}: RoPE scaling '{rope_type}' is not supported")
+        other = sorted(set(d) - {"rope_type", "type", "rope_theta"})
+        if rope_type is None and other:
+            raise CheckpointError(
+                f"{cfg_path}: {where} has {other} but no type: RoPE scaling of an unknown kind is not supported"
+            )
     unsupported = {
         "attention_bias": mtype != "qwen2" and c.get("attention_bias", False),
         "mlp_bias": c.get("mlp_bias", False),

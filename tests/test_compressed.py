@@ -98,3 +98,11 @@ def test_a_compressed_model_drafting_for_itself_is_always_accepted():
     assert out.tokens == dec.decode(TARGET, PARAMS, PROMPTS, max_new_tokens=24).tokens
     rounds_at = [n // 2 for n in out.stats["proposed_at"]]
     assert out.stats["accepted_at"] == rounds_at and rounds_at[1] > 15, out.stats
+
+
+def test_configs_it_does_not_implement_are_refused():
+    """Its projections have no bias terms: a Qwen2-style config (q/k/v biases) gave other logits silently."""
+    with pytest.raises(ValueError, match=r"does not implement q/k/v biases \(qkv_bias=True\)"):
+        make_compressed_model(CFG.replace(qkv_bias=True))
+    with pytest.raises(ValueError, match="uses tied embeddings"):
+        make_compressed_model(CFG.replace(tie_embeddings=False))

@@ -193,7 +193,7 @@ def encode(w, qtype):
     return gguf.quants.quantize(w, qtype), qtype, None
 
 
-def write_gguf(path, state, qtype=Q.F32, arch="llama", drop=(), reshape=None, extra_meta=None):
+def write_gguf(path, state, qtype=Q.F32, arch="llama", drop=(), reshape=None, extra_meta=None, extra_tensors=None):
     """Write ``state`` (HF layout) as a llama.cpp-style GGUF; returns {gguf name: expected values or None}."""
     w = gguf.GGUFWriter(os.fspath(path), arch)
     w.add_context_length(256)
@@ -224,6 +224,8 @@ def write_gguf(path, state, qtype=Q.F32, arch="llama", drop=(), reshape=None, ex
         raw, raw_dtype, values = encode(arr, qtype)
         w.add_tensor(name, raw, raw_dtype=raw_dtype)
         expected[name] = values
+    for name, arr in (extra_tensors or {}).items():  # written under their GGUF names as they are
+        w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -488,6 +490,15 @@ def test_rope_scaling_factor_without_a_type_is_refused(tmp_path, key):
         config_from_gguf(open_gguf(path))
     write_gguf(path, hf_state(seed=11), Q.F32, extra_meta={key: 1.0})
     assert config_from_gguf(open_gguf(path)).rope_theta == 5000.0
+
+
+def test_llama31_frequency_scaling_tensor_is_refused_by_name(tmp_path):
+    """Llama-3.1/3.2 GGUF files scale RoPE frequencies through a rope_freqs.weight tensor, not metadata: the
+    file failed later as 'unexpected tensor'; the refusal now names the feature."""
+    path = tmp_path / "llama31.gguf"
+    write_gguf(path, hf_state(seed=11), Q.F32, extra_tensors={"rope_freqs.weight": np.ones(D // 2, np.float32)})
+    with pytest.raises(CheckpointError, match=r"RoPE frequency scaling \(tensor rope_freqs.weight"):
+        config_from_gguf(open_gguf(path))
 
 
 def test_tokenizer_without_a_pre_tokenizer_is_refused(tmp_path):

@@ -142,6 +142,56 @@ def test_unsupported_model_type_and_rope_scaling(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(scaled))
     with pytest.raises(CheckpointError, match="RoPE scaling 'llama3' is not supported"):
         config_from_hf(tmp_path)
+    # A type in one place hid the other's, and a factor without a type was read as plain RoPE.
+    both = conf | {"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_type": "yarn", "factor": 4}}
+    for bad, message in [
+        (both, "RoPE scaling 'yarn' is not supported"),
+        (conf | {"rope_scaling": {"factor": 8.0}}, r"rope_scaling has \['factor'\] but no type"),
+    ]:
+        (tmp_path / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=message):
+            config_from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(conf | {"rope_parameters": {"rope_theta": 5000.0}}))
+    assert config_from_hf(tmp_path).rope_theta == 5000.0
+
+
+def _safetensors(path, tensors: dict, patch=None):
+    """Write a safetensors file by hand, ``patch`` editing the header entries first (a corrupt or exotic file)."""
+    import struct
+
+    header, offset, blobs = {}, 0, []
+    for name, arr in tensors.items():
+        data = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    for name, change in (patch or {}).items():
+        header[name].update(change)
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+def test_safetensors_headers_are_checked_tensor_by_tensor(tmp_path):
+    """A header whose byte range does not hold its shape failed as a bare numpy reshape naming no tensor, an
+    unsupported dtype named only the file, and a tensor found in two shards came from the last shard in file
+    order even where the index names the other."""
+    from models.hf_loader import index_safetensors
+
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.full((2, 3), 7.0, np.float32)
+    _safetensors(tmp_path / "model.safetensors", {"w": a}, patch={"w": {"shape": [2, 2]}})
+    with pytest.raises(CheckpointError, match=r"tensor 'w' of shape \(2, 2\) and dtype F32 spans 24 bytes"):
+        index_safetensors(tmp_path)
+    _safetensors(tmp_path / "model.safetensors", {"w": a}, patch={"w": {"dtype": "F8_E4M3"}})
+    with pytest.raises(CheckpointError, match="tensor 'w' has dtype F8_E4M3, not supported"):
+        index_safetensors(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    _safetensors(tmp_path / "a.safetensors", {"w": a})
+    _safetensors(tmp_path / "b.safetensors", {"w": b, "x": b})
+    index = {"weight_map": {"w": "a.safetensors", "x": "b.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    refs = index_safetensors(tmp_path)
+    np.testing.assert_array_equal(refs["w"].load(), a)
+    np.testing.assert_array_equal(refs["x"].load(), b)
 
 
 def test_context_length_and_partial_rope_from_config(tmp_path):
