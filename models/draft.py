@@ -404,8 +404,16 @@ def _special(tokenizer) -> dict[str, int | None]:
     return {"eos_id": getattr(tokenizer, "eos_id", None), "bos_id": getattr(tokenizer, "bos_id", None)}
 
 
+def _model_special(loaded) -> dict[str, int | None]:
+    # A checkpoint without a tokenizer still states its special ids in its config (GGUF metadata, config.json).
+    if loaded.tokenizer is not None:
+        return _special(loaded.tokenizer)
+    return {"eos_id": loaded.config.eos_id, "bos_id": loaded.config.bos_id}
+
+
 def check_models_compatible(target, draft) -> None:
-    """Two ``models.registry.LoadedModel``-like objects (``config``, ``tokenizer``; the tokenizer may be None)."""
+    """Two ``models.registry.LoadedModel``-like objects (``config``, ``tokenizer``; the tokenizer may be None:
+    then its config's special ids are compared, with the vocabulary size)."""
     tt, dt = target.tokenizer, draft.tokenizer
     check_compatible(
         target.config.vocab_size,
@@ -414,8 +422,8 @@ def check_models_compatible(target, draft) -> None:
         tokenizer_tokens(dt) if dt is not None else None,
         target_name=target.config.name,
         draft_name=draft.config.name,
-        target_special=_special(tt) if tt is not None else None,
-        draft_special=_special(dt) if dt is not None else None,
+        target_special=_model_special(target),
+        draft_special=_model_special(draft),
     )
 
 

@@ -95,6 +95,8 @@ class LlamaConfig:
         return DTYPES[self.dtype]
 
     def replace(self, **changes) -> LlamaConfig:
+        if "eos_id" in changes and "eos_ids" not in changes:  # a new EOS replaces the old end tokens
+            changes["eos_ids"] = ()
         return dataclasses.replace(self, **changes)
 
 

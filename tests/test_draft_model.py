@@ -218,6 +218,12 @@ def test_same_size_different_tokenizer_refused(distilled, tmp_path):
     drf = type("M", (), {"config": dcfg.llama, "tokenizer": Tokenizer(tok.backend, bos_id=None, eos_id=2)})
     with pytest.raises(D.DraftMismatchError, match="eos_id is id 2 for draft"):
         D.check_models_compatible(tgt, drf)
+    # A checkpoint without a tokenizer (an HF directory without tokenizer.json) was checked on size alone; its
+    # config's special ids are compared now.
+    bare = type("M", (), {"config": dcfg.llama.replace(eos_id=2, bos_id=None), "tokenizer": None})
+    with pytest.raises(D.DraftMismatchError, match="eos_id is id 2 for draft"):
+        D.check_models_compatible(tgt, bare)
+    D.check_models_compatible(tgt, type("M", (), {"config": dcfg.llama.replace(eos_id=tok.eos_id), "tokenizer": None}))
 
 
 # ---- losslessness ------------------------------------------------------------------------------------------
