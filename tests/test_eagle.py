@@ -833,6 +833,7 @@ def test_trainer_self_prompts(monkeypatch):
 
     class Tok:
         eos_id = 0
+        eos_ids = (0,)
 
         def decode(self, ids):
             return " ".join(texts[i] for i in ids)
