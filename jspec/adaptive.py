@@ -1,6 +1,10 @@
 """Adaptive draft length: each row picks its K from its own measured acceptance, on device.
 
-The row keeps an exponential moving average of its per-round acceptance ratio (accepted / proposed), and
+The row estimates its per-token acceptance a as a ratio of exponential moving sums, accepted / tested: a
+chain tests its proposals up to the first rejection, so a round with n accepted of k proposed tested
+min(n + 1, k). This is the geometric maximum-likelihood estimate; accepted / proposed would count the untested
+proposals after a rejection as failures (a = 0.5 at K = 4 read as ~0.23), and an average of per-round ratios
+is biased too (~0.32). Then it
 each round picks the k in [0, K_max] that maximises the seed's cost model: expected tokens per round
 E[N] = 1 + a + ... + a^k divided by the round's cost relative to one plain step, 1 + k * (draft_cost +
 verify_cost). When no k > 0 beats plain decoding the row stops proposing (k = 0); its estimate then drifts
@@ -52,9 +56,20 @@ class AdaptiveK:
             raise ValueError(f"AdaptiveK.min_k must be an int >= 0, got {self.min_k!r}")
 
 
+def init(policy: AdaptiveK | None, batch: int):
+    """[B, 2] (accepted, tested) moving sums at the prior: one tested token accepted with probability prior."""
+    prior = policy.prior if policy is not None else 1.0
+    return jnp.tile(jnp.asarray([[prior, 1.0]], jnp.float32), (batch, 1))
+
+
+def estimate(ema):
+    """[B, 2] moving sums -> [B] per-token acceptance estimates."""
+    return ema[:, 0] / jnp.maximum(ema[:, 1], 1e-6)
+
+
 def choose_k(policy: AdaptiveK, ema, k_max: int):
-    """ema [B] acceptance estimates -> [B] int32 draft lengths in [policy.min_k, k_max]."""
-    a = jnp.clip(ema, 0.0, 0.999)[:, None]
+    """ema [B, 2] (accepted, tested) moving sums -> [B] int32 draft lengths in [policy.min_k, k_max]."""
+    a = jnp.clip(estimate(ema), 0.0, 0.999)[:, None]
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)[None, :]
     expected = (1.0 - a ** (ks + 1.0)) / (1.0 - a)  # 1 + a + ... + a^k
     cost = 1.0 + ks * (policy.draft_cost + policy.verify_cost)
@@ -63,8 +78,13 @@ def choose_k(policy: AdaptiveK, ema, k_max: int):
 
 
 def update(policy: AdaptiveK, ema, n_accepted, n_proposed, active):
-    """Fold this round's outcome into the estimate of rows that proposed; idle rows drift to the prior."""
-    ratio = n_accepted / jnp.maximum(n_proposed, 1)
-    moved = policy.beta * ema + (1.0 - policy.beta) * ratio
-    idle = ema + policy.drift * (policy.prior - ema)
-    return jnp.where(active & (n_proposed > 0), moved, jnp.where(active, idle, ema))
+    """Fold this round's outcome into the estimate of rows that proposed; idle rows drift to the prior. A chain
+    tests proposals until the first rejection, so n_accepted of min(n_accepted + 1, n_proposed) were tested."""
+    tested = jnp.minimum(n_accepted + 1, n_proposed)
+    now = jnp.stack([n_accepted, tested], axis=1).astype(jnp.float32)
+    moved = policy.beta * ema + (1.0 - policy.beta) * now
+    a = estimate(ema)
+    drifted = a + policy.drift * (policy.prior - a)  # the estimate moves, the weight (tested) stays
+    idle = jnp.stack([drifted * ema[:, 1], ema[:, 1]], axis=1)
+    proposed = (active & (n_proposed > 0))[:, None]
+    return jnp.where(proposed, moved, jnp.where(active[:, None], idle, ema))

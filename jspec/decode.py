@@ -100,7 +100,7 @@ class DecodeState:
     stop: jax.Array  # [B] StopReason
     stats: DecodeStats
     bad_proposal: jax.Array  # [] bool, some row proposed a token its drafter gave q(x) == 0
-    accept_ema: jax.Array  # [B] float32, the adaptive draft length's acceptance estimate
+    accept_ema: jax.Array  # [B, 2] float32, the adaptive draft length's (accepted, tested) moving sums
 
 
 def _scatter_rows(buf: jax.Array, start: jax.Array, vals: jax.Array, n: jax.Array) -> jax.Array:
@@ -166,7 +166,6 @@ def prefill(
         prompt_len,
         jnp.zeros((b,), jnp.int32),
     )
-    prior = config.adaptive.prior if config.adaptive is not None else 1.0
     return DecodeState(
         seq,
         prompt_len + 1,
@@ -179,7 +178,7 @@ def prefill(
         stop,
         stats,
         jnp.zeros((), bool),
-        jnp.full((b,), prior, jnp.float32),
+        adapt.init(config.adaptive, b),
     )
 
 
@@ -573,7 +572,7 @@ def check_eos(eos_ids, vocab_size: int) -> tuple[int, ...]:
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if bad.size:
         raise ValueError(f"eos_ids must be token ids in [0, {vocab_size}), got {bad.tolist()}")
-    return tuple(int(e) for e in ids)
+    return tuple(sorted({int(e) for e in ids}))  # a set: [2, 3], [3, 2] and [2, 2, 3] share one compilation
 
 
 DEFAULT_GAMMA = 4  # a chain drafter's K when none is given
@@ -696,7 +695,7 @@ def _prepare(target: Model, prompts, max_new_tokens, max_len):
     if max_len is None:
         if max_new_tokens is None:
             raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
-        need = int((plen + mnew).max())
+        need = int((plen + mnew - 1).max())  # the last token takes no slot (P + N <= S + 1, below)
         max_len = -(-need // 128) * 128  # round up so nearby request sizes share one compilation
         if ctx is not None:
             max_len = min(max_len, ctx)  # still >= every P + N - 1 (checked above)
@@ -806,6 +805,7 @@ def prepare(
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
     gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params)
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len)
+    _check_draft_context(drafter, plen + mnew - 1 if max_new_tokens is not None else np.full_like(plen, slots))
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
     key = _decode_key(seed, key)
     eos = check_eos(eos_ids, target.vocab_size)
@@ -814,33 +814,61 @@ def prepare(
     return PreparedDecode(_compiled(target, drafter, config), (target_params, draft_params, *arrays), config)
 
 
+def _check_draft_context(drafter, last: np.ndarray) -> None:
+    """A draft model fed past its own context length drafts garbage (lossless, but nothing is accepted):
+    refused like the target's. ``last``: [B] the slots each row fills."""
+    dm = getattr(drafter, "model", None)
+    ctx = getattr(dm, "max_positions", None) if isinstance(dm, Model) else None
+    if ctx is not None and np.any(last > ctx):
+        i = int(np.argmax(last > ctx))
+        raise ValueError(
+            f"row {i} runs to position {int(last[i]) - 1}, past the draft model {dm.name}'s context length "
+            f"({ctx} positions): lower max_new_tokens / max_len or use a draft with a longer context"
+        )
+
+
 def _decode_key(seed, key) -> jax.Array:
     """The loop's PRNG key: ``key``, or one made from ``seed`` (default 0); both given is refused (one would be
-    ignored)."""
+    ignored). A raw uint32[2] key is wrapped, so it and the typed key it stands for share one compilation."""
     if key is not None:
         if seed is not None:
             raise ValueError("give seed or key, not both (the seed would be ignored)")
-        return key
+        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            if key.shape != ():
+                raise ValueError(f"key must be one PRNG key (shape ()), got shape {key.shape}")
+            return key
+        if key.shape != (2,) or key.dtype != jnp.uint32:
+            raise ValueError(f"key must be a jax.random.key or a uint32[2] raw key, got {key.dtype}{list(key.shape)}")
+        return jax.random.wrap_key_data(key)
     if seed is None:
         return jax.random.key(0)
+    return jax.random.key(check_seed(seed))
+
+
+def check_seed(seed) -> int:
+    """A seed ``jax.random.key`` keeps whole: without 64-bit mode it keeps the low 32 bits (2**32 gives seed 0's
+    stream, -1 gives 2**32 - 1's), so a seed outside [0, 2**32) is refused rather than folded onto another."""
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    return jax.random.key(seed)
+    top = 2**63 if jax.config.jax_enable_x64 else 2**32
+    if not 0 <= int(seed) < top:
+        raise ValueError(f"seed must be in [0, {top}) (other values alias seeds in that range), got {seed}")
+    return int(seed)
 
 
 def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     """Generate up to ``max_new_tokens`` per prompt with speculative decoding (plain when drafter is None).
 
     prompts: B token-id lists of any (non-zero) lengths, or a [B, P] array. Keyword arguments (see
-    ``prepare``): drafter, draft_params, gamma (K candidates per round; unset: 4 for a chain drafter, the
-    depth of a tree drafter, 0 without a drafter; a given value must be the one that runs, see
-    ``check_drafter``), max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature /
-    top_k / top_p / min_p (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key (not both;
-    seed 0 by default), max_len (cache slots S; default the longest prompt + budget rounded up to a multiple
-    of 128, capped at the model's context length), adaptive, block_verify, debug_checks. Returns generated
-    tokens per row, the stop reason per row and statistics (defined in the module doc). Sampling parameters,
-    the seed or key and the budgets are arrays: new values reuse the compiled loop as long as the batch, the
-    padded prompt width (a multiple of 16) and max_len stay the same (a default max_len follows the budget);
+    ``prepare``): drafter, draft_params, gamma (K candidates per round; unset: 4 for a chain drafter, the depth of a
+    tree drafter, 0 without a drafter; a given value must be the one that runs, see ``check_drafter``),
+    max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature / top_k / top_p / min_p
+    (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key (not both; seed 0 by default, in [0,
+    2**32) without 64-bit mode), max_len (cache slots S; default the largest P + N - 1 (the slots the rows need)
+    rounded up to a multiple of 128, capped at the model's context length), adaptive, block_verify, debug_checks.
+    Returns generated tokens per row, the stop reason per row and statistics (defined in the module doc). Sampling
+    parameters, the seed or key and the budgets are arrays: new values reuse the compiled loop as long as the batch,
+    the padded prompt width (a multiple of 16) and max_len stay the same (a default max_len follows the budget);
     drafter, gamma, eos_ids, adaptive, block_verify and debug_checks
     are static and compile a loop of their own.
     """
@@ -850,10 +878,15 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
 def decode_stream(target: Model, target_params, prompts, **kwargs) -> Iterator[list[list[int]]]:
     """Like ``decode`` (same arguments), but steps round by round from Python and yields, after prefill and
     after every round, the tokens each row emitted in that step (an empty list for rows that emitted nothing).
-    The rounds run the same ``decode_round`` as the fused loop, so the tokens are identical."""
+    The rounds run the same ``decode_round`` as the fused loop, so the tokens are identical. Arguments are
+    checked when it is called, not at the first ``next()``."""
     prepared = prepare(target, target_params, prompts, **kwargs)
+    return _stream(prepared, target, kwargs.get("drafter"))
+
+
+def _stream(prepared: PreparedDecode, target: Model, drafter) -> Iterator[list[list[int]]]:
     target_params, draft_params, *arrays = prepared.args
-    pre, step = _stream_fns(target, kwargs.get("drafter"), prepared.config)
+    pre, step = _stream_fns(target, drafter, prepared.config)
     st = pre(target_params, draft_params, *arrays)
     seq, sl = jax.device_get((st.seq, st.seq_len))
     b = seq.shape[0]

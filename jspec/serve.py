@@ -24,6 +24,7 @@ from jspec.decode import (
     adaptive_policy,
     check_drafter,
     check_eos,
+    check_seed,
     decode_round,
     prefill,
 )
@@ -153,7 +154,7 @@ class Engine:
             jnp.ones((b,), jnp.int32),
             jnp.ones((b,), jnp.int32),
             SamplingParams.make(b),
-            jax.random.key(self.seed),
+            jax.random.key(check_seed(self.seed)),
         )
         self.state = dataclasses.replace(st, stop=jnp.full((b,), StopReason.IDLE, jnp.int32))
         self._stop = np.full((b,), int(StopReason.IDLE))

@@ -372,6 +372,11 @@ def test_debug_checks_catch_zero_q_proposals():
         (dict(eos_ids=[1.5]), "eos_ids must be integers"),
         (dict(eos_ids=[3]), "eos_ids must be token ids in \\[0, 3\\), got \\[3\\]"),
         (dict(eos_ids=2), "eos_ids must be a sequence of token ids, got the single value 2"),
+        # jax.random.key keeps a seed's low 32 bits: 2**32 was seed 0's stream, -1 was 2**32 - 1's.
+        (dict(seed=2**32), r"seed must be in \[0, 4294967296\)"),
+        (dict(seed=-1), r"seed must be in \[0, 4294967296\)"),
+        (dict(key=jax.random.split(jax.random.key(0), 4)), r"key must be one PRNG key \(shape \(\)\)"),
+        (dict(key=np.zeros(3, np.uint32)), r"key must be a jax.random.key or a uint32\[2\] raw key"),
     ],
 )
 def test_bad_input_raises_clear_error(kwargs, message):
@@ -614,3 +619,56 @@ def test_requests_past_the_models_context_are_refused():
     with pytest.raises(ValueError, match=r"runs past target's context length \(12 positions\)"):
         engine.add(0, prompt[0], 9)
     engine.add(0, prompt[0], 8)
+
+
+def test_adaptive_estimate_is_the_per_token_acceptance():
+    """The adaptive K's estimate was an average of accepted / proposed per round: a chain stops testing at its
+    first rejection, so at a = 0.5, K = 4 it read ~0.23 and chose K = 1 where K = 3 pays. It is now a ratio of
+    moving sums, accepted / tested (the geometric maximum-likelihood estimate). Exact update first, then
+    2000 simulated rounds of per-token acceptance 0.5 (fixed seed; tolerance 0.05)."""
+    from jspec import adaptive as adapt
+
+    policy = adapt.AdaptiveK(beta=0.7, prior=0.6)
+    ema = adapt.init(policy, 1)
+    one = lambda x: jnp.asarray([x], jnp.int32)  # noqa: E731
+    moved = adapt.update(policy, ema, one(2), one(4), jnp.asarray([True]))  # 2 accepted of 3 tested
+    np.testing.assert_allclose(np.asarray(moved), [[0.7 * 0.6 + 0.3 * 2, 0.7 * 1 + 0.3 * 3]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(adapt.estimate(moved)), [1.02 / 1.6], rtol=1e-6)
+
+    slow = adapt.AdaptiveK(beta=0.99)
+    rng = np.random.default_rng(0)
+    ema = adapt.init(slow, 1)
+    for _ in range(2000):
+        n_acc = 0
+        while n_acc < 4 and rng.random() < 0.5:
+            n_acc += 1
+        ema = adapt.update(slow, ema, one(n_acc), one(4), jnp.asarray([True]))
+    assert abs(float(adapt.estimate(ema)[0]) - 0.5) < 0.05
+    default = adapt.AdaptiveK()  # at a = 0.5 with its costs, K = 3 has the best expected tokens per cost
+    assert int(adapt.choose_k(default, jnp.asarray([[0.5, 1.0]]), 4)[0]) == 3
+
+
+def test_defaults_and_keys_that_compiled_too_much():
+    """A default cache sized P + N (not P + N - 1) doubled at a bucket edge; EOS ids in another order or
+    repeated, and a raw key next to the typed key it stands for, compiled loops of their own; decode_stream
+    checked its arguments only at the first next()."""
+    prompt = [[0, 1, 2] * 9 + [0, 1]]  # 29 tokens + 100 new = 128 slots needed
+    assert dec.prepare(TARGET, TARGET_PARAMS, prompt, max_new_tokens=100).config.slots == 128
+    assert dec.check_eos([2, 1, 2], VOCAB) == dec.check_eos([1, 2], VOCAB) == (1, 2)
+    raw = dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, key=jax.random.key_data(jax.random.key(7)))
+    typed = dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, key=jax.random.key(7))
+    assert raw.args[-1].dtype == typed.args[-1].dtype and raw.run().tokens == typed.run().tokens
+    with pytest.raises(ValueError, match="temperature"):
+        dec.decode_stream(TARGET, TARGET_PARAMS, PROMPTS, temperature=-1.0)  # no next() needed
+
+
+def test_a_draft_model_fed_past_its_context_is_refused():
+    """The target's context was checked, the draft model's not: fed past it, it drafts garbage."""
+    short = dataclasses.replace(DRAFT, max_positions=8)
+    message = r"row 0 runs to position 8, past the draft model draft's context length \(8 positions"
+    with pytest.raises(ValueError, match=message):
+        dec.decode(TARGET, TARGET_PARAMS, PROMPTS, drafter=ModelDrafter(short), draft_params=DRAFT_PARAMS,
+                   max_new_tokens=5)  # fmt: skip
+    out = dec.decode(TARGET, TARGET_PARAMS, [[0, 1]], drafter=ModelDrafter(short), draft_params=DRAFT_PARAMS,
+                     max_new_tokens=5)  # fmt: skip
+    assert len(out.tokens[0]) == 5

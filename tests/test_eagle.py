@@ -369,7 +369,7 @@ def _rollout_head():
     return ecfg, near_identity_head(ecfg, TINY_PARAMS, 6, 0.02, ids)
 
 
-@pytest.mark.parametrize("gamma,adaptive", [(3, None), (2, None), (3, AdaptiveK(draft_cost=0.4))])
+@pytest.mark.parametrize("gamma,adaptive", [(3, None), (2, None), (3, AdaptiveK(draft_cost=0.6, prior=0.9))])
 def test_rollout_equals_training_time_test(gamma, adaptive):
     """Every draft position's logits that ``propose`` produces inside the decode loop (greedy, ragged
     acceptance; K < max_draft; adaptive K, with rounds in which no row proposes and the head only
