@@ -456,7 +456,23 @@ def generate_self_data(args, target, data_dir: str) -> list[str]:
         seed = args.seed * 1000 + 500 + i
         return answer_batch(args, target, features, prompt_ids, temp, seed, path, prompts=texts)
 
-    return cached_batches(data_dir, "self", list(range(args.self_batches)), "self-written prompts", make)
+    files = cached_batches(data_dir, "self", list(range(args.self_batches)), "self-written prompts", make)
+    check_cached_prompts(files, held_out)
+    return files
+
+
+def check_cached_prompts(files: list[str], held_out: list[str]) -> None:
+    """Batches written before a held-out prompt was added may restate it: the check made when a batch is
+    written runs again on every cached one, and a hit is refused naming the file."""
+    for path in files:
+        with np.load(path) as d:
+            texts = [str(t) for t in d["prompts"]] if "prompts" in d else []
+        close = [t for t in texts if too_close(t, held_out)]
+        if close:
+            raise SystemExit(
+                f"{path}: its request {close[0]!r} is too close to a held-out prompt (added after the batch was "
+                "written): delete the file to write it again"
+            )
 
 
 def doc_answers(max_chars: int = 3000) -> list[tuple[str, str]]:
@@ -540,6 +556,14 @@ def generate_doc_data(args, target, data_dir: str) -> list[str]:
             seqs.append(full[:width])
             plens.append(len(prompt))
         if os.path.exists(path):  # the prompts above were still consumed: later files stay the same
+            with np.load(path) as d:  # ... if the cached file holds as many passages as this run puts in one
+                cached = [np.asarray(t[:n]).tolist() for t, n in zip(d["tokens"], d["lengths"])]
+            if cached != seqs:
+                raise SystemExit(
+                    f"{path} holds other passages than this run would put there ({len(cached)} rows; this run "
+                    f"writes {rows_per_file} per file, from --feature-batch {args.feature_batch}): use the "
+                    "--feature-batch that wrote it, or delete the folder"
+                )
             continue
         tokens = np.zeros((len(seqs), width), np.int32)
         for r, sq in enumerate(seqs):

@@ -326,3 +326,37 @@ def test_trainer_refuses_a_cached_head_or_checkpoint_made_with_other_settings(tm
     with pytest.raises(SystemExit, match="--force would delete .* which holds the head --init-from mine names"):
         train_eagle.main(["--name", "mine", "--init-from", "mine", "--force"])
     assert (head_dir / "meta.json").exists()
+
+
+def test_cached_self_written_batches_are_checked_against_the_held_out_prompts(tmp_path):
+    """The held-out check ran only when a batch was written: a prompt added to the evaluation set later could
+    be restated by a cached batch and still be trained on."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_eagle
+
+    held = ["Write a haiku about frost on the window glass"]
+    ok, bad = tmp_path / "self_0000.npz", tmp_path / "self_0001.npz"
+    np.savez(ok, prompts=np.asarray(["How do I bake bread at home?"]))
+    np.savez(bad, prompts=np.asarray(["Tell me a story", "write a haiku about the frost on window glass"]))
+    train_eagle.check_cached_prompts([str(ok)], held)
+    with pytest.raises(SystemExit, match=r"self_0001.npz: its request 'write a haiku .* too close to a held-out"):
+        train_eagle.check_cached_prompts([str(ok), str(bad)], held)
+
+
+def test_cached_docstring_files_must_hold_what_this_run_would_write(tmp_path, monkeypatch, smollm2):
+    """The docstring cache is keyed on width and seed only, but --feature-batch sets the passages per file:
+    a rerun with another value reused the old files and wrote duplicate passages after them. Features are
+    stand-ins here (zeros): only which passages land in which file is checked."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from types import SimpleNamespace
+
+    import train_eagle
+
+    monkeypatch.setattr(train_eagle, "feature_fn", lambda cfg: lambda p, t: np.zeros((*t.shape, cfg.hidden)))
+    target = SimpleNamespace(tokenizer=smollm2.tokenizer, config=smollm2.config, params=None)
+    args = train_eagle.parse_args(["--doc-tokens", "2000", "--doc-width", "64", "--feature-batch", "2"])
+    files = train_eagle.generate_doc_data(args, target, str(tmp_path))
+    assert train_eagle.generate_doc_data(args, target, str(tmp_path)) == files  # the same run: reused
+    args.feature_batch = 4
+    with pytest.raises(SystemExit, match=r"docs_0000.npz holds other passages .* from --feature-batch 4"):
+        train_eagle.generate_doc_data(args, target, str(tmp_path))
