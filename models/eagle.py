@@ -748,14 +748,16 @@ def save_head(path: str | os.PathLike, ecfg: EagleConfig, hp: Params, meta: dict
 
 def restore_head(path: str | os.PathLike, target_cfg: LlamaConfig | None = None) -> tuple[EagleConfig, Params]:
     """Read what ``save_head`` wrote: (config, head params). With ``target_cfg`` the head must match it
-    (same widths and vocabulary; the dtype follows the target's)."""
+    (same widths, depth, norm epsilon, embedding tying and vocabulary: a head trained for another model of the
+    same width would load and draft nothing useful; the dtype follows the target's)."""
     meta = load_exit_meta(path)
     if meta.get("kind") != "eagle" or meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"'{path}' is not an EAGLE head of format {FORMAT_VERSION}")
     ecfg = EagleConfig.from_json(meta["config"], name=os.path.basename(os.path.normpath(os.fspath(path))))
     if target_cfg is not None:
         saved = ecfg.target
-        for f in ("vocab_size", "hidden", "num_heads", "num_kv_heads", "head_dim", "rope_theta"):
+        fields = ("vocab_size", "hidden", "num_heads", "num_kv_heads", "head_dim", "rope_theta", "num_layers", "ffn")
+        for f in fields + ("rms_eps", "tie_embeddings"):
             if getattr(saved, f) != getattr(target_cfg, f):
                 raise ValueError(
                     f"head '{path}' was trained for {f}={getattr(saved, f)}, target has {getattr(target_cfg, f)}"

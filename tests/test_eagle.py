@@ -728,6 +728,11 @@ def test_checkpoint_round_trip(tmp_path):
     np.testing.assert_array_equal(head_logits(ecfg2, hp2, seed=9), head_logits(ecfg, hp, seed=9))
     with pytest.raises(ValueError, match="trained for"):
         restore_head(tmp_path / "head", TINY.replace(hidden=32))
+    # Another model of the same widths (deeper, another norm epsilon) loaded silently and drafted nothing useful.
+    for other in (dict(num_layers=TINY.num_layers + 2), dict(rms_eps=1e-6), dict(ffn=TINY.ffn * 2)):
+        (field,) = other
+        with pytest.raises(ValueError, match=f"trained for {field}="):
+            restore_head(tmp_path / "head", TINY.replace(**other))
 
 
 def test_export_head_stores_bf16_and_restores_the_rounded_head(tmp_path, monkeypatch):
