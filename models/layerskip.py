@@ -135,10 +135,9 @@ def apply_adapter(cfg: LlamaConfig, adapter: Params, h: jax.Array) -> jax.Array:
 
 
 def head_rows(cfg: LlamaConfig, target_params: Params, token_ids: jax.Array) -> jax.Array:
-    """The LM head's rows for a token subset: token_ids [N] -> [N, Dm] (tied: embedding rows)."""
-    if cfg.tie_embeddings:
-        return llama.embedding_rows(target_params, token_ids)
-    return jnp.take(target_params["lm_head"]["kernel"], token_ids, axis=1).T
+    """The LM head's rows for a token subset: token_ids [N] -> [N, Dm] (tied: embedding rows), in either layout
+    (an untied head packed for the CPU kernel is read through its panels)."""
+    return llama.lm_head_rows(cfg, target_params, token_ids)
 
 
 def exit_logits(cfg: LlamaConfig, target_params: Params, ex: dict | None, h: jax.Array) -> jax.Array:

@@ -521,6 +521,17 @@ def embedding_rows(params: Params, token_ids: jax.Array | None = None) -> jax.Ar
     return emb["embedding"] if token_ids is None else jnp.take(emb["embedding"], token_ids, axis=0)
 
 
+def lm_head_rows(cfg: LlamaConfig, params: Params, token_ids: jax.Array) -> jax.Array:
+    """The LM head's rows for ``token_ids`` [N] -> [N, E] in either layout (tied: the embedding's rows; untied:
+    columns of the [E, V] kernel, packed for the CPU kernel or not)."""
+    if cfg.tie_embeddings:
+        return embedding_rows(params, token_ids)
+    w = params["lm_head"]["kernel"]
+    if isinstance(w, PackedMatrix):
+        return w.rows(token_ids)
+    return jnp.take(w, token_ids, axis=1).T
+
+
 def _fused_block(cfg: LlamaConfig, lp: Params, x, cos, sin, k_all, v_all, layer, lengths, mask, index):
     """``Block`` on one layer of the unstacked layout (fused q/k/v and gate/up); same arguments and results,
     plus the cache-write index shared by all layers."""

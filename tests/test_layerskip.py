@@ -23,6 +23,7 @@ from models.layerskip import (
     LayerSkipDrafter,
     abstract_exit_params,
     exit_logits,
+    head_rows,
     init_adapter,
     restore_exit_params,
     run_layer_range,
@@ -449,3 +450,20 @@ def test_exit_params_saved_on_another_device_restore_here(tmp_path):
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(ex)):
             assert a.devices() == {jax.devices()[0]}
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_head_rows_of_an_untied_head_in_every_layout():
+    """An untied LM head packed for the CPU kernel (a PackedMatrix) was read with jnp.take, which fails on it:
+    EAGLE and LayerSkip heads of an untied target (Qwen2) could not be built in the CPU decode layout."""
+    from models import cpu_kernels
+
+    cfg = TINY.replace(tie_embeddings=False, name="tiny-untied")
+    params = llama.init_random_params(cfg, jax.random.key(4), std=0.1)
+    ids = jnp.asarray([3, 0, 17, 41], jnp.int32)
+    want = np.asarray(params["lm_head"]["kernel"])[:, [3, 0, 17, 41]].T  # [N, E] from the [E, V] kernel
+    layouts = [params, llama.unstack_layers(params, packed=False)]
+    if cpu_kernels.available():
+        layouts.append(llama.unstack_layers(params, packed=True))
+        assert isinstance(layouts[-1]["lm_head"]["kernel"], cpu_kernels.PackedMatrix)
+    for p in layouts:
+        np.testing.assert_allclose(np.asarray(head_rows(cfg, p, ids)), want, rtol=0, atol=0)
