@@ -142,7 +142,8 @@ def _stat(stats: Any, name: str):
 
 def expected_tokens_from_stats(stats: Mapping[str, Any] | Any, *, proposed: str = "drafted") -> float:
     """E[N] per full round from a ``DecodeOutput.stats`` dict or a ``DecodeStats`` (anything with
-    ``accepted_at`` and ``proposed_at`` [K])."""
+    ``accepted_at`` and ``proposed_at`` [K]) of a chain drafter (a tree's count candidate nodes per depth: use
+    its measured tokens per round instead)."""
     rates = conditional_rates_from_stats(_stat(stats, "accepted_at"), _stat(stats, "proposed_at"), proposed=proposed)
     return expected_tokens_from_positions(rates)
 

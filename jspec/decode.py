@@ -12,6 +12,9 @@ Statistics (``DecodeStats``), per row:
 - acceptance rate = accepted / proposed: the fraction of proposed candidates that were kept. It is not
   the useful output per round (that is tokens_per_round, which also counts the correction/bonus token).
 - accepted_at[i] / proposed_at[i] (summed over rows): candidates accepted / proposed at draft position i.
+  For a tree, position i is depth i + 1 and proposed_at counts its candidate nodes, of which at most one is
+  accepted: the rate is a fraction of nodes (at most 1 / the branching), not a chain's conditional
+  acceptance, so ``jspec.cost_model``'s expected-token formulas do not apply to tree statistics.
 """
 
 from __future__ import annotations
