@@ -836,6 +836,7 @@ def _decode_key(seed, key) -> jax.Array:
     if key is not None:
         if seed is not None:
             raise ValueError("give seed or key, not both (the seed would be ignored)")
+        key = key if isinstance(key, jax.Array) else jnp.asarray(key)
         if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             if key.shape != ():
                 raise ValueError(f"key must be one PRNG key (shape ()), got shape {key.shape}")
