@@ -495,6 +495,13 @@ def prepare_sharded(
         error = e
     if many:
         _agree_ok(error)
+    if many and not process_local:
+        # Every process claims to hold the whole batch: each device would take its rows from its own process's
+        # copy, so copies that differ would be mixed silently (and other cache sizes compile other programs).
+        # Checked before any check that could fail in some processes only (they would leave the others waiting).
+        _, _, *inputs, key0 = pd.args
+        leaves = [np.asarray(x) for x in jax.tree.leaves(inputs)]
+        _agree_same([*leaves, np.asarray(jax.random.key_data(key0)), np.asarray([pd.config.slots])])
     if global_b % plan.data_size:
         raise ValueError(
             f"batch {global_b} is not divisible by the data axis ({plan.batch_axis}={plan.data_size}); "
@@ -509,10 +516,6 @@ def prepare_sharded(
     samp = {f.name: np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingParams)}
     key_data = np.asarray(jax.random.key_data(key))
     key_impl = jax.random.key_impl(key)  # a str or a PRNGSpec depending on the JAX version; both hashable
-    if many and not process_local:
-        # Every process claims to hold the whole batch: each device would take its rows from its own process's
-        # copy, so copies that differ would be mixed silently (and other cache sizes compile other programs).
-        _agree_same([prompt, plen, mnew, key_data, np.asarray([pd.config.slots]), *samp.values()])
 
     def rows(x):
         return plan.rows((global_b, *x.shape[1:]), global_b)
