@@ -16,6 +16,7 @@ Writes <out>/spec_vs_plain.{json,md} and plots (latency CDFs at concurrency 1, a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -92,7 +93,9 @@ def main(argv=None) -> int:
     target = suite.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite.prepare_jobs(target, cfg)
     specs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma), *draft_specs(target, args, args.gamma)]
-    specs[2:2] = [suite.ngram_spec(target, *ngram_variant(v)) for v in filter(None, args.ngram_variants.split(";"))]
+    variants = [suite.ngram_spec(target, *ngram_variant(v)) for v in filter(None, args.ngram_variants.split(";"))]
+    # A variant is compared with the peers' prompt lookup only at the peers' K (--gamma).
+    specs[2:2] = [v if v.gamma == args.gamma else dataclasses.replace(v, peer=None) for v in variants]
     loads = [Load.closed(1, cfg.timeout_s)] + ([Load.closed(args.concurrency, cfg.timeout_s)] * (args.concurrency > 1))
     results = suite.run_specs(target, specs, loads, jobs, cfg)
     names = [] if args.peers in ("", "none") else args.peers.split(",")

@@ -661,3 +661,25 @@ def test_run_settings_are_checked_before_any_request():
         Load.closed(1, timeout_s=-1)
     with pytest.raises(ValueError, match="n_per_workload .* must be an integer >= 1, got 0"):
         workloads.build(["math"], 0)
+
+
+def test_peer_ratios_compare_like_with_like():
+    """Only like-for-like peer ratios: an n-gram variant (other n-gram lengths, or another K) is not divided by
+    the peers' prompt lookup at --gamma, a bfloat16 jspec run is not compared with float32 peers, --min-p
+    reaches the run (it was parsed by no flag and dropped), and every result records the matmul precision
+    (JAX's GPU default runs f32 matmuls in TF32, which the suite now turns off for f32 runs on a GPU)."""
+    import argparse
+    from types import SimpleNamespace
+
+    from jspec.bench import suite
+
+    target = SimpleNamespace(model=SimpleNamespace(vocab_size=8), dtype="bfloat16", eos_ids=(2,), path="x.gguf")
+    assert suite.ngram_spec(target, 4).peer == "prompt_lookup"
+    assert suite.ngram_spec(target, 4, 8, 4).peer is None
+    skipped = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, None)
+    assert not skipped[0].available and "jspec runs bfloat16 here and the peers run float32" in skipped[0].reason
+    ap = argparse.ArgumentParser()
+    suite.add_common_args(ap)
+    cfg = suite.config_from_args(ap.parse_args(["--min-p", "0.1", "--temperature", "1", "--compile-cache", "none"]))
+    assert cfg.sampling.min_p == 0.1
+    assert "matmul_precision" in metrics.environment()

@@ -263,6 +263,8 @@ def environment() -> dict[str, Any]:
         "numpy": np.__version__,
         "jspec": _version("jspec"),
         "backend": jax.default_backend(),
+        # On GPUs JAX's default lets f32 matmuls run in TF32; the peers' torch does not: recorded with every result.
+        "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
         "device_count": jax.device_count(),
     }

@@ -335,6 +335,7 @@ def run_llama_cpp(
     *,
     techniques: Sequence[str] = ("plain", "prompt_lookup"),
     gamma: int = 4,
+    max_ngram: int = 3,
     max_new_tokens: int,
     max_len: int,
     eos_ids: Sequence[int],
@@ -365,18 +366,29 @@ def run_llama_cpp(
             if tech == "prompt_lookup":
                 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-                draft = LlamaPromptLookupDecoding(num_pred_tokens=gamma)
+                # Its default n-gram length changed between releases (2, then 3): set, as jspec's n-gram drafter is.
+                draft = LlamaPromptLookupDecoding(max_ngram_size=max_ngram, num_pred_tokens=gamma)
+            import jax
+
+            # On the GPU where jspec runs (a CPU-only llama.cpp build ignores the setting and says so below).
+            gpu_layers = -1 if jax.default_backend() == "gpu" else 0
             llm = Llama(
                 model_path=gguf_path,
                 n_ctx=max_len,
                 n_threads=threads or os.cpu_count(),
+                n_gpu_layers=gpu_layers,
                 draft_model=draft,
                 verbose=False,
             )
         except Exception as e:
             out.append(PeerRun(lib, tech, label, False, f"failed to load: {type(e).__name__}: {e}"[:300]))
             continue
-        info = {"llama_cpp": getattr(llama_cpp, "__version__", None), "weights": "native GGUF quantisation"}
+        offload = bool(getattr(llama_cpp, "llama_supports_gpu_offload", lambda: False)())
+        info = {
+            "llama_cpp": getattr(llama_cpp, "__version__", None),
+            "weights": "native GGUF quantisation",
+            "device": "gpu" if gpu_layers and offload else "cpu",
+        }
 
         def generate_one(prompt, rec, t0, llm=llm):
             llm.reset()  # no prefix reuse between requests: every request pays its prefill, as in jspec
@@ -427,8 +439,7 @@ def run_peers(
             techniques = ["plain", "prompt_lookup"] + (["assisted"] if assistant_layers else [])
             out += run_transformers(gguf_path, jobs, techniques=techniques, assistant_layers=assistant_layers, **kw)
         elif name in ("llama_cpp", "llama-cpp-python"):
-            kw2 = {k: v for k, v in kw.items() if k != "max_ngram"}
-            out += run_llama_cpp(gguf_path, jobs, max_len=max_len, **kw2)
+            out += run_llama_cpp(gguf_path, jobs, max_len=max_len, **kw)
         else:
             out.append(PeerRun(name, "plain", name, False, f"unknown peer {name!r} (transformers, llama_cpp)"))
     return out

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from jspec.bench import metrics, peers, report, runner, workloads
@@ -117,8 +118,11 @@ def ngram_spec(target: Target, gamma: int = 4, max_ngram: int = 3, min_ngram: in
     from jspec.ngram import NgramDrafter
 
     d = NgramDrafter(max_ngram, min_ngram, vocab_size=target.model.vocab_size)
-    label = f"ngram K={gamma}" + (f" n={max_ngram}..{min_ngram}" if (max_ngram, min_ngram) != (3, 1) else "")
-    spec = Spec(label, d, gamma, None, adaptive=adaptive, peer="prompt_lookup")
+    variant = (max_ngram, min_ngram) != (3, 1)
+    label = f"ngram K={gamma}" + (f" n={max_ngram}..{min_ngram}" if variant else "")
+    # Compared with the peers' prompt lookup only when configured like it (n-grams 3..1; K is checked where the
+    # peers' K is known, in ``headline``).
+    spec = Spec(label, d, gamma, None, adaptive=adaptive, peer=None if variant else "prompt_lookup")
     return dataclasses.replace(spec, label=label + " adaptive") if spec.adaptive is not None else spec
 
 
@@ -330,6 +334,9 @@ def run_peer_set(
 ) -> list[peers.PeerRun]:
     if not names:
         return []
+    if target.dtype != "float32":  # the peers load the checkpoint in float32: a ratio would compare dtypes too
+        why = f"jspec runs {target.dtype} here and the peers run float32: no like-for-like ratio"
+        return [peers.PeerRun(n, "plain", n, False, why) for n in names]
     runs = peers.run_peers(
         names,
         target.path,
@@ -441,6 +448,7 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact match with plain is checked)")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--no-chat-template", action="store_true")
     ap.add_argument("--timeout-s", type=float, default=None, help="per-request deadline from arrival")
     ap.add_argument("--max-wall-s", type=float, default=None, help="stop admitting requests after this long")
@@ -490,13 +498,16 @@ def config_from_args(args) -> SuiteConfig:
     from jspec.cli import enable_compile_cache
 
     enable_compile_cache(args.compile_cache)
+    if jax.default_backend() == "gpu" and args.dtype == "float32" and jax.config.jax_default_matmul_precision is None:
+        # f32 means f32 on both sides of a peer ratio: JAX's GPU default runs f32 matmuls in TF32, torch's does not.
+        jax.config.update("jax_default_matmul_precision", "highest")
     return SuiteConfig(
         workloads=tuple(w for w in args.workloads.split(",") if w),
         n_per_workload=args.n,
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         max_len=args.max_len,
-        sampling=Sampling(args.temperature, args.top_k, args.top_p),
+        sampling=Sampling(args.temperature, args.top_k, args.top_p, args.min_p),
         chat_template=not args.no_chat_template,
         timeout_s=args.timeout_s,
         phase_repeats=args.phase_repeats,
