@@ -254,6 +254,7 @@ def test_cost_model_check_arithmetic():
     assert cm["seed"]["accept_at"] == pytest.approx([0.8, 0.5, 0.5])
     assert cm["seed"]["expected_tokens"] == pytest.approx(2.4) and cm["seed"]["cycle_ms"] == pytest.approx(16.0)
     assert cm["seed"]["speedup"] == pytest.approx(1.5) and cm["seed"]["ratio_to_measured"] == pytest.approx(1.0)
+    assert cm["seed"]["all_rounds_wide"] is False  # a quarter of the rounds proposed nothing
     assert cm["measured_en"]["cycle_ms"] == pytest.approx(15.0)
     assert cm["measured_en"]["speedup"] == pytest.approx(5 / 3)
     assert cm["measured_en"]["ratio_to_measured"] == pytest.approx(10 / 9)

@@ -419,7 +419,8 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
         if cm.get("measured_rounds"):
             line += f" (cost model: {cm['measured_rounds']['speedup']:.2f}x from whole rounds"
             if cm.get("seed", {}).get("speedup"):
-                line += f", {cm['seed']['speedup']:.2f}x seed formula"
+                wide = cm["seed"].get("all_rounds_wide", True)
+                line += f", {cm['seed']['speedup']:.2f}x seed formula" + ("" if wide else " (if every round drafted K)")
             line += ")"
         if r.load.mode == "closed" and r.load.concurrency == 1:
             for p in peer_runs:
