@@ -192,6 +192,7 @@ def main(argv=None):
         "conditional rates"
     )
     print(header)
+    print("(unmodelled: ms per round the cost model leaves out; the measured seconds include each prompt's prefill)")
     for name, _, k in configs[1:]:
         rs = runs[(name, k)]
         speedups = [ps / s for (ps, _, _), (s, _, _) in zip(plain, rs)]

@@ -13,7 +13,8 @@ fed with the measured conditional acceptance and separately measured costs: one 
 costs are timed after the decode runs, and these VMs' speed drifts by 10-40% within minutes, so they enter
 the model as multiples of a plain 1-token step timed interleaved with them, at the plain decode's ms per
 token (the raw ms are printed too). The gap between the prediction and the measurement is then the per-round
-overhead the model leaves out (acceptance, commit, loop control), also printed per round.
+overhead the model leaves out (acceptance, commit, loop control, and the prompt's prefill, which the measured
+seconds include, spread over the rounds), also printed per round.
 
 The exit adapter comes from ``examples/train_early_exit.py``'s cache (``--train`` trains it when missing).
 """
@@ -196,7 +197,7 @@ def main(argv=None) -> None:
             f"({draft_ms / base_ms:.2f} of a plain step), verify {costs['verify']:.1f} ms "
             f"({verify_ms / base_ms:.2f}); at the decode's speed ({base_ms:.1f} ms per plain token): draft step "
             f"{draft_ms:.1f} ms, verify {verify_ms:.1f} ms; measured round {round_ms:.1f} ms, draft share "
-            f"{k * draft_ms / round_ms:.0%}, unmodelled {overhead:.1f} ms/round"
+            f"{k * draft_ms / round_ms:.0%}, unmodelled {overhead:.1f} ms/round (prefill included)"
         )
         print(f"  cost model: {pred.summary()}; predicted/measured {pred.ratio_to(measured):.2f}")
 
