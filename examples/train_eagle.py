@@ -971,7 +971,8 @@ def check_same_run(args, out_dir: str, eval_path: str) -> None:
         with open(eval_path) as f:
             theirs = _training_args(json.load(f).get("args", {}))
     if theirs is not None:
-        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        # Keys one side lacks are options added since that run was recorded: it ran with their defaults.
+        differ = sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
         if differ:
             what = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
             raise SystemExit(
