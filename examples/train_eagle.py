@@ -946,7 +946,7 @@ def parse_args(argv=None):
 
 
 # Arguments that do not change the trained head: a cached head or checkpoint made with other values is the same.
-_NOT_TRAINING = frozenset({"force", "export", "no_eval", "eval_max_new", "gamma", "name"})
+_NOT_TRAINING = frozenset({"force", "export", "no_eval", "eval_max_new", "gamma", "name", "ckpt_every"})
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -960,9 +960,15 @@ def _training_args(args_dict: dict) -> dict:
 
 def check_same_run(args, out_dir: str, eval_path: str) -> None:
     """A head or checkpoint under ``out_dir`` made with other training settings is refused by name (it was
-    reused as this run's result, or resumed on a new schedule); a fresh directory records this run's."""
+    reused as this run's result, or resumed on a new schedule); a directory with neither (fresh, or left by a
+    run that stopped before its first checkpoint) records this run's settings instead."""
     path = os.path.join(out_dir, "args.json")
     mine = _training_args(vars(args))
+    if not any(os.path.isdir(os.path.join(out_dir, d)) for d in ("ckpt", "head")):
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(mine, f, indent=1)
+        return
     theirs = None
     if os.path.isfile(path):
         with open(path) as f:
@@ -980,8 +986,7 @@ def check_same_run(args, out_dir: str, eval_path: str) -> None:
                 "or --force to retrain"
             )
         return
-    os.makedirs(out_dir, exist_ok=True)
-    with open(path, "w") as f:
+    with open(path, "w") as f:  # a run recorded before args.json existed: nothing to compare it with
         json.dump(mine, f, indent=1)
 
 

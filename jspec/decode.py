@@ -808,7 +808,7 @@ def prepare(
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
     gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params)
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len)
-    _check_draft_context(drafter, plen + mnew - 1 if max_new_tokens is not None else np.full_like(plen, slots))
+    check_draft_context(drafter, plen + mnew - 1 if max_new_tokens is not None else np.full_like(plen, slots))
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
     key = _decode_key(seed, key)
     eos = check_eos(eos_ids, target.vocab_size)
@@ -817,7 +817,7 @@ def prepare(
     return PreparedDecode(_compiled(target, drafter, config), (target_params, draft_params, *arrays), config)
 
 
-def _check_draft_context(drafter, last: np.ndarray) -> None:
+def check_draft_context(drafter, last: np.ndarray) -> None:
     """A draft model fed past its own context length drafts garbage (lossless, but nothing is accepted):
     refused like the target's. ``last``: [B] the slots each row fills."""
     dm = getattr(drafter, "model", None)

@@ -22,6 +22,7 @@ from jspec.decode import (
     DecodeState,
     StopReason,
     adaptive_policy,
+    check_draft_context,
     check_drafter,
     check_eos,
     check_seed,
@@ -194,6 +195,7 @@ class Engine:
                 f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) runs past "
                 f"{self.target.name}'s context length ({ctx} positions)"
             )
+        check_draft_context(self.drafter, np.asarray([prompt.size + max_new_tokens - 1]))
         width = min(-(-prompt.size // self.bucket) * self.bucket, self.max_len)
         padded = np.zeros((1, width), np.int32)
         padded[0, : prompt.size] = prompt

@@ -133,9 +133,10 @@ def read_json(path: str) -> dict | None:
 
 
 def hf_id_list(config: dict | None, key: str, path) -> list[int]:
-    """``config[key]`` (an id, a list of ids or absent) as a list; anything else is refused by name."""
+    """``config[key]`` (an id, a list of ids or absent) as a list; a negative id is the convention for "none"
+    (older conversions write ``"pad_token_id": -1``) and is left out; anything else is refused by name."""
     ids = (config or {}).get(key)
     ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise CheckpointError(f"{path}: {key} must be a token id or a list of token ids, got {config[key]!r}")
-    return ids
+    return [i for i in ids if i >= 0]

@@ -404,10 +404,8 @@ def _special(tokenizer) -> dict[str, int | None]:
     return {"eos_id": getattr(tokenizer, "eos_id", None), "bos_id": getattr(tokenizer, "bos_id", None)}
 
 
-def _model_special(loaded) -> dict[str, int | None]:
+def _config_special(loaded) -> dict[str, int | None]:
     # A checkpoint without a tokenizer still states its special ids in its config (GGUF metadata, config.json).
-    if loaded.tokenizer is not None:
-        return _special(loaded.tokenizer)
     return {"eos_id": loaded.config.eos_id, "bos_id": loaded.config.bos_id}
 
 
@@ -422,8 +420,10 @@ def check_models_compatible(target, draft) -> None:
         tokenizer_tokens(dt) if dt is not None else None,
         target_name=target.config.name,
         draft_name=draft.config.name,
-        target_special=_model_special(target),
-        draft_special=_model_special(draft),
+        # Like with like: tokenizers' ids when both have one, else both configs' (a tokenizer's EOS may be the
+        # chat turn's end while its config keeps the base model's).
+        target_special=_special(tt) if tt is not None and dt is not None else _config_special(target),
+        draft_special=_special(dt) if tt is not None and dt is not None else _config_special(draft),
     )
 
 

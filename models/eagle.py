@@ -758,7 +758,9 @@ def restore_head(path: str | os.PathLike, target_cfg: LlamaConfig | None = None)
         saved = ecfg.target
         fields = ("vocab_size", "hidden", "num_heads", "num_kv_heads", "head_dim", "rope_theta", "num_layers", "ffn")
         for f in fields + ("rms_eps", "tie_embeddings"):
-            if getattr(saved, f) != getattr(target_cfg, f):
+            a, b = getattr(saved, f), getattr(target_cfg, f)
+            # Floats compared loosely: a GGUF stores 1e-5 as float32 (9.99999974e-06), config.json as 1e-05.
+            if not (math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) else a == b):
                 raise ValueError(
                     f"head '{path}' was trained for {f}={getattr(saved, f)}, target has {getattr(target_cfg, f)}"
                 )

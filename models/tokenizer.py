@@ -231,7 +231,7 @@ class Tokenizer:
             if isinstance(tok, dict):
                 tok = tok.get("content")
             if tok is None:  # older repositories name their special tokens in config.json only
-                ids = hf_id_list(config, f"{key}_id", path)
+                ids = hf_id_list(config, f"{key}_id", os.path.join(path, "config.json"))
                 return ids[0] if ids else None
             found = backend.token_to_id(tok)
             if found is None:
@@ -251,6 +251,6 @@ class Tokenizer:
             add_bos=bool(add_bos),
             pad_id=token_id("pad_token"),
             # transformers' generate stops at every id of generation_config.json (else config.json).
-            extra_eos_ids=hf_id_list(config, "eos_token_id", path)
+            extra_eos_ids=hf_id_list(config, "eos_token_id", os.path.join(path, "config.json"))
             + hf_id_list(read_json(gen := os.path.join(path, "generation_config.json")), "eos_token_id", gen),
         )

@@ -474,11 +474,16 @@ def prepare_sharded(
                 if budget is None:
                     raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
                 lens = np.asarray([len(p) for p in prompts], np.int64)
-                need = int(np.max(lens + np.broadcast_to(np.asarray(budget, np.int64), lens.shape)))
+                # As jspec.decode sizes it: the last token takes no slot, and no more than the context.
+                need = int(np.max(lens + np.broadcast_to(np.asarray(budget, np.int64), lens.shape) - 1))
+                if target.max_positions is not None:
+                    need = min(need, target.max_positions)
             except (ValueError, TypeError) as e:
                 error = e
             _agree_ok(error)
             max_len = -(-_agree_max(need) // 128) * 128
+            if target.max_positions is not None:
+                max_len = min(max_len, target.max_positions)
     else:
         global_b = len(prompts)
     # This process's rows are checked here, between collectives: a process that refused them while the others
@@ -501,7 +506,8 @@ def prepare_sharded(
         # Checked before any check that could fail in some processes only (they would leave the others waiting).
         _, _, *inputs, key0 = pd.args
         leaves = [np.asarray(x) for x in jax.tree.leaves(inputs)]
-        _agree_same([*leaves, np.asarray(jax.random.key_data(key0)), np.asarray([pd.config.slots])])
+        static = np.frombuffer(repr(pd.config).encode(), np.uint8)  # gamma, eos_ids, adaptive, slots, ...
+        _agree_same([*leaves, np.asarray(jax.random.key_data(key0)), static])
     if global_b % plan.data_size:
         raise ValueError(
             f"batch {global_b} is not divisible by the data axis ({plan.batch_axis}={plan.data_size}); "

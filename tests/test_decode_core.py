@@ -672,3 +672,8 @@ def test_a_draft_model_fed_past_its_context_is_refused():
     out = dec.decode(TARGET, TARGET_PARAMS, [[0, 1]], drafter=ModelDrafter(short), draft_params=DRAFT_PARAMS,
                      max_new_tokens=5)  # fmt: skip
     assert len(out.tokens[0]) == 5
+    from jspec.serve import Engine  # the serving engine checks the same at add()
+
+    engine = Engine(TARGET, TARGET_PARAMS, batch=1, max_len=32, drafter=ModelDrafter(short), draft_params=DRAFT_PARAMS)
+    with pytest.raises(ValueError, match="past the draft model draft's context length"):
+        engine.add(0, PROMPTS[0], max_new_tokens=5)

@@ -218,12 +218,16 @@ def test_same_size_different_tokenizer_refused(distilled, tmp_path):
     drf = type("M", (), {"config": dcfg.llama, "tokenizer": Tokenizer(tok.backend, bos_id=None, eos_id=2)})
     with pytest.raises(D.DraftMismatchError, match="eos_id is id 2 for draft"):
         D.check_models_compatible(tgt, drf)
-    # A checkpoint without a tokenizer (an HF directory without tokenizer.json) was checked on size alone; its
-    # config's special ids are compared now.
+    # A checkpoint without a tokenizer (an HF directory without tokenizer.json) was checked on size alone; the
+    # two configs' special ids are compared now (config with config: a tokenizer's EOS may be a chat turn's end
+    # while the config keeps the base model's).
+    tgt = type("M", (), {"config": TARGET_CFG.replace(eos_id=1), "tokenizer": tok})
     bare = type("M", (), {"config": dcfg.llama.replace(eos_id=2, bos_id=None), "tokenizer": None})
     with pytest.raises(D.DraftMismatchError, match="eos_id is id 2 for draft"):
         D.check_models_compatible(tgt, bare)
-    D.check_models_compatible(tgt, type("M", (), {"config": dcfg.llama.replace(eos_id=tok.eos_id), "tokenizer": None}))
+    D.check_models_compatible(tgt, type("M", (), {"config": dcfg.llama.replace(eos_id=1), "tokenizer": None}))
+    chat = type("M", (), {"config": TARGET_CFG.replace(eos_id=5), "tokenizer": tok})  # tokenizer EOS 1, config 5
+    D.check_models_compatible(chat, type("M", (), {"config": dcfg.llama.replace(eos_id=5), "tokenizer": None}))
 
 
 # ---- losslessness ------------------------------------------------------------------------------------------

@@ -309,8 +309,11 @@ def test_trainer_refuses_a_cached_head_or_checkpoint_made_with_other_settings(tm
 
     out, ev = str(tmp_path / "run"), str(tmp_path / "run" / "eval.json")
     first = train_eagle.parse_args(["--lr", "3e-4"])
-    train_eagle.check_same_run(first, out, ev)
+    train_eagle.check_same_run(train_eagle.parse_args(["--lr", "5e-4"]), out, ev)  # stopped before a checkpoint
+    train_eagle.check_same_run(first, out, ev)  # nothing saved yet: this run's settings replace those
+    os.makedirs(os.path.join(out, "ckpt"))  # its first checkpoint
     train_eagle.check_same_run(first, out, ev)  # the same run again (a resume): accepted
+    train_eagle.check_same_run(train_eagle.parse_args(["--lr", "3e-4", "--ckpt-every", "10"]), out, ev)
     train_eagle.check_same_run(train_eagle.parse_args(["--lr", "3e-4", "--gamma", "5", "--no-eval"]), out, ev)
     with pytest.raises(SystemExit, match=r"other settings \(epochs: .* there, 6 here, lr: 0.0003 there, 0.001 here\)"):
         train_eagle.check_same_run(train_eagle.parse_args(["--lr", "1e-3", "--epochs", "6"]), out, ev)

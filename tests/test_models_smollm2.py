@@ -175,8 +175,11 @@ def test_tokenizer_takes_special_ids_from_config_json(tmp_path, hf_smollm2_token
     assert Tokenizer.from_hf_dir(tmp_path).eos_id is None  # no config: nothing to fall back on
     tok = Tokenizer.from_hf_dir(tmp_path, config={"eos_token_id": [7, 2]})
     assert (tok.eos_id, tok.eos_ids) == (7, (7, 2))
-    with pytest.raises(CheckpointError, match=r"eos_token_id must be a token id or a list of token ids, got '2'"):
+    with pytest.raises(CheckpointError, match=r"config.json: eos_token_id must be a token id or a list .* got '2'"):
         Tokenizer.from_hf_dir(tmp_path, config={"eos_token_id": "2"})
+    # -1 is the convention for "none" (older conversions write "pad_token_id": -1): left out, not refused.
+    tok = Tokenizer.from_hf_dir(tmp_path, config={"eos_token_id": [2, -1], "pad_token_id": -1})
+    assert tok.eos_ids == (2,)
     path.write_text(json.dumps(tcfg))  # names <|im_end|> (id 2): canonical, then config's and generation's
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
     tok = Tokenizer.from_hf_dir(tmp_path, config={"eos_token_id": 7})

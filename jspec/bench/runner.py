@@ -653,7 +653,7 @@ def cost_model_check(spec_run: RunResult, plain_run: RunResult, phases: dict, pl
                 "accept_at": list(pred.accept_at),
                 # The seed formula assumes every round drafts K and verifies K + 1: with rounds that proposed
                 # nothing (an n-gram miss) it predicts another configuration than the one measured.
-                "all_rounds_wide": (ds.get("wide_verify_fraction") or 1.0) >= 1.0,
+                "all_rounds_wide": ds.get("wide_verify_fraction") is None or ds["wide_verify_fraction"] >= 1.0,
             }
         except ValueError as e:  # e.g. no position was ever proposed
             out["seed"] = {"error": str(e)}
