@@ -863,7 +863,9 @@ def check_seed(seed) -> int:
 def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     """Generate up to ``max_new_tokens`` per prompt with speculative decoding (plain when drafter is None).
 
-    prompts: B token-id lists of any (non-zero) lengths, or a [B, P] array. Keyword arguments (see
+    prompts: B token-id lists of any (non-zero) lengths, or a [B, P] array of B prompts of exactly P tokens (no
+    padding: there is no attention mask, so pad ids would be read as prompt tokens; pass ragged prompts as
+    lists). Keyword arguments (see
     ``prepare``): drafter, draft_params, gamma (K candidates per round; unset: 4 for a chain drafter, the depth of a
     tree drafter, 0 without a drafter; a given value must be the one that runs, see ``check_drafter``),
     max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature / top_k / top_p / min_p
