@@ -1,16 +1,14 @@
 """Adaptive draft length: each row picks its K from its own measured acceptance, on device.
 
-The row estimates its per-token acceptance a as a ratio of exponential moving sums, accepted / tested: a
-chain tests its proposals up to the first rejection, so a round with n accepted of k proposed tested
-min(n + 1, k). This is the geometric maximum-likelihood estimate; accepted / proposed would count the untested
-proposals after a rejection as failures (a = 0.5 at K = 4 read as ~0.23), and an average of per-round ratios
-is biased too (~0.32). Then it
-each round picks the k in [0, K_max] that maximises the seed's cost model: expected tokens per round
-E[N] = 1 + a + ... + a^k divided by the round's cost relative to one plain step, 1 + k * (draft_cost +
-verify_cost). When no k > 0 beats plain decoding the row stops proposing (k = 0); its estimate then drifts
-back towards ``prior`` so the row probes again later instead of staying off for good. Changing K never
-changes what is sampled (verification is lossless for any proposal count), only how fast.
-"""
+The row estimates its per-token acceptance a as a ratio of exponential moving sums, accepted / tested: a chain
+tests its proposals up to the first rejection, so a round with n accepted of k proposed tested min(n + 1, k).
+This is the geometric maximum-likelihood estimate; accepted / proposed would count the untested proposals after
+a rejection as failures (a = 0.5 at K = 4 read as ~0.23), and an average of per-round ratios is biased too
+(~0.32). Each round the row picks the k in [0, K_max] that maximises the seed's cost model: expected tokens per
+round E[N] = 1 + a + ... + a^k divided by the round's cost relative to one plain step, 1 + k * (draft_cost +
+verify_cost). When no k > 0 beats plain decoding the row stops proposing (k = 0); its estimate then drifts back
+towards ``prior`` so the row probes again later instead of staying off for good. Changing K never changes what
+is sampled (verification is lossless for any proposal count), only how fast."""
 
 from __future__ import annotations
 
