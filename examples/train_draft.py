@@ -143,7 +143,9 @@ def training_prompts(seed: int, doc_fraction: float) -> list[str]:
 
 def encode(tok, text: str, max_prompt: int) -> list[int]:
     ids = tok.encode_chat([{"role": "user", "content": text}])
-    return ids[-max_prompt:]  # keeps the chat header of the answer (the end) when a docstring is long
+    if len(ids) > max_prompt:  # keeps the chat header of the answer (the end) when a docstring is long
+        print(f"request of {len(ids)} tokens cut to its last {max_prompt} (--max-prompt): {text[:60]!r}...")
+    return ids[-max_prompt:]
 
 
 def generate_data(args, target, data_dir: str, prompts: list[str]) -> list[str]:
@@ -262,6 +264,11 @@ def train(args, target, data, out_dir: str):
     trainable, frozen = D.split_trainable(params)
 
     schedule = batch_schedule(data, args.batch, args.epochs, args.seed)
+    if not schedule:  # every length bucket holds fewer rows than a batch: nothing would train (or --steps hangs)
+        raise SystemExit(
+            f"no training batch: {data['tokens'].shape[0]} generated rows, none of whose length buckets fills "
+            f"--batch {args.batch}: lower --batch or generate more (--gen-batches)"
+        )
     total = args.steps or len(schedule)
     while len(schedule) < total:  # --steps beyond the epochs: keep cycling with fresh shuffles
         schedule += batch_schedule(data, args.batch, 1, args.seed + len(schedule))

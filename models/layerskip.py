@@ -230,6 +230,11 @@ class LayerSkipDrafter:
             ids = jnp.asarray(exit_params.get("token_ids", np.zeros((0,), np.int32)), jnp.int32)
             if ids.shape != (self.head_tokens,):
                 raise ValueError(f"head_tokens={self.head_tokens} needs token_ids of shape ({self.head_tokens},)")
+            host = np.asarray(ids)
+            v = self.cfg.vocab_size
+            if host.min() < 0 or host.max() >= v or np.unique(host).size != host.size:
+                # An id out of range was read from another row (or dropped on write); a repeat split q's mass.
+                raise ValueError(f"token_ids must be {self.head_tokens} distinct ids in [0, {v}), got {host.tolist()}")
             out["token_ids"] = ids
             out["head"] = head_rows(self.cfg, target_params, ids)
         return target_params, (out or None)

@@ -467,3 +467,13 @@ def test_head_rows_of_an_untied_head_in_every_layout():
         assert isinstance(layouts[-1]["lm_head"]["kernel"], cpu_kernels.PackedMatrix)
     for p in layouts:
         np.testing.assert_allclose(np.asarray(head_rows(cfg, p, ids)), want, rtol=0, atol=0)
+
+
+def test_exit_token_ids_must_be_distinct_vocabulary_ids():
+    """Only the shape of the head's token_ids was checked: an id past the vocabulary read another row (and was
+    dropped on write), a negative one wrapped to V - 1, a repeat split q's mass between two rows."""
+    drafter = LayerSkipDrafter(TINY, 2, adapter=False, head_tokens=4, max_draft=3)
+    for bad in ([0, 1, 2, TINY.vocab_size], [0, 1, 2, -1], [0, 1, 2, 2]):
+        with pytest.raises(ValueError, match=r"token_ids must be 4 distinct ids in \[0, "):
+            drafter.draft_params(TINY_PARAMS, {"token_ids": np.asarray(bad, np.int32)})
+    drafter.draft_params(TINY_PARAMS, {"token_ids": np.asarray([0, 1, 2, 3], np.int32)})
