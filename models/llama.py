@@ -53,6 +53,11 @@ def canonical_dtype(dtype: Any) -> str:
     return name
 
 
+def end_token_ids(ids) -> tuple[int, ...]:
+    """End-of-generation ids in order, first occurrence kept, None (unset) left out: the canonical EOS first."""
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """Static shape and numerics of a Llama-family model (hashable: it keys the jit cache). max_positions: the
@@ -80,7 +85,7 @@ class LlamaConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        ends = tuple(dict.fromkeys(int(i) for i in (self.eos_id, *self.eos_ids) if i is not None))
+        ends = end_token_ids([self.eos_id, *self.eos_ids])
         object.__setattr__(self, "eos_ids", ends)
         object.__setattr__(self, "eos_id", ends[0] if ends else None)
         if self.max_positions is not None and int(self.max_positions) < 1:

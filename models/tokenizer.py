@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from models.checkpoint import GGUF_END_KEYS, CheckpointError, hf_id_list, read_json
+from models.llama import end_token_ids
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -80,10 +81,6 @@ def _render_env() -> jinja2.Environment:
     return env
 
 
-def _unique_ids(ids) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
 class Tokenizer:
     """encode/decode plus the checkpoint's chat template and special ids.
 
@@ -106,7 +103,7 @@ class Tokenizer:
     ):
         self.backend = backend
         self.bos_id = bos_id
-        self.eos_ids = _unique_ids([eos_id, *extra_eos_ids])
+        self.eos_ids = end_token_ids([eos_id, *extra_eos_ids])
         self.eos_id = self.eos_ids[0] if self.eos_ids else None
         self.pad_id = pad_id
         self.add_bos = add_bos
