@@ -36,7 +36,7 @@ from jspec.adaptive import AdaptiveK
 from jspec.cache import set_rows, take_rows
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
-from jspec.sampling import SamplingParams, argmax, distribution, int_array, sample
+from jspec.sampling import SamplingParams, argmax, distribution, int_array, sample, split_keys
 from jspec.tree import TreeProposal, TreeRule, ancestor_mask, verify_tree_greedy, verify_tree_key
 from jspec.verify import verify_chain_greedy, verify_chain_key
 
@@ -145,7 +145,7 @@ def prefill(
     if drafter is not None and draft_state is None:
         draft_state = drafter.init(draft_params, prompt, prompt_len, s)
     cache = cache.commit(prompt_len)  # a commit, not a length change: caches with more state must keep it
-    key, k0 = jax.random.split(key)
+    key, k0 = split_keys(key, 2)
     first = sample(k0, distribution(last, sampling))
     seq = jnp.zeros((b, s + 1), jnp.int32).at[:, :p].set(prompt)
     seq = set_rows(seq, prompt_len, first)
@@ -413,7 +413,11 @@ def decode_round(
     n_gen = st.seq_len - st.prompt_len
     # Never propose past the cache (the verify block must fit) or past the tokens still wanted.
     max_draft = jnp.clip(jnp.minimum(s - 1 - committed, st.max_new - n_gen - 1), 0, k)
-    key, k_draft, k_verify = jax.random.split(jax.random.fold_in(st.key, st.stats.loop_rounds), 3)
+    if st.key.ndim == 0:  # one stream for the batch: this round's keys come from the loop's round count
+        key, k_draft, k_verify = jax.random.split(jax.random.fold_in(st.key, st.stats.loop_rounds), 3)
+    else:  # per-row keys: row b's round keys come from its own key and its own round count, never its neighbours'
+        key = st.key
+        k_draft, k_verify = split_keys(jax.vmap(jax.random.fold_in)(st.key, st.stats.rounds), 2)
 
     if config.adaptive is not None:
         max_draft = jnp.minimum(max_draft, adapt.choose_k(config.adaptive, st.accept_ema, k))
@@ -798,7 +802,7 @@ def prepare(
     top_p: float | Sequence[float] = 1.0,
     min_p: float | Sequence[float] = 0.0,
     eos_ids: Sequence[int] = (),
-    seed: int | None = None,
+    seed: int | Sequence[int] | None = None,
     key: jax.Array | None = None,
     max_len: int | None = None,
     debug_checks: bool = False,
@@ -810,7 +814,7 @@ def prepare(
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len)
     check_draft_context(drafter, plen + mnew - 1 if max_new_tokens is not None else np.full_like(plen, slots))
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
-    key = _decode_key(seed, key)
+    key = _decode_key(seed, key, len(plen))
     eos = check_eos(eos_ids, target.vocab_size)
     config = DecodeConfig(gamma, slots, eos, debug_checks, adaptive_policy(adaptive), block_verify)
     arrays = (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
@@ -830,22 +834,32 @@ def check_draft_context(drafter, last: np.ndarray) -> None:
         )
 
 
-def _decode_key(seed, key) -> jax.Array:
+def _decode_key(seed, key, b: int) -> jax.Array:
     """The loop's PRNG key: ``key``, or one made from ``seed`` (default 0); both given is refused (one would be
-    ignored). A raw uint32[2] key is wrapped, so it and the typed key it stands for share one compilation."""
+    ignored). One seed / key drives the whole batch; B seeds (a sequence) or a [B] key array give each row its
+    own stream (per-request seeds). A raw uint32[2] (or [B, 2]) key is wrapped, so it and the typed key it stands
+    for share one compilation."""
     if key is not None:
         if seed is not None:
             raise ValueError("give seed or key, not both (the seed would be ignored)")
         key = key if isinstance(key, jax.Array) else jnp.asarray(key)
-        if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-            if key.shape != ():
-                raise ValueError(f"key must be one PRNG key (shape ()), got shape {key.shape}")
-            return key
-        if key.shape != (2,) or key.dtype != jnp.uint32:
-            raise ValueError(f"key must be a jax.random.key or a uint32[2] raw key, got {key.dtype}{list(key.shape)}")
-        return jax.random.wrap_key_data(key)
+        if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            if key.dtype != jnp.uint32 or key.shape not in ((2,), (b, 2)):
+                raise ValueError(
+                    f"key must be a jax.random.key (or [B] of them) or raw uint32 key data [2] / [B, 2] with B = {b}, "
+                    f"got {key.dtype}{list(key.shape)}"
+                )
+            key = jax.random.wrap_key_data(key)
+        if key.shape not in ((), (b,)):
+            raise ValueError(f"key must be one PRNG key (shape ()) or one per row (shape ({b},)), got {key.shape}")
+        return key
     if seed is None:
         return jax.random.key(0)
+    if isinstance(seed, list | tuple | np.ndarray):
+        seeds = [check_seed(x) for x in np.asarray(seed, dtype=object).reshape(-1)] if np.ndim(seed) == 1 else None
+        if seeds is None or len(seeds) != b:
+            raise ValueError(f"seed must be one int or a list of {b} (one per row), got {seed!r:.80}")
+        return jnp.stack([jax.random.key(x) for x in seeds])
     return jax.random.key(check_seed(seed))
 
 
@@ -869,14 +883,15 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     ``prepare``): drafter, draft_params, gamma (K candidates per round; unset: 4 for a chain drafter, the depth of a
     tree drafter, 0 without a drafter; a given value must be the one that runs, see ``check_drafter``),
     max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature / top_k / top_p / min_p
-    (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key (not both; seed 0 by default, in [0,
-    2**32) without 64-bit mode), max_len (cache slots S; default the largest P + N - 1 (the slots the rows need)
-    rounded up to a multiple of 128, capped at the model's context length), adaptive, block_verify, debug_checks.
+    (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key (not both; seed 0 by default, in
+    [0, 2**32) without 64-bit mode; one for the batch, or B seeds / [B] keys for a stream per row), max_len (cache
+    slots S; default the largest P + N - 1 (the slots the rows need) rounded up to a multiple of 128, capped at the
+    model's context length), adaptive, block_verify, debug_checks.
     Returns generated tokens per row, the stop reason per row and statistics (defined in the module doc). Sampling
     parameters, the seed or key and the budgets are arrays: new values reuse the compiled loop as long as the batch,
-    the padded prompt width (a multiple of 16) and max_len stay the same (a default max_len follows the budget);
-    drafter, gamma, eos_ids, adaptive, block_verify and debug_checks
-    are static and compile a loop of their own.
+    the padded prompt width (a multiple of 16), max_len and the kind of seed (one, or one per row) stay the same (a
+    default max_len follows the budget); drafter, gamma, eos_ids, adaptive, block_verify and debug_checks are static
+    and compile a loop of their own.
     """
     return prepare(target, target_params, prompts, **kwargs).run()
 

@@ -4,7 +4,9 @@ A drafter is a frozen (hashable) object, a static argument of the jitted decoder
 - ``init(params, prompt, prompt_len, slots) -> state``: set-up after the prompt is known (e.g. a draft
   model's prefill). ``prompt`` [B, P] right-padded, ``prompt_len`` [B].
 - ``propose(params, state, ctx, key, k) -> Proposal``: up to ``k`` (static) candidates per row, and the
-  distributions q they were really drawn from.
+  distributions q they were really drawn from. ``key`` is one key for the batch or [B] per-row keys (per-request
+  seeds); draw through ``jspec.sampling``'s ``split_keys`` / ``uniform`` / ``gumbel`` / ``sample``, which take
+  both, so a row's draws come from its own key.
 - ``vocab_size``: V of q (must equal the target's), or None for drafters that emit token ids only.
 - optionally ``observe(params, state, ctx) -> state``: called instead of ``propose`` in rounds where no row
   may propose (adaptive K at 0), so a stateful drafter keeps up with the committed sequence cheaply.
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 
 from jspec.cache import take_rows
 from jspec.model import Model
-from jspec.sampling import SamplingParams, distribution, sample
+from jspec.sampling import SamplingParams, distribution, sample, split_keys
 
 
 @jax.tree_util.register_dataclass
@@ -111,7 +113,7 @@ class ModelDrafter:
         b = ctx.seq.shape[0]
         pend = ctx.seq_len - 1
         logits, cache = self._catch_up(params, cache, ctx)
-        keys = jax.random.split(key, k)
+        keys = split_keys(key, k)
         q0 = distribution(logits[:, -1], ctx.sampling)
         x0 = sample(keys[0], q0)
 

@@ -261,6 +261,36 @@ def sample_from(probs: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(idx, last_positive).astype(jnp.int32)
 
 
+# Keys. Everything random in a round takes either one key for the whole batch or a [B] array of per-row keys
+# (per-request seeds). With per-row keys, row b's draws come from key b alone, so a request's tokens do not
+# depend on which row it sits in, on the other rows or on B. Every draw goes through these three helpers.
+
+
+def split_keys(key: jax.Array, n: int) -> jax.Array:
+    """``n`` keys: [n] from one key, [n, B] from [B] per-row keys (so ``keys[i]`` is always one draw's key)."""
+    if key.ndim == 0:
+        return jax.random.split(key, n)
+    return jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, n))(key), 0, 1)
+
+
+def _per_row(draw, key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    if key.ndim == 0:
+        return draw(key, shape)
+    if key.ndim != 1 or not shape or shape[0] != key.shape[0]:
+        raise ValueError(f"per-row keys {key.shape} need a draw shaped [B, ...] with B = {key.shape[0]}, got {shape}")
+    return jax.vmap(lambda k: draw(k, shape[1:]))(key)
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniforms in [0, 1) of ``shape``; with [B] per-row keys the leading axis is B and row b uses key b."""
+    return _per_row(jax.random.uniform, key, tuple(shape))
+
+
+def gumbel(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Standard Gumbel noise of ``shape``, per row as ``uniform``."""
+    return _per_row(jax.random.gumbel, key, tuple(shape))
+
+
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """Draw one token per leading index from probs [..., V] with a PRNG key."""
-    return sample_from(probs, jax.random.uniform(key, probs.shape[:-1]))
+    """Draw one token per leading index from probs [..., V] with a PRNG key (or [B] per-row keys)."""
+    return sample_from(probs, uniform(key, probs.shape[:-1]))

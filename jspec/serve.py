@@ -73,6 +73,7 @@ def _insert_state(big: DecodeState, row: jax.Array, one: DecodeState) -> DecodeS
         stop=put(big.stop, one.stop),
         stats=stats,
         accept_ema=put(big.accept_ema, one.accept_ema),
+        key=big.key.at[row].set(one.key[0]),
     )
 
 
@@ -155,7 +156,7 @@ class Engine:
             jnp.ones((b,), jnp.int32),
             jnp.ones((b,), jnp.int32),
             SamplingParams.make(b),
-            jax.random.key(check_seed(self.seed)),
+            jax.random.split(jax.random.key(check_seed(self.seed)), b),  # per-row keys; replaced by each add()
         )
         self.state = dataclasses.replace(st, stop=jnp.full((b,), StopReason.IDLE, jnp.int32))
         self._stop = np.full((b,), int(StopReason.IDLE))
@@ -165,9 +166,22 @@ class Engine:
         return [int(i) for i in np.nonzero(self._stop != StopReason.RUNNING)[0]]
 
     def add(
-        self, row: int, prompt: Sequence[int], max_new_tokens: int, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0
+        self,
+        row: int,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        seed: int | None = None,
     ) -> int:
-        """Prefill ``prompt`` and start it in ``row`` (which must be free). Returns its first token."""
+        """Prefill ``prompt`` and start it in ``row`` (which must be free). Returns its first token.
+
+        Every request samples from its own key: ``seed`` (as ``decode(seed=[...])`` gives a row), or without
+        one the engine's ``seed`` folded with the request's admission number. With a seed, a request's tokens
+        do not depend on its row, on when it was admitted or on the other requests (up to the float
+        reassociation of batched matmuls, as in any server)."""
         if isinstance(row, bool) or not isinstance(row, int | np.integer) or not 0 <= row < self.batch:
             raise ValueError(f"row must be an int in [0, {self.batch}), got {row!r}")
         if self._stop[row] == StopReason.RUNNING:
@@ -200,7 +214,10 @@ class Engine:
         padded = np.zeros((1, width), np.int32)
         padded[0, : prompt.size] = prompt
         sampling = SamplingParams.make(1, temperature, top_k, top_p, min_p)
-        key = jax.random.fold_in(jax.random.key(self.seed), self._n_added)
+        if seed is None:
+            key = jax.random.fold_in(jax.random.key(self.seed), self._n_added)
+        else:
+            key = jax.random.key(check_seed(seed))
         self._n_added += 1
         self.state, first, stop = self._insert(
             self.target_params,
@@ -211,7 +228,7 @@ class Engine:
             jnp.asarray([prompt.size], jnp.int32),
             jnp.asarray([max_new_tokens], jnp.int32),
             sampling,
-            key,
+            key[None],
         )
         first, stop = jax.device_get((first, stop))
         self._stop[row] = int(stop)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.cache import take_rows
-from jspec.sampling import distribution, sample_from, top_k
+from jspec.sampling import distribution, gumbel, sample_from, split_keys, top_k, uniform
 
 
 class TreeRule(enum.IntEnum):
@@ -246,10 +246,10 @@ def verify_tree_greedy(
 
 
 def verify_tree_key(key, p, q, tokens, parent, valid, rule, max_depth, max_children) -> TreeResult:
-    k_acc, k_fin = jax.random.split(key)
+    k_acc, k_fin = split_keys(key, 2)
     b = p.shape[0]
-    u = jax.random.uniform(k_acc, (b, max_depth, max_children))
-    return verify_tree(p, q, tokens, parent, valid, rule, max_depth, max_children, u, jax.random.uniform(k_fin, (b,)))
+    u = uniform(k_acc, (b, max_depth, max_children))
+    return verify_tree(p, q, tokens, parent, valid, rule, max_depth, max_children, u, uniform(k_fin, (b,)))
 
 
 @jax.tree_util.register_dataclass
@@ -268,7 +268,7 @@ class TreeProposal:
 
 def _gumbel_top(key, logq: jax.Array, c: int) -> jax.Array:
     """[..., V] log-probabilities -> [..., c] tokens drawn without replacement, in draw order."""
-    g = jax.random.gumbel(key, logq.shape)
+    g = gumbel(key, logq.shape)
     return top_k(logq + g, c)[1]
 
 
@@ -278,7 +278,7 @@ def choose_children(key, logits: jax.Array, q: jax.Array, c: int, rule: TreeRule
         # Ranked by the raw draft logits: under greedy q is one-hot, but the runner-up guesses still help.
         return top_k(logits, c)[1], jnp.ones(logits.shape[:-1] + (c,), bool)
     if rule == TreeRule.IID:
-        u = jax.random.uniform(key, q.shape[:-1] + (c,))
+        u = uniform(key, q.shape[:-1] + (c,))
         cdf = jnp.cumsum(q, axis=-1)
         idx = jnp.sum(cdf[..., None, :] <= u[..., None] * cdf[..., -1:, None], axis=-1)
         # Capped at the last token with mass, as ``sample_from`` does: a cumsum computed as a parallel scan can
@@ -439,7 +439,7 @@ class TreeModelDrafter:
         valid = jnp.ones((b, n), bool)
         q_all = jnp.zeros((b, n, v), jnp.float32)
         level_logits = root_logits[:, None]  # [B, 1, V] logits of the nodes at the current depth
-        keys = jax.random.split(key, self.spec.max_depth)
+        keys = split_keys(key, self.spec.max_depth)
         for d in range(self.spec.max_depth):
             level = np.nonzero(depth_np == d)[0]
             q_level = distribution(level_logits, ctx.sampling)  # [B, M, V]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.cache import take_rows
-from jspec.sampling import sample_from
+from jspec.sampling import sample_from, split_keys, uniform
 
 
 def accepted_mass(p: jax.Array, q: jax.Array) -> jax.Array:
@@ -91,10 +91,10 @@ def verify_chain(
 
 def verify_chain_key(key: jax.Array, p, q, draft, n_draft, block: bool = False) -> ChainResult:
     """``verify_chain`` (or ``verify_block``) with the uniforms drawn from a PRNG key."""
-    k_acc, k_fin = jax.random.split(key)
+    k_acc, k_fin = split_keys(key, 2)
     b, k = draft.shape
     fn = verify_block if block else verify_chain
-    return fn(p, q, draft, n_draft, jax.random.uniform(k_acc, (b, k)), jax.random.uniform(k_fin, (b,)))
+    return fn(p, q, draft, n_draft, uniform(k_acc, (b, k)), uniform(k_fin, (b,)))
 
 
 def verify_chain_greedy(

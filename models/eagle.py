@@ -50,7 +50,7 @@ import numpy as np
 from jspec.cache import KVCache, take_rows
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
-from jspec.sampling import distribution, sample
+from jspec.sampling import distribution, sample, split_keys
 from jspec.tree import (
     DynamicTreeShape,
     TreeProposal,
@@ -523,7 +523,7 @@ class EagleDrafter:
         ids, rows = hp["token_ids"], hp["rows"]
         pend = ctx.seq_len - 1
         f0, cache = self._catch_up(params, state, ctx, k + 1)
-        keys = jax.random.split(key, k)
+        keys = split_keys(key, k)
 
         def draw(f, key_i):  # f [B, E] -> token [B], q over the subset [B, N]
             q = distribution(subset_logits(f[:, None], rows)[:, 0], ctx.sampling)
@@ -629,7 +629,7 @@ class EagleTreeDrafter(EagleDrafter):
         valid = jnp.ones((b, n), bool)
         q_all = jnp.zeros((b, n, v), jnp.float32)
         node_f = jnp.zeros((b, n) + f0.shape[1:], f0.dtype).at[:, 0].set(f0)
-        keys = jax.random.split(key, dmax)
+        keys = split_keys(key, dmax)
         for d in range(dmax):
             level = np.nonzero(depth_np == d)[0]
             kids_per_node = [np.nonzero(parent_np == i)[0] for i in level]

@@ -42,7 +42,7 @@ import orbax.checkpoint as ocp
 from jspec.cache import KVCache, attention_mask
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
-from jspec.sampling import distribution, sample
+from jspec.sampling import distribution, sample, split_keys
 from models import llama
 from models.llama import LlamaConfig, Params
 
@@ -281,7 +281,7 @@ class LayerSkipDrafter:
             nx = sample(key_i, q)
             return (cache, nx, i + 1), (nx, q, h[:, 0])
 
-        (cache, _, _), (xs, qs, hs) = jax.lax.scan(step, (cache, x0, jnp.int32(0)), jax.random.split(key, k))
+        (cache, _, _), (xs, qs, hs) = jax.lax.scan(step, (cache, x0, jnp.int32(0)), split_keys(key, k))
         hs = jnp.swapaxes(hs, 0, 1)  # [B, K, Dm]: inputs pending, d1 .. d_{K-1}
         new_state = jax.lax.dynamic_update_slice_in_dim(state, hs.astype(state.dtype), 0, axis=1)
         return Proposal(

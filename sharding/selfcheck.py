@@ -48,6 +48,10 @@ SAMPLING: dict[str, dict[str, Any]] = {
         seed=11,
     ),
 }
+# Per-row seeds (one key per row, split with the rows): checked on ROW_SEEDS_MESH with the draft model and in the
+# two-process run, where each process passes its own rows' seeds.
+ROW_SEEDS = dict(SAMPLING["sampled"], seed=[101, 102, 103, 104, 105, 106, 107, 108])
+ROW_SEEDS_MESH = "2x4"
 
 
 def tiny_models(seed: int = 0):
@@ -91,7 +95,9 @@ def _drafters(cfg, dcfg):
 def _kw(sampling: str, rows=None, drafter=None) -> dict[str, Any]:
     """decode keyword arguments for a sampling setting, restricted to ``rows`` (per-process inputs); K = GAMMA
     with a drafter (plain decoding takes none)."""
-    kw = dict(max_len=MAX_LEN, max_new_tokens=list(MAX_NEW), **SAMPLING[sampling])
+    kw = dict(
+        max_len=MAX_LEN, max_new_tokens=list(MAX_NEW), **(ROW_SEEDS if sampling == "row_seeds" else SAMPLING[sampling])
+    )
     if drafter is not None:
         kw["gamma"] = GAMMA
     if rows is not None:
@@ -128,6 +134,10 @@ def reference(drafter_names=("plain", "model", "ngram")) -> dict:
             dparams = dp if name == "model" else None
             res = decode(make_model(cfg), tp, prompts(), drafter=dr, draft_params=dparams, **_kw(s, drafter=dr))
             out.setdefault(name, {})[s] = res.tokens
+    dr = drafters["model"]
+    out["model"]["row_seeds"] = decode(
+        make_model(cfg), tp, prompts(), drafter=dr, draft_params=dp, **_kw("row_seeds", drafter=dr)
+    ).tokens
     return out
 
 
@@ -170,6 +180,11 @@ def decode_scenario(meshes=MESHES, with_reference: bool = True) -> dict:
             for s, sd in builds.items():
                 st = sd.run_state(compiled)  # blocked: see the module docstring
                 outs[s] = gather_output(st)
+            if mesh_name == ROW_SEEDS_MESH and name == "model":  # per-row keys: a key input of another shape
+                sd = prepare_sharded(
+                    model, stp, prompts(), plan=plan, drafter=dr, draft_params=dparams, **_kw("row_seeds", drafter=dr)
+                )
+                outs["row_seeds"] = gather_output(sd.run_state())
             entry[name] = {
                 "tokens": {s: o.tokens for s, o in outs.items()},
                 "accepted": {s: o.stats["accepted"] for s, o in outs.items()},
@@ -279,7 +294,7 @@ def multiprocess_scenario() -> dict:
         rows_for_process(plan, len(PROMPT_LENS) - 1)
     except ValueError as e:
         out["indivisible_rows"] = str(e)
-    for s in SAMPLING:
+    for s in (*SAMPLING, "row_seeds"):
         sd = prepare_sharded(
             make_model(cfg),
             stp,

@@ -289,8 +289,9 @@ class ShardedDecode:
 
     def args(self) -> tuple:
         """(target_params, draft_params, prompt [B, P] int32 right-padded, prompt_len [B], max_new [B],
-        sampling (fields [B]), key_data [2] uint32 replicated), placed; the [B] arrays are split over the data
-        axis, and in multi-process runs each process supplies only its own rows of them."""
+        sampling (fields [B]), key_data: [2] uint32 replicated or [B, 2] per-row keys), placed; the [B] arrays
+        (per-row keys too) are split over the data axis, and in multi-process runs each process supplies only its
+        own rows of them."""
         prompt, plen, mnew, samp, key_data = self.host_inputs
         sh_prompt, sh_plen, sh_mnew, sh_samp, sh_key = self.input_shardings
         b = self.global_batch
@@ -299,7 +300,8 @@ class ShardedDecode:
             return put_rows(x, sh, (b, *x.shape[1:]))
 
         sampling = SamplingParams(**{k: rows(v, getattr(sh_samp, k)) for k, v in samp.items()})
-        placed = (rows(prompt, sh_prompt), rows(plen, sh_plen), rows(mnew, sh_mnew), sampling, put(key_data, sh_key))
+        keys = rows(key_data, sh_key) if key_data.ndim == 2 else put(key_data, sh_key)
+        placed = (rows(prompt, sh_prompt), rows(plen, sh_plen), rows(mnew, sh_mnew), sampling, keys)
         return (*self.params, *placed)
 
     def lower(self):
@@ -531,14 +533,14 @@ def prepare_sharded(
         rows(plen),
         rows(mnew),
         SamplingParams(**{k: rows(v) for k, v in samp.items()}),
-        plan.replicated(),
+        rows(key_data) if key_data.ndim == 2 else plan.replicated(),  # per-row keys [B, 2] go with their rows
     )
     in_shardings = (tp_sh, dp_sh, *input_shardings)
     host = (prompt, plen, mnew, SamplingParams(**samp), key_data)
     abstract = (
         *(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t) for t in (target_params, draft_params)),
         *(jax.tree.map(lambda x: jax.ShapeDtypeStruct((global_b, *x.shape[1:]), x.dtype), t) for t in host[:4]),
-        jax.ShapeDtypeStruct(key_data.shape, key_data.dtype),
+        jax.ShapeDtypeStruct((global_b, 2) if key_data.ndim == 2 else key_data.shape, key_data.dtype),
     )
     # Entries are hashable (NamedSharding, ShapeDtypeStruct), so equal calls reuse one jitted function and
     # its compilation.

@@ -375,8 +375,11 @@ def test_debug_checks_catch_zero_q_proposals():
         # jax.random.key keeps a seed's low 32 bits: 2**32 was seed 0's stream, -1 was 2**32 - 1's.
         (dict(seed=2**32), r"seed must be in \[0, 4294967296\)"),
         (dict(seed=-1), r"seed must be in \[0, 4294967296\)"),
-        (dict(key=jax.random.split(jax.random.key(0), 4)), r"key must be one PRNG key \(shape \(\)\)"),
-        (dict(key=np.zeros(3, np.uint32)), r"key must be a jax.random.key or a uint32\[2\] raw key"),
+        (
+            dict(key=jax.random.split(jax.random.key(0), 3)),
+            r"one PRNG key \(shape \(\)\) or one per row \(shape \(4,\)\)",
+        ),
+        (dict(key=np.zeros(3, np.uint32)), r"raw uint32 key data \[2\] / \[B, 2\] with B = 4, got uint32\[3\]"),
     ],
 )
 def test_bad_input_raises_clear_error(kwargs, message):

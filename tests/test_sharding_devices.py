@@ -138,6 +138,13 @@ def test_reference_is_lossless_and_speculation_is_exercised(runs):
             assert _decode(runs, mesh)["model"]["accepted"][s] > 0
 
 
+def test_per_row_seeds_split_with_their_rows(runs):
+    """Per-row seeds ([B] keys split over the data axis with their rows) give the single-device tokens."""
+    ref = _reference(runs)["model"]
+    assert _decode(runs, "2x4")["model"]["tokens"]["row_seeds"] == ref["row_seeds"]
+    assert ref["row_seeds"] != ref["sampled"]  # the same sampling settings under other keys: the seeds are used
+
+
 @pytest.mark.parametrize("mesh", MESHES)
 def test_cache_stays_sharded_and_is_never_gathered(runs, mesh):
     entry = _decode(runs, mesh)
@@ -190,7 +197,7 @@ def test_two_processes_match_single_process(runs):
     assert min(procs[1]["local_device_ids"]) >= 4  # process 1's global device ids (2048.. on CPU)
     ref = _reference(runs)["model"]
     for p in (0, 1):
-        for s in SAMPLINGS:
+        for s in (*SAMPLINGS, "row_seeds"):  # row_seeds: each process passed its own rows' seeds
             assert procs[p]["tokens"][s] == ref[s], (p, s)
         # Mesh 1x8: every process passes all 8 rows, decoded once as one batch of 8.
         assert procs[p]["replicated"]["rows"] == list(range(8))
