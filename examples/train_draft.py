@@ -13,7 +13,9 @@
 
 The draft goes to ``${JSPEC_CACHE:-~/.cache/jspec}/draft/<name>``, the target data (shared by drafts
 trained from the same data settings) to ``.../draft/_data/<settings>``, never into the repository; a rerun
-with a finished draft only prints its evaluation unless ``--force``. Defaults take a few minutes on
+with a finished draft only prints its evaluation unless ``--force``. The first run under a name records its
+settings (``<name>/args.json``); a later one with other settings (model, data, schedule, ...) is refused, naming
+them, rather than resuming that run's checkpoint or reusing its draft. Defaults take a few minutes on
 a 2-core CPU (the target's generation and teacher pass dominate: ``--gen-batches`` sets how much).
 
     python examples/train_draft.py [--name smollm2-2L-8k] [--layers 2] [--head-size 8192] [--force]
@@ -38,6 +40,8 @@ import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _run_settings as RS  # noqa: E402
 
 from jspec import decode as dec  # noqa: E402
 from jspec.drafters import ModelDrafter  # noqa: E402
@@ -410,6 +414,42 @@ def parse_args(argv=None):
     return args
 
 
+# Arguments that do not change the trained draft: a cached draft or checkpoint made with other values is the same
+# (the name is the draft's identity; the teacher's batch only chunks the same computation; the rest only evaluate).
+_NOT_TRAINING = frozenset(
+    {"name", "force", "ckpt_every", "gamma", "eval_max_new", "no_eval", "data_only", "teacher_batch"}
+)
+
+
+def training_settings(args) -> dict:
+    return RS.settings(vars(args), _NOT_TRAINING)
+
+
+def check_same_run(args, out_dir: str) -> None:
+    """A draft or checkpoint under ``out_dir`` made with other training settings (model, data, schedule, ...) is
+    refused by name: it would be printed as this run's result, or resumed on another schedule. A directory with
+    neither (fresh, or left by a run that stopped before its first checkpoint) records this run's settings in
+    ``out_dir/args.json`` instead."""
+    final = os.path.join(out_dir, "draft")
+
+    def unrecorded():  # a draft saved before args.json existed keeps its arguments in its own metadata
+        meta = os.path.join(final, D.META_FILE)
+        if not os.path.isfile(meta):
+            return None
+        with open(meta) as f:
+            recorded = json.load(f).get("extra", {}).get("args")
+        return RS.settings(recorded, _NOT_TRAINING) if recorded else None
+
+    RS.check_same_run(
+        training_settings(args),
+        os.path.join(out_dir, "args.json"),
+        os.path.isdir(final) or RS.has_checkpoint(os.path.join(out_dir, "ckpt")),
+        holder=f"{out_dir} holds a draft (or training checkpoint) made",
+        remedy="give this run another --name, or --force to retrain under this one",
+        unrecorded=unrecorded,
+    )
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out_dir = os.path.join(D.cache_root(), args.name)
@@ -417,6 +457,7 @@ def main(argv=None) -> dict:
     eval_path = os.path.join(out_dir, "eval.json")
     if args.force and os.path.isdir(out_dir):
         shutil.rmtree(out_dir)  # the target data lives elsewhere (data_dir) and is kept
+    check_same_run(args, out_dir)
     if os.path.isfile(os.path.join(final, D.META_FILE)) and os.path.isfile(eval_path):
         with open(eval_path) as f:
             report = json.load(f)

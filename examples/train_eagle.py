@@ -120,6 +120,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _run_settings as RS  # noqa: E402
+
 from jspec import decode as dec  # noqa: E402
 from jspec.cost_model import conditional_rates_from_stats  # noqa: E402
 from models import eagle as EG  # noqa: E402
@@ -955,39 +957,28 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def _training_args(args_dict: dict) -> dict:
-    return {k: v for k, v in json.loads(json.dumps(args_dict)).items() if k not in _NOT_TRAINING}
+    return RS.settings(args_dict, _NOT_TRAINING)
 
 
 def check_same_run(args, out_dir: str, eval_path: str) -> None:
     """A head or checkpoint under ``out_dir`` made with other training settings is refused by name (it was
     reused as this run's result, or resumed on a new schedule); a directory with neither (fresh, or left by a
     run that stopped before its first checkpoint) records this run's settings instead."""
-    path = os.path.join(out_dir, "args.json")
-    mine = _training_args(vars(args))
-    if not any(os.path.isdir(os.path.join(out_dir, d)) for d in ("ckpt", "head")):
-        os.makedirs(out_dir, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(mine, f, indent=1)
-        return
-    theirs = None
-    if os.path.isfile(path):
-        with open(path) as f:
-            theirs = json.load(f)
-    elif os.path.isfile(eval_path):  # made before args.json existed: its report has the arguments
+
+    def unrecorded():  # made before args.json existed: its report has the arguments
+        if not os.path.isfile(eval_path):
+            return None
         with open(eval_path) as f:
-            theirs = _training_args(json.load(f).get("args", {}))
-    if theirs is not None:
-        # Keys one side lacks are options added since that run was recorded: it ran with their defaults.
-        differ = sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
-        if differ:
-            what = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
-            raise SystemExit(
-                f"{out_dir} holds a head trained with other settings ({what}): give this run another --name, "
-                "or --force to retrain"
-            )
-        return
-    with open(path, "w") as f:  # a run recorded before args.json existed: nothing to compare it with
-        json.dump(mine, f, indent=1)
+            return _training_args(json.load(f).get("args", {}))
+
+    RS.check_same_run(
+        _training_args(vars(args)),
+        os.path.join(out_dir, "args.json"),
+        any(os.path.isdir(os.path.join(out_dir, d)) for d in ("ckpt", "head")),
+        holder=f"{out_dir} holds a head trained",
+        remedy="give this run another --name, or --force to retrain",
+        unrecorded=unrecorded,
+    )
 
 
 def main(argv=None) -> dict:

@@ -9,8 +9,10 @@ measure the draft acceptance with and without it.
    at T=0.7); prompt + answer are the training sequences (~13k tokens at the defaults). The text is cached
    in ``${JSPEC_CACHE:-~/.cache/jspec}/early_exit/data-*.json`` and shared by every E (delete it to
    regenerate).
-2. Draft head rows: the N most frequent tokens of that text and of the stdlib docstrings (ties and the
-   remainder in BPE merge order, which roughly follows frequency), EOS always included.
+2. Split: the sequences are shuffled (``--seed``) and the last whole ones, the fewest that hold a tenth of the
+   tokens (256 at least), are held out; no sequence is split between the two sides. Draft head rows: the N
+   most frequent tokens of the training sequences and of the stdlib docstrings outside the held-out prompts
+   (ties and the remainder in BPE merge order, which roughly follows frequency), EOS always included.
 3. Features, once: the hidden state after layer E of every token, and the full model's next-token
    distribution restricted to those N tokens (its top 64, renormalised). The early-exit loss is the
    cross-entropy from that teacher to exit head(adapter(h_E)). The adapter has no attention, so tokens are
@@ -18,7 +20,10 @@ measure the draft acceptance with and without it.
 4. optax AdamW with warm-up + cosine decay, a tqdm bar, resumable ``ocp.CheckpointManager`` checkpoints
    (features and checkpoints live in ``<result>.work/`` until training ends); the result goes to
    ``${JSPEC_CACHE:-~/.cache/jspec}/early_exit/smollm2-E{E}-F{F}-N{N}/`` (orbax, ~3.5 MB) and training is
-   skipped when it is already there (``--force`` retrains from scratch, reusing the cached text).
+   skipped when it is already there (``--force`` retrains from scratch, reusing the cached text). The settings
+   are recorded (``args.json`` in the work directory, ``args`` in the result's meta.json): a rerun with other
+   settings (steps, lr, batch, seed, data, ...) is refused, naming them, instead of resuming that run's
+   features and checkpoints or reusing its result.
 5. Evaluation on held-out chat prompts through ``jspec.decode`` (K=4, greedy and T=1): acceptance with and
    without the adapter, same head rows; greedy outputs are checked against plain decoding.
 
@@ -42,6 +47,7 @@ import os
 import shutil
 import time
 
+import _run_settings as RS  # examples/_run_settings.py, next to this script
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,11 +147,17 @@ def stdlib_paragraphs() -> list[str]:
     return out
 
 
-def build_prompts(tok, n_doc: int, seed: int = 0) -> tuple[list[list[int]], list[str]]:
+def prompt_texts(n_doc: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """(the training prompts' texts, in the order of the generated sequences; every stdlib paragraph)."""
     rng = np.random.default_rng(seed)
     paras = stdlib_paragraphs()
     picked = [paras[i] for i in rng.choice(len(paras), size=min(n_doc, len(paras)), replace=False)]
     texts = list(TRAIN_CHATS) + [f"{DOC_TASKS[i % len(DOC_TASKS)]}\n\n{p}" for i, p in enumerate(picked)]
+    return texts, paras
+
+
+def build_prompts(tok, n_doc: int, seed: int = 0) -> tuple[list[list[int]], list[str]]:
+    texts, paras = prompt_texts(n_doc, seed)
     return [tok.encode_chat([{"role": "user", "content": t}]) for t in texts], paras
 
 
@@ -171,8 +183,8 @@ def generate_data(cfg, params, model, tok, n_doc: int, new_tokens: int, batch: i
 
 
 def frequent_tokens(tok, seqs: list[list[int]], paras: list[str], n: int, eos_id: int, vocab: int) -> np.ndarray:
-    """[N] sorted token ids: the most frequent in the generated text and the docstrings, EOS forced in,
-    the rest filled in BPE merge order (low ids first)."""
+    """[N] sorted token ids: the most frequent in ``seqs`` and ``paras`` (give it training text only), EOS
+    forced in, the rest filled in BPE merge order (low ids first)."""
     counts = np.zeros((vocab,), np.int64)
     for s in seqs:
         np.add.at(counts, np.asarray(s), 1)
@@ -182,6 +194,35 @@ def frequent_tokens(tok, seqs: list[list[int]], paras: list[str], n: int, eos_id
     # lexsort: primary key -count, ties by id (merge order), so unseen tokens come in id order.
     order = np.lexsort((np.arange(vocab), -counts))
     return np.sort(order[:n]).astype(np.int32)
+
+
+def heldout_split(lengths: list[int], min_tokens: int = 256) -> int:
+    """How many leading sequences are trained on. ``lengths``: the training tokens of each sequence, in order
+    (positions with a next token). The held-out part is the last whole sequences, the fewest that hold
+    ``max(min_tokens, total // 10)`` tokens, with at least one sequence left for training: a cut at a token
+    count would put the start of one sequence in training and its end in the held-out tokens."""
+    if len(lengths) < 2:
+        raise ValueError(f"{len(lengths)} sequence(s): a held-out split needs two at least")
+    want = max(min_tokens, sum(lengths) // 10)
+    n, held = len(lengths), 0
+    while n > 1 and held < want:
+        n -= 1
+        held += lengths[n]
+    return n
+
+
+def training_paragraphs(paras: list[str], heldout_texts: list[str]) -> list[str]:
+    """The stdlib paragraphs that no held-out prompt quotes (those are held-out text)."""
+    return [p for p in paras if not any(p in t for t in heldout_texts)]
+
+
+def split_and_head_rows(tok, seqs, texts, paras, n_head: int, eos_id: int, vocab: int, min_tokens: int = 256):
+    """(number of training sequences, head rows [N]) for sequences in their final order (``texts``: the prompt
+    text of each): held out are the last whole sequences (``heldout_split``), and the head rows are counted
+    on the training sequences and the paragraphs outside the held-out prompts only."""
+    n_train = heldout_split([len(s) - 1 for s in seqs], min_tokens)
+    ids = frequent_tokens(tok, seqs[:n_train], training_paragraphs(paras, texts[n_train:]), n_head, eos_id, vocab)
+    return n_train, ids
 
 
 def make_features(cfg, params, seqs, ids, exit_layer: int, top: int = 64, batch: int = 4):
@@ -228,11 +269,10 @@ def exit_head_logits(cfg, params, head, adapter, h):  # h [M, Dm] -> logits over
     return hn @ head.T
 
 
-def train(args, cfg, params, feats, ids, ckpt_dir) -> dict:
+def train(args, cfg, params, feats, ids, ckpt_dir, n_val: int) -> dict:
     h_e, top_i, top_p, _, _ = feats
     m = h_e.shape[0]
-    n_val = max(256, m // 10)
-    # The last tokens are held out (they come from whole sequences, so no sequence is split across both).
+    # The last n_val tokens are held out: whole sequences (``heldout_split``).
     train_idx = np.arange(m - n_val)
     head = head_rows(cfg, params, jnp.asarray(ids))
     tx = optax.adamw(
@@ -330,7 +370,7 @@ def evaluate(cfg, params, model, tok, exit_layer, ex_params, k: int, new_tokens:
     return results
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--exit-layer", type=int, default=4, help="E: the draft runs layers [0, E)")
@@ -347,15 +387,64 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-new-tokens", type=int, default=64)
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--force", action="store_true", help="retrain from scratch even if the result is cached")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+# Arguments that do not change the trained adapter (they only evaluate it, or start over).
+_NOT_TRAINING = frozenset({"eval_k", "eval_new_tokens", "no_eval", "force"})
+_FORCE = "pass --force to retrain from scratch (the cached text is kept)"
+
+
+def training_settings(args) -> dict:
+    return RS.settings(vars(args), _NOT_TRAINING)
+
+
+def check_same_run(args, out_dir: str, work: str) -> None:
+    """The result under ``out_dir`` (its path names model, E, F and N; ``meta.json`` records the rest), or the
+    features and checkpoints under ``work``, made with other settings are refused by name: the result would be
+    evaluated as this run's, the checkpoints resumed on another schedule, the features reused for other data.
+    With neither, this run's settings are recorded in ``work/args.json``."""
+    mine = training_settings(args)
+    meta_path = os.path.join(out_dir, "meta.json")
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        # Made before the settings were recorded: its meta.json still names the schedule and the adapter width.
+        theirs = meta.get("args") or dict(
+            {k: meta[k] for k in ("model", "exit_layer", "steps", "batch", "lr") if k in meta},
+            **({"width": meta["adapter_width"]} if "adapter_width" in meta else {}),
+        )
+        holder = f"{out_dir} holds an exit adapter trained"
+        RS.refuse_if_different(theirs, mine, holder, f"rerun with those, or {_FORCE}")
+        return
+
+    def unrecorded():  # features or checkpoints of a run made before the settings were recorded
+        raise SystemExit(
+            f"{work} holds features or checkpoints of a run whose settings were not recorded (its head rows were "
+            f"counted another way): {_FORCE}"
+        )
+
+    saved = os.path.isfile(os.path.join(work, "features.npz")) or RS.has_checkpoint(os.path.join(work, "ckpt"))
+    RS.check_same_run(
+        mine,
+        os.path.join(work, "args.json"),
+        saved,
+        holder=f"{work} holds features or checkpoints of a run made",
+        remedy=f"rerun with those, or {_FORCE}",
+        unrecorded=unrecorded,
+    )
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     t0 = time.perf_counter()
-    cfg, params, model, tok = load(args.model, dtype="float32")
     out_dir = exit_cache_path(args.model, args.exit_layer, args.width, args.head_tokens)
     work = out_dir + ".work"
     if args.force:
         shutil.rmtree(out_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+    check_same_run(args, out_dir, work)  # before the model loads: a refusal costs nothing
+    cfg, params, model, tok = load(args.model, dtype="float32")
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         print(f"cached: {out_dir} (--force retrains)")
         ex_params = restore_exit_params(out_dir, cfg)
@@ -371,23 +460,34 @@ def main(argv=None) -> None:
             seqs = generate_data(cfg, params, model, tok, args.doc_prompts, args.new_tokens, args.gen_batch)
             with open(data_file, "w") as f:
                 json.dump(seqs, f)
-        _, paras = build_prompts(tok, 0)
+        texts, paras = prompt_texts(args.doc_prompts)
+        if len(texts) != len(seqs):
+            raise SystemExit(
+                f"{data_file} holds {len(seqs)} sequences for {len(texts)} prompts (the stdlib's docstrings "
+                "changed since it was written): delete it to regenerate the text"
+            )
+        order = np.random.default_rng(args.seed).permutation(len(seqs))
+        seqs, texts = [seqs[i] for i in order], [texts[i] for i in order]  # held out: the last whole sequences
         n_head = args.head_tokens or cfg.vocab_size
-        ids = frequent_tokens(tok, seqs, paras, n_head, cfg.eos_id, cfg.vocab_size)
-        rng = np.random.default_rng(args.seed)
-        seqs = [seqs[i] for i in rng.permutation(len(seqs))]  # held-out tokens = the last sequences
+        n_train, ids = split_and_head_rows(tok, seqs, texts, paras, n_head, cfg.eos_id, cfg.vocab_size)
         feat_file = os.path.join(work, "features.npz")  # a resumed run skips straight to training
         if os.path.exists(feat_file):
             with np.load(feat_file) as z:
+                if "ids" not in z.files or not np.array_equal(z["ids"], ids):  # e.g. the cached text was regenerated
+                    raise SystemExit(f"{feat_file} was computed for other head rows: {_FORCE}")
                 feats = [z[f"f{j}"] for j in range(5)]
         else:
             feats, _ = make_features(cfg, params, seqs, ids, args.exit_layer)
-            np.savez(feat_file, **{f"f{j}": x for j, x in enumerate(feats)})
+            np.savez(feat_file, ids=ids, **{f"f{j}": x for j, x in enumerate(feats)})
         m = feats[0].shape[0]
-        n_val = max(256, m // 10)
-        print(f"{len(seqs)} sequences, {m} training tokens ({n_val} held out), head rows {len(ids)}")
+        n_val = sum(len(s) - 1 for s in seqs[n_train:])
+        assert m == sum(len(s) - 1 for s in seqs), (m, "features do not match the sequences")
+        print(
+            f"{len(seqs)} sequences, {m} tokens ({n_val} held out: the last {len(seqs) - n_train} whole "
+            f"sequences), head rows {len(ids)} (counted on the {n_train} training sequences)"
+        )
         before = token_metrics(cfg, params, feats, ids, None, n_val)
-        adapter = train(args, cfg, params, feats, ids, os.path.join(work, "ckpt"))
+        adapter = train(args, cfg, params, feats, ids, os.path.join(work, "ckpt"), n_val)
         after = token_metrics(cfg, params, feats, ids, adapter, n_val)
         print(f"held-out tokens without adapter: {before}")
         print(f"held-out tokens with adapter:    {after}")
@@ -401,6 +501,9 @@ def main(argv=None) -> None:
             "batch": args.batch,
             "lr": args.lr,
             "train_tokens": int(m - n_val),
+            "heldout_tokens": int(n_val),
+            "heldout_sequences": len(seqs) - n_train,
+            "args": training_settings(args),
             "heldout_tokens_no_adapter": before,
             "heldout_tokens_adapter": after,
         }

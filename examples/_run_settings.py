@@ -1,0 +1,78 @@
+"""The settings a training script's run was made with, recorded next to what it saves, so that a rerun under the
+same name resumes (or reuses) only a run with the same settings and refuses, by name, one made with others.
+
+Used by ``train_eagle.py``, ``train_draft.py`` and ``train_early_exit.py``: each says which of its arguments do not
+change the result (checkpoint frequency, evaluation-only flags, the name that is the output's identity) and what
+counts as saved state (a checkpoint, a finished result).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+
+
+def settings(args_dict: dict, ignore: Iterable[str]) -> dict:
+    """``args_dict`` without the keys in ``ignore``, as JSON reads it back (tuples become lists), so that a
+    recorded run and this one compare equal when they ran with the same values."""
+    ignore = frozenset(ignore)
+    return {k: v for k, v in json.loads(json.dumps(args_dict)).items() if k not in ignore}
+
+
+def has_checkpoint(ckpt_dir: str) -> bool:
+    """Whether an ``ocp.CheckpointManager`` directory holds a finished step (a folder named by its number):
+    the manager creates its directory before the first save, so an empty one holds nothing to resume."""
+    return os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
+
+
+def differences(theirs: dict, mine: dict) -> list[str]:
+    """Keys both record with other values, sorted. A key one side lacks is an option added since that run was
+    recorded: it ran with that option's default, so it is not compared."""
+    return sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+
+
+def refuse_if_different(theirs: dict, mine: dict, holder: str, remedy: str) -> None:
+    """SystemExit naming every setting that differs, its recorded value and this run's."""
+    differ = differences(theirs, mine)
+    if differ:
+        what = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
+        raise SystemExit(f"{holder} with other settings ({what}): {remedy}")
+
+
+def write(path: str, mine: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(mine, f, indent=1)
+
+
+def check_same_run(
+    mine: dict,
+    record: str,
+    saved: bool,
+    *,
+    holder: str,
+    remedy: str,
+    unrecorded: Callable[[], dict | None] | None = None,
+) -> None:
+    """Refuse saved state made with other settings; record this run's settings where nothing is saved.
+
+    mine: this run's settings (``settings``). record: the JSON file that holds them (``args.json``).
+    saved: whether a checkpoint or finished result exists. Without one (a fresh directory, or one left by a run
+    that stopped before saving), this run's settings are written to ``record``, replacing any there. With one,
+    the settings in ``record`` must equal ``mine`` (SystemExit naming those that differ: ``holder``, the values
+    there and here, ``remedy``). Saved state without a record (made before records existed) is compared with
+    ``unrecorded()``, the settings it was made with as far as its other files tell, if that gives any
+    (``unrecorded`` may also refuse it itself); otherwise it is accepted and this run's settings recorded."""
+    if not saved:
+        write(record, mine)
+        return
+    if os.path.isfile(record):
+        with open(record) as f:
+            theirs = json.load(f)
+    else:
+        theirs = unrecorded() if unrecorded is not None else None
+    if theirs is None:  # nothing to compare with: this run's settings stand for it from now on
+        write(record, mine)
+        return
+    refuse_if_different(theirs, mine, holder, remedy)
