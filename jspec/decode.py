@@ -596,12 +596,19 @@ def adaptive_policy(adaptive) -> AdaptiveK | None:
 
 
 def check_drafter(
-    target: Model, drafter, gamma: int | None, adaptive=None, block_verify: bool = False, draft_params=None
+    target: Model,
+    drafter,
+    gamma: int | None,
+    adaptive=None,
+    block_verify: bool = False,
+    draft_params=None,
+    target_params=None,
 ) -> int:
     """The draft settings ``prepare`` and ``serve.Engine`` share, checked on the host. Returns the K the loop
     runs. ``gamma=None`` takes the drafter's own: 0 without a drafter, a tree's depth for a tree drafter,
     ``DEFAULT_GAMMA`` for a chain. A given gamma must be what runs (0 without a drafter, >= 1 with a chain
-    drafter, the depth with a tree drafter): a value the loop would replace is refused, not ignored."""
+    drafter, the depth with a tree drafter): a value the loop would replace is refused, not ignored. A drafter
+    with a ``check_target`` hook is asked whether it can serve this target with these params."""
     if gamma is not None:
         if isinstance(gamma, bool) or not isinstance(gamma, int | np.integer):
             raise ValueError(f"gamma (draft length K) must be an int, got {gamma!r}")
@@ -635,6 +642,9 @@ def check_drafter(
     # at trace time. (Params given to a drafter that reads none, or with no drafter, are unused: harmless.)
     if getattr(drafter, "needs_params", False) and draft_params is None:
         raise ValueError(f"{name} needs draft_params (its model's or head's parameters), got None")
+    check = getattr(drafter, "check_target", None)
+    if check is not None:
+        check(target, target_params, draft_params)
     return k
 
 
@@ -810,7 +820,7 @@ def prepare(
     block_verify: bool = False,
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
-    gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params)
+    gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params, target_params)
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len)
     check_draft_context(drafter, plen + mnew - 1 if max_new_tokens is not None else np.full_like(plen, slots))
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)

@@ -10,6 +10,11 @@ A drafter is a frozen (hashable) object, a static argument of the jitted decoder
 - ``vocab_size``: V of q (must equal the target's), or None for drafters that emit token ids only.
 - optionally ``observe(params, state, ctx) -> state``: called instead of ``propose`` in rounds where no row
   may propose (adaptive K at 0), so a stateful drafter keeps up with the committed sequence cheaply.
+- optionally ``check_target(target, target_params, draft_params)``: raises a ValueError naming the problem when
+  the drafter cannot serve this target with these params (``decode`` and ``serve.Engine`` call it on the host;
+  ``target_params`` may be None where a caller does not have them). Drafters that run part of the target's
+  computation themselves (self-speculation, EAGLE's verification) use it to refuse a target they would not
+  reproduce.
 
 Drafters that are part of the target (self-speculation) also set ``shares_target_cache = True``: they then
 find the target's cache in ``ctx.target_cache``, may write their own entries into it (returned in

@@ -132,7 +132,13 @@ class Engine:
                 raise ValueError(f"{what} must be an int >= 1, got {v!r}")
         self.adaptive = adaptive_policy(self.adaptive)
         gamma = check_drafter(
-            self.target, self.drafter, self.gamma, self.adaptive, self.block_verify, self.draft_params
+            self.target,
+            self.drafter,
+            self.gamma,
+            self.adaptive,
+            self.block_verify,
+            self.draft_params,
+            self.target_params,
         )
         self.config = DecodeConfig(
             gamma,

@@ -414,6 +414,10 @@ class EagleDrafter:
     def vocab_size(self) -> int:
         return self.ecfg.target.vocab_size
 
+    def check_target(self, target: Model, target_params, draft_params) -> None:
+        # The verification is this head's own copy of the target's forward pass (it returns the features too).
+        llama.check_model_of(target, self.ecfg.target, f"the EAGLE head {self.ecfg.name!r}")
+
     def draft_params(
         self, target_params: Params, head_params: Params, packed_dtype: str = "bfloat16"
     ) -> tuple[Params, Params]:

@@ -214,6 +214,14 @@ class LayerSkipDrafter:
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
 
+    def check_target(self, target: Model, target_params, draft_params) -> None:
+        # Layers [0, E) run in propose with draft_params[0] and write the target's committed cache; [E, L) run in
+        # verify with this config's forward pass: both must be the target's own.
+        who = f"LayerSkip (exit after layer {self.exit_layer})"
+        llama.check_model_of(target, self.cfg, who)
+        if target_params is not None and draft_params is not None:
+            llama.check_same_params(target_params, draft_params[0], who)
+
     def draft_params(self, target_params: Params, exit_params: dict | None = None) -> tuple[Params, dict | None]:
         """(target params, runtime exit params) for ``decode(..., draft_params=...)``.
 

@@ -762,3 +762,30 @@ def make_model(cfg: LlamaConfig, kernel_argmax: bool = False) -> Model:
         argmax=cpu_kernels.row_argmax if kernel_argmax else None,
         max_positions=cfg.max_positions,
     )
+
+
+def check_model_of(target: Model, cfg: LlamaConfig, who: str) -> None:
+    """A drafter that runs this config's forward pass itself (EAGLE's verification reads the hidden features;
+    LayerSkip writes the first layers of the target's cache) serves only the target ``make_model(cfg)`` builds:
+    another model (the compressed stand-in, another dtype or RoPE) would be verified with the wrong maths."""
+    if target is not make_model(cfg) and target is not make_model(cfg, kernel_argmax=True):
+        raise ValueError(
+            f"{who} runs {cfg.name}'s forward pass itself, so the target must be models.llama.make_model of that "
+            f"same config; got the model {target.name!r} (another model or config would be verified with the "
+            "wrong maths)"
+        )
+
+
+def check_same_params(target_params: Params, own: Params, who: str) -> None:
+    """``own`` must be ``target_params`` (the same arrays, or equal ones): a self-speculative drafter writes the
+    target's committed cache with them."""
+    a, b = jax.tree.flatten(target_params), jax.tree.flatten(own)
+    same = a[1] == b[1] and all(
+        x is y or (x.shape == y.shape and x.dtype == y.dtype and bool(jnp.array_equal(x, y)))
+        for x, y in zip(a[0], b[0])
+    )
+    if not same:
+        raise ValueError(
+            f"{who}'s draft_params must hold the target's own params (drafter.draft_params(target_params, ...)): "
+            "it writes the target's cache with them, so other weights would change the output"
+        )
