@@ -251,14 +251,24 @@ def sample_from(probs: jax.Array, u: jax.Array) -> jax.Array:
     """Inverse-CDF draw: probs [..., V] (need not be normalised), u [...] uniforms in [0, 1) -> ids [...].
 
     Taking explicit uniforms (rather than a key) lets a caller replay a draw exactly. A token of zero
-    probability is never returned: the index is capped at the last token with positive mass.
+    probability is never returned.
     """
     cdf = jnp.cumsum(probs, axis=-1)
-    target = u[..., None] * cdf[..., -1:]
-    idx = jnp.sum(cdf <= target, axis=-1)
-    v = probs.shape[-1]
+    return inverse_cdf(probs, cdf, u[..., None] * cdf[..., -1:])
+
+
+def inverse_cdf(probs: jax.Array, cdf: jax.Array, target: jax.Array) -> jax.Array:
+    """The first token with mass whose cdf passes ``target`` (probs, cdf [..., V]; target [..., 1], broadcast).
+
+    Not the count of cdf entries <= target, which is the same index only while cdf never decreases: cumsum runs
+    as a parallel scan whose entries are rounded independently, so across a run of zero-mass tokens (what top-k
+    / top-p / min-p leave) cdf can dip by an ulp, and the count would land on a token of probability 0 (an
+    emitted filtered token; a draft token with q = 0, accepted outright). Past the last cdf (a few ulps of
+    rounding), the last token with mass."""
+    ok = (probs > 0) & (cdf > target)
+    v = ok.shape[-1]
     last_positive = v - 1 - jnp.argmax(jnp.flip(probs > 0, axis=-1), axis=-1)
-    return jnp.minimum(idx, last_positive).astype(jnp.int32)
+    return jnp.where(jnp.any(ok, axis=-1), jnp.argmax(ok, axis=-1), last_positive).astype(jnp.int32)
 
 
 # Keys. Everything random in a round takes either one key for the whole batch or a [B] array of per-row keys

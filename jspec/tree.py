@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.cache import take_rows
-from jspec.sampling import distribution, gumbel, sample_from, split_keys, top_k, uniform
+from jspec.sampling import distribution, gumbel, inverse_cdf, sample_from, split_keys, top_k, uniform
 
 
 class TreeRule(enum.IntEnum):
@@ -280,12 +280,9 @@ def choose_children(key, logits: jax.Array, q: jax.Array, c: int, rule: TreeRule
     if rule == TreeRule.IID:
         u = uniform(key, q.shape[:-1] + (c,))
         cdf = jnp.cumsum(q, axis=-1)
-        idx = jnp.sum(cdf[..., None, :] <= u[..., None] * cdf[..., -1:, None], axis=-1)
-        # Capped at the last token with mass, as ``sample_from`` does: a cumsum computed as a parallel scan can
-        # leave cdf[-1] a few ulps above cdf at that token, and a draw landing in the gap would pick a q = 0
-        # token, drop the child, and make which children survive depend on their values.
-        last_positive = q.shape[-1] - 1 - jnp.argmax(jnp.flip(q > 0, axis=-1), axis=-1)
-        idx = jnp.minimum(idx, last_positive[..., None]).astype(jnp.int32)
+        # As ``sample_from``: never a q = 0 token (it would drop the child, and which children survive would
+        # depend on the rounding of the cdf).
+        idx = inverse_cdf(q[..., None, :], cdf[..., None, :], u[..., None] * cdf[..., -1:, None])
         return idx, jnp.take_along_axis(q, idx, axis=-1) > 0
     tok = _gumbel_top(key, jnp.log(q), c)
     # Without replacement, a draw exists only while q has mass left outside the earlier children.

@@ -199,3 +199,33 @@ def test_a_row_without_filters_is_the_same_whatever_its_batch_filters():
                 np.testing.assert_allclose(mixed[1, 0], want, atol=2e-6)
             else:
                 assert np.count_nonzero(mixed[1, 0]) < np.count_nonzero(alone[0, 0])
+
+
+def test_a_draw_never_lands_on_a_zero_mass_token_where_the_cdf_dips():
+    """jnp.cumsum runs as a parallel scan (reduce_window): across runs of zero-mass tokens its entries can dip by
+    an ulp (thousands of dips on these rows). Uniforms placed inside such dips (found by hand from the cdf the
+    draw itself computes) made the old rule (count the cdf entries <= target) return a token of probability 0
+    every time; the draw must always return a token with mass, and the one an exact cdf picks."""
+    rng = np.random.default_rng(0)
+    probs = rng.random((16, 49152)).astype(np.float32)
+    probs[rng.random(probs.shape) < 0.95] = 0  # what a top-p / min-p filter leaves
+    cdf = np.asarray(jnp.cumsum(jnp.asarray(probs), axis=-1))
+    rows, us = [], []
+    for r in range(len(probs)):
+        for i in np.nonzero(np.diff(cdf[r]) < 0)[0][:20]:
+            lo, hi = cdf[r, i + 1], cdf[r, i]
+            u = np.float32((np.float64(lo) + np.float64(hi)) / 2 / np.float64(cdf[r, -1]))
+            if lo <= np.float32(u * cdf[r, -1]) < hi:  # the draw's own target falls inside the dip
+                rows.append(r)
+                us.append(u)
+    assert len(rows) > 50
+    got = np.asarray(sample_from(jnp.asarray(probs[rows]), jnp.asarray(np.asarray(us, np.float32))))
+    assert np.all(probs[rows, got] > 0)
+    # Exact reference: the first token whose float64 cdf passes the target, up to the float32 cdf's rounding
+    # (these targets sit inside an ulp-sized dip by construction, so either side of it is a correct draw).
+    exact = np.cumsum(probs[rows].astype(np.float64), axis=-1)
+    target = np.asarray(us, np.float64) * cdf[rows, -1]
+    eps = 1e-5 * cdf[rows, -1]
+    lo = np.argmax(exact > (target - eps)[:, None], axis=-1)
+    hi = np.argmax(exact > (target + eps)[:, None], axis=-1)
+    assert np.all((lo <= got) & (got <= hi))
