@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jspec import decode as dec  # noqa: E402
+from jspec.bench import metrics  # noqa: E402
 from jspec.cli import wants_unstacked  # noqa: E402
 from jspec.cost_model import conditional_rates_from_stats, predict  # noqa: E402
 from jspec.drafters import DraftContext  # noqa: E402
@@ -59,6 +60,12 @@ PROMPTS = [
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
+
+
+def tokens_per_round(rs) -> float:
+    """Tokens per round over the runs of one config, as ``jspec.decode`` defines it: the tokens the rounds
+    emitted (each run's new tokens but the first, which the prefill samples) / the rounds."""
+    return metrics.tokens_per_round([r["tokens"] for r in rs], [r["rounds"] for r in rs])
 
 
 def time_round_parts(target, drafter, dparams, tparams, prompt_ids, k: int, eos: tuple, reps: int = 15) -> dict:
@@ -250,13 +257,11 @@ def main(argv=None) -> dict:
             is_tree = isinstance(configs[name][0], tuple) or getattr(configs[name][0], "is_tree", False)
             acc = np.sum([r["accepted_at"] for r in rs], axis=0)
             prop = np.sum([r["proposed_at"] for r in rs], axis=0)
-            rounds = sum(r["rounds"] for r in rs)
-            toks = sum(r["tokens"] for r in rs)
             row = {
                 "tokens_per_s": tps,
                 "speedup_vs_plain": ratio,
                 "vs_ngram": vs_ng,
-                "tokens_per_round": toks / max(rounds, 1),
+                "tokens_per_round": tokens_per_round(rs),
             }
             line = f"{name:{width}s} {tps:7.1f} tok/s  x{ratio:.2f} plain  x{vs_ng:.2f} n-gram"
             if name != "plain" and is_tree:  # candidates per depth, at most one kept: not a chain's survival

@@ -95,6 +95,21 @@ def component_costs(cfg, params, model, drafter, dparams, k: int, prompt: list[i
     return {name: statistics.median(v) for name, v in out.items()}
 
 
+def add_run(total: dict, stats: dict) -> None:
+    """Add one decode's statistics to a repeat's totals: tokens (all new tokens, for tokens/s), seconds,
+    loop_rounds (for ms per round), and emitted / rounds: the tokens the rounds emitted (each row's new tokens
+    but the first, which the prefill samples) and the rounds, ``jspec.decode``'s tokens_per_round."""
+    total["tokens"] = total.get("tokens", 0) + sum(stats["new_tokens"])
+    total["seconds"] = total.get("seconds", 0.0) + stats["seconds"]
+    total["loop_rounds"] = total.get("loop_rounds", 0) + stats["loop_rounds"]
+    total["emitted"] = total.get("emitted", 0) + sum(max(n - 1, 0) for n in stats["new_tokens"])
+    total["rounds"] = total.get("rounds", 0) + sum(stats["rounds"])
+
+
+def tokens_per_round(total: dict) -> float:
+    return total["emitted"] / total["rounds"] if total.get("rounds") else 0.0
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -141,7 +156,7 @@ def main(argv=None) -> None:
     for p in prepared.values():
         # run_timed compiles before timing (excluded from the time); compile each call once, not every repeat.
         p.compile = functools.cache(p.compile)
-    per_repeat = {name: [] for name in runs}  # (tokens, seconds) per repeat
+    per_repeat = {name: [] for name in runs}  # per repeat: totals over the prompts (``add_run``)
     stats = {name: None for name in runs}
     reference = {}
     for r in range(args.repeats + 1):  # repeat 0 compiles, warms up and checks the outputs
@@ -156,10 +171,8 @@ def main(argv=None) -> None:
                 s = out.stats
                 tok_s = per_repeat[name]
                 if len(tok_s) < r:
-                    tok_s.append([0, 0.0, 0])
-                tok_s[r - 1][0] += sum(s["new_tokens"])
-                tok_s[r - 1][1] += s["seconds"]
-                tok_s[r - 1][2] += s["loop_rounds"]
+                    tok_s.append({})
+                add_run(tok_s[r - 1], s)
                 if r == 1:
                     acc = stats[name]
                     stats[name] = (
@@ -168,14 +181,14 @@ def main(argv=None) -> None:
                         else (acc[0] + s["accepted_at"], acc[1] + s["proposed_at"])
                     )
 
-    plain_tps = [t / sec for t, sec, _ in per_repeat["plain"]]
+    plain_tps = [x["tokens"] / x["seconds"] for x in per_repeat["plain"]]
     base_ms = 1e3 / statistics.median(plain_tps)
     print(f"\n{cfg.name}: f32, batch 1, greedy, {len(prompts)} chat prompts, <= {args.max_new_tokens} new tokens")
     print(f"plain: {statistics.median(plain_tps):.1f} tok/s ({base_ms:.1f} ms/token), repeats {plain_tps}")
     for name, (d, dp, k) in runs.items():
         if d is None:
             continue
-        tps = [t / sec for t, sec, _ in per_repeat[name]]
+        tps = [x["tokens"] / x["seconds"] for x in per_repeat[name]]
         ratios = [a / b for a, b in zip(tps, plain_tps)]
         measured = statistics.median(ratios)
         acc, prop = stats[name]
@@ -186,12 +199,13 @@ def main(argv=None) -> None:
         speed = base_ms / costs["plain_step"]
         draft_ms, verify_ms = speed * costs["draft"] / k, speed * costs["verify"]
         pred = predict(baseline_ms_per_token=base_ms, draft_ms=draft_ms, verify_ms=verify_ms, accept_at=list(rates))
-        t, sec, rounds = (statistics.median(x) for x in zip(*per_repeat[name]))
+        sec, rounds = (statistics.median(x[f] for x in per_repeat[name]) for f in ("seconds", "loop_rounds"))
         round_ms = 1e3 * sec / rounds
+        per_round = statistics.median(tokens_per_round(x) for x in per_repeat[name])
         overhead = round_ms - k * draft_ms - verify_ms
         print(f"\n{name}: {statistics.median(tps):.1f} tok/s, speedup {measured:.3f}x (per repeat {ratios})")
         print(f"  acceptance per position P(first i accepted) {np.round(surv, 3).tolist()}, ")
-        print(f"  conditional rates {np.round(rates, 3).tolist()}, tokens/round {t / rounds:.2f}")
+        print(f"  conditional rates {np.round(rates, 3).tolist()}, tokens/round {per_round:.2f}")
         print(
             f"  costs timed apart: plain step {costs['plain_step']:.1f} ms, draft step {costs['draft'] / k:.1f} ms "
             f"({draft_ms / base_ms:.2f} of a plain step), verify {costs['verify']:.1f} ms "

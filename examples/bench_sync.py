@@ -1,7 +1,9 @@
 """Host syncs per round: the fused on-device loop (``jspec.decode``) against the serving engine stepped from
 Python with 1 or more rounds per host sync (``Engine(rounds_per_sync=R)``), plain and n-gram, batch 1, greedy,
 in ONE process, interleaved, every program compiled and run once before timing. A request's time runs from
-its prefill to its last token on the host. Outputs are checked identical to the fused loop's.
+its prefill to its last token on the host. Outputs are checked identical to the fused loop's. Both sides pad
+each prompt to the same width (a multiple of ``PROMPT_PAD``, as ``jspec.decode.prepare`` does), so both
+prefill the same number of positions.
 
     python examples/bench_sync.py [--rounds 1,4,16] [--prompts 3] [--max-new 96] [--reps 2]
 """
@@ -19,11 +21,31 @@ from jspec.ngram import NgramDrafter
 from jspec.serve import Engine
 from models import registry
 
+# jspec.decode.prepare pads a prompt to a multiple of 16 positions (capped at max_len); the engine pads to a
+# multiple of its ``bucket`` (default 64), so it is given 16: with 64, a 40-token prompt prefilled 64 positions
+# through the engine and 48 through the fused loop, and the ratio charged the engine for the difference.
+PROMPT_PAD = 16
+
 PROMPTS = [
     "Rewrite this sentence in plain words: The committee postponed the decision until further data arrives.",
     "Explain how a refrigerator keeps food cold.",
     "Write a short poem about a city waking up in the morning.",
 ]
+
+
+def make_engine(model, params, drafter, k: int, eos, max_len: int, rounds_per_sync: int) -> Engine:
+    """A batch-1 engine that pads prompts as the fused loop's ``prepare`` does (``PROMPT_PAD``)."""
+    return Engine(
+        model,
+        params,
+        batch=1,
+        max_len=max_len,
+        drafter=drafter,
+        gamma=k,
+        eos_ids=eos,
+        rounds_per_sync=rounds_per_sync,
+        bucket=PROMPT_PAD,
+    )
 
 
 def engine_run(engine: Engine, ids, max_new: int) -> tuple[list[int], float]:
@@ -60,12 +82,7 @@ def main(argv=None) -> None:
     rounds = [int(r) for r in args.rounds.split(",")]
     times: dict = {}
     for dname, (drafter, k) in drafters.items():
-        engines = {
-            r: Engine(
-                model, params, batch=1, max_len=args.max_len, drafter=drafter, gamma=k, eos_ids=eos, rounds_per_sync=r
-            )
-            for r in rounds
-        }
+        engines = {r: make_engine(model, params, drafter, k, eos, args.max_len, r) for r in rounds}
         fused = []
         for ids in prompts:  # warm-up: compile and run every program once
             for e in engines.values():

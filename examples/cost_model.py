@@ -50,7 +50,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--baseline-ms", type=float, default=10.0, help="plain decoding ms per token")
     ap.add_argument("--measured-speedup", type=float, default=None, help="print predicted / measured")
     args = ap.parse_args(argv)
+    # Refused here, by name, rather than ignored (--measured-speedup) or ending in a traceback (--gamma).
+    if args.measured_speedup is not None and args.alpha is None and args.accept_at is None:
+        ap.error("--measured-speedup needs --alpha or --accept-at (the seed table has no single prediction)")
+    if args.accept_at is not None and args.gamma is not None and args.gamma > len(args.accept_at):
+        ap.error(
+            f"--gamma {args.gamma} needs acceptance rates for {args.gamma} positions, --accept-at gives "
+            f"{len(args.accept_at)}"
+        )
+    try:
+        _print_predictions(args)
+    except ValueError as e:  # the model's own checks (a rate outside [0, 1], gamma < 1, ...): name it, no traceback
+        ap.error(str(e))
 
+
+def _print_predictions(args) -> None:
     costs = f"verify {args.verify_ms:g} ms, state {args.state_ms:g} ms"
     if args.alpha is None and args.accept_at is None:
         gamma = 4 if args.gamma is None else args.gamma

@@ -678,9 +678,300 @@ def test_peer_ratios_compare_like_with_like():
     assert suite.ngram_spec(target, 4).peer == "prompt_lookup"
     assert suite.ngram_spec(target, 4, 8, 4).peer is None
     skipped = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, None)
-    assert not skipped[0].available and "jspec runs bfloat16 here and the peers run float32" in skipped[0].reason
+    assert not skipped[0].available and "jspec runs bfloat16 here, transformers float32" in skipped[0].reason
     ap = argparse.ArgumentParser()
     suite.add_common_args(ap)
     cfg = suite.config_from_args(ap.parse_args(["--min-p", "0.1", "--temperature", "1", "--compile-cache", "none"]))
     assert cfg.sampling.min_p == 0.1
     assert "matmul_precision" in metrics.environment()
+
+
+def _examples_module(name):
+    """An examples/ script imported as a module (its main() not run)."""
+    import importlib.util
+    import os
+    import sys
+
+    examples = os.path.join(os.path.dirname(__file__), "..", "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", os.path.join(examples, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tiny_gguf(path):
+    """A GGUF file of one Q4_1 tensor and two F32 ones, file type MOSTLY_Q4_1."""
+    import gguf
+    from gguf.quants import quantize
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    x = np.random.default_rng(0).standard_normal((4, 32)).astype(np.float32)
+    w.add_tensor(
+        "blk.0.ffn_up.weight", quantize(x, gguf.GGMLQuantizationType.Q4_1), raw_dtype=gguf.GGMLQuantizationType.Q4_1
+    )
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(32, np.float32))
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+_LLAMA_INFO = {"weights_dtype": "Q4_1+F32+Q8_0", "kv_cache_dtype": "float16", "device": "cpu", "gamma": 3}
+_TORCH_INFO = {"weights_dtype": "float32", "kv_cache_dtype": "float32", "device": "cpu", "gamma": 3}
+
+
+def test_peer_runs_record_their_weights_cache_and_device(tmp_path, monkeypatch):
+    """llama.cpp runs the GGUF's own types (the default model: 210 Q4_1 tensors, 61 F32, 1 Q8_0) and an f16 KV
+    cache; transformers falls back to the CPU when torch sees no GPU. Each is recorded, and compared with
+    jspec's dtype and JAX's backend, every difference is named."""
+    w = peers.gguf_weights(_tiny_gguf(tmp_path / "t.gguf"))
+    assert w == {"file_type": "MOSTLY_Q4_1", "tensor_types": {"Q4_1": 1, "F32": 2}, "dtype": "F32+Q4_1"}
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(type_k=1, type_v=1)  # llama.cpp's default context: GGML_TYPE_F16 keys and values
+    info = peers.llama_cpp_info(str(tmp_path / "t.gguf"), SimpleNamespace(context_params=ctx), False)
+    assert info["weights_dtype"] == "F32+Q4_1" and info["kv_cache_dtype"] == "float16" and info["device"] == "cpu"
+    assert peers.llama_cpp_info(str(tmp_path / "t.gguf"), SimpleNamespace(), True)["kv_cache_dtype"] is None
+    assert peers.like_for_like_problems(_LLAMA_INFO, dtype="float32", backend="cpu") == [
+        "native Q4_1+F32+Q8_0 weights",
+        "float16 KV cache",
+        "jspec runs float32",
+    ]
+    assert peers.like_for_like_problems(_TORCH_INFO, dtype="float32", backend="cpu") == []
+    assert peers.like_for_like_problems({**_TORCH_INFO, "device": "cuda:0"}, dtype="float32", backend="gpu") == []
+    assert peers.like_for_like_problems(_TORCH_INFO, dtype="float32", backend="gpu") == [
+        "peer on cpu, jspec on gpu",
+        "jspec runs float32",
+    ]
+    assert peers.like_for_like_problems({}, dtype="float32", backend="cpu")[:2] == [
+        "weights' precision not recorded",
+        "KV cache's precision not recorded",
+    ]
+    # transformers' device when JAX runs on a GPU that torch does not see: the CPU, which the check names.
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    dev = peers._torch_device(None)
+    assert dev == "cpu"
+    assert "peer on cpu, jspec on gpu" in peers.like_for_like_problems({**_TORCH_INFO, "device": dev},
+                                                                        dtype="float32", backend="gpu")  # fmt: skip
+
+
+def test_default_model_file_is_recorded_as_its_quantised_types():
+    from models.registry import resolve
+
+    try:
+        path = resolve("smollm2-135m-instruct")
+    except Exception as e:  # the packaged file is not installed here
+        pytest.skip(f"default model file not available: {e}")
+    w = peers.gguf_weights(path)
+    assert w["file_type"] == "MOSTLY_Q4_1" and w["dtype"] == "Q4_1+F32+Q8_0"
+    assert w["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+
+
+def _fake_run(spec, out, dec, group=None):
+    load = Load.closed(1)
+    summary = {**metrics.summarize_requests([], 1.0), "output_tokens_per_s": out, "decode_tokens_per_s": dec}
+    extra = {"group": group} if group else {}
+    return runner.RunResult(spec, load, runner.Sampling(), 8, [], summary, {"tokens_per_round": 1.0}, {}, {},
+                            extra=extra)  # fmt: skip
+
+
+def _fake_peer(label, technique, out, dec, info, problems):
+    summary = {**metrics.summarize_requests([], 1.0), "output_tokens_per_s": out, "decode_tokens_per_s": dec}
+    info = dict(info, not_like_for_like=problems) if problems is not None else dict(info)
+    return peers.PeerRun(label.split()[0], technique, label, True, None, summary=summary, info=info)
+
+
+def test_peer_ratios_only_like_for_like_in_headline_and_table():
+    """jspec ngram K=3 (f32 on the CPU: 60 tok/s end to end, 90 decode) against four prompt-lookup peers: a
+    like-for-like one (30 / 30 tok/s: 2.00x end to end, 3.00x decode), llama.cpp on its Q4_1 weights and f16
+    cache, transformers on another device, transformers at K=4. Only the first gets a ratio; the others say why
+    not (the old headline and table divided by all four)."""
+    spec = Spec("ngram K=3", DRAFTER, 3, DRAFT_PARAMS, peer="prompt_lookup")
+    results = [_fake_run(PLAIN, 40.0, 45.0), _fake_run(spec, 60.0, 90.0)]
+    llama = peers.like_for_like_problems(_LLAMA_INFO, dtype="float32", backend="cpu")
+    on_gpu = peers.like_for_like_problems({**_TORCH_INFO, "device": "cuda"}, dtype="float32", backend="cpu")
+    runs = [
+        _fake_peer("transformers prompt-lookup K=3", "prompt_lookup", 30.0, 30.0, _TORCH_INFO, []),
+        _fake_peer("llama-cpp-python prompt-lookup K=3", "prompt_lookup", 20.0, 20.0, _LLAMA_INFO, llama),
+        _fake_peer("transformers(gpu) prompt-lookup K=3", "prompt_lookup", 15.0, 15.0, _TORCH_INFO, on_gpu),
+        _fake_peer("transformers prompt-lookup K=4", "prompt_lookup", 10.0, 10.0, {**_TORCH_INFO, "gamma": 4}, []),
+        _fake_peer("transformers(unchecked) prompt-lookup K=3", "prompt_lookup", 5.0, 5.0, _TORCH_INFO, None),
+    ]
+    from jspec.bench import suite
+
+    (line,) = suite.headline(results, runs)
+    assert "vs transformers prompt-lookup K=3: 2.00x end-to-end, 3.00x decode" in line
+    assert (
+        "vs llama-cpp-python prompt-lookup K=3: no ratio (native Q4_1+F32+Q8_0 weights; float16 KV cache; "
+        "jspec runs float32: not like for like)" in line
+    )
+    assert "vs transformers(gpu) prompt-lookup K=3: no ratio (peer on gpu, jspec on cpu; jspec runs float32" in line
+    assert "vs transformers prompt-lookup K=4: no ratio (jspec K=3, the peer's K=4: not like for like)" in line
+    assert "transformers(unchecked) prompt-lookup K=3: no ratio (not checked against jspec's precision" in line
+    assert line.count("x end-to-end") == 1
+    adaptive = dataclasses.replace(spec, adaptive=True)
+    assert "jspec adapts K (up to 3)" in report.ratio_blockers(_TORCH_INFO | {"not_like_for_like": []},
+                                                               "prompt_lookup", adaptive.describe())  # fmt: skip
+    table = report.peers_table([r.to_json(False) for r in results], [p.to_json(False) for p in runs])
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
+    assert "| 2.00x | 3.00x |" in rows["transformers prompt-lookup K=3"]
+    assert (
+        "no ratio: native Q4_1+F32+Q8_0 weights; float16 KV cache; jspec runs float32 (not like for like) | - |"
+        in (rows["llama-cpp-python prompt-lookup K=3"])
+    )
+    assert "no ratio: jspec K=3, the peer's K=4 (not like for like)" in rows["transformers prompt-lookup K=4"]
+    assert "x |" not in rows["transformers(gpu) prompt-lookup K=3"].split("| ngram K=3 |")[1]
+
+
+def test_run_peer_set_records_what_is_not_like_for_like(monkeypatch):
+    from types import SimpleNamespace
+
+    from jspec.bench import suite
+
+    fake = [
+        _fake_peer("llama-cpp-python plain", "plain", 20.0, 20.0, _LLAMA_INFO, None),
+        _fake_peer("transformers plain", "plain", 20.0, 20.0, _TORCH_INFO, None),
+    ]
+    monkeypatch.setattr(peers, "run_peers", lambda *a, **k: fake)
+    target = SimpleNamespace(dtype="float32", eos_ids=(2,), path="x.gguf", decode_text=None)
+    logged = []
+    out = suite.run_peer_set(target, ["llama_cpp", "transformers"], [], suite.SuiteConfig(), 4, None, log=logged.append)
+    backend = jax.default_backend()
+    assert out[0].info["jspec"] == {"dtype": "float32", "backend": backend}
+    assert out[0].info["not_like_for_like"][:2] == ["native Q4_1+F32+Q8_0 weights", "float16 KV cache"]
+    assert out[1].info["not_like_for_like"] == ([] if backend == "cpu" else [f"peer on cpu, jspec on {backend}",
+                                                                             "jspec runs float32"])  # fmt: skip
+    assert "not like for like: native Q4_1" in logged[0]
+
+
+def test_decode_rate_counts_tokens_after_the_first_emission():
+    """transformers' assisted / prompt-lookup generation can push several tokens in its first call (prefill and
+    a verified draft together). Those tokens came before the decode clock starts: a peer record whose first
+    burst is 3 tokens, then 1 and 2 (6 tokens, first emission at 1 s, last at 3 s) has 3 decode tokens in 2 s;
+    a jspec-like record (1, 2, 2 tokens at 0.5, 1.5, 2.5 s) has 4 in 2 s. Decode rate (3 + 4) / 4 = 1.75 tok/s
+    (counting len - 1: (5 + 4) / 4 = 2.25); TPOT 2/3 s and 1/2 s."""
+    from jspec.bench.metrics import RequestRecord
+
+    peer = RequestRecord("p", "a", 4, 0.0, admitted=0.0, emissions=[(1.0, 3), (2.0, 1), (3.0, 2)],
+                         tokens=[5] * 6, finished=3.0)  # fmt: skip
+    ours = RequestRecord("j", "a", 4, 0.0, admitted=0.0, emissions=[(0.5, 1), (1.5, 2), (2.5, 2)],
+                         tokens=[5] * 5, finished=2.5)  # fmt: skip
+    s = metrics.summarize_requests([peer, ours], 3.0)
+    assert s["decode_tokens_per_s"] == pytest.approx(1.75)
+    assert s["tpot_ms"]["max"] == pytest.approx(2000 / 3) and s["tpot_ms"]["median"] == pytest.approx(1750 / 3)
+    assert peer.decode_tokens == 3 and ours.decode_tokens == 4
+    one_burst = RequestRecord("b", "a", 4, 0.0, admitted=0.0, emissions=[(1.0, 4)], tokens=[5] * 4, finished=1.0)
+    assert metrics.summarize_requests([one_burst], 1.0)["decode_tokens_per_s"] == 0.0  # no decode phase at all
+
+
+def test_scripts_count_tokens_per_round_as_decode_does():
+    """tokens per round = tokens the rounds emitted / rounds: each request's first token comes from the prefill,
+    no round. Two requests of 9 and 5 new tokens in 4 and 2 rounds: (8 + 4) / 6 = 2.0 (bench_eagle and
+    bench_selfspec divided all 14 tokens: 2.33). And it is what jspec.decode reports for a real decode."""
+    from jspec import decode as dec
+
+    assert metrics.tokens_per_round([9, 5], [4, 2]) == pytest.approx(2.0)
+    assert metrics.tokens_per_round([1], [0]) == 0.0
+    eagle = _examples_module("bench_eagle")
+    assert eagle.tokens_per_round([{"tokens": 9, "rounds": 4}, {"tokens": 5, "rounds": 2}]) == pytest.approx(2.0)
+    selfspec = _examples_module("bench_selfspec")
+    total: dict = {}
+    selfspec.add_run(total, {"new_tokens": [9], "rounds": [4], "loop_rounds": 4, "seconds": 1.0})
+    selfspec.add_run(total, {"new_tokens": [5], "rounds": [2], "loop_rounds": 2, "seconds": 0.5})
+    assert total == {"tokens": 14, "seconds": 1.5, "loop_rounds": 6, "emitted": 12, "rounds": 6}
+    assert selfspec.tokens_per_round(total) == pytest.approx(2.0)
+    out = dec.prepare(TARGET, TARGET_PARAMS, [[1, 2, 0], [2, 1]], drafter=DRAFTER, draft_params=DRAFT_PARAMS,
+                      gamma=3, max_new_tokens=9, max_len=MAX_LEN).run()  # fmt: skip
+    s = out.stats
+    assert metrics.tokens_per_round(s["new_tokens"], s["rounds"]) == pytest.approx(s["tokens_per_round"])
+
+
+def test_percent_problems_have_whole_exact_answers():
+    """75% of an odd multiple of 10 is not whole: seed 3's 18th math problem was '$70 with a 25% discount',
+    stored as 52 (floored) while the true answer is 52.5. Every percent problem's stored answer is now the
+    exact one; seed 0's first 100 math problems (every suite's default range) are unchanged."""
+    import re
+    from fractions import Fraction
+
+    seen = 0
+    for seed in range(5):
+        for r in workloads.math_requests(60, seed):
+            m = re.search(r"costs \$(\d+)\. .* gets a (\d+)% discount", r.messages[-1]["content"])
+            if m:
+                seen += 1
+                assert Fraction(int(m[1]) * (100 - int(m[2])), 100) == r.check["answer"], r
+    assert seen == 30
+    assert workloads.math_requests(18, 3)[17].messages[-1]["content"].startswith("A jacket costs $60.")
+    # Fingerprints of the code before the fix: seed 0 is unchanged for 100 math problems, and for the batch
+    # sweep's largest prompt set (32 per workload).
+    assert workloads.workload_fingerprint(workloads.math_requests(100, 0)) == "761133d06c29aa51"
+    assert workloads.workload_fingerprint(workloads.build(workloads.WORKLOADS, 32, 0)) == "09035c4f7a67e4dd"
+
+
+def test_bench_sync_pads_engine_prompts_as_the_fused_loop_does():
+    """The engine padded each prompt to a multiple of 64 (its default bucket), the fused prepare to a multiple
+    of 16: a 17-token prompt prefilled 64 positions against 32. Both now pad to the same width."""
+    from jspec import decode as dec
+
+    sync = _examples_module("bench_sync")
+    eng = sync.make_engine(TARGET, TARGET_PARAMS, None, 0, (), MAX_LEN, 2)
+    assert eng.rounds_per_sync == 2
+    for n in (1, 15, 16, 17, 40, 63):
+        fused_width = dec._prepare(TARGET, [[1] * n], 1, MAX_LEN)[0].shape[1]
+        engine_width = min(-(-n // eng.bucket) * eng.bucket, eng.max_len)  # as Engine.add pads
+        assert engine_width == fused_width, n
+
+
+def test_sweep_groups_pair_each_run_with_its_own_plain(closed_runs, monkeypatch):
+    """bench_sweeps' K sweep and batch sweep both run at closed c=1 (other jobs, other moments): each
+    n-gram run is divided by the plain run of its own sweep. Canned speeds: K sweep plain 10 / chain 30 tok/s
+    (3.00x), batch sweep plain 20 / chain 30 (1.50x); the old pairing divided both by the K sweep's plain."""
+    from jspec.bench import suite
+
+    speeds = iter([10.0, 30.0, 20.0, 30.0])
+
+    def fake_run_one(target, spec, load, jobs, cfg, log):
+        v = next(speeds)
+        base = closed_runs[spec.label]
+        summary = {**base.summary, "output_tokens_per_s": v, "decode_tokens_per_s": v}
+        return dataclasses.replace(base, load=load, summary=summary, extra={})
+
+    monkeypatch.setattr(suite, "run_one", fake_run_one)
+    monkeypatch.setattr(suite, "free_compiled", lambda: None)
+    cfg = suite.SuiteConfig(measure_phases=False)
+    quiet = dict(log=lambda *a: None)
+    res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, group="K sweep", **quiet)
+    res += suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, group="batch sweep b=1", **quiet)
+    lines = suite.headline(res)
+    assert lines[0].startswith("model K=3 @ closed c=1, K sweep: 3.00x plain end-to-end")
+    assert lines[1].startswith("model K=3 @ closed c=1, batch sweep b=1: 1.50x plain end-to-end")
+    md = report.markdown({"runs": [r.to_json(False) for r in res], "meta": {}})
+    k_part, b_part = md.split("## K sweep: closed c=1")[1].split("## batch sweep b=1: closed c=1")
+    assert "| model K=3 | 30.0 | 3.00x |" in k_part
+    assert "| model K=3 | 30.0 | 1.50x |" in b_part.split("Throughput counts")[0]
+    assert "model K=3 (batch sweep b=1, closed c=1)" in md  # the quality and memory tables tell the groups apart
+
+
+def test_cost_model_script_refuses_what_it_cannot_use(capsys):
+    cm = _examples_module("cost_model")
+    for argv, message in (
+        (["--measured-speedup", "1.5"], "--measured-speedup needs --alpha or --accept-at"),
+        (
+            ["--accept-at", "0.9,0.8", "--gamma", "3"],
+            "--gamma 3 needs acceptance rates for 3 positions, --accept-at gives 2",
+        ),
+        (["--alpha", "1.5"], "alpha must be a probability in [0, 1], got 1.5"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            cm.main(argv)
+        assert e.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+    cm.main(["--accept-at", "0.9,0.8", "--gamma", "1", "--measured-speedup", "1.5"])  # a shorter K is fine
+    assert "predicted / measured" in capsys.readouterr().out

@@ -5,9 +5,12 @@ Latency (per request, from the engine's round timestamps):
 - inter-token intervals: after the first token, a round that emits n tokens gives ONE interval (the time since
   the previous emission) followed by n - 1 zero gaps: speculation emits in bursts, and the zeros are kept so
   the distribution shows the bursts and the pauses between them instead of averaging them away.
-- total latency = arrival to last token; time per output token (TPOT) = (last - first token) / (tokens - 1),
-  and decode tokens/s = the same over all requests: the decode phase alone, which is what speculation
-  changes, while output tokens/s over the run's wall time also pays for prefills and queueing.
+- total latency = arrival to last token; time per output token (TPOT) = (last token - first emission) /
+  (tokens after the first emission), and decode tokens/s = the same over all requests: the decode phase
+  alone, which is what speculation changes, while output tokens/s over the run's wall time also pays for
+  prefills and queueing. The first emission is jspec's prefill token, but a peer's first burst can carry
+  several tokens (transformers' assisted and prompt-lookup generation verify a draft in the same call as the
+  prefill): those tokens came before the decode phase's clock starts, so they are not decode tokens.
 
 Phase costs (``measure_phases``): the fused loop cannot be timed per phase from inside, so each phase is a
 separately jitted piece on the same shapes as the serving run (same batch, cache slots, context length):
@@ -119,6 +122,12 @@ class RequestRecord:
         """First token to last: the decode phase alone (prefill and queueing excluded)."""
         return self.finished - self.emissions[0][0] if self.emissions and self.finished is not None else None
 
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens after the first emission (a burst when a peer's first call emits several): the tokens
+        ``decode_time`` produced."""
+        return len(self.tokens) - self.emissions[0][1] if self.emissions else 0
+
     def itl(self) -> list[float]:
         return inter_token_intervals(self.emissions)
 
@@ -189,8 +198,8 @@ def summarize_requests(records: Sequence[RequestRecord], wall_s: float) -> dict[
     out_tokens = sum(len(r.tokens) for r in records)
     ok_tokens = sum(len(r.tokens) for r in ok)
     itl = [x for r in ok for x in r.itl()]
-    dec = [r for r in ok if len(r.tokens) > 1 and r.decode_time]
-    dec_tokens = sum(len(r.tokens) - 1 for r in dec)
+    dec = [r for r in ok if r.decode_tokens > 0 and r.decode_time]
+    dec_tokens = sum(r.decode_tokens for r in dec)
     dec_time = sum(r.decode_time for r in dec)
     stops: dict[str, int] = {}
     for r in records:
@@ -209,10 +218,10 @@ def summarize_requests(records: Sequence[RequestRecord], wall_s: float) -> dict[
         "wall_s": wall_s,
         "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else 0.0,
         "finished_requests_per_s": len(ok) / wall_s if wall_s > 0 else 0.0,
-        # Decode phase only (tokens after the first / time after the first token), what speculation changes;
+        # Decode phase only (tokens after the first emission / time after it), what speculation changes;
         # output_tokens_per_s above also pays for prefills and queueing.
         "decode_tokens_per_s": dec_tokens / dec_time if dec_time > 0 else 0.0,
-        "tpot_ms": dist_summary([r.decode_time / (len(r.tokens) - 1) for r in dec], 1e3),
+        "tpot_ms": dist_summary([r.decode_time / r.decode_tokens for r in dec], 1e3),
         "ttft_ms": dist_summary([r.ttft for r in ok], 1e3),
         "itl_ms": dist_summary(itl, 1e3),
         "itl_nonzero_ms": dist_summary([x for x in itl if x > 0], 1e3),
@@ -221,6 +230,13 @@ def summarize_requests(records: Sequence[RequestRecord], wall_s: float) -> dict[
         "input_len": dist_summary([r.prompt_len for r in records]),
         "output_len": dist_summary([len(r.tokens) for r in ok]),
     }
+
+
+def tokens_per_round(new_tokens: Sequence[int], rounds: Sequence[int]) -> float:
+    """``jspec.decode``'s tokens_per_round from per-request counts: the tokens the rounds emitted (each
+    request's new tokens but its first, which the prefill samples and no round does) over the rounds."""
+    total = sum(int(r) for r in rounds)
+    return sum(max(int(n) - 1, 0) for n in new_tokens) / total if total else 0.0
 
 
 # --------------------------------------------------------------------------------------------------------

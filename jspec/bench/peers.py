@@ -4,8 +4,15 @@
   generation (``assistant_model``: here the target's first layers, the same truncated draft a jspec
   ``ModelDrafter`` can use), loaded by transformers' own GGUF converter from the same .gguf file (f32).
 - llama-cpp-python: plain and prompt lookup (``LlamaPromptLookupDecoding``), running the GGUF natively (its
-  quantised weights, not jspec's f32 dequantisation: a different numerical target, so exact match with
-  jspec is not expected).
+  quantised weights, not jspec's f32 dequantisation, and llama.cpp's f16 KV cache: a different numerical
+  target and a different amount of arithmetic, so exact match with jspec is not expected and no ratio is
+  given unless the file's weights and the cache are in jspec's dtype; see ``like_for_like_problems``).
+
+Every run records what it computed with in its ``info``: ``weights_dtype`` and ``kv_cache_dtype`` ("float32",
+or the GGUF types a runner kept, e.g. "Q4_1+F32+Q8_0"), ``device`` and, for speculative techniques, ``gamma``
+(K). ``suite.run_peer_set`` compares them with jspec's run and records the differences as
+``not_like_for_like``; ``report.ratio_blockers`` adds the K check, and the headline and the peers table print
+no ratio where either finds one.
 
 Everything is imported lazily; a peer that is not installed (or fails to load) is skipped with the reason
 recorded in the result. Peers decode one request at a time (batch 1, the only batch their speculative paths
@@ -16,6 +23,7 @@ way as jspec's: the prompt's arrival is the call, bursts keep their zero gaps.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import os
@@ -65,6 +73,63 @@ class PeerRun:
 
 def _missing(mods: Sequence[str]) -> list[str]:
     return [m for m in mods if importlib.util.find_spec(m) is None]
+
+
+_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def ggml_type_dtype(name: str) -> str:
+    """A GGML tensor type name -> a dtype name where it is one ("F32" -> "float32"), else the type ("Q4_1")."""
+    return _FLOAT_TYPES.get(name, name)
+
+
+def gguf_weights(path: str) -> dict[str, Any]:
+    """How a GGUF file stores its weights (read from its header, as ``models.gguf_loader`` reads it): the
+    ``file_type`` (general.file_type, e.g. "MOSTLY_Q4_1"), ``tensor_types`` (type -> tensor count) and
+    ``dtype``: "float32" (or float16, bfloat16) when every tensor has that type, else the types, most frequent
+    first ("Q4_1+F32+Q8_0"): what a runner that keeps the file's types (llama.cpp) computes with."""
+    from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
+
+    reader = GGUFReader(path)
+    counts = collections.Counter(GGMLQuantizationType(int(t.tensor_type)).name for t in reader.tensors)
+    field = reader.fields.get("general.file_type")
+    file_type = None
+    if field is not None:
+        value = int(field.contents())
+        try:
+            file_type = LlamaFileType(value).name
+        except ValueError:
+            file_type = str(value)
+    ordered = sorted(counts, key=lambda n: (-counts[n], n))
+    dtype = ggml_type_dtype(ordered[0]) if len(ordered) == 1 else "+".join(ordered)
+    return {"file_type": file_type, "tensor_types": dict(counts), "dtype": dtype}
+
+
+def device_kind(device: str | None) -> str | None:
+    """A torch / llama.cpp / JAX device or backend name -> "cpu", "gpu", "tpu", ... ("cuda:0" -> "gpu")."""
+    if device is None:
+        return None
+    d = str(device).split(":")[0].lower()
+    return "gpu" if d in ("cuda", "rocm", "hip", "gpu") else d
+
+
+def like_for_like_problems(info: dict[str, Any], *, dtype: str, backend: str) -> list[str]:
+    """What makes a peer run (its ``info``) another computation than jspec's run in ``dtype`` on JAX's
+    ``backend``: weights or KV cache in another precision (llama.cpp keeps the GGUF's quantised weights and an
+    f16 cache), or another device (transformers falls back to the CPU when torch sees no GPU). Empty when the
+    two are like for like; what was not recorded counts as different."""
+    out = []
+    weights, kv = info.get("weights_dtype"), info.get("kv_cache_dtype")
+    if weights != dtype:
+        out.append(f"native {weights} weights" if weights else "weights' precision not recorded")
+    if kv != dtype:
+        out.append(f"{kv} KV cache" if kv else "KV cache's precision not recorded")
+    peer_dev, ours = device_kind(info.get("device")), device_kind(backend)
+    if peer_dev != ours:
+        out.append(f"peer on {peer_dev or 'an unrecorded device'}, jspec on {ours}")
+    if out:
+        out.append(f"jspec runs {dtype}")
+    return out
 
 
 def _serve_sequentially(
@@ -144,7 +209,8 @@ class _TimingStreamer:
 
 
 def _torch_device(device: str | None) -> str:
-    """The peer runs where jspec runs: on the GPU when JAX's backend is one and torch sees it, else CPU."""
+    """The peer runs where jspec runs: on the GPU when JAX's backend is one and torch sees it, else CPU (then
+    on another device than jspec: ``like_for_like_problems`` says so, and no ratio is printed)."""
     if device:
         return device
     import jax
@@ -242,12 +308,19 @@ def run_transformers(
         "device": device,
         "dtype": "float32",
         "weights": "transformers' GGUF converter, dequantised to f32 (same file as jspec)",
+        "weights_dtype": str(model.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(model.dtype).removeprefix("torch."),  # its dynamic cache holds the model's dtype
     }
+    try:
+        info["file"] = gguf_weights(gguf_path)
+    except Exception as e:  # informative only: the run does not depend on it
+        info["file"] = {"error": f"{type(e).__name__}: {e}"[:200]}
     assistant = None
     out = []
     for tech in techniques:
         label = {"plain": f"{lib} plain", "prompt_lookup": f"{lib} prompt-lookup K={gamma}"}.get(tech, "")
         kw: dict[str, Any] = {}
+        k_info = {} if tech == "plain" else {"gamma": gamma}
         if tech == "prompt_lookup":
             kw = {"prompt_lookup_num_tokens": gamma, "max_matching_ngram_size": max_ngram}
         elif tech == "assisted":
@@ -291,7 +364,7 @@ def run_transformers(
                 _trim_emissions(rec, len(rec.tokens))
             rec.stop_reason = _stop(rec.tokens, eos_ids)
 
-        run = PeerRun(lib, tech, label, True, None, info=dict(info, generate_kwargs=_jsonable(kw)))
+        run = PeerRun(lib, tech, label, True, None, info=dict(info, generate_kwargs=_jsonable(kw), **k_info))
         try:  # warm-up outside the timed loop (first calls allocate and pick kernels)
             warm = next((j for j in jobs if j.prompt is not None), None)
             if warm is not None:
@@ -384,11 +457,10 @@ def run_llama_cpp(
             out.append(PeerRun(lib, tech, label, False, f"failed to load: {type(e).__name__}: {e}"[:300]))
             continue
         offload = bool(getattr(llama_cpp, "llama_supports_gpu_offload", lambda: False)())
-        info = {
-            "llama_cpp": getattr(llama_cpp, "__version__", None),
-            "weights": "native GGUF quantisation",
-            "device": "gpu" if gpu_layers and offload else "cpu",
-        }
+        info = llama_cpp_info(gguf_path, llm, gpu_layers and offload)
+        info["llama_cpp"] = getattr(llama_cpp, "__version__", None)
+        if tech != "plain":
+            info["gamma"] = gamma
 
         def generate_one(prompt, rec, t0, llm=llm):
             llm.reset()  # no prefix reuse between requests: every request pays its prefill, as in jspec
@@ -422,6 +494,27 @@ def run_llama_cpp(
         _finalize(run, records, wall, jobs, decode_text, scorer)
         out.append(run)
     return out
+
+
+def llama_cpp_info(gguf_path: str, llm, on_gpu: bool) -> dict[str, Any]:
+    """What a llama.cpp run computes with: the file's own weight types (it does not dequantise), its KV cache
+    type (read from the context it made: llama.cpp's default is f16) and its device."""
+    info: dict[str, Any] = {"weights": "native GGUF types (not dequantised)", "device": "gpu" if on_gpu else "cpu"}
+    try:
+        info["file"] = gguf_weights(gguf_path)
+        info["weights_dtype"] = info["file"]["dtype"]
+    except Exception as e:
+        info["file"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        info["weights_dtype"] = None
+    from gguf import GGMLQuantizationType
+
+    params = getattr(llm, "context_params", None)
+    try:  # llama.cpp's ggml_type numbers are the GGUF tensor type numbers
+        k, v = (ggml_type_dtype(GGMLQuantizationType(int(getattr(params, f))).name) for f in ("type_k", "type_v"))
+        info["kv_cache_dtype"] = k if k == v else f"{k} keys, {v} values"
+    except (AttributeError, TypeError, ValueError):  # not readable from this version: recorded as unknown
+        info["kv_cache_dtype"] = None
+    return info
 
 
 def run_peers(

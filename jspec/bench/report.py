@@ -52,18 +52,31 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
-def _plain_of(runs: Sequence[dict], load_name: str) -> dict | None:
-    return next((r for r in runs if r["load_name"] == load_name and r["spec"]["kind"] == "plain"), None)
+def _plain_of(runs: Sequence[dict], load_name: str, group: str | None = None) -> dict | None:
+    """The plain run at ``load_name`` in the same run group (``run_specs(group=...)``): sweeps that share a
+    load are separate groups (other jobs, other moments), so a run is never divided by another group's plain."""
+    return next((r for r in runs if _in(r, load_name, group) and r["spec"]["kind"] == "plain"), None)
 
 
-def results_table(runs: Sequence[dict], load_name: str) -> str:
-    """One row per configuration at one load: throughput, its ratio to plain, latency percentiles, rounds."""
-    plain = _plain_of(runs, load_name)
+def _in(r: dict, load_name: str, group: str | None) -> bool:
+    return r["load_name"] == load_name and r.get("group") == group
+
+
+def _run_label(r: dict) -> str:
+    """A run's label with its load (and its group when it has one), for tables that mix loads."""
+    where = f"{r['group']}, {r['load_name']}" if r.get("group") else r["load_name"]
+    return f"{r['spec']['label']} ({where})"
+
+
+def results_table(runs: Sequence[dict], load_name: str, group: str | None = None) -> str:
+    """One row per configuration at one load (of one run group): throughput, its ratio to plain, latency
+    percentiles, rounds."""
+    plain = _plain_of(runs, load_name, group)
     base = plain["summary"]["output_tokens_per_s"] if plain else None
     dbase = plain["summary"].get("decode_tokens_per_s") if plain else None
     rows = []
     for r in runs:
-        if r["load_name"] != load_name:
+        if not _in(r, load_name, group):
             continue
         s, d, q = r["summary"], r["decode_stats"], r.get("quality") or {}
         tps, dps = s["output_tokens_per_s"], s.get("decode_tokens_per_s")
@@ -112,7 +125,7 @@ def cost_table(runs: Sequence[dict]) -> str:
         seed, men, mr = cm.get("seed") or {}, cm.get("measured_en") or {}, cm.get("measured_rounds") or {}
         rows.append(
             [
-                f"{r['spec']['label']} ({r['load_name']})",
+                _run_label(r),
                 _f(cm.get("measured_output_speedup"), 2, "x"),
                 _f(cm["measured_speedup"], 2, "x"),
                 _f(seed.get("speedup"), 2, "x"),
@@ -157,7 +170,7 @@ def quality_table(runs: Sequence[dict], peers: Sequence[dict] = ()) -> str:
     rows = []
     for r in [*runs, *[p for p in peers if p.get("available")]]:
         q = r.get("quality") or {}
-        label = r["spec"]["label"] + f" ({r['load_name']})" if "spec" in r else r["label"]
+        label = _run_label(r) if "spec" in r else r["label"]
         m, c, g, ch = q.get("math", {}), q.get("code", {}), q.get("grounded", {}), q.get("chat", {})
         comp = [x.get("completion_rate") for x in (m, c, g, ch) if x]
         rows.append(
@@ -195,7 +208,7 @@ def memory_table(runs: Sequence[dict]) -> str:
         total = m["device_bytes"] + (scratch or 0)
         rows.append(
             [
-                f"{r['spec']['label']} ({r['load_name']})",
+                _run_label(r),
                 _f(m["params_bytes"] / MB, 1),
                 _f(m["draft_params_bytes"] / MB, 1),
                 _f((m["cache_bytes"] + m["draft_state_bytes"]) / MB, 1),
@@ -208,8 +221,28 @@ def memory_table(runs: Sequence[dict]) -> str:
     return _table(header, rows)
 
 
+def ratio_blockers(peer_info: dict[str, Any], technique: str, spec: dict[str, Any]) -> str | None:
+    """Why jspec's run of ``spec`` (``Spec.describe()``) and a peer run are not like for like, or None when
+    they are. What the peer ran, judged against jspec's dtype and device when it was measured
+    (``peers.like_for_like_problems``, recorded by ``suite.run_peer_set`` as ``not_like_for_like``: its weights'
+    precision, its KV cache's, its device), and the draft length: a peer's speculative technique drafts a fixed
+    K (``gamma`` in its info), so a jspec run at another K, or one that adapts K, is another configuration."""
+    problems = peer_info.get("not_like_for_like")
+    out = ["not checked against jspec's precision and device"] if problems is None else list(problems)
+    if technique != "plain":
+        k, peer_k = spec.get("gamma"), peer_info.get("gamma")
+        if spec.get("adaptive") is not None:
+            out.append(f"jspec adapts K (up to {k}), the peer drafts K={peer_k}")
+        elif peer_k is None:
+            out.append("the peer's K was not recorded")
+        elif k != peer_k:
+            out.append(f"jspec K={k}, the peer's K={peer_k}")
+    return "; ".join(out) or None
+
+
 def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
-    """Each peer next to the jspec run of the same technique at concurrency 1, measured in the same run."""
+    """Each peer next to the jspec run of the same technique at concurrency 1, measured in the same run. A
+    pair that is not like for like (``ratio_blockers``) gets the reason instead of a ratio."""
     c1 = [r for r in runs if r["load"]["mode"] == "closed" and r["load"]["concurrency"] == 1]
     rows = []
     for p in peers:
@@ -225,16 +258,22 @@ def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
         for mate in mates:
             jt = mate["summary"]["output_tokens_per_s"] if mate else None
             jd = mate["summary"].get("decode_tokens_per_s") if mate else None
+            why = ratio_blockers(p.get("info") or {}, p["technique"], mate["spec"]) if mate else None
+            if why:
+                ratio_out, ratio_dec = f"no ratio: {why} (not like for like)", "-"
+            else:
+                ratio_out = _f(jt / tps, 2, "x") if jt and tps else "-"
+                ratio_dec = _f(jd / dps, 2, "x") if jd and dps else "-"
             rows.append(
                 [
                     p["label"],
                     _f(tps),
                     _f(dps),
                     f"{_f(s['ttft_ms']['median'], 0)} / {_f(s['itl_ms']['median'], 1)} / {_f(s['itl_ms']['p95'], 1)}",
-                    mate["spec"]["label"] if mate else "-",
+                    (_run_label(mate) if mate.get("group") else mate["spec"]["label"]) if mate else "-",
                     _f(jt),
-                    _f(jt / tps, 2, "x") if jt and tps else "-",
-                    _f(jd / dps, 2, "x") if jd and dps else "-",
+                    ratio_out,
+                    ratio_dec,
                     _pct(q.get("exact_match_vs_plain")),
                     f"{s['finished']}/{s['submitted']}",
                 ]
@@ -306,18 +345,19 @@ def markdown(payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
     parts += [meta_block(meta), ""]
     if payload.get("headline"):
         parts += ["## Headline", "", *[f"- {line}" for line in payload["headline"]], ""]
-    loads = []
+    sections: list[tuple[str | None, str]] = []  # (run group, load), in order of appearance
     for r in runs:
-        if r["load_name"] not in loads:
-            loads.append(r["load_name"])
-    for ln in loads:
-        parts += [f"## {ln}", "", results_table(runs, ln), ""]
+        if (r.get("group"), r["load_name"]) not in sections:
+            sections.append((r.get("group"), r["load_name"]))
+    for group, ln in sections:
+        parts += [f"## {group}: {ln}" if group else f"## {ln}", "", results_table(runs, ln, group), ""]
     parts += [
         "Throughput counts emitted tokens only (accepted candidates + correction/bonus tokens; rejected "
         "candidates never count). out tok/s = all emitted tokens / run wall time (prefills and queueing "
-        "included); decode tok/s = tokens after each request's first / time after its first token. ITL: a "
-        "round that emits n tokens gives one interval and n - 1 zero gaps (bursts). acceptance = accepted / "
-        "proposed candidates; tokens/round = emitted / rounds.",
+        "included); decode tok/s = tokens after each request's first emission / time after it (a peer's first "
+        "burst can carry several tokens). ITL: a round that emits n tokens gives one interval and n - 1 zero "
+        "gaps (bursts). acceptance = accepted / proposed candidates; tokens/round = emitted / rounds (the "
+        "prefill's first token is no round's).",
         "",
     ]
     note = gc_note(runs, peers)

@@ -120,8 +120,9 @@ def ngram_spec(target: Target, gamma: int = 4, max_ngram: int = 3, min_ngram: in
     d = NgramDrafter(max_ngram, min_ngram, vocab_size=target.model.vocab_size)
     variant = (max_ngram, min_ngram) != (3, 1)
     label = f"ngram K={gamma}" + (f" n={max_ngram}..{min_ngram}" if variant else "")
-    # Compared with the peers' prompt lookup only when configured like it (n-grams 3..1; K is checked where the
-    # peers' K is known, in ``headline``).
+    # Compared with the peers' prompt lookup only when configured like it (n-grams 3..1); K is checked where the
+    # peers' K is known: ``headline`` and ``report.peers_table`` give no ratio against a peer that ran another K
+    # (``report.ratio_blockers``).
     spec = Spec(label, d, gamma, None, adaptive=adaptive, peer=None if variant else "prompt_lookup")
     return dataclasses.replace(spec, label=label + " adaptive") if spec.adaptive is not None else spec
 
@@ -260,10 +261,20 @@ def free_compiled() -> None:
 
 
 def run_specs(
-    target: Target, specs: Sequence[Spec], loads: Sequence[Load], jobs, cfg: SuiteConfig, log=print
+    target: Target,
+    specs: Sequence[Spec],
+    loads: Sequence[Load],
+    jobs,
+    cfg: SuiteConfig,
+    log=print,
+    group: str | None = None,
 ) -> list[RunResult]:
     """Every spec at every load (spec order interleaved within each load), then phases, quality vs plain and
     the cost-model check. The first spec should be plain: it is the reference for speedups and exact match.
+
+    group: a name for this call's runs (``extra["group"]``), for a script that calls ``run_specs`` more than
+    once on loads that may coincide (the K sweep and the batch sweep): ``headline`` and the report's tables pair
+    each run with the plain run of its own group only, measured with it on the same jobs.
 
     With ``cfg.passes`` = N > 1 every spec runs N times per load, the order reversed on every other pass
     (A B, B A, A B, ...): these CPUs' speed drifts over minutes, and a single pass could credit the drift to
@@ -286,16 +297,19 @@ def run_specs(
                 if slots[j] is None:
                     slots[j] = r
                 slots[j].extra.setdefault("passes", []).append(_pass_summary(r, slots[j]))
-        group = [r for r in slots if r is not None]
+        done = [r for r in slots if r is not None]
+        if group is not None:
+            for r in done:
+                r.extra["group"] = group
         if cfg.measure_phases:
-            attach_phases(target, group, cfg, ctx)
+            attach_phases(target, done, cfg, ctx)
             free_compiled()
-        plain = next((r for r in group if r.spec.kind == "plain"), None)
-        for r in group:
+        plain = next((r for r in done if r.spec.kind == "plain"), None)
+        for r in done:
             r.quality = runner.quality_summary(r, plain if r is not plain else None)
             if plain is not None and r is not plain and r.phases and plain.phases:
                 r.cost_model = runner.cost_model_check(r, plain, r.phases, plain.phases)
-        results += group
+        results += done
     return results
 
 
@@ -332,10 +346,16 @@ def run_peer_set(
     assistant_layers: int | None = None,
     log=print,
 ) -> list[peers.PeerRun]:
+    """The named peers on the same checkpoint file and jobs; each available run records how it differs from
+    jspec's run (weights' and KV cache's precision, device: ``peers.like_for_like_problems``) as
+    ``info["not_like_for_like"]``, where ``headline`` and the report look before printing a ratio."""
     if not names:
         return []
-    if target.dtype != "float32":  # the peers load the checkpoint in float32: a ratio would compare dtypes too
-        why = f"jspec runs {target.dtype} here and the peers run float32: no like-for-like ratio"
+    if target.dtype != "float32":  # no peer runs jspec's bfloat16: every ratio would compare precisions too
+        why = (
+            f"jspec runs {target.dtype} here, transformers float32 and llama.cpp the file's own weight types: "
+            "no like-for-like ratio"
+        )
         return [peers.PeerRun(n, "plain", n, False, why) for n in names]
     runs = peers.run_peers(
         names,
@@ -355,15 +375,19 @@ def run_peer_set(
         max_wall_s=cfg.max_wall_s,
         freeze_gc=cfg.freeze_gc,
     )
+    backend = jax.default_backend()
     for p in runs:
         if not p.available:
             log(f"  {p.label:<28} skipped: {p.reason}")
             continue
+        p.info["jspec"] = {"dtype": target.dtype, "backend": backend}
+        p.info["not_like_for_like"] = peers.like_for_like_problems(p.info, dtype=target.dtype, backend=backend)
         as_run = RunResult(
             plain_spec(), Load.closed(1), cfg.sampling, cfg.max_new_tokens, p.records, p.summary, {}, {}, {}
         )
         p.quality = runner.quality_summary(as_run, plain)
-        log(f"  {p.label:<28} {'closed c=1':<18} {p.summary['output_tokens_per_s']:7.1f} tok/s")
+        note = f"  (not like for like: {'; '.join(p.info['not_like_for_like'])})" if p.info["not_like_for_like"] else ""
+        log(f"  {p.label:<28} {'closed c=1':<18} {p.summary['output_tokens_per_s']:7.1f} tok/s{note}")
     return runs
 
 
@@ -396,17 +420,24 @@ def write_outputs(out_dir: str, name: str, pl: dict[str, Any], plots: Sequence[s
 
 
 def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = ()) -> list[str]:
-    """One line per speculative run: its speedup over plain at the same load, and its ratio to peers."""
+    """One line per speculative run: its speedup over plain at the same load in the same run group
+    (``run_specs(group=...)``), and its ratio to the peers of its technique where they are like for like
+    (``report.ratio_blockers``: same weights' and cache's precision, same device, same K), else why not."""
     lines = []
     for r in results:
         if r.spec.kind == "plain":
             continue
-        plain = next((p for p in results if p.spec.kind == "plain" and p.load == r.load), None)
+        group = r.extra.get("group")
+        plain = next(
+            (p for p in results if p.spec.kind == "plain" and p.load == r.load and p.extra.get("group") == group),
+            None,
+        )
         if plain is None:
             continue
         sp = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
         dsp = r.summary["decode_tokens_per_s"] / max(plain.summary["decode_tokens_per_s"], 1e-9)
-        line = f"{r.spec.label} @ {r.load.name}: {sp:.2f}x plain end-to-end, {dsp:.2f}x decode"
+        where = f"{r.load.name}, {group}" if group else r.load.name
+        line = f"{r.spec.label} @ {where}: {sp:.2f}x plain end-to-end, {dsp:.2f}x decode"
         per = pass_ratios(r, plain)
         if per is not None:
             med = {k: statistics.median(v) for k, v in per.items()}
@@ -426,6 +457,10 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
             for p in peer_runs:
                 ps = p.summary
                 if p.available and p.technique == (r.spec.peer or r.spec.kind) and ps.get("decode_tokens_per_s"):
+                    why = report.ratio_blockers(p.info, p.technique, r.spec.describe())
+                    if why:
+                        line += f"; vs {p.label}: no ratio ({why}: not like for like)"
+                        continue
                     line += (
                         f"; vs {p.label}: {r.summary['output_tokens_per_s'] / ps['output_tokens_per_s']:.2f}x "
                         f"end-to-end, {r.summary['decode_tokens_per_s'] / ps['decode_tokens_per_s']:.2f}x decode"
