@@ -83,7 +83,7 @@ class DecodeStats:
     accepted_at: jax.Array  # [K]
     proposed_at: jax.Array  # [K]
     loop_rounds: jax.Array  # [] while-loop iterations (max over rows of rounds)
-    wide_rounds: jax.Array  # [] iterations in which some row proposed (a K+1-wide verification)
+    wide_rounds: jax.Array  # [] iterations that verified wide (K+1 positions, or a tree's N nodes)
 
 
 @jax.tree_util.register_dataclass
@@ -289,7 +289,7 @@ def _chain_step(
         # A drafter that reads the verification's by-products (e.g. the target features an EAGLE head needs)
         # sets ``verify_updates_state``; its verify returns the new drafter state and always runs.
         updates_state = getattr(drafter, "verify_updates_state", False)
-        if updates_state:
+        if _always_wide(drafter):
             logits, best, cache, draft_state = verify_wide(tcache)
         else:
             init = (jnp.zeros((b, k + 1, v), jnp.float32), jnp.zeros((b, k + 1), jnp.int32), tcache, draft_state)
@@ -308,6 +308,13 @@ def _chain_step(
     res = jax.lax.cond(jnp.all(st.sampling.temperature == 0), greedy, sampled, None)
     proposed_at = (jnp.arange(k)[None, :] < n_draft[:, None]).astype(jnp.int32)
     return draft_tokens, res.n_accepted, res.next_token, None, cache, draft_state, proposed_at, res.bad_proposal
+
+
+def _always_wide(drafter) -> bool:
+    """Whether every round verifies wide, proposals or not: a tree verifies its N nodes, and a drafter that reads
+    the verification's by-products (EAGLE) always runs its own verify; other chains fall back to a 1-token step
+    when no row proposed."""
+    return bool(getattr(drafter, "is_tree", False) or getattr(drafter, "verify_updates_state", False))
 
 
 def _target_argmax(target: Model):
@@ -467,7 +474,7 @@ def decode_round(
         accepted_at=st.stats.accepted_at + jnp.sum(accepted_mask, axis=0, dtype=jnp.int32),
         proposed_at=st.stats.proposed_at + jnp.sum(proposed_at, axis=0, dtype=jnp.int32),
         loop_rounds=st.stats.loop_rounds + 1,
-        wide_rounds=st.stats.wide_rounds + jnp.any(n_draft > 0).astype(jnp.int32),
+        wide_rounds=st.stats.wide_rounds + (jnp.any(n_draft > 0) | _always_wide(drafter)).astype(jnp.int32),
     )
     bad = st.bad_proposal | jnp.any(bad_rows & active)
     ema = st.accept_ema

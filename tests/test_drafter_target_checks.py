@@ -47,3 +47,24 @@ def test_self_computing_drafters_refuse_another_target_model():
     ok = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=eagle, draft_params=eagle.draft_params(TINY_PARAMS, hp),
                 gamma=2, max_new_tokens=4)  # fmt: skip
     assert ok.tokens == decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=4).tokens
+
+
+def test_wide_rounds_count_the_verifications_that_ran_wide():
+    """With a budget of 2 tokens the one round may propose nothing: a chain drafter then takes a 1-token step,
+    but EAGLE's verify (which returns the head's features) always runs K+1 wide; the statistic the cost model
+    reads must say so."""
+    from jspec.decode import prepare
+    from jspec.drafters import ModelDrafter
+
+    ecfg = EagleConfig(TINY, head_tokens=0, name="tiny-eagle")
+    eagle = EagleDrafter(ecfg, max_draft=2)
+    hp = init_head(ecfg, TINY_PARAMS, jax.random.key(1))
+    runs = {
+        "eagle": (eagle, eagle.draft_params(TINY_PARAMS, hp), 1),
+        "chain": (ModelDrafter(TINY_MODEL), TINY_PARAMS, 0),
+    }
+    for name, (drafter, dparams, wide) in runs.items():
+        p = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, gamma=2, max_new_tokens=2)
+        st = p.fn(*p.args)
+        assert int(st.stats.loop_rounds) == 1 and int(st.stats.proposed.sum()) == 0, name
+        assert int(st.stats.wide_rounds) == wide, name
