@@ -507,7 +507,7 @@ def main(argv=None) -> None:
             "heldout_tokens_no_adapter": before,
             "heldout_tokens_adapter": after,
         }
-        save_exit_params(out_dir, ex_params, meta)
+        save_exit_params(out_dir, ex_params, meta, target_cfg=cfg)
         meta = load_exit_meta(out_dir)
         shutil.rmtree(work, ignore_errors=True)  # features and resume checkpoints are no longer needed
         print(f"saved {out_dir} ({time.perf_counter() - t0:.0f} s so far)")

@@ -153,14 +153,16 @@ def _head_leaves(ids: np.ndarray, weight: jax.Array, vocab_size: int, dtype) -> 
 
 def init_from_target(dcfg: DraftConfig, target_params: Params, token_map: np.ndarray | None = None) -> Params:
     """Draft parameters copied from the target: embedding, final norm, the ``source_layers`` layers, and
-    the LM head (restricted to ``token_map`` [N] for a frequent-token head, default: the N lowest ids)."""
+    the LM head (restricted to ``token_map`` [N] for a frequent-token head, default: the N lowest ids).
+    The target may be in any layout (stacked, unstacked, packed for the CPU kernel): it is read stacked."""
     cfg = dcfg.llama
     layers = dcfg.source_layers or tuple(range(cfg.num_layers))
     idx = np.asarray(layers)
     dt = cfg.jdtype
+    target_params = stack_layers(target_params)  # plain [L, ...] arrays, embedding [V, E], lm_head [E, V]
     params: Params = {
         "embed": {"embedding": jnp.asarray(embedding_rows(target_params), dt)},
-        "layers": jax.tree.map(lambda w: jnp.asarray(w[idx], dt), stack_layers(target_params)["layers"]),
+        "layers": jax.tree.map(lambda w: jnp.asarray(w[idx], dt), target_params["layers"]),
         "final_norm": {"scale": jnp.asarray(target_params["final_norm"]["scale"], dt)},
     }
     untied = "lm_head" in target_params

@@ -64,7 +64,7 @@ from jspec.tree import (
 )
 from models import cpu_kernels, llama
 from models import draft as _draft
-from models.layerskip import head_rows, load_exit_meta, restore_exit_params, save_exit_params
+from models.layerskip import check_trained_for, head_rows, load_exit_meta, restore_exit_params, save_exit_params
 from models.llama import LlamaConfig, Params
 
 FORMAT_VERSION = 1
@@ -752,22 +752,16 @@ def save_head(path: str | os.PathLike, ecfg: EagleConfig, hp: Params, meta: dict
 
 def restore_head(path: str | os.PathLike, target_cfg: LlamaConfig | None = None) -> tuple[EagleConfig, Params]:
     """Read what ``save_head`` wrote: (config, head params). With ``target_cfg`` the head must match it
-    (same widths, depth, norm epsilon, embedding tying and vocabulary: a head trained for another model of the
-    same width would load and draft nothing useful; the dtype follows the target's)."""
+    (same widths, depth, norm epsilon, embedding tying, attention biases and vocabulary: a head trained for
+    another model of the same width would load and draft nothing useful; the dtype follows the target's)."""
     meta = load_exit_meta(path)
     if meta.get("kind") != "eagle" or meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"'{path}' is not an EAGLE head of format {FORMAT_VERSION}")
     ecfg = EagleConfig.from_json(meta["config"], name=os.path.basename(os.path.normpath(os.fspath(path))))
     if target_cfg is not None:
-        saved = ecfg.target
-        fields = ("vocab_size", "hidden", "num_heads", "num_kv_heads", "head_dim", "rope_theta", "num_layers", "ffn")
-        for f in fields + ("rms_eps", "tie_embeddings"):
-            a, b = getattr(saved, f), getattr(target_cfg, f)
-            # Floats compared loosely: a GGUF stores 1e-5 as float32 (9.99999974e-06), config.json as 1e-05.
-            if not (math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) else a == b):
-                raise ValueError(
-                    f"head '{path}' was trained for {f}={getattr(saved, f)}, target has {getattr(target_cfg, f)}"
-                )
+        # Every field of models.layerskip.TARGET_FIELDS (qkv_bias included: a Llama head on a Qwen2 target of
+        # the same widths); a head saved before qkv_bias was recorded was trained for a model without biases.
+        check_trained_for(f"head '{path}'", dataclasses.asdict(ecfg.target), target_cfg)
         ecfg = dataclasses.replace(ecfg, target=target_cfg)
     return ecfg, restore_exit_params(path, target=abstract_head(ecfg))
 

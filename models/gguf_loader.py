@@ -114,7 +114,8 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
             f"{gf.path}: RoPE frequency scaling (tensor rope_freqs.weight, Llama-3.1) is not supported"
         )
     hidden = int(_field(gf, f"{arch}.embedding_length"))
-    heads = int(_field(gf, f"{arch}.attention.head_count"))
+    num_layers = int(_field(gf, f"{arch}.block_count"))
+    heads = _per_layer(gf, f"{arch}.attention.head_count", num_layers)
     head_dim = int(_field(gf, f"{arch}.attention.key_length", hidden // heads))
     rot = int(_field(gf, f"{arch}.rope.dimension_count", head_dim))
     if rot != head_dim:
@@ -129,11 +130,11 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden=hidden,
-        num_layers=int(_field(gf, f"{arch}.block_count")),
+        num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(_field(gf, f"{arch}.attention.head_count_kv", heads)),
+        num_kv_heads=_per_layer(gf, f"{arch}.attention.head_count_kv", num_layers, heads),
         head_dim=head_dim,
-        ffn=int(_field(gf, f"{arch}.feed_forward_length")),
+        ffn=_per_layer(gf, f"{arch}.feed_forward_length", num_layers),
         rope_theta=float(_field(gf, f"{arch}.rope.freq_base", 10000.0)),
         rms_eps=float(_field(gf, f"{arch}.attention.layer_norm_rms_epsilon")),
         tie_embeddings=not any(t.name == "output.weight" for t in gf.reader.tensors),
@@ -147,6 +148,22 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
         name=name or _field(gf, "general.name", "", required=False) or arch,
         max_positions=_optional_int(_field(gf, f"{arch}.context_length", required=False)),
     )
+
+
+def _per_layer(gf: GGUFFile, key: str, num_layers: int, default=None) -> int:
+    """A hyper-parameter llama.cpp reads as one value or one per layer (``get_key_or_arr``: head counts, FFN
+    width). The model here has the same shape in every layer: an array must have one value per layer, all
+    equal, and that value is used; one that varies between layers is refused by name."""
+    value = _field(gf, key, default)
+    if not isinstance(value, (list, tuple)):
+        return int(value)
+    if len(value) != num_layers:
+        raise CheckpointError(f"{gf.path}: {key} has {len(value)} per-layer values for {num_layers} layers")
+    if len(set(value)) != 1:
+        raise CheckpointError(
+            f"{gf.path}: {key} varies between layers ({list(value)}): layers of different shapes are not supported"
+        )
+    return int(value[0])
 
 
 def _optional_int(x) -> int | None:

@@ -67,15 +67,32 @@ def _read_safetensors_header(path: str) -> dict[str, TensorRef]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header: not a JSON object")
     base = 8 + n
     refs = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        start, end = info["data_offsets"]
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(x) is int for x in offsets)
+            and isinstance(shape, list)
+            and all(type(x) is int and x >= 0 for x in shape)
+        ):
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header: tensor '{name}' needs a shape and data_offsets [start, end]"
+            )
+        start, end = offsets
         if base + end > size:
             raise CheckpointError(f"{path}: truncated safetensors file: tensor '{name}' ends past the end of the file")
-        dtype, shape = info["dtype"], tuple(info["shape"])
+        if not 0 <= start <= end:
+            # Offsets count from the end of the header: a negative start would read header bytes as weights.
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensor '{name}' has data_offsets {offsets}")
+        dtype, shape = info.get("dtype"), tuple(shape)
         if dtype not in _ST_DTYPES:
             raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype}, not supported ({sorted(_ST_DTYPES)})")
         if end - start != int(np.prod(shape)) * _ST_DTYPES[dtype].itemsize:
@@ -84,6 +101,12 @@ def _read_safetensors_header(path: str) -> dict[str, TensorRef]:
                 f"{end - start} bytes"
             )
         refs[name] = TensorRef(path, dtype, shape, base + start, base + end)
+    # Tensors must not share bytes (the safetensors format lays them out back to back): an overlap is a corrupt
+    # header, whose tensors would read each other's weights.
+    spans = sorted((r.start, r.end, name) for name, r in refs.items() if r.end > r.start)
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise CheckpointError(f"{path}: corrupt safetensors header: tensors '{a}' and '{b}' overlap")
     return refs
 
 
@@ -93,8 +116,13 @@ def index_safetensors(path: str | os.PathLike) -> dict[str, TensorRef]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+        except (ValueError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: no weight_map (tensor name -> shard file) in the index")
         shards: dict[str, dict[str, TensorRef]] = {}
         for shard in sorted(set(weight_map.values())):
             shard_path = os.path.join(path, shard)
@@ -153,13 +181,15 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
     bad = [k for k, v in unsupported.items() if v]
     if bad:
         raise CheckpointError(f"{cfg_path}: unsupported setting {bad[0]}")
-    heads = int(c["num_attention_heads"])
     # Several end tokens (Llama-3.1: <|end_of_text|>, <|eom_id|>, <|eot_id|>): the first is the canonical one;
     # generate() stops at those of generation_config.json as well.
     eos = hf_id_list(c, "eos_token_id", cfg_path) + hf_id_list(
         read_json(gen := os.path.join(path, "generation_config.json")), "eos_token_id", gen
     )
+    bos = hf_id_list(c, "bos_token_id", cfg_path)  # -1 is "none", as for every id of config.json
+    dtype = canonical_dtype(dtype)  # outside the try: a bad argument is not a bad config.json
     try:
+        heads = int(c["num_attention_heads"])
         return LlamaConfig(
             vocab_size=int(c["vocab_size"]),
             hidden=int(c["hidden_size"]),
@@ -172,15 +202,17 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=mtype == "qwen2",
-            bos_id=c.get("bos_token_id"),
+            bos_id=bos[0] if bos else None,
             eos_id=eos[0] if eos else None,
             eos_ids=tuple(eos),
-            dtype=canonical_dtype(dtype),
+            dtype=dtype,
             name=name or os.path.basename(os.path.normpath(path)),
             max_positions=int(c["max_position_embeddings"]) if c.get("max_position_embeddings") else None,
         )
     except KeyError as e:
         raise CheckpointError(f"{cfg_path}: missing key {e}") from e
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # e.g. "num_attention_heads": null, or 0
+        raise CheckpointError(f"{cfg_path}: {e}") from e
 
 
 def params_from_hf(path: str | os.PathLike, cfg: LlamaConfig) -> Params:

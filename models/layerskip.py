@@ -342,15 +342,57 @@ def abstract_exit_params(cfg: LlamaConfig, adapter_width: int = 0, head_tokens: 
     return out
 
 
-def save_exit_params(path: str | os.PathLike, exit_params: dict, meta: dict | None = None) -> None:
+# The target's config fields a trained exit adapter or EAGLE head depends on: another value is another model
+# (its hidden states are not the ones the weights were trained on), even where every shape agrees.
+TARGET_FIELDS = (
+    "vocab_size",
+    "hidden",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "num_layers",
+    "ffn",
+    "rms_eps",
+    "tie_embeddings",
+    "qkv_bias",
+)
+
+
+def target_record(cfg: LlamaConfig) -> dict:
+    """What meta.json records of the target an adapter was trained for: ``TARGET_FIELDS`` (compared on restore
+    by ``check_trained_for``) and its name (for people: the same model loaded from GGUF or HF is named differently)."""
+    return {**{f: getattr(cfg, f) for f in TARGET_FIELDS}, "name": cfg.name}
+
+
+def check_trained_for(holder: str, saved: dict, target_cfg: LlamaConfig) -> None:
+    """Refuse ``target_cfg`` by name unless it agrees with ``saved`` (a ``target_record`` or a config as a dict)
+    on every ``TARGET_FIELDS`` entry ``saved`` has (one recorded before a field existed is not compared)."""
+    for f in TARGET_FIELDS:
+        if f not in saved:
+            continue
+        a, b = saved[f], getattr(target_cfg, f)
+        # Floats compared loosely: a GGUF stores 1e-5 as float32 (9.99999974e-06), config.json as 1e-05.
+        same = math.isclose(a, b, rel_tol=1e-6) if isinstance(a, float) or isinstance(b, float) else a == b
+        if not same:
+            raise ValueError(f"{holder} was trained for {f}={a}, target has {b}")
+
+
+def save_exit_params(
+    path: str | os.PathLike, exit_params: dict, meta: dict | None = None, target_cfg: LlamaConfig | None = None
+) -> None:
     """Write ``exit_params`` ({"adapter": ..., "token_ids": ...}) with orbax under ``path/params`` and
-    ``meta`` (exit layer, widths, model name, metrics) to ``path/meta.json``. Overwrites."""
+    ``meta`` (exit layer, widths, model name, metrics) to ``path/meta.json``. Overwrites. ``target_cfg``: the
+    model the params were trained for, recorded as meta.json's ``target`` (``target_record``), so that
+    ``restore_exit_params`` refuses another model by name."""
     path = os.path.abspath(os.fspath(path))  # orbax requires absolute paths
     os.makedirs(path, exist_ok=True)
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(os.path.join(path, "params"), exit_params, force=True)
     ckpt.wait_until_finished()
     meta = dict(meta or {})
+    if target_cfg is not None:
+        meta["target"] = target_record(target_cfg)
     meta["adapter_width"] = int(exit_params["adapter"]["w_gate"].shape[1]) if "adapter" in exit_params else 0
     meta["head_tokens"] = int(exit_params["token_ids"].shape[0]) if "token_ids" in exit_params else 0
     with open(os.path.join(path, "meta.json"), "w") as f:
@@ -362,20 +404,37 @@ def load_exit_meta(path: str | os.PathLike) -> dict:
         return json.load(f)
 
 
+def _stored_shapes(ckpt, path: str) -> Any:
+    tree = ckpt.metadata(os.path.join(path, "params"))
+    tree = getattr(getattr(tree, "item_metadata", tree), "tree", tree)  # orbax >= 0.11 wraps the tree
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
+
+
 def restore_exit_params(path: str | os.PathLike, cfg: LlamaConfig | None = None, target: Any = None) -> dict:
     """Read what ``save_exit_params`` wrote. With ``target`` (a tree of ``jax.ShapeDtypeStruct``, e.g. from
     ``abstract_exit_params``) orbax restores into exactly those shapes, dtypes and shardings; with ``cfg``
     only, the target is built from ``meta.json``; with neither, from the checkpoint's own metadata. Leaves
-    without a sharding land on the default device, whatever device wrote them."""
+    without a sharding land on the default device, whatever device wrote them.
+
+    With ``cfg`` (the target model) the params must have been trained for it: meta.json's ``target`` record
+    (``save_exit_params(target_cfg=)``) is compared field by field, and an adapter of another width is refused
+    by name (files written before the record existed are checked on that width only)."""
     path = os.path.abspath(os.fspath(path))
     ckpt = ocp.StandardCheckpointer()
-    if target is None and cfg is not None:
+    if cfg is not None:
         meta = load_exit_meta(path)
-        target = abstract_exit_params(cfg, meta["adapter_width"], meta["head_tokens"])
+        holder = f"exit adapter '{path}'"
+        if isinstance(meta.get("target"), dict):
+            check_trained_for(holder, meta["target"], cfg)
+        stored = _stored_shapes(ckpt, path)
+        if "adapter" in stored and stored["adapter"]["norm_scale"].shape != (cfg.hidden,):
+            raise ValueError(
+                f"{holder} was trained for hidden={stored['adapter']['norm_scale'].shape[0]}, target has {cfg.hidden}"
+            )
+        if target is None:
+            target = abstract_exit_params(cfg, meta["adapter_width"], meta["head_tokens"])
     elif target is None:
-        tree = ckpt.metadata(os.path.join(path, "params"))
-        tree = getattr(getattr(tree, "item_metadata", tree), "tree", tree)  # orbax >= 0.11 wraps the tree
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
+        target = _stored_shapes(ckpt, path)
     # A leaf without a sharding goes to the default device. Left to orbax, it would take the sharding
     # recorded at save time, and a file written on one host's cpu:0 would not load on a GPU host.
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])

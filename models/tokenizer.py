@@ -51,8 +51,9 @@ _PRE_TOKENIZERS = {
     # SmolLM / StarCoder: every digit is its own piece, then the GPT-2 byte-level regex.
     "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()]),
     "starcoder": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()]),
-    "gpt-2": _byte_level,  # llama.cpp's name for GPT-2's rules ("default", its fallback, splits differently)
-    "gpt2": _byte_level,
+    # llama.cpp's name for GPT-2's rules ("default", its fallback, splits differently); it knows no "gpt2" (that
+    # is tokenizer.ggml.model's value) and refuses a file naming it, so it is refused here too.
+    "gpt-2": _byte_level,
     "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
     "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
     "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
@@ -88,7 +89,8 @@ class Tokenizer:
     template writes ``<|im_start|>`` itself). eos_ids: every id that ends generation, the canonical ``eos_id``
     first, then ``extra_eos_ids`` (Llama-3's ``<|eot_id|>``, GGUF's end-of-turn token, the lists of config.json
     and generation_config.json): pass it to ``jspec.decode(eos_ids=...)``, as transformers and llama.cpp stop
-    at any of them.
+    at any of them. template_error: what ``apply_chat_template`` says when there is no template to use (e.g.
+    named templates none of which is the default).
     """
 
     def __init__(
@@ -100,8 +102,10 @@ class Tokenizer:
         add_bos: bool = False,
         pad_id: int | None = None,
         extra_eos_ids: Sequence[int] = (),
+        template_error: str | None = None,
     ):
         self.backend = backend
+        self.template_error = template_error  # why there is no chat template, when the checkpoint says
         self.bos_id = bos_id
         self.eos_ids = end_token_ids([eos_id, *extra_eos_ids])
         self.eos_id = self.eos_ids[0] if self.eos_ids else None
@@ -135,7 +139,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kw) -> str:
         """Render the checkpoint's chat template (a string; tokenize with ``encode_chat`` or ``encode``)."""
         if self._template is None:
-            raise ValueError("this checkpoint has no chat template")
+            raise ValueError(self.template_error or "this checkpoint has no chat template")
         return self._template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
@@ -217,22 +221,44 @@ class Tokenizer:
             with open(os.path.join(path, "tokenizer_config.json")) as f:
                 tcfg = json.load(f)
         template = tcfg.get("chat_template")
+        template_error = None
         if os.path.isfile(os.path.join(path, "chat_template.jinja")):
             with open(os.path.join(path, "chat_template.jinja")) as f:
                 template = f.read()
-        if isinstance(template, list):  # several named templates: use the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        if isinstance(template, list):
+            # Several named templates: transformers uses the one named "default" and, without one, refuses to
+            # render any (the caller must pick); taking the first would chat in a format nobody chose.
+            named = _named_templates(template, path)
+            template = named.get("default")
+            if template is None:
+                template_error = (
+                    f"{path}: tokenizer_config.json names chat templates "
+                    f"{sorted(named) if named else '(an empty list)'} and none of them 'default': "
+                    "no chat template to use"
+                )
+        elif template is not None and not isinstance(template, str):
+            raise CheckpointError(
+                f"{path}: chat_template must be a string or a list of named templates, got {type(template).__name__}"
+            )
+        # transformers reads special_tokens_map.json over tokenizer_config.json; an explicit null in either is
+        # "no such token", not a missing entry.
+        stm = read_json(os.path.join(path, "special_tokens_map.json")) or {}
 
         def token_id(key):
-            tok = tcfg.get(key)
-            if isinstance(tok, dict):
-                tok = tok.get("content")
-            if tok is None:  # older repositories name their special tokens in config.json only
+            where = "special_tokens_map.json" if key in stm else "tokenizer_config.json"
+            if key not in stm and key not in tcfg:  # older repositories name their special tokens in config.json
                 ids = hf_id_list(config, f"{key}_id", os.path.join(path, "config.json"))
                 return ids[0] if ids else None
+            tok = stm[key] if key in stm else tcfg[key]
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            if tok is None:
+                return None
+            if not isinstance(tok, str):
+                raise CheckpointError(f"{path}: {key} of {where} must be a token string or null, got {tok!r}")
             found = backend.token_to_id(tok)
             if found is None:
-                raise CheckpointError(f"{path}: {key} {tok!r} of tokenizer_config.json is not in the vocabulary")
+                raise CheckpointError(f"{path}: {key} {tok!r} of {where} is not in the vocabulary")
             return found
 
         bos_id = token_id("bos_token")
@@ -250,4 +276,15 @@ class Tokenizer:
             # transformers' generate stops at every id of generation_config.json (else config.json).
             extra_eos_ids=hf_id_list(config, "eos_token_id", os.path.join(path, "config.json"))
             + hf_id_list(read_json(gen := os.path.join(path, "generation_config.json")), "eos_token_id", gen),
+            template_error=template_error,
         )
+
+
+def _named_templates(entries: list, path: str) -> dict[str, str]:
+    """tokenizer_config.json's ``[{"name": ..., "template": ...}, ...]`` -> {name: template}."""
+    named = {}
+    for t in entries:
+        if not (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)):
+            raise CheckpointError(f"{path}: chat_template entry {t!r} is not {{'name': str, 'template': str}}")
+        named[t["name"]] = t["template"]
+    return named

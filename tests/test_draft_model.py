@@ -22,7 +22,7 @@ from jspec import decode as dec
 from jspec.drafters import ModelDrafter
 from models import cpu_kernels
 from models import draft as D
-from models.llama import LlamaConfig, forward, init_cache, init_random_params, make_model
+from models.llama import LlamaConfig, forward, init_cache, init_random_params, make_model, unstack_layers
 from models.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -377,3 +377,26 @@ def test_ragged_rows_draft_different_lengths_greedy():
     assert proposed[0] == 0 and proposed[1] == 0  # budgets 1 and 2 leave no room for any candidate
     assert proposed[2] == 1 and len(set(proposed.tolist())) >= 4
     assert spec.stats["accepted"] > 0 and spec.stats["accepted"] < spec.stats["proposed"]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_init_from_untied_target_in_the_unstacked_layouts(packed):
+    """An untied target in the CPU decode layout (fused per-layer weights; with ``packed`` its matrices and
+    lm_head are PackedMatrix panels) gives the draft the target's own weights: the source layers, the whole
+    [E, V] head, or for a frequent-token head the head's columns for those ids as rows [N, E]."""
+    if packed and not cpu_kernels.available():
+        pytest.skip("the CPU matmul kernel is not built here")
+    cfg = TARGET_CFG.replace(tie_embeddings=False, name="tiny-untied")
+    stacked = init_random_params(cfg, jax.random.key(5), std=0.3)
+    flat = unstack_layers(stacked, packed=packed)
+    assert isinstance(flat["lm_head"]["kernel"], cpu_kernels.PackedMatrix) == packed
+    kernel = np.asarray(stacked["lm_head"]["kernel"])  # [E, V]
+    full = D.init_from_target(D.draft_config(cfg, 2, layers=[0, 2]), flat)
+    np.testing.assert_array_equal(np.asarray(full["lm_head"]["kernel"]), kernel)
+    np.testing.assert_array_equal(np.asarray(full["embed"]["embedding"]), np.asarray(stacked["embed"]["embedding"]))
+    for w, src in zip(jax.tree.leaves(full["layers"]), jax.tree.leaves(stacked["layers"])):
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(src)[[0, 2]])
+    ids = np.array([1, 5, 7, 40], np.int32)
+    sub = D.init_from_target(D.draft_config(cfg, 1, head_size=4), flat, ids)
+    np.testing.assert_array_equal(np.asarray(sub["head"]["weight"]), kernel[:, ids].T)
+    assert "lm_head" not in sub

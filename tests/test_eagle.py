@@ -735,6 +735,17 @@ def test_checkpoint_round_trip(tmp_path):
             restore_head(tmp_path / "head", TINY.replace(**other))
 
 
+def test_restore_head_refuses_a_target_with_other_attention_biases(tmp_path):
+    """A head trained on a Llama target (no q/k/v biases) restored for a Qwen2-style target of the same widths
+    (qkv_bias=True) was not compared on that field: its layer tree then wanted bias leaves the file lacks, and
+    orbax failed on the tree instead of naming the difference."""
+    drafter, dparams, _ = tiny_drafter(head_tokens=20, seed=4)
+    assert not TINY.qkv_bias
+    save_head(tmp_path / "head", drafter.ecfg, dparams[1])
+    with pytest.raises(ValueError, match="trained for qkv_bias=False, target has True"):
+        restore_head(tmp_path / "head", TINY.replace(qkv_bias=True))
+
+
 def test_export_head_stores_bf16_and_restores_the_rounded_head(tmp_path, monkeypatch):
     """``export_head`` (how models/heads/ is written): float leaves stored in bf16 (half the bytes on disk),
     restored as f32 equal to the bf16 rounding of the original, the token map exact, the logits those of the

@@ -405,6 +405,44 @@ def test_exit_params_checkpoint_round_trip(tmp_path):
         restore_exit_params(tmp_path / "exit", target=abstract_exit_params(TINY, 16, 20))
 
 
+def test_exit_params_refuse_another_target_by_name(tmp_path):
+    """meta.json named the model but nothing compared it: an adapter of another width surfaced as an orbax
+    shape error, one trained for another model of the same width loaded silently. The target's config is now
+    recorded (``save_exit_params(target_cfg=)``) and compared on restore, through the registry's loader too."""
+    import json
+
+    from models.registry import LoadedModel, load_layerskip_drafter
+
+    drafter = LayerSkipDrafter(TINY, 2, adapter=True, head_tokens=20)
+    ex = random_exit(TINY, drafter, 4)
+    save_exit_params(tmp_path / "exit", ex, {"exit_layer": 2, "model": TINY.name}, target_cfg=TINY)
+    with open(tmp_path / "exit" / "meta.json") as f:
+        rec = json.load(f)["target"]
+    assert rec["hidden"] == 64 and rec["num_layers"] == 4 and rec["qkv_bias"] is False and rec["name"] == "tiny"
+    restored = restore_exit_params(tmp_path / "exit", TINY.replace(name="tiny from another file"))  # same model
+    np.testing.assert_array_equal(np.asarray(restored["token_ids"]), np.asarray(ex["token_ids"]))
+    others = {
+        "num_layers": (TINY.replace(num_layers=6), "trained for num_layers=4, target has 6"),
+        "rms_eps": (TINY.replace(rms_eps=1e-6), "trained for rms_eps=1e-05, target has 1e-06"),
+        "qkv_bias": (TINY.replace(qkv_bias=True), "trained for qkv_bias=False, target has True"),
+        "hidden": (TINY.replace(hidden=32), "trained for hidden=64, target has 32"),
+    }
+    for cfg, msg in others.values():
+        with pytest.raises(ValueError, match=msg):
+            restore_exit_params(tmp_path / "exit", cfg)
+    other = others["num_layers"][0]
+    target = LoadedModel(other, llama.init_random_params(other, jax.random.key(1)), llama.make_model(other), None)
+    with pytest.raises(ValueError, match="exit adapter .* trained for num_layers=4, target has 6"):
+        load_layerskip_drafter(str(tmp_path / "exit"), target, 3)
+    # A file written before the record existed: only what its shapes tell is compared, and named.
+    save_exit_params(tmp_path / "old", ex, {"exit_layer": 2, "model": TINY.name})
+    with open(tmp_path / "old" / "meta.json") as f:
+        assert "target" not in json.load(f)
+    restore_exit_params(tmp_path / "old", TINY.replace(num_layers=6))  # nothing recorded to refuse it by
+    with pytest.raises(ValueError, match="exit adapter .* trained for hidden=64, target has 32"):
+        restore_exit_params(tmp_path / "old", TINY.replace(hidden=32))
+
+
 _SAVE_ON_LAST_DEVICE = """
 import sys, jax, numpy as np
 from models.layerskip import save_exit_params

@@ -576,3 +576,63 @@ def test_llama3_vocabularies_take_whole_words_before_merges(tmp_path):
     for pre in ("llama-bpe", "llama3", "llama-v3"):
         assert tokenizer(pre).encode("abc") == [5, 4], pre  # BOS, then the whole word
     assert tokenizer("llama-bpe", add_bos=False).encode("abc") == [4]
+
+
+def test_per_layer_head_counts_and_ffn_width(tmp_path, monkeypatch):
+    """llama.cpp reads head_count, head_count_kv and feed_forward_length as one value or an array of one per
+    layer (``get_key_or_arr``); an array failed here as ``TypeError: int() ... list``. One value repeated for
+    every layer is that value (the file then loads and computes what the scalar file does); values that vary
+    between layers, or an array of another length (llama.cpp: "wrong array length"), are refused by name."""
+    per_layer: dict[str, list[int]] = {}
+
+    class PerLayerWriter(gguf.GGUFWriter):
+        def add_head_count(self, count):
+            super().add_head_count(per_layer.get("head_count", count))
+
+        def add_head_count_kv(self, count):
+            super().add_head_count_kv(per_layer.get("head_count_kv", count))
+
+        def add_feed_forward_length(self, length):
+            super().add_feed_forward_length(per_layer.get("feed_forward_length", length))
+
+    monkeypatch.setattr(gguf, "GGUFWriter", PerLayerWriter)
+    state = hf_state(seed=11)
+    write_gguf(tmp_path / "scalar.gguf", state, Q.F32)
+    want_cfg, want_params, _ = load_gguf(tmp_path / "scalar.gguf")
+    per_layer.update(head_count=[H] * L, head_count_kv=[KV] * L, feed_forward_length=[F] * L)
+    write_gguf(tmp_path / "arrays.gguf", state, Q.F32)
+    field = open_gguf(tmp_path / "arrays.gguf").reader.fields["llama.attention.head_count_kv"]
+    assert field.contents() == [KV] * L  # really an array in the file
+    cfg, params, _ = load_gguf(tmp_path / "arrays.gguf")
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.ffn) == (H, KV, F) and cfg == want_cfg.replace(name=cfg.name)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    bad = {
+        "head_count_kv": ([KV, H], r"llama.attention.head_count_kv varies between layers \(\[2, 4\]\)"),
+        "feed_forward_length": ([F, F // 2], r"llama.feed_forward_length varies between layers"),
+        "head_count": ([H] * (L + 1), r"llama.attention.head_count has 3 per-layer values for 2 layers"),
+    }
+    for key, (values, message) in bad.items():
+        per_layer.clear()
+        per_layer[key] = values
+        write_gguf(tmp_path / f"{key}.gguf", state, Q.F32)
+        with pytest.raises(CheckpointError, match=message):
+            config_from_gguf(open_gguf(tmp_path / f"{key}.gguf"))
+
+
+def test_pre_tokenizer_gpt2_is_not_an_alias_of_gpt_2(tmp_path):
+    """llama.cpp names GPT-2's pre-tokenizer "gpt-2" and throws "unknown pre-tokenizer type: 'gpt2'" for the
+    unhyphenated spelling (tokenizer.ggml.model's value); jspec accepted it as an alias it made up."""
+    from models.tokenizer import Tokenizer
+
+    w = gguf.GGUFWriter(os.fspath(tmp_path / "tok.gguf"), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(["a", "b", "ab"])
+    w.add_token_merges(["a b"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match=r"unknown pre-tokenizer 'gpt2' \(known: .*gpt-2"):
+        Tokenizer.from_gguf(open_gguf(tmp_path / "tok.gguf"))

@@ -259,3 +259,145 @@ def test_registry_hands_config_json_to_the_tokenizer(tmp_path, hf_smollm2_tokeni
     path.write_text(json.dumps({k: v for k, v in tcfg.items() if k not in ("bos_token", "eos_token")}))
     cfg, _, _, tok = load(str(tmp_path))
     assert tok.eos_ids == cfg.eos_ids == (2, 7) and tok.eos_id == 2
+
+
+def _tiny_tokenizer_dir(path, tcfg: dict, special_tokens_map: dict | None = None, config: dict | None = None):
+    """A hand-built byte-free BPE tokenizer.json (single letters, four special tokens) with ``tcfg`` as its
+    tokenizer_config.json; what transformers' AutoTokenizer and ``Tokenizer.from_hf_dir`` both read."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models as tk_models
+
+    specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials)} | {c: i + 4 for i, c in enumerate("abcdefghij ")}
+    backend = HFTokenizer(tk_models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    backend.add_special_tokens(specials)
+    path.mkdir(exist_ok=True)
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"} | tcfg))
+    if special_tokens_map is not None:
+        (path / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_named_chat_templates_without_a_default_are_refused_like_transformers(tmp_path):
+    """tokenizer_config.json may hold a list of named templates. jspec took the first whatever its name (an
+    empty list was a bare IndexError); transformers renders the one named "default" and otherwise refuses,
+    listing the names."""
+    import transformers
+
+    from models.tokenizer import Tokenizer
+
+    chat = [{"role": "user", "content": "a"}]
+    named = [{"name": "tool_use", "template": "T{{ messages[0].content }}"}, {"name": "rag", "template": "R"}]
+    path = _tiny_tokenizer_dir(tmp_path / "tok", {"eos_token": "</s>", "chat_template": named})
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    with pytest.raises(ValueError, match=r"no default specified.*\['rag', 'tool_use'\]"):
+        theirs.apply_chat_template(chat, tokenize=False)
+    tok = Tokenizer.from_hf_dir(path)  # loads (plain text needs no template), refuses to chat, naming them
+    assert tok.encode("abc") == [4, 5, 6]
+    with pytest.raises(ValueError, match=r"names chat templates \['rag', 'tool_use'\] and none of them 'default'"):
+        tok.apply_chat_template(chat)
+    _tiny_tokenizer_dir(path, {"eos_token": "</s>", "chat_template": []})
+    with pytest.raises(ValueError, match=r"\(an empty list\)"):
+        Tokenizer.from_hf_dir(path).apply_chat_template(chat)
+    _tiny_tokenizer_dir(path, {"eos_token": "</s>", "chat_template": [*named, {"name": "default", "template": "D"}]})
+    theirs = transformers.AutoTokenizer.from_pretrained(path).apply_chat_template(chat, tokenize=False)
+    assert Tokenizer.from_hf_dir(path).apply_chat_template(chat) == theirs == "D"
+    _tiny_tokenizer_dir(path, {"chat_template": [{"name": "default"}]})
+    with pytest.raises(CheckpointError, match=r"chat_template entry \{'name': 'default'\} is not"):
+        Tokenizer.from_hf_dir(path)
+
+
+def test_null_special_token_means_none_like_transformers(tmp_path):
+    """``"bos_token": null`` (Qwen2.5's tokenizer_config.json, whose config.json still says bos_token_id
+    151643) is no BOS for transformers, so ``{{ bos_token }}`` renders empty; jspec treated it as a missing key
+    and took config.json's id. special_tokens_map.json, which transformers reads over tokenizer_config.json, is
+    read too (a null there also means none)."""
+    import transformers
+
+    from models.tokenizer import Tokenizer
+
+    chat = [{"role": "user", "content": "a"}]
+    config = {"bos_token_id": 0, "eos_token_id": 1}
+    template = "[{{ bos_token }}]{{ messages[0].content }}"
+    cases = [  # (tokenizer_config.json's bos_token or absent, special_tokens_map.json or None, our bos_id)
+        (None, None, None),
+        ("absent", None, 0),  # no entry anywhere: jspec's fallback to config.json (transformers has none)
+        (None, {"bos_token": "<s>"}, 0),
+        ("<|im_start|>", {"bos_token": {"content": "<s>", "special": True}}, 0),
+        ("<s>", {"bos_token": None}, None),
+    ]
+    for i, (bos, stm, want) in enumerate(cases):
+        tcfg = {"eos_token": "</s>", "chat_template": template} | ({} if bos == "absent" else {"bos_token": bos})
+        path = _tiny_tokenizer_dir(tmp_path / f"t{i}", tcfg, stm, config)
+        tok = Tokenizer.from_hf_dir(path, config=config)
+        assert tok.bos_id == want, (bos, stm)
+        assert tok.apply_chat_template(chat) == ("[]a" if want is None else "[<s>]a")
+        if bos != "absent":
+            theirs = transformers.AutoTokenizer.from_pretrained(path)
+            assert theirs.bos_token_id == want and theirs.apply_chat_template(chat, tokenize=False) == (
+                tok.apply_chat_template(chat)
+            )
+        assert not tok.add_bos or want is not None
+
+
+def test_bad_safetensors_offsets_and_index_are_named(tmp_path):
+    """data_offsets were only checked against the end of the file: [-8, n - 8] passed and read the last 8 bytes
+    of the JSON header as weights; two tensors sharing bytes read each other's weights; an index without a
+    weight_map was a bare KeyError."""
+    from models.hf_loader import index_safetensors
+
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.full((2, 3), 7.0, np.float32)
+    cases = [
+        ({"w": {"data_offsets": [-8, 16]}}, r"tensor 'w' has data_offsets \[-8, 16\]"),  # 24 bytes, 8 of header
+        ({"x": {"data_offsets": [12, 36]}}, r"tensors 'w' and 'x' overlap"),  # x starts inside w's [0, 24)
+        ({"w": {"data_offsets": [24, 0]}}, r"tensor 'w' has data_offsets \[24, 0\]"),
+        ({"w": {"data_offsets": [0]}}, r"tensor 'w' needs a shape and data_offsets"),
+        ({"w": {"shape": None}}, r"tensor 'w' needs a shape and data_offsets"),
+    ]
+    for patch, message in cases:
+        _safetensors(tmp_path / "model.safetensors", {"w": a, "x": b}, patch=patch)
+        with pytest.raises(CheckpointError, match=message):
+            index_safetensors(tmp_path)
+    _safetensors(tmp_path / "model.safetensors", {"w": a, "x": b})
+    np.testing.assert_array_equal(index_safetensors(tmp_path)["x"].load(), b)  # the unpatched file reads back
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match="no weight_map"):
+        index_safetensors(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(CheckpointError, match="not a safetensors index"):
+        index_safetensors(tmp_path)
+
+
+def test_config_json_errors_are_named_and_bos_is_read_like_eos(tmp_path):
+    """num_attention_heads was read outside the missing-key handler (a bare KeyError); bos_token_id was taken
+    raw, so -1 (older conversions' "none", which eos already drops) became BOS id -1 and a list or a string
+    passed through."""
+    conf = {
+        "model_type": "llama",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    path = tmp_path / "config.json"
+
+    def cfg_with(**changes):
+        path.write_text(json.dumps({k: v for k, v in (conf | changes).items() if v != "drop"}))
+        return config_from_hf(tmp_path)
+
+    assert (cfg_with().bos_id, cfg_with().num_heads) == (1, 4)
+    with pytest.raises(CheckpointError, match="config.json: missing key 'num_attention_heads'"):
+        cfg_with(num_attention_heads="drop")
+    with pytest.raises(CheckpointError, match="config.json: .*NoneType"):
+        cfg_with(num_attention_heads=None)
+    assert cfg_with(bos_token_id=-1).bos_id is None
+    assert cfg_with(bos_token_id=None).bos_id is None
+    assert cfg_with(bos_token_id=[1]).bos_id == 1
+    with pytest.raises(CheckpointError, match=r"bos_token_id must be a token id or a list of token ids, got '1'"):
+        cfg_with(bos_token_id="1")
