@@ -363,8 +363,11 @@ def _tree_step(
     n = prop.tokens.shape[1]
     tokens = prop.tokens.at[:, 0].set(pending)
     # A node is usable if it is proposed, not deeper than this row may go, its scratch slot exists, and so
-    # does every ancestor's (the parent comes first in topological order, so one pass suffices).
-    fits = committed[:, None] + jnp.arange(n)[None, :] < config.slots
+    # does every ancestor's (the parent comes first in topological order, so one pass suffices). The slots are
+    # the row's own (its prompt and budget, P + N - 1), not the cache's S: which nodes are verified, and so
+    # which acceptance draws a sampled row uses, must not depend on a cache sized by the other rows.
+    room = jnp.minimum(config.slots, st.prompt_len + st.max_new - 1)
+    fits = committed[:, None] + jnp.arange(n)[None, :] < room[:, None]
     own_ok = prop.valid & (prop.depth <= max_draft[:, None]) & fits
     valid = own_ok
     for i in range(1, n):

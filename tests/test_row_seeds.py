@@ -173,3 +173,19 @@ def test_eagle_rows_follow_their_own_seed(tree):
         alone = dec.decode(TINY_MODEL, TINY_PARAMS, [p], max_new_tokens=budgets[i], seed=[seeds[i]], **kw)
         assert alone.tokens == [together.tokens[i]], i
     assert together.stats["accepted"] > 0
+
+
+@pytest.mark.parametrize("name", ["tree-iid", "tree-without-replacement"])
+def test_a_tree_row_does_not_depend_on_the_cache_the_other_rows_size(name):
+    """A 100-token prompt with 28 new tokens alone gets a 128-slot cache (P + N - 1 rounded up); next to a row
+    that needs 200 slots, 256. A tree's last rounds must verify the same nodes either way (the nodes that fit
+    the row's own P + N - 1 slots), or the sampled tokens follow the batch."""
+    drafter = SPEC_DRAFTERS[name]
+    rng = np.random.default_rng(7)
+    long_row = rng.integers(0, 3, 100).tolist()
+    other = rng.integers(0, 3, 150).tolist()
+    kw = dict(drafter=drafter, draft_params=DRAFT_PARAMS, temperature=1.0)
+    for seed in range(6):
+        alone = dec.decode(TARGET, TARGET_PARAMS, [long_row], max_new_tokens=28, seed=[seed], **kw)
+        both = dec.decode(TARGET, TARGET_PARAMS, [long_row, other], max_new_tokens=[28, 51], seed=[seed, 99], **kw)
+        assert alone.tokens[0] == both.tokens[0], seed
