@@ -864,10 +864,11 @@ def _decode_key(seed, key, b: int) -> jax.Array:
             raise ValueError("give seed or key, not both (the seed would be ignored)")
         key = key if isinstance(key, jax.Array) else jnp.asarray(key)
         if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-            if key.dtype != jnp.uint32 or key.shape not in ((2,), (b, 2)):
+            w = jax.random.key_data(jax.random.key(0)).shape[-1]  # words per key of the default PRNG (2: threefry)
+            if key.dtype != jnp.uint32 or key.shape not in ((w,), (b, w)):
                 raise ValueError(
-                    f"key must be a jax.random.key (or [B] of them) or raw uint32 key data [2] / [B, 2] with B = {b}, "
-                    f"got {key.dtype}{list(key.shape)}"
+                    f"key must be a jax.random.key (or [B] of them) or raw uint32 key data [{w}] / [B, {w}] with "
+                    f"B = {b}, got {key.dtype}{list(key.shape)}"
                 )
             key = jax.random.wrap_key_data(key)
         if key.shape not in ((), (b,)):

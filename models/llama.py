@@ -780,12 +780,24 @@ def check_same_params(target_params: Params, own: Params, who: str) -> None:
     """``own`` must be ``target_params`` (the same arrays, or equal ones): a self-speculative drafter writes the
     target's committed cache with them."""
     a, b = jax.tree.flatten(target_params), jax.tree.flatten(own)
-    same = a[1] == b[1] and all(
-        x is y or (x.shape == y.shape and x.dtype == y.dtype and bool(jnp.array_equal(x, y)))
-        for x, y in zip(a[0], b[0])
-    )
-    if not same:
+    if a[1] != b[1] or not all(_same_array(x, y) for x, y in zip(a[0], b[0])):
         raise ValueError(
             f"{who}'s draft_params must hold the target's own params (drafter.draft_params(target_params, ...)): "
             "it writes the target's cache with them, so other weights would change the output"
         )
+
+
+def _same_array(x, y) -> bool:
+    """Equal arrays, compared on the host without a collective (this runs in per-process validation, where a
+    device collective entered by some processes only would hang): whole arrays when this process holds them,
+    else this process's shards when both are laid out alike."""
+    if x is y:
+        return True
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if getattr(x, "is_fully_addressable", True) and getattr(y, "is_fully_addressable", True):
+        return bool(np.array_equal(np.asarray(x), np.asarray(y)))
+    if x.sharding != y.sharding:
+        return False  # not comparable shard by shard: place the draft's copy as the target's, or pass the same
+    pairs = zip(x.addressable_shards, y.addressable_shards)
+    return all(np.array_equal(np.asarray(u.data), np.asarray(v.data)) for u, v in pairs)

@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -44,10 +45,14 @@ def stored_shapes(path: str | os.PathLike) -> Any:
 
 
 def abstract(shapes: Any, shardings: Any, dtype: Any = None) -> Any:
-    """ShapeDtypeStruct targets: the leaves of ``shapes`` (anything with shape/dtype) with ``shardings``."""
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(tuple(x.shape), dtype or x.dtype, sharding=s), shapes, shardings
-    )
+    """ShapeDtypeStruct targets: the leaves of ``shapes`` (anything with shape/dtype) with ``shardings``;
+    ``dtype`` recasts the floating-point leaves only (token-id maps stay integers: 1025 in bf16 is 1024)."""
+
+    def leaf(x, s):
+        cast = dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+        return jax.ShapeDtypeStruct(tuple(x.shape), dtype if cast else x.dtype, sharding=s)
+
+    return jax.tree.map(leaf, shapes, shardings)
 
 
 def restore(path: str | os.PathLike, target: Any) -> Any:

@@ -32,7 +32,7 @@ def free_port() -> int:
 def _kill_group(p: subprocess.Popen) -> None:
     try:
         os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:  # already gone
+    except (ProcessLookupError, PermissionError):  # already gone (a reused id is another user's: not ours)
         pass
 
 
@@ -82,14 +82,18 @@ def launch(
         t.start()
         threads.append(t)
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        failed = any(p.poll() not in (None, 0) for p in procs)
-        if failed or time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    _kill_group(p)
-            break
-        time.sleep(0.1)
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = any(p.poll() not in (None, 0) for p in procs)
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        # Every child's whole group, whether its leader is still running or not (a shell that exited can leave its
+        # Python child behind), and on Ctrl-C / an exception too: the children run in sessions of their own, so a
+        # signal to the launcher never reaches them, and one blocked in a collective would hold its port forever.
+        for p in procs:
+            _kill_group(p)
     for p in procs:
         p.wait()
     for t in threads:

@@ -360,6 +360,16 @@ def multiprocess_scenario() -> dict:
         out["relayout"] = {"wq_spec": spec_str(moved["layers"]["attn"]["wq"].sharding.spec), "equal": same}
     except Exception as e:  # reported, not raised: the other scenarios' results still come back
         out["relayout"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    # One seed for the batch in process 0, per-row seeds in process 1: two programs whose collectives would never
+    # meet; refused in both processes.
+    try:
+        kw = _kw("row_seeds" if jax.process_index() == 1 else "sampled", rows, drafter)
+        prepare_sharded(
+            make_model(cfg), stp, local_prompts, plan=plan, drafter=drafter, draft_params=sdp, process_local=True, **kw
+        )
+        out["mixed_seed_kinds"] = "accepted"
+    except ValueError as e:
+        out["mixed_seed_kinds"] = str(e)
     # Each process's own rows but process_local forgotten: every device would take its rows from its own
     # process's "whole batch", mixing the two; refused in both processes instead.
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import re
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -119,10 +120,10 @@ def state_shardings(st: DecodeState, plan: DecodePlan) -> DecodeState:
     """A ``DecodeState`` whose leaves are the shardings of ``st``'s (arrays or ShapeDtypeStructs).
 
     Every array whose leading dimension is the batch is split over the batch axis (tokens, lengths, budgets,
-    sampling parameters, per-row statistics); KV caches (the target's, and a drafter's inside
-    ``draft_state``) over (batch, KV heads) by the target's / draft's rules; everything else (the key, the
-    per-position statistics, flags) is replicated. Field by field, so fields added to the state later get the
-    same treatment without a change here.
+    sampling parameters, per-row statistics, per-row keys); KV caches (the target's, and a drafter's inside
+    ``draft_state``) over (batch, KV heads) by the target's / draft's rules; everything else (one key for the
+    batch, the per-position statistics, flags) is replicated. Field by field, so fields added to the state later
+    get the same treatment without a change here.
     """
     b = st.seq.shape[0]
     return dataclasses.replace(
@@ -289,7 +290,7 @@ class ShardedDecode:
 
     def args(self) -> tuple:
         """(target_params, draft_params, prompt [B, P] int32 right-padded, prompt_len [B], max_new [B],
-        sampling (fields [B]), key_data: [2] uint32 replicated or [B, 2] per-row keys), placed; the [B] arrays
+        sampling (fields [B]), key_data: [W] uint32 replicated or [B, W] per-row keys), placed; the [B] arrays
         (per-row keys too) are split over the data axis, and in multi-process runs each process supplies only its
         own rows of them."""
         prompt, plen, mnew, samp, key_data = self.host_inputs
@@ -386,8 +387,9 @@ def _agree_ok(error: Exception | None) -> None:
         )
 
 
-def _agree_same(arrays: Sequence[np.ndarray]) -> None:
-    """A collective: refuses (in every process) inputs that are not the same in every process."""
+def _agree_same(arrays: Sequence[np.ndarray], what: str | None = None) -> None:
+    """A collective: refuses (in every process) inputs that are not the same in every process. ``what`` names
+    them in the error (default: the whole batch of a process_local=False run)."""
     h = hashlib.sha256()
     for a in arrays:
         a = np.ascontiguousarray(a)
@@ -397,6 +399,11 @@ def _agree_same(arrays: Sequence[np.ndarray]) -> None:
     digests = np.asarray(multihost_utils.process_allgather(digest)).ravel()
     if np.any(digests != digests[0]):
         groups = [np.nonzero(digests == d)[0].tolist() for d in dict.fromkeys(digests.tolist())]
+        if what is not None:
+            raise ValueError(
+                f"the processes passed different {what} (groups of equal ones: {groups}): every process must "
+                "compile the same program"
+            )
         raise ValueError(
             f"process_local=False, but the processes passed different inputs (groups of equal ones: {groups}): "
             "pass the same prompts and options in every process, or each process's own rows "
@@ -496,20 +503,26 @@ def prepare_sharded(
         pd = jdecode.prepare(
             target, target_params, prompts, drafter=drafter, draft_params=draft_params, max_len=max_len, **kwargs
         )
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # any error: the other processes must not wait for this one in the gathers below
         if not many:
             raise
         error = e
     if many:
         _agree_ok(error)
+        # The program's static parts, which no per-row agreement covers: the decode settings, the drafter, and
+        # whether the key is one for the batch or one per row (one process with seed=[...] and another with
+        # seed=7 would compile two programs whose collectives never meet).
+        key = pd.args[-1]
+        static = repr((pd.config, drafter, target.name, key.shape, str(jax.random.key_impl(key))))
+        static = re.sub(r" at 0x[0-9a-fA-F]+", "", static)  # the drafter's functions print their addresses
+        _agree_same([np.frombuffer(static.encode(), np.uint8)], "decode settings, drafters or kinds of seed")
     if many and not process_local:
         # Every process claims to hold the whole batch: each device would take its rows from its own process's
         # copy, so copies that differ would be mixed silently (and other cache sizes compile other programs).
         # Checked before any check that could fail in some processes only (they would leave the others waiting).
         _, _, *inputs, key0 = pd.args
         leaves = [np.asarray(x) for x in jax.tree.leaves(inputs)]
-        static = np.frombuffer(repr(pd.config).encode(), np.uint8)  # gamma, eos_ids, adaptive, slots, ...
-        _agree_same([*leaves, np.asarray(jax.random.key_data(key0)), static])
+        _agree_same([*leaves, np.asarray(jax.random.key_data(key0))])
     if global_b % plan.data_size:
         raise ValueError(
             f"batch {global_b} is not divisible by the data axis ({plan.batch_axis}={plan.data_size}); "
@@ -522,7 +535,8 @@ def prepare_sharded(
     pw = _agree_max(prompt.shape[1])
     prompt = np.pad(prompt, ((0, 0), (0, pw - prompt.shape[1])))
     samp = {f.name: np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingParams)}
-    key_data = np.asarray(jax.random.key_data(key))
+    key_data = np.asarray(jax.random.key_data(key))  # [W] or [B, W] (W: the key's words, 2 for threefry)
+    per_row_keys = key.ndim == 1
     key_impl = jax.random.key_impl(key)  # a str or a PRNGSpec depending on the JAX version; both hashable
 
     def rows(x):
@@ -533,14 +547,14 @@ def prepare_sharded(
         rows(plen),
         rows(mnew),
         SamplingParams(**{k: rows(v) for k, v in samp.items()}),
-        rows(key_data) if key_data.ndim == 2 else plan.replicated(),  # per-row keys [B, 2] go with their rows
+        rows(key_data) if per_row_keys else plan.replicated(),  # per-row keys [B, ...] go with their rows
     )
     in_shardings = (tp_sh, dp_sh, *input_shardings)
     host = (prompt, plen, mnew, SamplingParams(**samp), key_data)
     abstract = (
         *(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t) for t in (target_params, draft_params)),
         *(jax.tree.map(lambda x: jax.ShapeDtypeStruct((global_b, *x.shape[1:]), x.dtype), t) for t in host[:4]),
-        jax.ShapeDtypeStruct((global_b, 2) if key_data.ndim == 2 else key_data.shape, key_data.dtype),
+        jax.ShapeDtypeStruct((global_b, *key_data.shape[1:]) if per_row_keys else key_data.shape, key_data.dtype),
     )
     # Entries are hashable (NamedSharding, ShapeDtypeStruct), so equal calls reuse one jitted function and
     # its compilation.

@@ -316,3 +316,37 @@ def test_launch_kills_the_processes_a_child_started(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"grandchild {pid} survived the launcher's timeout")
+
+
+def test_launch_cleans_up_after_a_leader_that_already_exited(tmp_path):
+    """A command whose shell exits at once (0) but leaves a Python process behind in its group: the launcher
+    returns the shell's code and stops the group anyway (it used to kill only leaders still running)."""
+    import os
+    import time
+
+    pidfile = tmp_path / "pid"
+    script = f"{sys.executable} -c 'import time; time.sleep(120)' > /dev/null & echo $! > {pidfile}"
+    codes, _ = launch(["bash", "-c", script], 1, None, timeout=30, echo=False)
+    assert codes == [0]
+    pid = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        pytest.fail(f"process {pid} left by the command survived the launcher")
+
+
+def test_restore_targets_recast_floats_only():
+    """Restoring decode params in another dtype (bf16) must not recast token-id maps: 1025 in bf16 is 1024."""
+    import jax.numpy as jnp
+
+    from sharding.checkpoint import abstract
+
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = {"ids": jax.ShapeDtypeStruct((4,), jnp.int32), "w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
+    got = abstract(shapes, {"ids": dev, "w": dev}, jnp.bfloat16)
+    assert got["ids"].dtype == jnp.int32 and got["w"].dtype == jnp.bfloat16

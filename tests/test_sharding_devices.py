@@ -209,6 +209,8 @@ def test_two_processes_match_single_process(runs):
     assert "prompt 0 has token ids outside" in procs[1]["bad_row"], procs[1]["bad_row"]
     for p in (0, 1):  # parameters spanning both processes re-laid out (replicated) on device
         assert procs[p]["relayout"] == {"wq_spec": "P()", "equal": True}, procs[p]["relayout"]
+    for p in (0, 1):  # one seed in one process, per-row seeds in the other: refused in both, naming why
+        assert "different decode settings, drafters or kinds of seed" in procs[p]["mixed_seed_kinds"], procs[p]
     for p in (0, 1):  # each process's own rows without process_local=True: refused, not mixed
         assert "process_local=False, but the processes passed different inputs" in procs[p]["mixed_batches"]
     assert "process(es) [1] refused their rows' inputs" in procs[0]["bad_row"], procs[0]["bad_row"]
