@@ -19,8 +19,9 @@
 
 Everything goes to ``${JSPEC_CACHE:-~/.cache/jspec}/eagle/<name>/`` (data, checkpoints, ``head/``,
 ``eval.json``), never into the repository; a rerun with a finished head only prints its evaluation unless
-``--force``. Defaults: the first 448 training prompts answered once (14 batches of 32, ~56k generated tokens)
-plus ~40k docstring tokens, 3 epochs (360 steps). ``--gen-batches 31`` answers 992 of the 1018 prompts
+``--force`` (evaluating it first when it has none, or one made with other ``--gamma`` / ``--eval-max-new``).
+Defaults: the first 448 training prompts answered once (14 batches of 32, ~56k generated tokens) plus ~40k
+docstring tokens, 3 epochs (360 steps). ``--gen-batches 31`` answers 992 of the 1018 prompts
 (EXTRA_TOPICS come last, so the first 14 batches are the same). The text and features come from the CPU
 kernels' layout, ~18 s a batch on a 2-core CPU; training took 8 min for the defaults. The data is cached per
 batch: a retrain with other head settings only pays for training, a larger budget only for the new batches.
@@ -102,6 +103,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import json
@@ -236,11 +238,12 @@ def training_prompts(seed: int, doc_every: int = 4) -> list[str]:
     return out + extra + styled
 
 
-def encode(tok, text: str, max_prompt: int) -> list[int]:
+def encode(tok, text: str, max_prompt: int, quiet: bool = False) -> list[int]:
     """The chat-formatted request, cut to its last ``max_prompt`` tokens (``--max-prompt``; said when it
-    happens: 5 of the 3358 templated requests are longer than the default 192 and lose their system turn)."""
+    happens, unless ``quiet``: 5 of the 3358 templated requests are longer than the default 192 and lose their
+    system turn)."""
     ids = tok.encode_chat([{"role": "user", "content": text}])
-    if len(ids) > max_prompt:
+    if len(ids) > max_prompt and not quiet:
         print(f"request of {len(ids)} tokens cut to its last {max_prompt} (--max-prompt): {text[:60]!r}...")
     return ids[-max_prompt:]
 
@@ -266,9 +269,21 @@ def feature_fn(cfg, layers: tuple[int, ...] = ()):
     return features
 
 
+def tokens_digest(tokens: np.ndarray, lengths: np.ndarray) -> str:
+    """sha256 of a data file's tokens and lengths (their dtypes and shapes included): what its layer file was
+    computed from."""
+    h = hashlib.sha256()
+    for a in (np.ascontiguousarray(tokens), np.ascontiguousarray(lengths)):
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
 def layer_files(args, target, files: list[str]) -> list[str]:
     """Next to each data file, the outputs of the ``--fuse`` layers [B, W, len(fuse) E] float16, computed from
-    its tokens (one target pass; the generated text is not regenerated), cached per layer set."""
+    its tokens (one target pass; the generated text is not regenerated), cached per layer set. A layer file
+    records the ``tokens_digest`` of the tokens it was computed from; one whose data file was written again since
+    (a deleted batch regenerated), or made before the digest was recorded, is computed again."""
     if not args.fuse:
         return []
     features = feature_fn(target.config, args.fuse)
@@ -277,17 +292,25 @@ def layer_files(args, target, files: list[str]) -> list[str]:
     for f in tqdm(files, desc=f"layer {tag} features", unit="file"):
         path = f"{f[:-4]}.layers{tag}.npz"
         out.append(path)
+        with np.load(f) as d:
+            tokens, lengths = d["tokens"], d["lengths"]
+        digest = tokens_digest(tokens, lengths)
         if os.path.exists(path):
-            continue
-        d = np.load(f)
-        tokens, lengths = d["tokens"], d["lengths"]
+            with np.load(path) as d:
+                stored = str(d["digest"]) if "digest" in d else None
+            if stored == digest:
+                continue
+            if stored:
+                tqdm.write(f"{path}: computed from other tokens than {f} holds now (written again): computing it again")
+            else:
+                tqdm.write(f"{path}: made before layer files recorded their data file's tokens: computing it again")
         w = min(-(-int(lengths.max()) // 32) * 32, tokens.shape[1])
         lf = np.zeros(tokens.shape + (len(args.fuse) * target.config.hidden,), np.float16)
         for r in range(0, tokens.shape[0], args.feature_batch):
             lf[r : r + args.feature_batch, :w] = np.asarray(
                 features(target.params, jnp.asarray(tokens[r : r + args.feature_batch, :w]))
             )
-        np.savez(path + ".tmp.npz", layer_feats=lf)
+        np.savez(path + ".tmp.npz", layer_feats=lf, digest=np.asarray(digest))
         os.replace(path + ".tmp.npz", path)
     return out
 
@@ -326,18 +349,48 @@ def generate_data(args, target, data_dir: str) -> list[str]:
         return []
     features = feature_fn(target.config)
 
+    def chunk(i):
+        return prompts[i * args.gen_batch : (i + 1) * args.gen_batch]
+
     def make(i, path):
-        chunk = prompts[i * args.gen_batch : (i + 1) * args.gen_batch]
-        prompt_ids = [encode(target.tokenizer, p, args.max_prompt) for p in chunk]
+        prompt_ids = [encode(target.tokenizer, p, args.max_prompt) for p in chunk(i)]
         temp = 0.0 if i % 2 == 0 else args.temperature  # greedy and sampled text: both decoding modes
-        return answer_batch(args, target, features, prompt_ids, temp, args.seed * 1000 + i, path)
+        return answer_batch(args, target, features, prompt_ids, temp, args.seed * 1000 + i, path, prompts=chunk(i))
 
-    return cached_batches(data_dir, "batch", ids, "target text + features", make)
+    def check(i, path):
+        check_batch_prompts(path, chunk(i), target.tokenizer, args.max_prompt)
+
+    return cached_batches(data_dir, "batch", ids, "target text + features", make, check)
 
 
-def cached_batches(data_dir: str, name: str, ids: list[int], desc: str, make) -> list[str]:
+def check_batch_prompts(path: str, prompts: list[str], tok, max_prompt: int) -> None:
+    """A cached ``batch_*`` file must answer the prompts this run puts in that batch, which depend on the Python
+    version (``training_prompts`` shuffles the stdlib's docstring requests, whose number differs between versions,
+    with the generator that then shuffles the rest). Compared on the requests the file stores (``prompts``), or,
+    in a file written before they were stored, on its prompt tokens (``encode`` of this run's requests): a
+    mismatch is refused naming the file, rather than training on a mix of two orders (some requests twice,
+    others never)."""
+    with np.load(path) as d:
+        if "prompts" in d:
+            theirs, mine = [str(t) for t in d["prompts"]], list(prompts)
+        else:
+            theirs = [d["tokens"][r, :n].tolist() for r, n in enumerate(d["prompt_lengths"])]
+            mine = [encode(tok, p, max_prompt, quiet=True) for p in prompts]
+    if theirs != mine:
+        r = next((r for r, (a, b) in enumerate(zip(theirs, mine)) if a != b), min(len(theirs), len(mine)))
+        here = repr(prompts[r][:60]) if r < len(prompts) else "none"
+        raise SystemExit(
+            f"{path} answers other requests than this run puts in that batch (row {r}: this run's is {here}; "
+            f"{len(theirs)} rows there, {len(mine)} here). Which requests land in a batch depends on the Python "
+            "version (its docstrings are among them) and this script's prompt lists: run the Python version that "
+            f"wrote the folder's batches, or delete its batch_*.npz files to write them again ({os.path.dirname(path)})"
+        )
+
+
+def cached_batches(data_dir: str, name: str, ids: list[int], desc: str, make, check=None) -> list[str]:
     """One npz per batch i, ``data_dir/<name>_<i:04d>.npz``; ``make(i, path)`` writes a missing one and returns
-    its generated-token count (the progress bar's). Existing batches are kept, so a rerun resumes."""
+    its generated-token count (the progress bar's). Existing batches are kept, so a rerun resumes; ``check(i,
+    path)``, if given, vets each one (raising SystemExit to refuse it)."""
     os.makedirs(data_dir, exist_ok=True)
     files = []
     bar = tqdm(ids, desc=desc, unit="batch")
@@ -345,6 +398,8 @@ def cached_batches(data_dir: str, name: str, ids: list[int], desc: str, make) ->
         files.append(os.path.join(data_dir, f"{name}_{i:04d}.npz"))
         if not os.path.exists(files[-1]):
             bar.set_postfix(new_tokens=make(i, files[-1]))
+        elif check is not None:
+            check(i, files[-1])
     return files
 
 
@@ -544,7 +599,7 @@ def generate_doc_data(args, target, data_dir: str) -> list[str]:
             f"--doc-tokens {args.doc_tokens} needs {n_files} files of {rows_per_file} passages ({width} tokens "
             f"each at most), more than the {len(pairs)} passages of text shipped with Python: lower it"
         )
-    files, it = [], iter(pairs)
+    files, it, full_lengths = [], iter(pairs), []
     bar = tqdm(range(n_files), desc="docstring features", unit="file")
     for i in bar:
         path = os.path.join(data_dir, f"docs_{i:04d}.npz")
@@ -557,6 +612,7 @@ def generate_doc_data(args, target, data_dir: str) -> list[str]:
             full = tok.encode_chat(user + [{"role": "assistant", "content": doc}], add_generation_prompt=False)
             seqs.append(full[:width])
             plens.append(len(prompt))
+            full_lengths.append(len(full))
         if os.path.exists(path):  # the prompts above were still consumed: later files stay the same
             with np.load(path) as d:  # ... if the cached file holds as many passages as this run puts in one
                 cached = [np.asarray(t[:n]).tolist() for t, n in zip(d["tokens"], d["lengths"])]
@@ -584,7 +640,23 @@ def generate_doc_data(args, target, data_dir: str) -> list[str]:
             temperature=np.float32(-1),
         )
         os.replace(path + ".tmp.npz", path)
+    note = cut_note(full_lengths, width)
+    if note:
+        print(note)
     return files
+
+
+def cut_note(lengths: list[int], width: int) -> str | None:
+    """What ``generate_doc_data`` cut: a passage (request + text, chat-formatted) longer than ``--doc-width``
+    tokens keeps its first ``width`` (its end is never trained on). None when nothing was cut."""
+    cut = [n for n in lengths if n > width]
+    if not cut:
+        return None
+    return (
+        f"docstring data: {len(cut)} of {len(lengths)} passages are longer than --doc-width {width} tokens (up to "
+        f"{max(cut)}) and were cut to it: {sum(n - width for n in cut)} of the passages' {sum(lengths)} tokens are "
+        "not trained on"
+    )
 
 
 def data_dir(args) -> str:
@@ -701,7 +773,36 @@ def init_source(args, target_cfg):
     return src, hp
 
 
+def save_history(path: str, step: int, seconds: float, history: list[dict]) -> None:
+    """The per-step metrics of steps [0, ``step``) and the training seconds they took, kept next to the
+    checkpoint of ``step`` (``resumed_history`` reads them back), written atomically."""
+    with open(path + ".tmp", "w") as f:
+        json.dump({"step": step, "seconds": seconds, "history": history}, f)
+    os.replace(path + ".tmp", path)
+
+
+def resumed_history(path: str, start: int) -> tuple[list[dict], int, float]:
+    """(metrics of steps [0, start), the step they start at, their training seconds) for a run resumed at step
+    ``start``, from ``save_history``'s file. The file may be a checkpoint ahead (written before a save that never
+    finished): its first ``start`` steps are taken. One that holds fewer steps, or none (a checkpoint made before
+    the metrics were kept), gives ([], start, 0.0): the metrics then cover only the steps this run makes."""
+    if start == 0:
+        return [], 0, 0.0
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        hist, step, seconds = rec["history"], int(rec["step"]), float(rec["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return [], start, 0.0
+    if len(hist) < start or step < start:
+        return [], start, 0.0
+    return hist[:start], 0, seconds * start / step
+
+
 def train(args, target, data, token_ids, out_dir: str):
+    """(config, head params, per-step metrics, the step they start at, training seconds): the metrics and
+    seconds of the steps before a resume come from ``save_history``'s file (``resumed_history``)."""
+    t0 = time.perf_counter()
     layers = args.head_layers or 1
     ecfg = EG.EagleConfig(target.config, args.head_tokens, args.ffn, name=args.name, fuse=args.fuse, layers=layers)
     if args.init_from:  # fine-tuning: the trained head's weights and its own frequent-token map (or --remap's)
@@ -733,13 +834,14 @@ def train(args, target, data, token_ids, out_dir: str):
         os.path.abspath(os.path.join(out_dir, "ckpt")),
         options=ocp.CheckpointManagerOptions(max_to_keep=1, save_interval_steps=1),
     )
+    hist_path = os.path.join(out_dir, "ckpt_history.json")
     start = 0
     if mgr.latest_step() is not None:
         start = mgr.latest_step()
         state = mgr.restore(start, args=ocp.args.StandardRestore({"trainable": trainable, "opt": opt_state}))
         trainable, opt_state = state["trainable"], state["opt"]
         print(f"resumed from step {start}/{total}")
-    history = []
+    history, from_step, seconds_before = resumed_history(hist_path, start)
     bar = tqdm(range(start, total), desc="train head", unit="step", initial=start, total=total)
     for s in bar:
         # Deterministic in (seed, step): a resumed run sees the batches it would have seen.
@@ -762,18 +864,65 @@ def train(args, target, data, token_ids, out_dir: str):
         bar.set_postfix(loss=f"{met['loss']:.3f}", agree=" ".join(f"{a:.2f}" for a in met["agree_answer"]))
         if (s + 1) % args.ckpt_every == 0 or s + 1 == total:
             mgr.save(s + 1, args=ocp.args.StandardSave({"trainable": trainable, "opt": opt_state}))
+            if from_step == 0:  # metrics of every step so far: a resume keeps the run's first ones
+                save_history(hist_path, s + 1, seconds_before + time.perf_counter() - t0, history)
     mgr.wait_until_finished()
     mgr.close()
-    return ecfg, {**trainable, "token_ids": ids}, history
+    return ecfg, {**trainable, "token_ids": ids}, history, from_step, seconds_before + time.perf_counter() - t0
+
+
+def training_summary(history: list[dict], from_step: int) -> dict:
+    """The report's training metrics: mean loss over the first and the last tenth of ``history`` (the steps
+    from ``from_step``), the last tenth's per-pass KL, smooth-L1 and in-sample agreement; None where no step is
+    recorded (a checkpoint of the last step, made before the metrics were kept, and nothing left to run)."""
+    k = max(len(history) // 10, 1)
+    first, last = history[:k], history[-k:]
+
+    def avg(h, key):
+        return np.mean([x[key] for x in h], axis=0).tolist() if h else None
+
+    return {
+        "loss_start": avg(first, "loss"),
+        "loss_end": avg(last, "loss"),
+        "kl_end": avg(last, "kl"),
+        "reg_end": avg(last, "reg"),
+        "agree_end": avg(last, "agree"),
+        "agree_answer_end": avg(last, "agree_answer"),
+        "metrics_from_step": from_step,
+        "metrics_steps": len(history),
+    }
+
+
+def summary_line(name: str, summary: dict) -> str:
+    """``training_summary`` in words; metrics that cover only the steps after a resume say so."""
+    if not summary["metrics_steps"]:
+        return (
+            f"{name}: no training step recorded (the checkpoint of step {summary['metrics_from_step']} was made "
+            "before the metrics were kept with it, and no step was left to run): no training metrics"
+        )
+    since = f" since step {summary['metrics_from_step']}" if summary["metrics_from_step"] else ""
+
+    def r(v):
+        return np.round(v, 3).tolist()
+
+    return (
+        f"{name}: loss{since} {summary['loss_start']:.3f} -> {summary['loss_end']:.3f} "
+        f"({summary['metrics_steps']} steps); per pass: KL {r(summary['kl_end'])}, "
+        f"smooth-L1 {r(summary['reg_end'])}, top-1 agreement (in-sample) {r(summary['agree_end'])}, "
+        f"on answers {r(summary['agree_answer_end'])}"
+    )
 
 
 # ---- stage 5: evaluation ------------------------------------------------------------------------------
 
 
-def teacher_forced_hits(target, ecfg, hp, prompts: list[list[int]], answers: list[list[int]]) -> np.ndarray:
-    """[U, n] bool, per pass u and answer pair i (i >= P - 1, in order): ``head_unrolled`` pass u, teacher-forced
-    on the target's own features of prompt + answer, puts its argmax on the answer's actual token x_{i+2}.
-    hp: the head's params with ``rows`` (``EagleDrafter.draft_params`` next to an unpacked target)."""
+def teacher_forced_hits(
+    target, ecfg, hp, prompts: list[list[int]], answers: list[list[int]], unroll: int = 3
+) -> np.ndarray:
+    """[U, n] bool, per pass u < ``unroll`` (the training run's ``--unroll``) and answer pair i (i >= P - 1, in
+    order): ``head_unrolled`` pass u, teacher-forced on the target's own features of prompt + answer, puts its
+    argmax on the answer's actual token x_{i+2}. hp: the head's params with ``rows``
+    (``EagleDrafter.draft_params`` next to an unpacked target)."""
     cfg = target.config
     seqs = [list(p) + list(a) for p, a in zip(prompts, answers)]
     b, w = len(seqs), -(-max(len(s) for s in seqs) // 16) * 16
@@ -783,7 +932,6 @@ def teacher_forced_hits(target, ecfg, hp, prompts: list[list[int]], answers: lis
     pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
     _, raw, _ = EG.target_features(ecfg, target.params, jnp.asarray(toks), pos, llama.init_cache(cfg, b, w))
     feats = EG.fuse_features(ecfg, hp, raw)
-    unroll = 3
     f_hat = EG.head_unrolled(ecfg, hp, target.params, feats[:, :-1], jnp.asarray(toks[:, 1:]), unroll)
     best = np.stack([np.asarray(jnp.argmax(EG.subset_logits(f_hat[u], hp["rows"]), -1)) for u in range(unroll)])
     pred = np.asarray(hp["token_ids"])[best]  # [U, B, w-1] token predicted for x_{i+2}
@@ -794,18 +942,21 @@ def teacher_forced_hits(target, ecfg, hp, prompts: list[list[int]], answers: lis
     return np.concatenate(hits, axis=1)
 
 
-def teacher_forced_agreement(target, drafter, dparams, prompts: list[list[int]], answers: list[list[int]]):
-    """Per pass u: the share of answer pairs at which pass u is right (``teacher_forced_hits``). The training
-    computation on held-out text, against the full-vocabulary token (a token outside the draft vocabulary is a
-    miss): for a greedy answer, pass 0 is the acceptance rate draft position 1 would have if a round started at
-    every position."""
-    hits = teacher_forced_hits(target, drafter.ecfg, dparams[1], prompts, answers)
+def teacher_forced_agreement(
+    target, drafter, dparams, prompts: list[list[int]], answers: list[list[int]], unroll: int = 3
+):
+    """Per pass u < ``unroll``: the share of answer pairs at which pass u is right (``teacher_forced_hits``). The
+    training computation on held-out text, against the full-vocabulary token (a token outside the draft
+    vocabulary is a miss): for a greedy answer, pass 0 is the acceptance rate draft position 1 would have if a
+    round started at every position."""
+    hits = teacher_forced_hits(target, drafter.ecfg, dparams[1], prompts, answers, unroll)
     return (hits.sum(axis=1) / max(hits.shape[1], 1)).tolist()
 
 
-def evaluate(target, path: str, gamma: int, max_new: int, seed: int = 0) -> dict:
+def evaluate(target, path: str, gamma: int, max_new: int, seed: int = 0, unroll: int = 3) -> dict:
     """Acceptance per draft position on the held-out prompts, greedy and T = 1 (one decode each), and the
-    teacher-forced agreement on the greedy answers (``teacher_forced_agreement``)."""
+    teacher-forced agreement of the ``unroll`` training passes on the greedy answers
+    (``teacher_forced_agreement``)."""
     tok = target.tokenizer
     drafter, dparams = EG.load_eagle(path, target.config, target.params, max_draft=gamma)
     ids = [encode(tok, p, 512) for p in EVAL_PROMPTS]
@@ -836,7 +987,7 @@ def evaluate(target, path: str, gamma: int, max_new: int, seed: int = 0) -> dict
             "coverage": float(np.isin(np.concatenate(out.tokens), np.asarray(dparams[1]["token_ids"])).mean()),
         }
         if temp == 0.0:
-            res[label]["teacher_forced"] = teacher_forced_agreement(target, drafter, dparams, ids, out.tokens)
+            res[label]["teacher_forced"] = teacher_forced_agreement(target, drafter, dparams, ids, out.tokens, unroll)
     return res
 
 
@@ -960,10 +1111,77 @@ def _training_args(args_dict: dict) -> dict:
     return RS.settings(args_dict, _NOT_TRAINING)
 
 
+def eval_settings(args) -> dict:
+    """What the held-out evaluation depends on besides the head: a cached head whose report was made with other
+    values is evaluated again (not retrained). ``unroll``: the teacher-forced passes measured."""
+    return {
+        "gamma": args.gamma,
+        "eval_max_new": args.eval_max_new,
+        "seed": args.seed,
+        "unroll": args.unroll,
+        "prompts": list(EVAL_PROMPTS),
+    }
+
+
+def recorded_eval_settings(report: dict) -> dict:
+    """``eval_settings`` of a report's evaluation. A report made before they were recorded ran with its
+    ``gamma`` and the arguments it records; its teacher-forced passes were 3 whatever ``--unroll`` was, and its
+    prompts were not recorded (they are not compared)."""
+    if "eval_settings" in report:
+        return report["eval_settings"]
+    a = report.get("args", {})
+    return {"gamma": report.get("gamma"), **{k: a[k] for k in ("eval_max_new", "seed") if k in a}, "unroll": 3}
+
+
+def stale_evaluation(report: dict, args) -> list[str]:
+    """Why ``report``'s held-out evaluation is not the one this run would make: [] when it is, ["none"] when it
+    has none, else the evaluation settings that differ (``eval_settings``)."""
+    if not report.get("eval"):
+        return ["none"]
+    return RS.differences(recorded_eval_settings(report), eval_settings(args))
+
+
+# Keys save_head adds to the report it keeps in the head's meta.json (the rest is the report, less "eval").
+_HEAD_META = frozenset({"format", "kind", "config", "adapter_width", "head_tokens", "target"})
+
+
+def cached_head(args, final: str, eval_path: str) -> dict:
+    """A finished head under --name is never retrained (``--force`` does that): its report is eval.json, or
+    for a head never evaluated (``--no-eval``, or a run that stopped during the evaluation) the training
+    metrics its meta.json keeps. The evaluation runs (again) when there is none or it was made with other
+    ``eval_settings``, unless ``--no-eval``; then it is printed and exported."""
+    if os.path.isfile(eval_path):
+        with open(eval_path) as f:
+            report = json.load(f)
+    else:
+        with open(os.path.join(final, "meta.json")) as f:
+            report = {k: v for k, v in json.load(f).items() if k not in _HEAD_META}
+        report["eval"] = {}
+    print(f"cached head at {final} (--force retrains)")
+    stale = stale_evaluation(report, args)
+    if stale and not args.no_eval:
+        why = "it was never evaluated" if stale == ["none"] else f"evaluation settings changed: {', '.join(stale)}"
+        print(f"evaluating it ({why})")
+        target = registry.load(args.model, dtype="float32")
+        report["eval"] = evaluate(target, final, args.gamma, args.eval_max_new, args.seed, args.unroll)
+        report["gamma"], report["eval_settings"] = args.gamma, eval_settings(args)
+        with open(eval_path, "w") as f:
+            json.dump(report, f, indent=1)
+    elif stale and stale != ["none"]:
+        print(f"(evaluated with other settings: {', '.join(stale)}; --no-eval does not evaluate it again)")
+    if report["eval"]:
+        print_eval(report["eval"], report["gamma"])
+    else:
+        print("not evaluated (--no-eval)")
+    export(args, final, report)
+    return report
+
+
 def check_same_run(args, out_dir: str, eval_path: str) -> None:
     """A head or checkpoint under ``out_dir`` made with other training settings is refused by name (it was
     reused as this run's result, or resumed on a new schedule); a directory with neither (fresh, or left by a
-    run that stopped before its first checkpoint) records this run's settings instead."""
+    run that stopped before its first checkpoint, whose ``ckpt/`` the checkpoint manager made empty) records
+    this run's settings instead."""
 
     def unrecorded():  # made before args.json existed: its report has the arguments
         if not os.path.isfile(eval_path):
@@ -974,7 +1192,7 @@ def check_same_run(args, out_dir: str, eval_path: str) -> None:
     RS.check_same_run(
         _training_args(vars(args)),
         os.path.join(out_dir, "args.json"),
-        any(os.path.isdir(os.path.join(out_dir, d)) for d in ("ckpt", "head")),
+        os.path.isdir(os.path.join(out_dir, "head")) or RS.has_checkpoint(os.path.join(out_dir, "ckpt")),
         holder=f"{out_dir} holds a head trained",
         remedy="give this run another --name, or --force to retrain",
         unrecorded=unrecorded,
@@ -996,13 +1214,8 @@ def main(argv=None) -> dict:
             )
         shutil.rmtree(out_dir)  # the target data (data_dir) is kept
     check_same_run(args, out_dir, eval_path)
-    if os.path.isfile(os.path.join(final, "meta.json")) and os.path.isfile(eval_path):
-        with open(eval_path) as f:
-            report = json.load(f)
-        print(f"cached head at {final} (--force retrains)")
-        print_eval(report["eval"], report["gamma"])
-        export(args, final, report)
-        return report
+    if os.path.isfile(os.path.join(final, "meta.json")):  # save_head writes it last: the head is finished
+        return cached_head(args, final, eval_path)
 
     t0 = time.perf_counter()
     target = registry.load(args.model, dtype="float32")
@@ -1032,38 +1245,25 @@ def main(argv=None) -> dict:
     )
     token_ids = draft_vocabulary(args, answers, target.config.vocab_size, target.tokenizer.eos_ids)
 
-    t1 = time.perf_counter()
-    ecfg, hp, history = train(args, target, data, token_ids, out_dir)
-    t_train = time.perf_counter() - t1
-    k = max(len(history) // 10, 1)
-
-    def avg(h, key):
-        return np.mean([x[key] for x in h], axis=0) if h else np.nan
-
-    first, last = history[:k], history[-k:]
-    print(
-        f"trained {args.name}: data {t_data:.0f} s, training {t_train:.0f} s ({len(history)} steps); loss "
-        f"{avg(first, 'loss'):.3f} -> {avg(last, 'loss'):.3f}; per pass: KL {np.round(avg(last, 'kl'), 3).tolist()}, "
-        f"smooth-L1 {np.round(avg(last, 'reg'), 3).tolist()}, "
-        f"top-1 agreement (in-sample) {np.round(avg(last, 'agree'), 3).tolist()}, "
-        f"on answers {np.round(avg(last, 'agree_answer'), 3).tolist()}"
-    )
+    # A run resumed from a checkpoint of the last step makes no step: its metrics and seconds are those kept
+    # with the checkpoint (train), not NaN and ~0 s.
+    ecfg, hp, history, from_step, t_train = train(args, target, data, token_ids, out_dir)
+    summary = training_summary(history, from_step)
+    print(f"trained {summary_line(args.name, summary)}; data {t_data:.0f} s, training {t_train:.0f} s")
     report = {
         "name": args.name,
         "gamma": args.gamma,
         "data_seconds": t_data,
         "train_seconds": t_train,
         "generated_tokens": n_ans,
-        "loss_start": float(avg(first, "loss")),
-        "loss_end": float(avg(last, "loss")),
-        "agree_end": np.asarray(avg(last, "agree")).tolist(),
-        "agree_answer_end": np.asarray(avg(last, "agree_answer")).tolist(),
+        **summary,
         "args": vars(args),
         "eval": {},
     }
     EG.save_head(final, ecfg, hp, {k_: v_ for k_, v_ in report.items() if k_ != "eval"})
     if not args.no_eval:
-        report["eval"] = evaluate(target, final, args.gamma, args.eval_max_new, args.seed)
+        report["eval"] = evaluate(target, final, args.gamma, args.eval_max_new, args.seed, args.unroll)
+        report["eval_settings"] = eval_settings(args)
         print_eval(report["eval"], args.gamma)
         with open(eval_path, "w") as f:
             json.dump(report, f, indent=1)
@@ -1073,10 +1273,14 @@ def main(argv=None) -> dict:
 
 
 def export(args, final: str, report: dict) -> None:
-    """``--export DIR``: the head in bf16 with its held-out evaluation in meta.json (``models.eagle.export_head``)."""
+    """``--export DIR``: the head in bf16 with its held-out evaluation and the settings it ran with
+    (``eval_settings``) in meta.json (``models.eagle.export_head``)."""
     if not args.export:
         return
-    out = EG.export_head(final, args.export, extra_meta={"eval": report.get("eval", {})})
+    extra = {"eval": report.get("eval", {})}
+    if extra["eval"]:
+        extra["eval_settings"] = recorded_eval_settings(report)
+    out = EG.export_head(final, args.export, extra_meta=extra)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     print(f"exported (bf16) to {out}: {size / 1e6:.1f} MB")
 

@@ -5,6 +5,7 @@ tree, ragged batch), the features the fused head consumes equal a fresh target p
 trip keeps the fusion, bad layer sets are refused, and train_eagle lays the raw features out the way the
 loss and ``fuse_features`` read them (the fused layers first, f last)."""
 
+import json
 import os
 import sys
 from types import SimpleNamespace
@@ -311,7 +312,14 @@ def test_trainer_refuses_a_cached_head_or_checkpoint_made_with_other_settings(tm
     first = train_eagle.parse_args(["--lr", "3e-4"])
     train_eagle.check_same_run(train_eagle.parse_args(["--lr", "5e-4"]), out, ev)  # stopped before a checkpoint
     train_eagle.check_same_run(first, out, ev)  # nothing saved yet: this run's settings replace those
-    os.makedirs(os.path.join(out, "ckpt"))  # its first checkpoint
+    # The checkpoint manager makes ckpt/ when it starts, before any step is saved: an empty one holds nothing,
+    # so a run with other settings is accepted and its settings recorded (it was refused as a saved run).
+    os.makedirs(os.path.join(out, "ckpt"))
+    train_eagle.check_same_run(train_eagle.parse_args(["--lr", "5e-4"]), out, ev)
+    with open(os.path.join(out, "args.json")) as f:
+        assert json.load(f)["lr"] == 5e-4
+    train_eagle.check_same_run(first, out, ev)  # and replaced again
+    os.makedirs(os.path.join(out, "ckpt", "50"))  # its first checkpoint (step 50)
     train_eagle.check_same_run(first, out, ev)  # the same run again (a resume): accepted
     train_eagle.check_same_run(train_eagle.parse_args(["--lr", "3e-4", "--ckpt-every", "10"]), out, ev)
     train_eagle.check_same_run(train_eagle.parse_args(["--lr", "3e-4", "--gamma", "5", "--no-eval"]), out, ev)

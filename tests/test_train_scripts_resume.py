@@ -205,7 +205,7 @@ def test_eagle_trainer_check_on_the_shared_helper(tmp_path):
     out, ev = str(tmp_path / "run"), str(tmp_path / "run" / "eval.json")
     train_eagle.check_same_run(P(["--lr", "5e-4"]), out, ev)
     train_eagle.check_same_run(P(["--lr", "3e-4"]), out, ev)  # nothing saved: replaced
-    os.makedirs(os.path.join(out, "ckpt"))
+    os.makedirs(os.path.join(out, "ckpt", "50"))
     train_eagle.check_same_run(P(["--lr", "3e-4", "--ckpt-every", "10", "--gamma", "5"]), out, ev)
     with pytest.raises(SystemExit, match=r"holds a head trained with other settings \(lr: 0.0003 there, 0.001 here\)"):
         train_eagle.check_same_run(P(["--lr", "1e-3"]), out, ev)
