@@ -17,8 +17,9 @@ and cost 8x); ~1.5x after later fixes (docs/results.md).
 
 The kernel is compiled from source with the system C++ compiler on first use (about 2 s, for this CPU:
 ``-march=native``) and cached under ``~/.cache/jspec/kernels`` (``JSPEC_CACHE`` moves it), keyed by the
-source, the compiler, the CPU's features and the jaxlib version. Without a compiler, on other platforms or
-with ``JSPEC_CPU_KERNEL=0`` nothing is packed and the XLA matmuls run as before; ``available()`` says which.
+source, the compiler and its flags, the CPU's features, the jax and jaxlib versions and jaxlib's FFI headers.
+A read-only cache holding the library is used as it is. Without a compiler, on other platforms or with
+``JSPEC_CPU_KERNEL=0`` nothing is packed and the XLA matmuls run as before; ``available()`` says which.
 Off the CPU (or when the kernel is not registered) a packed matrix is multiplied with an XLA einsum, so packed
 parameters stay correct everywhere.
 
@@ -49,6 +50,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from jspec.sampling import argmax
@@ -249,6 +251,40 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
 
 
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")  # the compile command's options
+_FFI_HEADERS = os.path.join("xla", "ffi", "api")  # under jax.ffi.include_dir(): what the kernel includes
+
+
+def _ffi_headers_digest(include_dir: str) -> str:
+    """sha256 over the names and bytes of the FFI headers (``xla/ffi/api/*.h``) the kernel is compiled against:
+    they come from jaxlib, and a build against other headers may not match the running jaxlib's ABI."""
+    h = hashlib.sha256()
+    api = os.path.join(include_dir, _FFI_HEADERS)
+    names = sorted(f for f in os.listdir(api) if f.endswith(".h")) if os.path.isdir(api) else []
+    for name in names:
+        with open(os.path.join(api, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()
+
+
+def _cache_key(source: bytes, cxx: str, cxx_version: str, flags, include_dir: str) -> str:
+    """The cached library's name: everything its machine code depends on. The source, the compiler (path and
+    ``--version`` line) and its flags, the FFI headers in ``include_dir``, the CPU (``-march=native``), the jax
+    and jaxlib versions, and the machine."""
+    parts = (
+        source,
+        cxx,
+        cxx_version,
+        "\0".join(flags),
+        _ffi_headers_digest(include_dir),
+        _cpu_features(),
+        jax.__version__,
+        jaxlib.__version__,
+        platform.machine(),
+    )
+    return hashlib.sha256(b"\1".join(p if isinstance(p, bytes) else p.encode() for p in parts)).hexdigest()[:16]
+
+
 def build(verbose: bool = False) -> str:
     """Compile the kernel (if not cached) and return the shared library's path. Raises RuntimeError with the
     compiler's message on failure."""
@@ -258,21 +294,19 @@ def build(verbose: bool = False) -> str:
     with open(_SOURCE, "rb") as f:
         source = f.read()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(
-        b"\0".join(
-            s if isinstance(s, bytes) else s.encode()
-            for s in (source, cxx, *version, _cpu_features(), jax.__version__, platform.machine())
-        )
-    ).hexdigest()[:16]
+    include_dir = jax.ffi.include_dir()
+    key = _cache_key(source, cxx, "".join(version), _FLAGS, include_dir)
     out = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")
     if os.path.exists(out):
-        os.utime(out)  # its mtime is when it was last used: what ``_prune`` keeps
+        try:
+            os.utime(out)  # its mtime is when it was last used: what ``_prune`` keeps
+        except OSError:  # a read-only or another user's cache: the library is still there to load
+            pass
         return out
     os.makedirs(_cache_dir(), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
     os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
-    cmd += ["-I", jax.ffi.include_dir(), _SOURCE, "-o", tmp]
+    cmd = [cxx, *_FLAGS, "-I", include_dir, _SOURCE, "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
@@ -291,15 +325,15 @@ def _prune(current: str) -> None:
     """Delete all but the ``KEEP_BUILDS`` most recently used libraries (each source, compiler, CPU or jaxlib
     change builds a new one). Several environments sharing the cache each keep theirs while in use; a process
     that has one loaded keeps its mapping after the file is removed."""
-    libs = sorted(
-        (
-            os.path.join(_cache_dir(), f)
-            for f in os.listdir(_cache_dir())
-            if f.startswith("cpu_kernels-") and f.endswith(".so")
-        ),
-        key=lambda f: os.path.getmtime(f),
-        reverse=True,
-    )
+    used = {}
+    for f in os.listdir(_cache_dir()):
+        if f.startswith("cpu_kernels-") and f.endswith(".so"):
+            path = os.path.join(_cache_dir(), f)
+            try:
+                used[path] = os.path.getmtime(path)
+            except OSError:  # another process pruned it since the listing
+                pass
+    libs = sorted(used, key=used.__getitem__, reverse=True)
     for f in [f for f in libs if f != current][KEEP_BUILDS - 1 :]:
         try:
             os.unlink(f)

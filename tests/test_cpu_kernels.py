@@ -1,9 +1,12 @@
-"""The CPU matmul kernel (``models.cpu_kernels``): products against float64 numpy, panel packing, the
-row-independence the kernel promises, the XLA fallback, and the errors."""
+"""The CPU kernels (``models.cpu_kernels``): products, attention and argmax against float64 numpy, panel
+packing, the row-independence the kernels promise, the XLA fallback, the errors, the build cache (its key,
+pruning, a read-only cache) and an AddressSanitizer run of the attention."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -267,6 +270,162 @@ def test_old_builds_are_pruned(monkeypatch, tmp_path):
     assert os.path.getmtime(built) > 1000 and (kdir / "cpu_kernels-old3.so").exists()
 
 
+def _fake_compiler(tmp_path):
+    """A stand-in compiler: writes its -o file and records each compile command's arguments (a line each, not
+    the ``--version`` queries) in ``args.txt``."""
+    cxx = tmp_path / "fake-cxx"
+    log = tmp_path / "args.txt"
+    record = f'[ "$1" = --version ] || echo "$@" >> {log}'
+    cxx.write_text(f'#!/bin/sh\n{record}\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    cxx.chmod(0o755)
+    return cxx, log
+
+
+def test_cache_key_covers_flags_headers_and_jaxlib(monkeypatch, tmp_path):
+    """The cached library's key changes with everything its code depends on: the compile flags, the FFI
+    headers it includes (jaxlib's ``xla/ffi/api/*.h``) and the jaxlib version; and ``build`` compiles with
+    the flags it keys on (another flag set builds another library)."""
+    inc = tmp_path / "include"
+    api = inc / "xla" / "ffi" / "api"
+    api.mkdir(parents=True)
+    (api / "ffi.h").write_text("// v1\n")
+    (api / "README").write_text("not a header")
+    flags = cpu_kernels._FLAGS
+
+    def key(flags=flags):
+        return cpu_kernels._cache_key(b"source", "/usr/bin/c++", "c++ 1.0", flags, str(inc))
+
+    base = key()
+    assert key() == base and len(base) == 16
+    assert key((*flags, "-DNDEBUG")) != base
+    assert key(tuple(f for f in flags if f != "-O3") + ("-O2",)) != base
+    (api / "README").write_text("changed, not a header")
+    assert key() == base
+    (api / "ffi.h").write_text("// v2\n")
+    changed = key()
+    assert changed != base
+    (api / "api.h").write_text("// new\n")
+    current = key()
+    assert current not in (base, changed)
+    monkeypatch.setattr(cpu_kernels.jaxlib, "__version__", "0.0.0-other")
+    assert key() != current
+
+    cxx, log = _fake_compiler(tmp_path)
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(cxx))
+    first = cpu_kernels.build()
+    monkeypatch.setattr(cpu_kernels, "_FLAGS", (*flags, "-DJSPEC_TEST_FLAG"))
+    second = cpu_kernels.build()
+    assert second != first and os.path.exists(first) and os.path.exists(second)
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2 and "-DJSPEC_TEST_FLAG" not in calls[0] and "-DJSPEC_TEST_FLAG" in calls[1]
+    assert all(f in calls[0].split() for f in flags)
+
+
+def test_a_read_only_cache_still_serves_its_library(monkeypatch, tmp_path):
+    """Recording a use (the library's mtime, for pruning) fails on a read-only or another user's cache; the
+    library is still there, so ``build`` returns it instead of raising (``available`` would turn the kernel
+    off)."""
+    cxx, log = _fake_compiler(tmp_path)
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(cxx))
+    built = cpu_kernels.build()
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", args[0])
+
+    monkeypatch.setattr(os, "utime", refuse)
+    assert cpu_kernels.build() == built
+    assert len(log.read_text().splitlines()) == 1  # not rebuilt
+
+
+def test_pruning_tolerates_a_library_removed_meanwhile(monkeypatch, tmp_path):
+    """Another process can delete a library between the listing and its mtime: pruning skips it."""
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+    kdir = tmp_path / "kernels"
+    kdir.mkdir()
+    libs = [kdir / f"cpu_kernels-{i}.so" for i in range(6)]
+    for i, f in enumerate(libs):
+        f.write_bytes(b"")
+        os.utime(f, (1000 + i, 1000 + i))
+    getmtime = os.path.getmtime
+
+    def racing(path):
+        if os.path.basename(path) == "cpu_kernels-5.so":
+            os.unlink(path)  # pruned by someone else just now
+        return getmtime(path)
+
+    monkeypatch.setattr(os.path, "getmtime", racing)
+    cpu_kernels._prune(str(libs[0]))
+    assert sorted(p.name for p in kdir.iterdir()) == [f"cpu_kernels-{i}.so" for i in (0, 2, 3, 4)]
+
+
+_ASAN_SCRIPT = """
+import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jnp.zeros(1).block_until_ready()
+print("started", flush=True)
+from models import cpu_kernels
+
+cpu_kernels.build = lambda verbose=False: sys.argv[1]
+assert cpu_kernels.available()
+rng = np.random.default_rng(0)
+# Every head dim (each a different row tile: 12, 6 and 3 rows with AVX-512), a full block of query rows and
+# every slot visible (the scores buffer read to its end); each call's S at least twice the last, so a
+# thread's buffer is allocated at exactly the size asked for.
+for d, s in ((32, 64), (64, 256), (128, 1024)):
+    q = rng.standard_normal((1, 1, 16, d), dtype=np.float32)
+    kv = rng.standard_normal((1, 1, 1, s, d), dtype=np.float32)
+    mask = np.ones((1, 1, s), bool)
+    f = lambda q, k, v, m: cpu_kernels.cache_attention(q, k, v, m, 0, 0.125, lambda: jnp.zeros(q.shape))
+    assert np.isfinite(np.asarray(jax.jit(f)(q, kv, kv, mask))).all()
+# The scan for each row's last visible slot, at the start of its mask row and on its tiers: a row with no
+# visible slot, one that sees slot 0 only, one that sees up to 13, one up to S - 1 with a hole.
+s = 600
+q = rng.standard_normal((1, 4, 1, 32), dtype=np.float32)
+kv = rng.standard_normal((1, 1, 1, s, 32), dtype=np.float32)
+mask = np.arange(s)[None, None, :] <= np.asarray([-1, 0, 13, s - 1])[None, :, None]
+mask[0, 3, 5] = False
+assert np.isfinite(np.asarray(jax.jit(f)(q, kv, kv, mask))).all()
+print("ASAN-CHECK-OK")
+"""
+
+
+@needs_kernel
+def test_cache_attention_reads_stay_in_its_buffers(tmp_path):
+    """The kernel built with AddressSanitizer (at -O0, ~2 s) runs cache attention in a fresh process: a read
+    past a buffer (the weighted sum's row tiles read past the block's last lane into the scores buffer's slack)
+    is an error there, not an unused value. Skips where the compiler or this machine cannot run ASan."""
+    cxx = cpu_kernels._compiler()
+    runtime = [
+        subprocess.run([cxx, f"-print-file-name={lib}"], capture_output=True, text=True).stdout.strip()
+        for lib in ("libasan.so", "libstdc++.so")
+    ]
+    if not os.path.isabs(runtime[0]):
+        pytest.skip(f"{cxx} has no libasan.so to preload")
+    so = tmp_path / "asan.so"
+    cmd = [cxx, "-O0", "-fsanitize=address", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+    cmd += ["-I", jax.ffi.include_dir(), cpu_kernels._SOURCE, "-o", str(so)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"no AddressSanitizer build here: {proc.stderr[-500:]}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cpu_kernels.__file__)))
+    # libstdc++ preloaded too: ASan's exception interceptor needs it loaded first (jaxlib throws at startup).
+    preload = " ".join(p for p in runtime if os.path.isabs(p))
+    env = {**os.environ, "LD_PRELOAD": preload, "ASAN_OPTIONS": "detect_leaks=0", "JAX_PLATFORMS": "cpu"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _ASAN_SCRIPT, str(so)], env=env, cwd=root, capture_output=True, text=True, timeout=300
+    )
+    if "started" not in proc.stdout:
+        pytest.skip(f"jax does not start under AddressSanitizer here: {proc.stderr[-500:]}")
+    report = proc.stderr[proc.stderr.find("ERROR: AddressSanitizer") :][:3000]
+    assert proc.returncode == 0 and "ASAN-CHECK-OK" in proc.stdout, report or proc.stdout + proc.stderr[-3000:]
+
+
 def _attention_reference(q, k_all, v_all, mask, layer, scale):
     """float64 numpy: query head h reads KV head h // (H / Hkv); masked slots get -1e30 before the softmax."""
     b, t, h, d = q.shape
@@ -311,6 +470,32 @@ def test_cache_attention_matches_float64(b, t, h, hkv, s, d, layer, visible):
     assert got.shape == (b, t, h, d)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(got[0, 0]), v_all[layer, 0].mean(1)[np.arange(h) // (h // hkv)], atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("hole", [False, True])
+def test_cache_attention_finds_each_rows_last_visible_slot(hole):
+    """The kernel reads up to the last slot any row sees, found by a scan from the end (256 bytes at a time,
+    then 8, then single bytes): rows whose last visible slot sits on either side of each of those boundaries
+    (counted from S = 600), with prefix masks (the vector compare) and with a hole in them (the per-lane
+    select), against float64; a slot missed past the scan's stop would change the result."""
+    s = 600
+    lasts = np.asarray([s - 1, s - 8, s - 9, s - 256, s - 257, s - 264, s - 512, s - 513, 80, 79, 7, 0])
+    b, t, h, hkv, d = 1, len(lasts), 2, 1, 32  # 24 query rows: a block of 16 (AVX-512) or 8 and the rest
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((b, t, h, d), dtype=np.float32)
+    k_all = rng.standard_normal((1, b, hkv, s, d), dtype=np.float32)
+    v_all = rng.standard_normal((1, b, hkv, s, d), dtype=np.float32)
+    mask = np.arange(s)[None, None, :] <= lasts[None, :, None]
+    if hole:
+        mask[0, :-1, 0] = False  # every row with more than one slot skips slot 0
+    f = jax.jit(lambda q, k, v, m: cpu_kernels.cache_attention(q, k, v, m, 0, 0.25, lambda: jnp.zeros(q.shape)))
+    got = np.asarray(f(*(jnp.asarray(a) for a in (q, k_all, v_all, mask))), np.float64)
+    np.testing.assert_allclose(got, _attention_reference(q, k_all, v_all, mask, 0, 0.25), atol=2e-5, rtol=0)
+    # Each token alone (its block's only rows; S still 600) gets the same bits.
+    for i in (0, 4, 11):
+        one = f(*(jnp.asarray(a) for a in (q[:, i : i + 1], k_all, v_all, mask[:, i : i + 1])))
+        np.testing.assert_array_equal(np.asarray(one), got[:, i : i + 1].astype(np.float32))
 
 
 @needs_kernel

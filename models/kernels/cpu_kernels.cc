@@ -334,9 +334,14 @@ inline vecn exp_nonpositive(vecn x) {
 constexpr int kRows = kLanes;       // query rows per work item: one per lane of a native vector
 constexpr float kMaskValue = -1e30f;  // as models.llama._MASK_VALUE: a row with no visible slot is uniform
 
-// out_r += sum_j p[j][r] * V_j for RB rows at a time (RB * NV accumulators stay in registers).
+// out_r += sum_j p[j][r] * V_j for RB rows at a time (RB * NV accumulators stay in registers). Every tile reads
+// all RB rows' weights, also past the block's last lane (those accumulators are dropped): up to RB - 1 floats
+// past p[s_dim - 1][kRows - 1] (AVX-512, RB = 12: the second tile reads lanes 12-23), so p needs kScoresSlack
+// floats after its s_dim * kRows (they are never written; what they hold does not reach the output).
+constexpr int64_t kScoresSlack = kRows;
 template <int NV, int RB>
 void weighted_values(const float* p, int lanes, int64_t s_dim, const float* v, float* out[kRows]) {
+  static_assert(RB >= 1 && RB - 1 <= kScoresSlack, "a tile's reads past the last lane stay in the slack");
   for (int r0 = 0; r0 < lanes; r0 += RB) {
     const int rb = std::min(RB, lanes - r0);
     vecn acc[RB][NV];
@@ -353,6 +358,37 @@ void weighted_values(const float* p, int lanes, int64_t s_dim, const float* v, f
     for (int r = 0; r < rb; ++r)
       for (int i = 0; i < NV; ++i) storen(out[r0 + r] + i * kLanes, acc[r][i]);
   }
+}
+
+// The index of the last nonzero byte of m[0, n), -1 if none: memrchr(m, 1, n) for a PRED row (each byte 0 or 1),
+// which is a GNU extension (macOS has none). 256 bytes at a time while they are all zero (a serving cache's mask
+// is mostly zeros past the visible slots; GCC ORs them as vectors), then 8, then byte by byte inside the word
+// that holds the last one. Within ~0.04 us of glibc's memrchr per block of 16 rows up to 2048 slots (a Xeon,
+// AVX-512 and AVX2 builds alike); a word load per array element: one memcpy of the block went through the stack.
+inline int64_t last_nonzero(const bool* m, int64_t n) {
+  const unsigned char* b = reinterpret_cast<const unsigned char*>(m);
+  int64_t i = n;
+  for (; i >= 256; i -= 256) {
+    uint64_t any = 0;
+    for (int k = 0; k < 32; ++k) {
+      uint64_t w;
+      std::memcpy(&w, b + i - 256 + 8 * k, sizeof(w));
+      any |= w;
+    }
+    if (any != 0) break;
+  }
+  for (; i >= 8; i -= 8) {
+    uint64_t w;
+    std::memcpy(&w, b + i - 8, sizeof(w));
+    if (w != 0) break;
+  }
+  if (i >= 8) {  // the word ending at i holds a nonzero byte
+    int64_t k = i - 1;
+    while (b[k] == 0) --k;
+    return k;
+  }
+  while (i > 0 && b[i - 1] == 0) --i;
+  return i - 1;
 }
 
 // One (batch row, KV head, block of up to kRows query rows). Query row r of the block is (token t, head g) with
@@ -383,14 +419,14 @@ void attend_block(const float* q, const float* k, const float* v, const bool* ma
   // uniform over all S slots, as in the XLA path, so then every slot is read.
   // A row is a prefix when every slot up to its last visible one is visible (plain steps, chain verifications,
   // prefills; not tree masks): then the mask is one vector compare per slot instead of a select per lane.
-  // Both searches are memchr-style scans (a PRED element is one byte, 0 or 1).
+  // Both searches are byte scans (a PRED element is one byte, 0 or 1). Slot indices are int32 lanes: the
+  // caller refuses S >= 2^31.
   int64_t limit = 0;
   bool prefix = true;
-  float last_row[kRows];
+  int32_t last_row[kRows];
   for (int r = 0; r < kRows; ++r) {
     const bool* m = mrow[r];
-    const void* hit = memrchr(m, 1, s_dim);
-    const int64_t last = hit == nullptr ? -1 : static_cast<const bool*>(hit) - m;
+    const int64_t last = last_nonzero(m, s_dim);
     if (last < 0) {
       limit = s_dim;
       prefix = false;
@@ -398,7 +434,7 @@ void attend_block(const float* q, const float* k, const float* v, const bool* ma
     }
     limit = std::max(limit, last + 1);
     prefix = prefix && std::memchr(m, 0, last + 1) == nullptr;
-    last_row[r] = static_cast<float>(last);
+    last_row[r] = static_cast<int32_t>(last);
   }
   s_dim = limit;
   // Scores, 8 slots at a time: 8 independent multiply-add chains (4 left the chains' latency exposed). The cache
@@ -427,9 +463,9 @@ void attend_block(const float* q, const float* k, const float* v, const bool* ma
     storen(scores + j * kRows, a0);
   }
   if (prefix) {
-    const vecn lastv = loadn(last_row);
-    vecn jv = vecn{};
-    for (j = 0; j < s_dim; ++j, jv += 1.0f) {
+    ivecn lastv, jv = ivecn{};
+    std::memcpy(&lastv, last_row, sizeof(lastv));
+    for (j = 0; j < s_dim; ++j, jv += 1) {
       const vecn sv = jv <= lastv ? loadn(scores + j * kRows) : vecn{} + kMaskValue;
       storen(scores + j * kRows, sv);
       mx = sv > mx ? sv : mx;
@@ -456,6 +492,7 @@ void attend_block(const float* q, const float* k, const float* v, const bool* ma
   // value vectors, one broadcast and RB * NV accumulators must fit; at one row the value vectors need no
   // registers of their own (the multiply-adds read them from memory).
   constexpr int kRb = kLanes == 16 ? (NV >= 8 ? 3 : 24 / NV) : std::max(1, (16 - 1 - NV) / NV);
+  static_assert(kRb <= kRows, "a row tile is at most one block");
   weighted_values<NV, kRb>(scores, lanes, s_dim, v, accp);
   float inv[kRows];
   storen(inv, 1.0f / sum);
@@ -482,6 +519,9 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   if (d_dim != 32 && d_dim != 64 && d_dim != 128) {
     return ffi::Error::InvalidArgument("cache_attention: head dim must be 32, 64 or 128");
   }
+  if (s_dim > INT32_MAX) {  // slot indices are compared as int32 lanes
+    return ffi::Error::InvalidArgument("cache_attention: S must be below 2^31 slots");
+  }
   const int64_t groups = h_dim / hkv, rows = t_dim * groups, blocks = (rows + kRows - 1) / kRows;
   const float* qp = q.typed_data();
   const float* kp = k_all.typed_data() + layer * b_dim * hkv * s_dim * d_dim;
@@ -492,8 +532,11 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   parallel_for(pool, items, workers_for(pool), [=](int64_t item) {
     const int64_t blk = item % blocks, kvh = (item / blocks) % hkv, b = item / (blocks * hkv);
     const int lanes = static_cast<int>(std::min<int64_t>(kRows, rows - blk * kRows));
+    // Slot j's scores at [j * kRows, (j + 1) * kRows), then kScoresSlack floats that weighted_values reads past
+    // the last slot (their values never reach the output).
     thread_local std::vector<float> scores;
-    if (scores.size() < static_cast<size_t>(s_dim * kRows)) scores.resize(s_dim * kRows);
+    const size_t n_scores = static_cast<size_t>(s_dim * kRows + kScoresSlack);
+    if (scores.size() < n_scores) scores.resize(n_scores);
     const float* qb = qp + b * t_dim * h_dim * d_dim;
     const float* kb = kp + (b * hkv + kvh) * s_dim * d_dim;
     const float* vb = vp + (b * hkv + kvh) * s_dim * d_dim;
