@@ -364,9 +364,11 @@ def _tree_step(
     tokens = prop.tokens.at[:, 0].set(pending)
     # A node is usable if it is proposed, not deeper than this row may go, its scratch slot exists, and so
     # does every ancestor's (the parent comes first in topological order, so one pass suffices). The slots are
-    # the row's own (its prompt and budget, P + N - 1), not the cache's S: which nodes are verified, and so
-    # which acceptance draws a sampled row uses, must not depend on a cache sized by the other rows.
-    room = jnp.minimum(config.slots, st.prompt_len + st.max_new - 1)
+    # the row's own (its prompt and budget), not the cache's S: which nodes are verified, and so which acceptance
+    # draws a sampled row uses, must not depend on a cache sized by the other rows.
+    # P + N - 2 + n: the last round (committed = P + N - 2) may still verify all n nodes; ``prepare``'s default
+    # max_len reserves those slots, so every row has them.
+    room = jnp.minimum(config.slots, st.prompt_len + st.max_new - 2 + n)
     fits = committed[:, None] + jnp.arange(n)[None, :] < room[:, None]
     own_ok = prop.valid & (prop.depth <= max_draft[:, None]) & fits
     valid = own_ok
@@ -673,7 +675,18 @@ def _chain_k(drafter, gamma: int | None, policy: AdaptiveK | None) -> int:
     return k
 
 
-def _prepare(target: Model, prompts, max_new_tokens, max_len):
+def tree_nodes(drafter) -> int | None:
+    """The nodes a tree drafter verifies per round (root included), or None for a chain drafter."""
+    if not getattr(drafter, "is_tree", False):
+        return None
+    budget = getattr(drafter, "budget", None)  # a dynamic tree
+    if isinstance(budget, int):
+        return budget
+    spec = getattr(drafter, "spec", None)
+    return spec.num_nodes if spec is not None else None
+
+
+def _prepare(target: Model, prompts, max_new_tokens, max_len, reserve: int = 0):
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 1):
         raise ValueError(f"max_len (cache slots per row) must be an int >= 1, got {max_len!r}")  # as Engine's
     if isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 2:
@@ -722,7 +735,9 @@ def _prepare(target: Model, prompts, max_new_tokens, max_len):
     if max_len is None:
         if max_new_tokens is None:
             raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
-        need = int((plen + mnew - 1).max())  # the last token takes no slot (P + N <= S + 1, below)
+        # The last token takes no slot (P + N <= S + 1, below); ``reserve``: a tree's scratch past it, so that the
+        # last rounds verify whole trees in every row.
+        need = int((plen + mnew - 1).max()) + reserve
         max_len = -(-need // 128) * 128  # round up so nearby request sizes share one compilation
         if ctx is not None:
             max_len = min(max_len, ctx)  # still >= every P + N - 1 (checked above)
@@ -831,7 +846,8 @@ def prepare(
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
     gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params, target_params)
-    prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len)
+    nodes = tree_nodes(drafter)
+    prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len, (nodes or 1) - 1)
     check_draft_context(drafter, plen + mnew - 1 if max_new_tokens is not None else np.full_like(plen, slots))
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
     key = _decode_key(seed, key, len(plen))

@@ -265,10 +265,13 @@ def inverse_cdf(probs: jax.Array, cdf: jax.Array, target: jax.Array) -> jax.Arra
     / top-p / min-p leave) cdf can dip by an ulp, and the count would land on a token of probability 0 (an
     emitted filtered token; a draft token with q = 0, accepted outright). Past the last cdf (a few ulps of
     rounding), the last token with mass."""
-    ok = (probs > 0) & (cdf > target)
-    v = ok.shape[-1]
-    last_positive = v - 1 - jnp.argmax(jnp.flip(probs > 0, axis=-1), axis=-1)
-    return jnp.where(jnp.any(ok, axis=-1), jnp.argmax(ok, axis=-1), last_positive).astype(jnp.int32)
+    # Plain min / max reductions over an iota (as ``argmax`` does): XLA:CPU's fused argmax is far slower.
+    v = probs.shape[-1]
+    iota = jnp.arange(v, dtype=jnp.int32)
+    first = jnp.min(jnp.where((probs > 0) & (cdf > target), iota, v), axis=-1)
+    last_positive = jnp.max(jnp.where(probs > 0, iota, -1), axis=-1)
+    last_positive = jnp.where(last_positive < 0, v - 1, last_positive)  # no mass at all: the last token
+    return jnp.where(first < v, first, last_positive).astype(jnp.int32)
 
 
 # Keys. Everything random in a round takes either one key for the whole batch or a [B] array of per-row keys

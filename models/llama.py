@@ -753,7 +753,7 @@ def make_model(cfg: LlamaConfig, kernel_argmax: bool = False) -> Model:
     def make_cache(batch: int, slots: int) -> KVCache:
         return init_cache(cfg, batch, slots)
 
-    return Model(
+    model = Model(
         apply=apply,
         init_cache=make_cache,
         vocab_size=cfg.vocab_size,
@@ -762,18 +762,30 @@ def make_model(cfg: LlamaConfig, kernel_argmax: bool = False) -> Model:
         argmax=cpu_kernels.row_argmax if kernel_argmax else None,
         max_positions=cfg.max_positions,
     )
+    _CONFIG_OF[id(model)] = cfg  # make_model is cached: the model lives as long as the process
+    return model
+
+
+_CONFIG_OF: dict[int, LlamaConfig] = {}  # id(make_model(cfg)) -> cfg, for ``check_model_of``
 
 
 def check_model_of(target: Model, cfg: LlamaConfig, who: str) -> None:
     """A drafter that runs this config's forward pass itself (EAGLE's verification reads the hidden features;
-    LayerSkip writes the first layers of the target's cache) serves only the target ``make_model(cfg)`` builds:
-    another model (the compressed stand-in, another dtype or RoPE) would be verified with the wrong maths."""
-    if target is not make_model(cfg) and target is not make_model(cfg, kernel_argmax=True):
+    LayerSkip writes the first layers of the target's cache) serves only a target ``make_model`` built from a
+    config with the same maths (the name and context length aside): another model (the compressed stand-in)
+    or config (dtype, RoPE, ...) would be verified with the wrong maths."""
+    tcfg = _CONFIG_OF.get(id(target))
+    if tcfg is None:
         raise ValueError(
-            f"{who} runs {cfg.name}'s forward pass itself, so the target must be models.llama.make_model of that "
-            f"same config; got the model {target.name!r} (another model or config would be verified with the "
-            "wrong maths)"
+            f"{who} runs {cfg.name}'s forward pass itself, so the target must be a models.llama.make_model model; "
+            f"got {target.name!r} (another model would be verified with the wrong maths)"
         )
+    for f in dataclasses.fields(LlamaConfig):
+        if f.name not in ("name", "max_positions") and getattr(tcfg, f.name) != getattr(cfg, f.name):
+            raise ValueError(
+                f"{who} runs its own copy of the target's forward pass, built for {f.name}="
+                f"{getattr(cfg, f.name)!r}, but the target {target.name!r} has {f.name}={getattr(tcfg, f.name)!r}"
+            )
 
 
 def check_same_params(target_params: Params, own: Params, who: str) -> None:

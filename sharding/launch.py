@@ -92,10 +92,12 @@ def launch(
         # Every child's whole group, whether its leader is still running or not (a shell that exited can leave its
         # Python child behind), and on Ctrl-C / an exception too: the children run in sessions of their own, so a
         # signal to the launcher never reaches them, and one blocked in a collective would hold its port forever.
+        # (A group's id stays taken while any of its processes lives; one that died out entirely could only be
+        # reused after the process ids wrap around, within this launch.)
         for p in procs:
             _kill_group(p)
-    for p in procs:
-        p.wait()
+        for p in procs:
+            p.wait()
     for t in threads:
         t.join(timeout=5)
     return [p.returncode for p in procs], ["".join(o) for o in outputs]

@@ -485,6 +485,7 @@ def prepare_sharded(
                 lens = np.asarray([len(p) for p in prompts], np.int64)
                 # As jspec.decode sizes it: the last token takes no slot, and no more than the context.
                 need = int(np.max(lens + np.broadcast_to(np.asarray(budget, np.int64), lens.shape) - 1))
+                need += (jdecode.tree_nodes(drafter) or 1) - 1  # a tree's scratch, as prepare reserves it
                 if target.max_positions is not None:
                     need = min(need, target.max_positions)
             except (ValueError, TypeError) as e:

@@ -177,14 +177,19 @@ def test_eagle_rows_follow_their_own_seed(tree):
 
 @pytest.mark.parametrize("name", ["tree-iid", "tree-without-replacement"])
 def test_a_tree_row_does_not_depend_on_the_cache_the_other_rows_size(name):
-    """A 100-token prompt with 28 new tokens alone gets a 128-slot cache (P + N - 1 rounded up); next to a row
-    that needs 200 slots, 256. A tree's last rounds must verify the same nodes either way (the nodes that fit
-    the row's own P + N - 1 slots), or the sampled tokens follow the batch."""
+    """A 100-token prompt with 28 new tokens alone gets a 256-slot cache (P + N - 1 and the tree's 10 scratch
+    slots, rounded up to 128; it was 128 before the reservation); next to a row that needs 360 slots, 384. A
+    tree's last rounds must verify the same nodes either way (the nodes that fit the row's own slots), or the
+    sampled tokens follow the batch."""
     drafter = SPEC_DRAFTERS[name]
     rng = np.random.default_rng(7)
     long_row = rng.integers(0, 3, 100).tolist()
-    other = rng.integers(0, 3, 150).tolist()
+    other = rng.integers(0, 3, 300).tolist()
     kw = dict(drafter=drafter, draft_params=DRAFT_PARAMS, temperature=1.0)
+    # The default cache reserves the tree's scratch past P + N - 1: 127 + 10 slots -> 256 (a chain: 128).
+    assert dec.prepare(TARGET, TARGET_PARAMS, [long_row], max_new_tokens=28, **kw).config.slots == 256
+    chain = dict(kw, drafter=DRAFTER)
+    assert dec.prepare(TARGET, TARGET_PARAMS, [long_row], max_new_tokens=28, **chain).config.slots == 128
     for seed in range(6):
         alone = dec.decode(TARGET, TARGET_PARAMS, [long_row], max_new_tokens=28, seed=[seed], **kw)
         both = dec.decode(TARGET, TARGET_PARAMS, [long_row, other], max_new_tokens=[28, 51], seed=[seed, 99], **kw)

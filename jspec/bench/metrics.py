@@ -471,7 +471,7 @@ class PhaseTimer:
         # The run's own filters: with none set the sampling path skips its threshold searches, so timing
         # without them would price another configuration than the one measured.
         sampling = SamplingParams.make(b, temperature, top_k, top_p, min_p)
-        key = jax.random.key(seed)
+        key = jax.random.split(jax.random.key(seed), b)  # per-row keys, as the serving engine runs them
         pre, plain, draft, verify, update, round_ = _phase_fns(target, drafter, config, bool(temperature == 0))
         st = jax.block_until_ready(pre(target_params, draft_params, prompt, plen, max_new, sampling, key))
         tp, dp = target_params, draft_params

@@ -537,7 +537,8 @@ def run(
         "acceptance_by_position": [a / p if p else None for a, p in zip(acc_at, prop_at)],
         "engine_steps": len(step_times),
         "engine_rounds": loop_rounds,
-        # Rounds in which some row proposed (a K+1-wide verification, not a 1-token step).
+        # Rounds that verified wide (K+1 positions or a tree's nodes, not a 1-token step): some row proposed, or
+        # the drafter always verifies wide (EAGLE, trees).
         "wide_verify_fraction": wide_rounds / loop_rounds if (k and loop_rounds) else (0.0 if k else None),
     }
     cache_b = metrics.tree_bytes(engine.state.cache)
