@@ -922,8 +922,9 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature / top_k / top_p / min_p
     (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key (not both; seed 0 by default, in
     [0, 2**32) without 64-bit mode; one for the batch, or B seeds / [B] keys for a stream per row), max_len (cache
-    slots S; default the largest P + N - 1 (the slots the rows need) rounded up to a multiple of 128, capped at the
-    model's context length), adaptive, block_verify, debug_checks.
+    slots S; default the largest P + N - 1 (the slots the rows need; plus a tree's nodes but the root, its
+    scratch) rounded up to a multiple of 128, capped at the model's context length), adaptive, block_verify,
+    debug_checks.
     Returns generated tokens per row, the stop reason per row and statistics (defined in the module doc). Sampling
     parameters, the seed or key and the budgets are arrays: new values reuse the compiled loop as long as the batch,
     the padded prompt width (a multiple of 16), max_len and the kind of seed (one, or one per row) stay the same (a
