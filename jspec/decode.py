@@ -60,6 +60,7 @@ class DecodeConfig:
     debug_checks: check invariants on device (a proposal with q(x) == 0 raises).
     adaptive: per-row draft length policy (``jspec.adaptive.AdaptiveK``); None = always K.
     block_verify: verify chains jointly (``jspec.verify.verify_block``) instead of token by token.
+    logprobs: keep the target's log-probability of every generated token (``DecodeOutput.logprobs``).
     constrain: optional ``DecodeState -> DecodeState`` applied after prefill and after every round, e.g. to pin
       shardings of the loop state with ``jax.lax.with_sharding_constraint`` (see ``sharding``).
     """
@@ -71,6 +72,7 @@ class DecodeConfig:
     adaptive: AdaptiveK | None = None
     block_verify: bool = False
     constrain: Any = None
+    logprobs: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -104,6 +106,17 @@ class DecodeState:
     stats: DecodeStats
     bad_proposal: jax.Array  # [] bool, some row proposed a token its drafter gave q(x) == 0
     accept_ema: jax.Array  # [B, 2] float32, the adaptive draft length's (accepted, tested) moving sums
+    # [B, S+1] float32: the target's log-probability of the token at each slot of ``seq`` (generated slots only;
+    # [B, 0] unless ``DecodeConfig.logprobs``)
+    logprob: jax.Array
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """logits [B, T, V], tokens [B, T] -> [B, T] float32 log-probabilities of the tokens under the model's own
+    distribution (the raw logits at temperature 1, before any sampling transform, as vLLM reports by default)."""
+    logits = logits.astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 def _scatter_rows(buf: jax.Array, start: jax.Array, vals: jax.Array, n: jax.Array) -> jax.Array:
@@ -149,6 +162,9 @@ def prefill(
     first = sample(k0, distribution(last, sampling))
     seq = jnp.zeros((b, s + 1), jnp.int32).at[:, :p].set(prompt)
     seq = set_rows(seq, prompt_len, first)
+    logprob = jnp.zeros((b, s + 1 if config.logprobs else 0), jnp.float32)
+    if config.logprobs:
+        logprob = set_rows(logprob, prompt_len, token_logprobs(last[:, None], first[:, None])[:, 0])
     k = config.gamma
     stats = DecodeStats(
         rounds=jnp.zeros((b,), jnp.int32),
@@ -182,6 +198,7 @@ def prefill(
         stats,
         jnp.zeros((), bool),
         adapt.init(config.adaptive, b),
+        logprob,
     )
 
 
@@ -307,7 +324,18 @@ def _chain_step(
 
     res = jax.lax.cond(jnp.all(st.sampling.temperature == 0), greedy, sampled, None)
     proposed_at = (jnp.arange(k)[None, :] < n_draft[:, None]).astype(jnp.int32)
-    return draft_tokens, res.n_accepted, res.next_token, None, cache, draft_state, proposed_at, res.bad_proposal
+    emitted_logits = logits if config.logprobs else None  # position j predicts the j-th emitted token
+    return (
+        draft_tokens,
+        res.n_accepted,
+        res.next_token,
+        None,
+        cache,
+        draft_state,
+        proposed_at,
+        res.bad_proposal,
+        emitted_logits,
+    )
 
 
 def _always_wide(drafter) -> bool:
@@ -409,7 +437,9 @@ def _tree_step(
         # verified without q).
         q_x = prop.q[jnp.arange(b)[:, None], jnp.maximum(prop.parent, 0), tokens]  # [B, N] q_parent(token)
         bad = jnp.any(valid[:, 1:] & (q_x[:, 1:] <= 0), axis=1)
-    return path_tokens, res.n_accepted, res.next_token, res.path, cache, state, proposed_at, bad
+    # The path's node j predicts the j-th emitted token (its accepted child, or the correction / bonus token).
+    emitted_logits = jnp.take_along_axis(logits, res.path[..., None], axis=1) if config.logprobs else None
+    return path_tokens, res.n_accepted, res.next_token, res.path, cache, state, proposed_at, bad, emitted_logits
 
 
 def decode_round(
@@ -447,7 +477,7 @@ def decode_round(
     step = step_fn(
         target, drafter, config, target_params, draft_params, rst, pending, committed, max_draft, k_draft, k_verify
     )
-    path_tokens, n_acc, next_token, path, cache, draft_state, proposed_at, bad_rows = step
+    path_tokens, n_acc, next_token, path, cache, draft_state, proposed_at, bad_rows, emitted_logits = step
 
     j = jnp.arange(k + 1)[None, :]
     padded = jnp.concatenate([path_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -460,6 +490,9 @@ def decode_round(
     n_emit = jnp.where(active, jnp.minimum(n_emit, st.max_new - n_gen), 0)
 
     seq = _scatter_rows(st.seq, st.seq_len, emitted, n_emit)
+    logprob = st.logprob
+    if config.logprobs:
+        logprob = _scatter_rows(logprob, st.seq_len, token_logprobs(emitted_logits, emitted), n_emit)
     # The pending token and the accepted proposals now have their state in the cache; the correction/bonus
     # token becomes the new pending token, computed next round (never reused from a rejected candidate).
     # For a tree, the accepted path's entries move from their scratch slots to consecutive committed slots.
@@ -490,6 +523,7 @@ def decode_round(
         accept_ema=ema,
         seq=seq,
         seq_len=seq_len,
+        logprob=logprob,
         cache=cache,
         draft_state=draft_state,
         key=key,
@@ -572,6 +606,8 @@ class DecodeOutput:
     tokens: list[list[int]]
     stop_reason: list[StopReason]
     stats: dict[str, Any]
+    # logprobs[b][i]: the target's log-probability of tokens[b][i] (raw logits, temperature 1); with logprobs=True
+    logprobs: list[list[float]] | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -771,9 +807,10 @@ def _prepare(target: Model, prompts, max_new_tokens, max_len, reserve: int = 0):
 
 def to_output(st: DecodeState) -> DecodeOutput:
     """Host-side tokens, stop reasons and statistics from a final ``DecodeState`` (blocks until ready)."""
-    seq, seq_len, plen, stop = jax.device_get((st.seq, st.seq_len, st.prompt_len, st.stop))
+    seq, seq_len, plen, stop, lp = jax.device_get((st.seq, st.seq_len, st.prompt_len, st.stop, st.logprob))
     stats = jax.device_get(st.stats)
     tokens = [seq[i, plen[i] : seq_len[i]].tolist() for i in range(seq.shape[0])]
+    logprobs = [lp[i, plen[i] : seq_len[i]].tolist() for i in range(seq.shape[0])] if lp.shape[1] else None
     proposed = int(stats.proposed.sum())
     accepted = int(stats.accepted.sum())
     rounds = int(stats.rounds.sum())
@@ -789,7 +826,7 @@ def to_output(st: DecodeState) -> DecodeOutput:
         "accepted_at": stats.accepted_at.tolist(),
         "proposed_at": stats.proposed_at.tolist(),
     }
-    return DecodeOutput(tokens, [StopReason(int(r)) for r in stop], out_stats)
+    return DecodeOutput(tokens, [StopReason(int(r)) for r in stop], out_stats, logprobs)
 
 
 @dataclasses.dataclass
@@ -843,8 +880,11 @@ def prepare(
     debug_checks: bool = False,
     adaptive: AdaptiveK | bool | None = None,
     block_verify: bool = False,
+    logprobs: bool = False,
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
+    if not isinstance(logprobs, bool | np.bool_):
+        raise ValueError(f"logprobs must be True or False, got {logprobs!r}")
     gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params, target_params)
     nodes = tree_nodes(drafter)
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len, (nodes or 1) - 1)
@@ -852,7 +892,9 @@ def prepare(
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
     key = _decode_key(seed, key, len(plen))
     eos = check_eos(eos_ids, target.vocab_size)
-    config = DecodeConfig(gamma, slots, eos, debug_checks, adaptive_policy(adaptive), block_verify)
+    config = DecodeConfig(
+        gamma, slots, eos, debug_checks, adaptive_policy(adaptive), block_verify, logprobs=bool(logprobs)
+    )
     arrays = (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
     return PreparedDecode(_compiled(target, drafter, config), (target_params, draft_params, *arrays), config)
 

@@ -74,6 +74,7 @@ def _insert_state(big: DecodeState, row: jax.Array, one: DecodeState) -> DecodeS
         stats=stats,
         accept_ema=put(big.accept_ema, one.accept_ema),
         key=big.key.at[row].set(one.key[0]),
+        logprob=big.logprob.at[row].set(one.logprob[0]),
     )
 
 

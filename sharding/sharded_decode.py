@@ -366,9 +366,9 @@ def gather_output(st: DecodeState) -> DecodeOutput:
     """Host-side tokens and statistics of a (possibly multi-process) final state, in every process.
 
     Only the small per-row arrays travel; the caches are never gathered."""
-    seq, seq_len, plen, stop, stats = _to_host((st.seq, st.seq_len, st.prompt_len, st.stop, st.stats))
+    seq, seq_len, plen, stop, stats, lp = _to_host((st.seq, st.seq_len, st.prompt_len, st.stop, st.stats, st.logprob))
     host = dataclasses.replace(
-        st, seq=seq, seq_len=seq_len, prompt_len=plen, stop=stop, stats=stats, cache=None, draft_state=None
+        st, seq=seq, seq_len=seq_len, prompt_len=plen, stop=stop, stats=stats, logprob=lp, cache=None, draft_state=None
     )
     return jdecode.to_output(host)
 

@@ -1,0 +1,71 @@
+"""``decode(logprobs=True)``: the target's log-probability of every generated token, whichever drafter proposed it
+and however it was sampled, checked against an uncached forward pass over the whole sequence (the reference
+``log_softmax`` at each position, computed independently of the decoder)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_layerskip import PROMPTS, TINY, TINY_MODEL, TINY_PARAMS
+
+from jspec.decode import decode
+from jspec.drafters import ModelDrafter
+from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
+from models import llama
+
+DRAFT_CFG = llama.LlamaConfig(
+    vocab_size=48, hidden=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, ffn=64, name="tiny-draft"
+)
+DRAFT_PARAMS = llama.init_random_params(DRAFT_CFG, jax.random.key(5), std=0.1)
+DRAFT = llama.make_model(DRAFT_CFG)
+
+
+def reference_logprobs(prompt: list[int], generated: list[int]) -> np.ndarray:
+    seq = jnp.asarray([prompt + generated], jnp.int32)
+    t = seq.shape[1]
+    logits, _ = llama.forward(TINY, TINY_PARAMS, seq, jnp.arange(t)[None], llama.init_cache(TINY, 1, t))
+    lp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
+    p = len(prompt)
+    return lp[np.arange(p - 1, t - 1), generated]  # position i predicts token i + 1
+
+
+def _drafters():
+    from test_eagle import _rollout_head
+
+    from models.eagle import EagleDrafter
+
+    ecfg, hp = _rollout_head()
+    eagle = EagleDrafter(ecfg, max_draft=3)
+    return {
+        "plain": (None, None, {}),
+        "chain": (ModelDrafter(DRAFT), DRAFT_PARAMS, dict(gamma=3)),
+        "tree": (TreeModelDrafter(DRAFT, TreeSpec((2, 2)), TreeRule.WITHOUT_REPLACEMENT), DRAFT_PARAMS, {}),
+        "eagle": (eagle, eagle.draft_params(TINY_PARAMS, hp), dict(gamma=3)),
+    }
+
+
+@pytest.mark.parametrize("name", ["plain", "chain", "tree", "eagle"])
+def test_logprobs_are_the_targets_own(name):
+    drafter, dparams, kw = _drafters()[name]
+    # Greedy rows and a sampled row with top-k: the reported log-probability is the model's (temperature 1, no
+    # filter), whatever transform the row sampled from.
+    out = decode(
+        TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, max_new_tokens=[10, 12, 9],
+        temperature=[0.0, 1.3, 0.0], top_k=[0, 5, 0], seed=[1, 2, 3], logprobs=True, **kw,
+    )  # fmt: skip
+    assert out.logprobs is not None and [len(x) for x in out.logprobs] == out.lengths
+    for prompt, toks, lps in zip(PROMPTS, out.tokens, out.logprobs):
+        np.testing.assert_allclose(lps, reference_logprobs(prompt, toks), atol=2e-5, rtol=1e-5)
+    if drafter is not None:
+        assert out.stats["accepted"] > 0  # multi-token rounds were exercised
+    # Asking for them changes nothing else, and without them there are none.
+    plain = decode(
+        TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, max_new_tokens=[10, 12, 9],
+        temperature=[0.0, 1.3, 0.0], top_k=[0, 5, 0], seed=[1, 2, 3], **kw,
+    )  # fmt: skip
+    assert plain.tokens == out.tokens and plain.logprobs is None
+
+
+def test_logprobs_flag_is_checked():
+    with pytest.raises(ValueError, match="logprobs must be True or False"):
+        decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=2, logprobs="yes")
