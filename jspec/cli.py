@@ -209,10 +209,12 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos):
         seed=args.seed,
         adaptive=args.adaptive and drafter is not None,  # --compare's plain run has no draft to adapt
         block_verify=args.block_verify and drafter is not None,
+        logprobs=args.logprobs,  # on both sides of --compare, so that they time the same work
     )
     out = prepared.run_timed()
     st = out.stats
     return out.tokens[0], {
+        "logprobs": out.logprobs[0] if out.logprobs is not None else None,
         "new_tokens": st["new_tokens"][0],
         "gamma": prepared.config.gamma,  # the K the loop ran: a tree's depth for tree drafters
         "rounds": st["rounds"][0],
@@ -247,14 +249,18 @@ def generate(args) -> int:
     drafter, dparams = build_drafter(args, target, loaded)
     ids, stats = _run(target, params, prompt_ids, drafter, dparams, args, eos)
     stats.update(drafter=args.drafter)
+    logprobs = stats.pop("logprobs")
     result = {
         "text": tok.decode(ids, skip_special_tokens=True),
         "token_ids": ids,
         "prompt_tokens": len(prompt_ids),
         "stats": stats,
     }
+    if logprobs is not None:
+        result["logprobs"] = logprobs
     if args.compare and drafter is not None:
         plain_ids, plain = _run(target, params, prompt_ids, None, None, args, eos)
+        plain.pop("logprobs")
         result["plain"] = {"token_ids": plain_ids, "stats": plain}
         result["speedup"] = stats["tokens_per_s"] / plain["tokens_per_s"]
         result["identical_to_plain"] = plain_ids == ids
@@ -263,6 +269,8 @@ def generate(args) -> int:
         return 0
     print(result["text"])
     print(_stats_line(args.drafter if drafter is not None else "none", stats), file=sys.stderr)
+    if logprobs is not None:
+        print(f"[log-probability of the {len(logprobs)} generated tokens: {sum(logprobs):.4f}]", file=sys.stderr)
     if "plain" in result:
         print(_stats_line("plain", result["plain"]["stats"]), file=sys.stderr)
         same = "identical" if result["identical_to_plain"] else "different (sampling: same distribution, other draws)"
@@ -369,6 +377,11 @@ def main(argv=None) -> int:
     )
     g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="the target's log-probability of each generated token (in --json output; else their sum on stderr)",
+    )
     args = ap.parse_args(argv)
     enable_compile_cache(args.compile_cache)
     try:

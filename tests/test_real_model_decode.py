@@ -160,6 +160,13 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     out = json.loads(capsys.readouterr().out)
     assert out["identical_to_plain"] is True and out["stats"]["proposed"] > 0
     assert out["token_ids"] == out["plain"]["token_ids"]
+    # --logprobs: one log-probability per generated token (decode's own values are checked in test_logprobs.py);
+    # greedy picks each step's most likely token, so none is below log(1/V).
+    assert cli.main([*base, "--drafter", "ngram", "--logprobs"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    lps = out["logprobs"]
+    assert len(lps) == len(out["token_ids"]) and all(-np.log(smollm2.config.vocab_size) <= x <= 0 for x in lps)
+    assert "logprobs" not in out["plain"]["stats"]
     # Missing or malformed specs are clear errors naming the flag.
     monkeypatch.setattr(E, "BUNDLED_DIR", str(tmp_path / "no-bundle"))
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "empty-cache"))
