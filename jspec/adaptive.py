@@ -4,10 +4,13 @@ The row estimates its per-token acceptance a as a ratio of exponential moving su
 tests its proposals up to the first rejection, so a round with n accepted of k proposed tested min(n + 1, k).
 This is the geometric maximum-likelihood estimate; accepted / proposed would count the untested proposals after
 a rejection as failures (a = 0.5 at K = 4 read as ~0.23), and an average of per-round ratios is biased too
-(~0.32). Each round the row picks the k in [0, K_max] that maximises the seed's cost model: expected tokens per
-round E[N] = 1 + a + ... + a^k divided by the round's cost relative to one plain step, 1 + k * (draft_cost +
-verify_cost). When no k > 0 beats plain decoding the row stops proposing (k = 0); its estimate then drifts back
-towards ``prior`` so the row probes again later instead of staying off for good. Changing K never changes what
+(~0.32). Each round the row picks the k in [min_k, K] that maximises the seed's cost model: expected tokens per
+round E[N] = 1 + a + ... + a^k divided by the round's cost relative to one plain step. The cost is what the loop
+really runs: a round that proposes anything drafts all K steps and verifies K + 1 positions (the shapes are
+static), 1 + K * (draft_cost + verify_cost), whatever k a row keeps; only a round in which no row proposes is a
+plain 1-token step. So a smaller k saves nothing and only cuts accepted tokens: the choice is K, or 0 when K does
+not beat plain decoding (the row stops proposing; its estimate then drifts back towards ``prior`` so the row
+probes again later instead of staying off for good). Changing K never changes what
 is sampled (verification is lossless for any proposal count), only how fast."""
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ def choose_k(policy: AdaptiveK, ema, k_max: int):
     a = jnp.clip(estimate(ema), 0.0, 0.999)[:, None]
     ks = jnp.arange(k_max + 1, dtype=jnp.float32)[None, :]
     expected = (1.0 - a ** (ks + 1.0)) / (1.0 - a)  # 1 + a + ... + a^k
-    cost = 1.0 + ks * (policy.draft_cost + policy.verify_cost)
+    # Any k >= 1 runs the whole K-step draft and the K+1-wide verification (see the module doc).
+    cost = jnp.where(ks > 0, 1.0 + k_max * (policy.draft_cost + policy.verify_cost), 1.0)
     score = jnp.where(ks >= policy.min_k, expected / cost, -1.0)
     return jnp.argmax(score, axis=1).astype(jnp.int32)
 

@@ -335,7 +335,7 @@ def main(argv=None) -> int:
         default=None,
         help=f"K, candidates per round of a chain drafter (default {DEFAULT_GAMMA}); --drafter ngram-tree: its depth",
     )
-    g.add_argument("--adaptive", action="store_true", help="per-row draft length from measured acceptance")
+    g.add_argument("--adaptive", action="store_true", help="per row, draft K or nothing, from the measured acceptance")
     g.add_argument("--block-verify", action="store_true", help="block verification of chains (Sun et al.)")
     g.add_argument(
         "--tree", default=None, help="static tree (model drafters, LayerSkip, EAGLE): branching per depth, e.g. 3,2,1"

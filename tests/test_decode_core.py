@@ -647,8 +647,17 @@ def test_adaptive_estimate_is_the_per_token_acceptance():
             n_acc += 1
         ema = adapt.update(slow, ema, one(n_acc), one(4), jnp.asarray([True]))
     assert abs(float(adapt.estimate(ema)[0]) - 0.5) < 0.05
-    default = adapt.AdaptiveK()  # at a = 0.5 with its costs, K = 3 has the best expected tokens per cost
-    assert int(adapt.choose_k(default, jnp.asarray([[0.5, 1.0]]), 4)[0]) == 3
+    # A round that proposes drafts all K steps and verifies K + 1 positions whatever k a row keeps, so the cost of
+    # any k >= 1 is 1 + K * (draft_cost + verify_cost) and the choice is K or 0. By hand, K = 4:
+    # - defaults (draft 0, verify 0.075), a = 0.5: E[N] = 1.9375 over 1.3 = 1.49 > 1 -> 4 (it chose 3 while it
+    #   priced k < K as cheaper);
+    # - draft 0.3, a = 0.6: E[N] = 2.3056 over 2.5 = 0.92 < 1 -> 0 (it chose 1, believing 1.16x; really 0.64x);
+    #   with min_k = 1 the best allowed is K.
+    default = adapt.AdaptiveK()
+    assert int(adapt.choose_k(default, jnp.asarray([[0.5, 1.0]]), 4)[0]) == 4
+    costly = adapt.AdaptiveK(draft_cost=0.3)
+    assert int(adapt.choose_k(costly, jnp.asarray([[0.6, 1.0]]), 4)[0]) == 0
+    assert int(adapt.choose_k(adapt.AdaptiveK(draft_cost=0.3, min_k=1), jnp.asarray([[0.6, 1.0]]), 4)[0]) == 4
 
 
 def test_defaults_and_keys_that_compiled_too_much():

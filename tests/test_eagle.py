@@ -103,10 +103,10 @@ def test_greedy_identical_to_plain_tiny():
         draft_params=dparams,
         gamma=4,
         max_new_tokens=mnew,
-        adaptive=AdaptiveK(draft_cost=0.5),
+        adaptive=AdaptiveK(draft_cost=0.2),  # a round costs 2.1 steps: on while acceptance is above ~0.55
     )
     assert adaptive.tokens == plain.tokens
-    assert 0 < adaptive.stats["proposed"] < spec.stats["proposed"]
+    assert 0 < adaptive.stats["proposed"] < spec.stats["proposed"], (adaptive.stats, spec.stats)
 
 
 def _right_pad(rows: list[list[int]]) -> np.ndarray:
