@@ -35,11 +35,11 @@ def ngram_lookup(
     min_ngram: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Find, per row, the most recent earlier occurrence of the longest suffix n-gram (n in
-    [min_ngram, max_ngram]) and read the tokens that followed it.
+    [min_ngram, max_ngram]) and read the tokens that followed it, repeated with their period when fewer than K
+    follow (the history then ends in a repetition).
 
-    Returns tokens [B, K] (0 past the available ones), n_found [B] (how many of the K are real: the
-    continuation stops at the end of the history; 0 when nothing matches) and ngram [B] (the n that matched,
-    0 when none).
+    Returns tokens [B, K] (0 past the available ones), n_found [B] (K when something matches, 0 when nothing
+    does) and ngram [B] (the n that matched, 0 when none).
     """
     b, w = seq.shape
     seq = seq.astype(jnp.int32)
@@ -50,9 +50,13 @@ def ngram_lookup(
     best_match, best_n = _longest_suffix_matches(padded, sfx, earlier, m, min_ngram)
     best_end = jnp.max(jnp.where(best_match, ends, -1), axis=1)  # the most recent occurrence
     start = best_end + 1
-    n_found = jnp.where(best_n > 0, jnp.minimum(seq_len - start, k), 0)
+    # The p = seq_len - start tokens that followed the occurrence, repeated: when fewer than K follow, the
+    # occurrence overlaps the suffix, i.e. the history ends in a repetition of period p (a greedy loop, say), and
+    # its continuation is more of that period. A K-wide verification costs the same either way.
+    period = jnp.maximum(seq_len - start, 1)
+    n_found = jnp.where(best_n > 0, k, 0)
     j = jnp.arange(k, dtype=jnp.int32)[None, :]
-    idx = jnp.clip(start[:, None] + j, 0, w - 1)
+    idx = jnp.clip(start[:, None] + j % period[:, None], 0, w - 1)
     tokens = jnp.where(j < n_found[:, None], jnp.take_along_axis(seq, idx, axis=1), 0)
     return tokens, n_found, best_n
 

@@ -20,7 +20,9 @@ from jspec.sampling import SamplingParams
 
 def ref_lookup(hist: list[int], k: int, max_n: int, min_n: int) -> tuple[list[int], int]:
     """Longest suffix n-gram first; its most recent occurrence that starts strictly before the suffix; the
-    up-to-k tokens that followed it inside the history. Returns (continuation, n) or ([], 0)."""
+    tokens that followed it inside the history, repeated in turn until there are k (fewer than k follow only
+    when the occurrence overlaps the suffix: the history ends in a repetition of that period). Returns
+    (continuation, n) or ([], 0)."""
     length = len(hist)
     for n in range(max_n, min_n - 1, -1):
         suffix = hist[length - n :] if n <= length else None
@@ -28,7 +30,8 @@ def ref_lookup(hist: list[int], k: int, max_n: int, min_n: int) -> tuple[list[in
             continue
         for i in range(length - n - 1, -1, -1):  # starts before the suffix's own start, latest first
             if hist[i : i + n] == suffix:
-                return hist[i + n : i + n + k], n
+                follow = hist[i + n :]
+                return [follow[j % len(follow)] for j in range(k)], n
     return [], 0
 
 
@@ -61,17 +64,17 @@ def propose(drafter: NgramDrafter, histories, k, max_draft=None, width=None) -> 
 
 HAND = [
     # (history, max_n, min_n, k, expected continuation, expected n)
-    ([1, 2, 3, 1, 2], 3, 1, 4, [3, 1, 2], 2),  # "3 1 2" never seen before; "1 2" at 0; stops at the end
+    ([1, 2, 3, 1, 2], 3, 1, 4, [3, 1, 2, 3], 2),  # "1 2" at 0; "3 1 2" follow, then their period again
     ([5, 6, 7, 8], 3, 1, 4, [], 0),  # no token repeats
-    ([1, 2, 1, 2, 1, 2], 3, 1, 4, [1, 2], 3),  # "2 1 2" latest earlier start is 1; only 2 tokens follow
-    ([4, 4, 4, 4], 3, 1, 4, [4], 3),  # the occurrence may overlap the suffix; one token follows it
+    ([1, 2, 1, 2, 1, 2], 3, 1, 4, [1, 2, 1, 2], 3),  # "2 1 2" latest earlier start is 1: "1 2" follow, repeated
+    ([4, 4, 4, 4], 3, 1, 4, [4, 4, 4, 4], 3),  # the occurrence overlaps the suffix: one token follows, a loop
     ([7, 1, 9, 7, 1, 8, 7, 1], 2, 1, 3, [8, 7, 1], 2),  # "7 1" at 0 and 3: the most recent (3) wins
     ([1, 2, 3, 9, 2, 3, 5, 1, 2, 3], 3, 1, 3, [9, 2, 3], 3),  # the longer n wins over a more recent "2 3"
     ([3], 3, 1, 4, [], 0),  # a single pending token has nothing before it
     ([5, 1, 5], 2, 2, 4, [], 0),  # only "5" repeats, but 1-grams are not allowed
-    ([5, 1, 5], 2, 1, 4, [1, 5], 1),
+    ([5, 1, 5], 2, 1, 4, [1, 5, 1, 5], 1),
     ([2, 0, 1, 2, 0], 1, 1, 2, [1, 2], 1),  # "0" at 1 (the last 0 is the suffix itself)
-    ([0, 0], 3, 1, 5, [0], 1),  # token id 0 (also the padding value) matches like any other
+    ([0, 0], 3, 1, 5, [0, 0, 0, 0, 0], 1),  # token id 0 (also the padding value) matches like any other
 ]
 HAND_WIDTH = 12
 
@@ -128,13 +131,25 @@ def test_random_histories_match_reference(max_n, min_n, k):
     prop = propose(drafter, hists, k, max_draft=max_draft, width=width)
     check_against_reference(drafter, hists, k, max_draft, prop)
     n = prop.n_draft
-    # The sample really covers every case: no match, a match cut short by the end of history, a full k,
-    # and rows capped by max_draft below what the lookup found.
+    # The sample really covers every case: no match, a full k read from the history, a repetition whose period
+    # is shorter than k (extended), and rows capped by max_draft below what the lookup found.
     found = np.array([len(ref_lookup(h, k, max_n, min_n)[0]) for h in hists])
     assert np.any(found == 0) and np.any(found == k)
     if k > 1:
-        assert np.any((found > 0) & (found < k))
+        periods = [_period(h, max_n, min_n) for h in hists]
+        assert any(0 < p < k for p in periods) and any(p >= k for p in periods)
     assert np.any(n < found)
+
+
+def _period(hist, max_n, min_n) -> int:
+    """How many tokens follow the reference's occurrence in the history (0: no match)."""
+    for n in range(max_n, min_n - 1, -1):
+        if n > len(hist):
+            continue
+        for i in range(len(hist) - n - 1, -1, -1):
+            if hist[i : i + n] == hist[len(hist) - n :]:
+                return len(hist) - i - n
+    return 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -152,24 +167,26 @@ def test_hypothesis_histories_match_reference(hists, cap):
 
 
 def test_ragged_batch_each_row_its_own_count():
-    """One batch, rows that draft 0, 1, 2, 3 and 4 tokens, checked against hand values and the reference."""
+    """One batch, rows that draft 0, 2 and 4 tokens (a match drafts K unless capped), checked against hand values
+    and the reference."""
     hists = [
         [1, 2, 3, 4, 1, 2],  # "1 2" at 0 -> 3 4 1 2 -> 4 tokens
         [1, 2, 3, 4, 5, 6],  # nothing repeats -> 0
-        [9, 8, 7, 9, 8],  # "9 8" at 0 -> 7 9 8 -> 3
-        [5, 5],  # "5" at 0 -> 5 -> 1
+        [9, 8, 7, 9, 8],  # "9 8" at 0 -> 7 9 8 follow, then the period again -> 7 9 8 7
+        [5, 5],  # "5" at 0 -> 5 follows: a loop of period 1 -> 5 5 5 5
         [1, 2, 3, 1, 2, 3, 4, 5, 6, 7],  # "7" never seen before -> 0
         [6, 1, 2, 6, 1, 2],  # "6 1 2" at 0 -> 6 1 2 -> 3, capped to 2
-        [3, 1, 3, 1, 3, 1, 3, 1],  # "1 3 1" latest earlier start 3 -> 3 1 -> 2
+        [3, 1, 3, 1, 3, 1, 3, 1],  # "1 3 1" latest earlier start 3 -> 3 1 follow -> 3 1 3 1
     ]
     max_draft = np.array([4, 4, 4, 4, 4, 2, 4])
     drafter = NgramDrafter(3, 1, vocab_size=10)
     prop = propose(drafter, hists, 4, max_draft=max_draft, width=12)
-    assert prop.n_draft.tolist() == [4, 0, 3, 1, 0, 2, 2]
+    assert prop.n_draft.tolist() == [4, 0, 4, 4, 0, 2, 4]
     assert prop.tokens[0].tolist() == [3, 4, 1, 2]
-    assert prop.tokens[2, :3].tolist() == [7, 9, 8]
+    assert prop.tokens[2].tolist() == [7, 9, 8, 7]
+    assert prop.tokens[3].tolist() == [5, 5, 5, 5]
     assert prop.tokens[5, :2].tolist() == [6, 1]
-    assert prop.tokens[6, :2].tolist() == [3, 1]
+    assert prop.tokens[6].tolist() == [3, 1, 3, 1]
     check_against_reference(drafter, hists, 4, max_draft, prop)
 
 
