@@ -150,13 +150,20 @@ def check_flags(args) -> None:
         raise ValueError(f"--gamma does not apply with {flag}: a tree drafts to its depth, which its shape sets")
     if args.system is not None and args.raw:
         raise ValueError("--system needs the chat template, which --raw turns off")
+    if args.tree is not None and not all(p.strip().isdigit() for p in args.tree.split(",")):
+        raise ValueError(f"--tree wants comma-separated branching factors (e.g. 3,2,1), got '{args.tree}'")
+    if args.temperature == 0:
+        filters = (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0), ("--min-p", args.min_p, 0.0))
+        for flag, value, off in filters:
+            if value != off:
+                raise ValueError(f"{flag} {value} has no effect at --temperature 0 (greedy): set a temperature > 0")
 
 
 def _tree_spec(args):
     """(TreeSpec, TreeRule) from --tree, --tree-budget and --tree-rule."""
     from jspec.tree import TreeRule, TreeSpec
 
-    spec = TreeSpec(tuple(int(c) for c in args.tree.split(",")), args.tree_budget)
+    spec = TreeSpec(tuple(int(c) for c in args.tree.split(",")), args.tree_budget)  # format: check_flags
     return spec, TreeRule[_given(args, "tree_rule", "deterministic").upper().replace("-", "_")]
 
 
@@ -241,7 +248,8 @@ def generate(args) -> int:
     if args.raw:
         prompt_ids = tok.encode(args.prompt)
     else:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        # An empty --system "" is an empty system turn (as transformers renders it), not the template's default.
+        msgs = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
             {"role": "user", "content": args.prompt}
         ]
         prompt_ids = tok.encode_chat(msgs)
@@ -273,7 +281,12 @@ def generate(args) -> int:
         print(f"[log-probability of the {len(logprobs)} generated tokens: {sum(logprobs):.4f}]", file=sys.stderr)
     if "plain" in result:
         print(_stats_line("plain", result["plain"]["stats"]), file=sys.stderr)
-        same = "identical" if result["identical_to_plain"] else "different (sampling: same distribution, other draws)"
+        if result["identical_to_plain"]:
+            same = "identical"
+        elif args.temperature == 0:  # greedy must match token for token: a float near-tie, or a bug
+            same = "DIFFERENT from greedy plain decoding (a float near-tie between two tokens, or a bug)"
+        else:
+            same = "different (sampling: same distribution, other draws)"
         print(
             f"[speedup {result['speedup']:.2f}x over plain decoding, measured in this run; output {same}]",
             file=sys.stderr,

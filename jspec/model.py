@@ -27,7 +27,8 @@ class Model:
 
     apply: see ``ApplyFn``. The call writes its T tokens' state at slots ``cache.lengths[b] + t`` and leaves
       ``lengths`` unchanged; the decoder commits what it accepts.
-    init_cache: ``(batch, slots) -> cache`` with ``lengths`` zero.
+    init_cache: ``(batch, slots) -> cache`` with ``lengths`` zero. ``serve.Engine`` also needs the cache's
+      ``insert(row, one_row_cache)`` (put a prefilled single-row cache into a row), as ``jspec.cache.KVCache`` has.
     vocab_size: V of the logits.
     name: for error messages and statistics.
     apply_at: optional ``(params, tokens [B, T], positions [B, T], cache, index [B]) -> (logits [B, V], cache)``,

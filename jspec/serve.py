@@ -165,6 +165,11 @@ class Engine:
             SamplingParams.make(b),
             jax.random.split(jax.random.key(check_seed(self.seed)), b),  # per-row keys; replaced by each add()
         )
+        if not hasattr(st.cache, "insert"):
+            raise TypeError(
+                f"{self.target.name}'s cache ({type(st.cache).__name__}) has no insert(row, one_row_cache): the "
+                "engine puts each request's prefilled cache row into the batch with it (jspec.cache.KVCache has one)"
+            )
         self.state = dataclasses.replace(st, stop=jnp.full((b,), StopReason.IDLE, jnp.int32))
         self._stop = np.full((b,), int(StopReason.IDLE))
         self._n_added = 0

@@ -24,6 +24,10 @@ from jspec import cli
         (["--drafter", "eagle", "--tree", "2,1", "--gamma", "3"], "--gamma does not apply with --tree"),
         (["--drafter", "model", "--dynamic-tree", "2,2,4", "--gamma", "2"], "--gamma does not apply with --dynamic"),
         (["--raw", "--system", "be terse"], "--system needs the chat template, which --raw turns off"),
+        (["--top-k", "5"], "--top-k 5 has no effect at --temperature 0 (greedy)"),
+        (["--top-p", "0.9"], "--top-p 0.9 has no effect at --temperature 0"),
+        (["--min-p", "0.1", "--temperature", "0"], "--min-p 0.1 has no effect"),
+        (["--drafter", "eagle", "--tree", "3,,1"], "--tree wants comma-separated branching factors"),
     ],
 )
 def test_ignored_flags_are_refused(flags, message, monkeypatch, capsys):
@@ -48,6 +52,7 @@ class _Loaded(Exception):
         ["--drafter", "none"],
         ["--drafter", "ngram-tree", "--gamma", "3"],  # its depth
         ["--drafter", "ngram", "--gamma", "2", "--compare", "--system", "be terse"],
+        ["--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--min-p", "0.05"],
     ],
 )
 def test_flags_their_drafter_reads_pass_the_check(flags, monkeypatch):

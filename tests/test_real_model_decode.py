@@ -105,7 +105,7 @@ def test_cli_json_main_job(smollm2_path, tmp_path):
 
 
 def test_cli_bad_input_is_a_clear_error(smollm2_path):
-    r = _cli("--prompt", "hi", "--top-p", "1.5", "--max-new-tokens", "4")
+    r = _cli("--prompt", "hi", "--temperature", "1", "--top-p", "1.5", "--max-new-tokens", "4")
     assert r.returncode == 2 and "top_p" in r.stderr
     r = _cli("--prompt", "hi", "--model", "no-such-model")
     assert r.returncode != 0 and "unknown model" in r.stderr
