@@ -182,15 +182,17 @@ def generate_data(cfg, params, model, tok, n_doc: int, new_tokens: int, batch: i
     return seqs
 
 
-def frequent_tokens(tok, seqs: list[list[int]], paras: list[str], n: int, eos_id: int, vocab: int) -> np.ndarray:
-    """[N] sorted token ids: the most frequent in ``seqs`` and ``paras`` (give it training text only), EOS
-    forced in, the rest filled in BPE merge order (low ids first)."""
+def frequent_tokens(tok, seqs: list[list[int]], paras: list[str], n: int, eos_id, vocab: int) -> np.ndarray:
+    """[N] sorted token ids: the most frequent in ``seqs`` and ``paras`` (give it training text only), the end
+    tokens ``eos_id`` (one id or several; decoding stops at any, so each must be proposable) forced in, the rest
+    filled in BPE merge order (low ids first)."""
     counts = np.zeros((vocab,), np.int64)
     for s in seqs:
         np.add.at(counts, np.asarray(s), 1)
     for p in paras:
         np.add.at(counts, np.asarray(tok.encode(p), np.int64), 1)
-    counts[eos_id] = counts.max() + 1
+    ends = [] if eos_id is None else np.atleast_1d(np.asarray(eos_id, np.int64))
+    counts[ends] = counts.max() + 1
     # lexsort: primary key -count, ties by id (merge order), so unseen tokens come in id order.
     order = np.lexsort((np.arange(vocab), -counts))
     return np.sort(order[:n]).astype(np.int32)
@@ -469,7 +471,7 @@ def main(argv=None) -> None:
         order = np.random.default_rng(args.seed).permutation(len(seqs))
         seqs, texts = [seqs[i] for i in order], [texts[i] for i in order]  # held out: the last whole sequences
         n_head = args.head_tokens or cfg.vocab_size
-        n_train, ids = split_and_head_rows(tok, seqs, texts, paras, n_head, cfg.eos_id, cfg.vocab_size)
+        n_train, ids = split_and_head_rows(tok, seqs, texts, paras, n_head, cfg.eos_ids, cfg.vocab_size)
         feat_file = os.path.join(work, "features.npz")  # a resumed run skips straight to training
         if os.path.exists(feat_file):
             with np.load(feat_file) as z:

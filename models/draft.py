@@ -326,8 +326,8 @@ def make_train_step(dcfg: DraftConfig, optimizer, frozen_layers: int = 0) -> Cal
     """A jitted AdamW (or any optax) step: (trainable, frozen, opt_state, tokens, mask, t_logp, t_ids) ->
     (trainable, opt_state, metrics).
 
-    frozen_layers: the first F draft layers keep the target's weights (zero gradient; they live in one stacked
-    leaf, so they are masked rather than split off)."""
+    frozen_layers: the first F draft layers keep the target's weights (their updates are zeroed after the
+    optimizer, weight decay included; they live in one stacked leaf, so they are masked rather than split off)."""
 
     def loss_fn(trainable, frozen, *batch):
         return distill_loss(dcfg, merge_params(trainable, frozen), *batch)
@@ -337,10 +337,13 @@ def make_train_step(dcfg: DraftConfig, optimizer, frozen_layers: int = 0) -> Cal
     @jax.jit
     def step(trainable, frozen, opt_state, tokens, mask, t_logp, t_ids):
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, tokens, mask, t_logp, t_ids)
+        scale = lambda g: g * keep.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)  # noqa: E731
         if frozen_layers:
-            scale = lambda g: g * keep.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)
             grads = {**grads, "layers": jax.tree.map(scale, grads["layers"])}
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        if frozen_layers:
+            # AdamW's decay term (-lr * wd * w) does not need a gradient: masked here, or "frozen" layers shrink.
+            updates = {**updates, "layers": jax.tree.map(scale, updates["layers"])}
         return optax.apply_updates(trainable, updates), opt_state, metrics
 
     return step
@@ -468,6 +471,8 @@ def save_draft(
 
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
+    if os.path.exists(os.path.join(path, META_FILE)):  # an overwrite: the old json must not vouch for new params
+        os.remove(os.path.join(path, META_FILE))
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(os.path.join(path, PARAMS_DIR), params, force=True)
     ckpt.wait_until_finished()

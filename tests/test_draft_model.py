@@ -400,3 +400,22 @@ def test_init_from_untied_target_in_the_unstacked_layouts(packed):
     sub = D.init_from_target(D.draft_config(cfg, 1, head_size=4), flat, ids)
     np.testing.assert_array_equal(np.asarray(sub["head"]["weight"]), kernel[:, ids].T)
     assert "lm_head" not in sub
+
+
+def test_frozen_layers_stay_the_targets_under_weight_decay(tiny_target, distilled):
+    """--frozen-layers zeroed the first layers' gradients, but AdamW's decay (-lr * wd * w) needs none: the
+    "frozen" layers shrank every step. A 2-layer draft, layer 0 frozen, 3 AdamW steps with weight decay."""
+    _, tparams = tiny_target
+    _, _, _, batch, _, _ = distilled
+    dcfg = D.draft_config(TARGET_CFG, 2, head_size=0)
+    params0 = D.init_from_target(dcfg, tparams)
+    trainable, frozen = D.split_trainable(params0)
+    opt = optax.adamw(1e-2, weight_decay=0.5)
+    opt_state = opt.init(trainable)
+    step = D.make_train_step(dcfg, opt, frozen_layers=1)
+    for _ in range(3):
+        trainable, opt_state, _ = step(trainable, frozen, opt_state, *batch)
+    for name, w0 in jax.tree_util.tree_leaves_with_path(params0["layers"]):
+        w = dict(jax.tree_util.tree_leaves_with_path(trainable["layers"]))[name]
+        np.testing.assert_array_equal(np.asarray(w)[0], np.asarray(w0)[0], err_msg=str(name))  # frozen layer 0
+        assert not np.array_equal(np.asarray(w)[1], np.asarray(w0)[1]), name  # layer 1 trains
