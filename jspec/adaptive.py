@@ -8,10 +8,11 @@ a rejection as failures (a = 0.5 at K = 4 read as ~0.23), and an average of per-
 round E[N] = 1 + a + ... + a^k divided by the round's cost relative to one plain step. The cost is what the loop
 really runs: a round that proposes anything drafts all K steps and verifies K + 1 positions (the shapes are
 static), 1 + K * (draft_cost + verify_cost), whatever k a row keeps; only a round in which no row proposes is a
-plain 1-token step. So a smaller k saves nothing and only cuts accepted tokens: the choice is K, or 0 when K does
-not beat plain decoding (the row stops proposing; its estimate then drifts back towards ``prior`` so the row
-probes again later instead of staying off for good). Changing K never changes what
-is sampled (verification is lossless for any proposal count), only how fast."""
+plain 1-token step (for a drafter that always verifies wide, EAGLE, a K + 1-wide one without the draft). So a
+smaller k saves nothing and only cuts accepted tokens: the choice is K, or 0 when K does not pay (the row stops
+proposing; its estimate then drifts back towards ``prior`` so the row probes again later instead of staying off
+for good). Changing K never changes what is sampled (verification is lossless for any proposal count), only how
+fast."""
 
 from __future__ import annotations
 
@@ -68,15 +69,17 @@ def estimate(ema):
     return ema[:, 0] / jnp.maximum(ema[:, 1], 1e-6)
 
 
-def choose_k(policy: AdaptiveK, ema, k_max: int):
-    """ema [B, 2] (accepted, tested) moving sums -> [B] int32 draft lengths in [policy.min_k, k_max]."""
-    a = jnp.clip(estimate(ema), 0.0, 0.999)[:, None]
-    ks = jnp.arange(k_max + 1, dtype=jnp.float32)[None, :]
-    expected = (1.0 - a ** (ks + 1.0)) / (1.0 - a)  # 1 + a + ... + a^k
+def choose_k(policy: AdaptiveK, ema, k_max: int, always_wide: bool = False):
+    """ema [B, 2] (accepted, tested) moving sums -> [B] int32 draft lengths: K, or 0 where K does not pay (never
+    below ``policy.min_k``). ``always_wide``: the drafter verifies K + 1 positions even in a round without
+    proposals (EAGLE reads the verification's features), so a round at 0 costs 1 + K * verify_cost, not 1."""
+    a = jnp.clip(estimate(ema), 0.0, 0.999)
+    expected = (1.0 - a ** (k_max + 1.0)) / (1.0 - a)  # 1 + a + ... + a^K
     # Any k >= 1 runs the whole K-step draft and the K+1-wide verification (see the module doc).
-    cost = jnp.where(ks > 0, 1.0 + k_max * (policy.draft_cost + policy.verify_cost), 1.0)
-    score = jnp.where(ks >= policy.min_k, expected / cost, -1.0)
-    return jnp.argmax(score, axis=1).astype(jnp.int32)
+    cost_k = 1.0 + k_max * (policy.draft_cost + policy.verify_cost)
+    cost_0 = 1.0 + k_max * policy.verify_cost if always_wide else 1.0
+    on = (expected / cost_k > 1.0 / cost_0) | (policy.min_k > 0)
+    return jnp.where(on, k_max, 0).astype(jnp.int32)
 
 
 def update(policy: AdaptiveK, ema, n_accepted, n_proposed, active):

@@ -199,11 +199,12 @@ def end_ids(tok) -> list[int]:
     return [int(i) for i in ends]
 
 
-def _run(target, params, prompt_ids, drafter, dparams, args, eos):
+def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None):
     prepared = prepare(
         target,
         params,
         [prompt_ids],
+        max_len=max_len,
         drafter=drafter,
         draft_params=dparams,
         gamma=args.gamma if drafter is not None else None,
@@ -224,6 +225,7 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos):
         "logprobs": out.logprobs[0] if out.logprobs is not None else None,
         "new_tokens": st["new_tokens"][0],
         "gamma": prepared.config.gamma,  # the K the loop ran: a tree's depth for tree drafters
+        "cache_slots": prepared.config.slots,
         "rounds": st["rounds"][0],
         "tokens_per_round": st["tokens_per_round"],
         "acceptance_rate": st["acceptance_rate"],
@@ -267,7 +269,8 @@ def generate(args) -> int:
     if logprobs is not None:
         result["logprobs"] = logprobs
     if args.compare and drafter is not None:
-        plain_ids, plain = _run(target, params, prompt_ids, None, None, args, eos)
+        # The same cache as the speculative run (a tree's default reserves its scratch): attention reads every slot.
+        plain_ids, plain = _run(target, params, prompt_ids, None, None, args, eos, max_len=stats["cache_slots"])
         plain.pop("logprobs")
         result["plain"] = {"token_ids": plain_ids, "stats": plain}
         result["speedup"] = stats["tokens_per_s"] / plain["tokens_per_s"]

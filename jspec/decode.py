@@ -391,13 +391,11 @@ def _tree_step(
     n = prop.tokens.shape[1]
     tokens = prop.tokens.at[:, 0].set(pending)
     # A node is usable if it is proposed, not deeper than this row may go, its scratch slot exists, and so
-    # does every ancestor's (the parent comes first in topological order, so one pass suffices). The slots are
-    # the row's own (its prompt and budget), not the cache's S: which nodes are verified, and so which acceptance
-    # draws a sampled row uses, must not depend on a cache sized by the other rows.
-    # P + N - 2 + n: the last round (committed = P + N - 2) may still verify all n nodes; ``prepare``'s default
-    # max_len reserves those slots, so every row has them.
-    room = jnp.minimum(config.slots, st.prompt_len + st.max_new - 2 + n)
-    fits = committed[:, None] + jnp.arange(n)[None, :] < room[:, None]
+    # does every ancestor's (the parent comes first in topological order, so one pass suffices). Which nodes
+    # are verified decides which acceptance draws a sampled row uses: so that it does not depend on a cache sized
+    # by the other rows, decode's default max_len and the serving engine give every row n - 1 scratch slots past
+    # its P + N - 1 (``tree_nodes``), and then this bound never cuts a node the row may use.
+    fits = committed[:, None] + jnp.arange(n)[None, :] < config.slots
     own_ok = prop.valid & (prop.depth <= max_draft[:, None]) & fits
     valid = own_ok
     for i in range(1, n):
@@ -462,7 +460,8 @@ def decode_round(
         k_draft, k_verify = split_keys(jax.vmap(jax.random.fold_in)(st.key, st.stats.rounds), 2)
 
     if config.adaptive is not None:
-        max_draft = jnp.minimum(max_draft, adapt.choose_k(config.adaptive, st.accept_ema, k))
+        wide = _always_wide(drafter)
+        max_draft = jnp.minimum(max_draft, adapt.choose_k(config.adaptive, st.accept_ema, k, wide))
     # A row that has ended proposes nothing: otherwise it alone could make the batch draft and verify K+1
     # wide while the running rows asked for no candidates (and the stats, counting running rows, hide it).
     max_draft = jnp.where(active, max_draft, 0)
@@ -966,7 +965,7 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     [0, 2**32) without 64-bit mode; one for the batch, or B seeds / [B] keys for a stream per row), max_len (cache
     slots S; default the largest P + N - 1 (the slots the rows need; plus a tree's nodes but the root, its
     scratch) rounded up to a multiple of 128, capped at the model's context length), adaptive, block_verify,
-    debug_checks.
+    debug_checks, logprobs (``DecodeOutput.logprobs``: the target's log-probability of each generated token).
     Returns generated tokens per row, the stop reason per row and statistics (defined in the module doc). Sampling
     parameters, the seed or key and the budgets are arrays: new values reuse the compiled loop as long as the batch,
     the padded prompt width (a multiple of 16), max_len and the kind of seed (one, or one per row) stay the same (a
@@ -980,7 +979,10 @@ def decode_stream(target: Model, target_params, prompts, **kwargs) -> Iterator[l
     """Like ``decode`` (same arguments), but steps round by round from Python and yields, after prefill and
     after every round, the tokens each row emitted in that step (an empty list for rows that emitted nothing).
     The rounds run the same ``decode_round`` as the fused loop, so the tokens are identical. Arguments are
-    checked when it is called, not at the first ``next()``."""
+    checked when it is called, not at the first ``next()``. It yields tokens only: ``logprobs=True`` is refused
+    (use ``decode``)."""
+    if kwargs.get("logprobs"):
+        raise ValueError("decode_stream yields tokens only: logprobs=True needs decode (it would be computed and lost)")
     prepared = prepare(target, target_params, prompts, **kwargs)
     return _stream(prepared, target, kwargs.get("drafter"))
 

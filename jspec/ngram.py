@@ -50,9 +50,9 @@ def ngram_lookup(
     best_match, best_n = _longest_suffix_matches(padded, sfx, earlier, m, min_ngram)
     best_end = jnp.max(jnp.where(best_match, ends, -1), axis=1)  # the most recent occurrence
     start = best_end + 1
-    # The p = seq_len - start tokens that followed the occurrence, repeated: when fewer than K follow, the
-    # occurrence overlaps the suffix, i.e. the history ends in a repetition of period p (a greedy loop, say), and
-    # its continuation is more of that period. A K-wide verification costs the same either way.
+    # The p = seq_len - start tokens that followed the occurrence, repeated: the history's end then reads as a
+    # repetition of period p (a greedy loop, say, when the occurrence overlaps the suffix), continued. Any
+    # proposal is lossless, and a K-wide verification costs the same whatever it holds.
     period = jnp.maximum(seq_len - start, 1)
     n_found = jnp.where(best_n > 0, k, 0)
     j = jnp.arange(k, dtype=jnp.int32)[None, :]
@@ -100,7 +100,8 @@ def ngram_continuations(
     """Up to C continuations per row for a candidate tree: the most recent occurrences of the longest suffix
     n-gram whose next tokens are all different (so the continuations branch at their first token).
 
-    Returns tokens [B, C, K] and n_found [B, C] (real tokens per continuation; 0 = no such continuation).
+    Returns tokens [B, C, K] and n_found [B, C] (K per continuation found, repeated with its period as
+    ``ngram_lookup`` does; 0 = no such continuation).
     """
     b, w = seq.shape
     seq = seq.astype(jnp.int32)
@@ -114,8 +115,10 @@ def ngram_continuations(
     for _ in range(branches):
         end = jnp.max(jnp.where(match, ends, -1), axis=1)
         start = end + 1
-        n_found = jnp.where((best_n > 0) & (end >= 0), jnp.minimum(seq_len - start, k), 0)
-        idx = jnp.clip(start[:, None] + j, 0, w - 1)
+        # As ``ngram_lookup``: the tokens that followed, repeated with their period up to K.
+        period = jnp.maximum(seq_len - start, 1)
+        n_found = jnp.where((best_n > 0) & (end >= 0), k, 0)
+        idx = jnp.clip(start[:, None] + j % period[:, None], 0, w - 1)
         toks.append(jnp.where(j < n_found[:, None], jnp.take_along_axis(seq, idx, axis=1), 0))
         counts.append(n_found)
         # Later branches must start with a different token.

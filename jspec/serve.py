@@ -28,6 +28,7 @@ from jspec.decode import (
     check_seed,
     decode_round,
     prefill,
+    tree_nodes,
 )
 from jspec.model import Model
 from jspec.sampling import SamplingParams, int_array
@@ -141,9 +142,12 @@ class Engine:
             self.draft_params,
             self.target_params,
         )
+        # A tree's scratch past each request's P + N - 1 slots (as decode's default max_len reserves it): then
+        # which nodes a row verifies, and so its sampled tokens, never depend on this cache's size.
+        reserve = (tree_nodes(self.drafter) or 1) - 1
         self.config = DecodeConfig(
             gamma,
-            self.max_len,
+            self.max_len + reserve,
             check_eos(self.eos_ids, self.target.vocab_size),
             False,
             self.adaptive,

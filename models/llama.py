@@ -767,6 +767,8 @@ def make_model(cfg: LlamaConfig, kernel_argmax: bool = False) -> Model:
 
 
 _CONFIG_OF: dict[int, LlamaConfig] = {}  # id(make_model(cfg)) -> cfg, for ``check_model_of``
+# make_model is functools.cache'd (never cleared here): its models, and so these ids, live as long as the process.
+_NOT_MATHS = ("name", "max_positions", "bos_id", "eos_id", "eos_ids")  # fields that do not change the forward pass
 
 
 def check_model_of(target: Model, cfg: LlamaConfig, who: str) -> None:
@@ -781,7 +783,7 @@ def check_model_of(target: Model, cfg: LlamaConfig, who: str) -> None:
             f"got {target.name!r} (another model would be verified with the wrong maths)"
         )
     for f in dataclasses.fields(LlamaConfig):
-        if f.name not in ("name", "max_positions") and getattr(tcfg, f.name) != getattr(cfg, f.name):
+        if f.name not in _NOT_MATHS and getattr(tcfg, f.name) != getattr(cfg, f.name):
             raise ValueError(
                 f"{who} runs its own copy of the target's forward pass, built for {f.name}="
                 f"{getattr(cfg, f.name)!r}, but the target {target.name!r} has {f.name}={getattr(tcfg, f.name)!r}"

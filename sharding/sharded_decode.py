@@ -331,6 +331,8 @@ class ShardedDecode:
         """Like ``jspec.decode.decode_stream``: yields, after prefill and after every round, the tokens each row
         emitted (all rows, in every process). Each round is blocked on before the next is dispatched (XLA:CPU
         deadlocks on long queues of programs with collectives)."""
+        if self.config.logprobs:
+            raise ValueError("stream yields tokens only: logprobs=True needs run() (it would be computed and lost)")
         pre, step = self.step_fns()
         target_params, draft_params, *inputs = self.args()
         st = pre(target_params, draft_params, *inputs)
@@ -366,7 +368,9 @@ def gather_output(st: DecodeState) -> DecodeOutput:
     """Host-side tokens and statistics of a (possibly multi-process) final state, in every process.
 
     Only the small per-row arrays travel; the caches are never gathered."""
-    seq, seq_len, plen, stop, stats, lp = _to_host((st.seq, st.seq_len, st.prompt_len, st.stop, st.stats, st.logprob))
+    lp = st.logprob
+    seq, seq_len, plen, stop, stats = _to_host((st.seq, st.seq_len, st.prompt_len, st.stop, st.stats))
+    lp = _to_host(lp) if lp.shape[1] else np.zeros(lp.shape, np.float32)  # [B, 0] without logprobs
     host = dataclasses.replace(
         st, seq=seq, seq_len=seq_len, prompt_len=plen, stop=stop, stats=stats, logprob=lp, cache=None, draft_state=None
     )

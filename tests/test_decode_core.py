@@ -658,6 +658,11 @@ def test_adaptive_estimate_is_the_per_token_acceptance():
     costly = adapt.AdaptiveK(draft_cost=0.3)
     assert int(adapt.choose_k(costly, jnp.asarray([[0.6, 1.0]]), 4)[0]) == 0
     assert int(adapt.choose_k(adapt.AdaptiveK(draft_cost=0.3, min_k=1), jnp.asarray([[0.6, 1.0]]), 4)[0]) == 4
+    # A drafter that verifies K + 1 wide even without proposals (EAGLE): a round at 0 costs 1 + 4 * 0.075 = 1.3,
+    # not 1. Draft 0.2, a = 0.5: E[N] / cost = 1.9375 / 2.1 = 0.92, below plain's 1 but above 1 / 1.3 = 0.77.
+    eagle_like = adapt.AdaptiveK(draft_cost=0.2)
+    assert int(adapt.choose_k(eagle_like, jnp.asarray([[0.5, 1.0]]), 4)[0]) == 0
+    assert int(adapt.choose_k(eagle_like, jnp.asarray([[0.5, 1.0]]), 4, always_wide=True)[0]) == 4
 
 
 def test_defaults_and_keys_that_compiled_too_much():

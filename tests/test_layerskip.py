@@ -186,7 +186,7 @@ def test_greedy_identical_to_plain_decoding():
         if exit_layer == 1:
             # A costly drafter with poor acceptance backs off to K = 0 for whole rounds (the observe path and
             # the decoder's 1-token verify), then probes again: none of it may change the output.
-            policy = AdaptiveK(draft_cost=0.5)
+            policy = AdaptiveK(draft_cost=0.3)  # K=2: a proposing round costs 1.75 steps; on while a > ~0.5
             adaptive = decode(
                 TINY_MODEL,
                 TINY_PARAMS,
