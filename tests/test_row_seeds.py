@@ -33,7 +33,6 @@ SPEC_DRAFTERS = {
     "ngram": NgramDrafter(vocab_size=3),
     "tree-iid": TREE_DRAFTERS["static-iid"],
     "tree-without-replacement": TREE_DRAFTERS["static-without-replacement"],
-    "tree-dynamic": TREE_DRAFTERS["dynamic"],
 }
 
 
