@@ -297,47 +297,39 @@ def test_parse_shape_refuses_malformed_text(text, match):
         parse_shape(text)
 
 
-def test_launch_kills_the_processes_a_child_started(tmp_path):
-    """Only the direct child was killed: a command wrapped in ``bash -c`` left its Python running, holding
-    the coordinator port and the output pipe."""
+def _assert_gone(pid: int, what: str) -> None:
+    """Wait up to 5 s for ``pid`` to disappear (the kernel reaps it once init collects the orphan)."""
     import os
     import time
 
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    pytest.fail(f"{what} {pid} survived the launcher")
+
+
+def test_launch_kills_the_processes_a_child_started(tmp_path):
+    """Only the direct child was killed: a command wrapped in ``bash -c`` left its Python running, holding
+    the coordinator port and the output pipe."""
     pidfile = tmp_path / "pid"
     script = f"{sys.executable} -c 'import time; time.sleep(120)' & echo $! > {pidfile}; wait"
     codes, _ = launch(["bash", "-c", script], 1, None, timeout=3, echo=False)
     assert codes == [-9]
-    pid = int(pidfile.read_text())
-    for _ in range(50):  # the kernel reaps it once init collects the orphan
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"grandchild {pid} survived the launcher's timeout")
+    _assert_gone(int(pidfile.read_text()), "grandchild")
 
 
 def test_launch_cleans_up_after_a_leader_that_already_exited(tmp_path):
     """A command whose shell exits at once (0) but leaves a Python process behind in its group: the launcher
     returns the shell's code and stops the group anyway (it used to kill only leaders still running)."""
-    import os
-    import time
-
     pidfile = tmp_path / "pid"
     script = f"{sys.executable} -c 'import time; time.sleep(120)' > /dev/null & echo $! > {pidfile}"
     codes, _ = launch(["bash", "-c", script], 1, None, timeout=30, echo=False)
     assert codes == [0]
-    pid = int(pidfile.read_text())
-    for _ in range(50):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(pid, 9)
-        pytest.fail(f"process {pid} left by the command survived the launcher")
+    _assert_gone(int(pidfile.read_text()), "the process left by the command")
 
 
 def test_restore_targets_recast_floats_only():
