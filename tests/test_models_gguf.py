@@ -507,16 +507,7 @@ def test_tokenizer_without_a_pre_tokenizer_is_refused(tmp_path):
     from models.tokenizer import Tokenizer
 
     for pre in (None, "gpt-2"):
-        w = gguf.GGUFWriter(os.fspath(tmp_path / "tok.gguf"), "llama")
-        w.add_tokenizer_model("gpt2")
-        if pre:
-            w.add_tokenizer_pre(pre)
-        w.add_token_list(["a", "b", "ab"])
-        w.add_token_merges(["a b"])
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        _write_tiny_bpe(tmp_path / "tok.gguf", pre)
         if pre is None:
             with pytest.raises(CheckpointError, match="no tokenizer.ggml.pre: llama.cpp would split the text"):
                 Tokenizer.from_gguf(open_gguf(tmp_path / "tok.gguf"))
@@ -625,14 +616,20 @@ def test_pre_tokenizer_gpt2_is_not_an_alias_of_gpt_2(tmp_path):
     unhyphenated spelling (tokenizer.ggml.model's value); jspec accepted it as an alias it made up."""
     from models.tokenizer import Tokenizer
 
-    w = gguf.GGUFWriter(os.fspath(tmp_path / "tok.gguf"), "llama")
+    _write_tiny_bpe(tmp_path / "tok.gguf", "gpt2")
+    with pytest.raises(CheckpointError, match=r"unknown pre-tokenizer 'gpt2' \(known: .*gpt-2"):
+        Tokenizer.from_gguf(open_gguf(tmp_path / "tok.gguf"))
+
+
+def _write_tiny_bpe(path, pre: str | None) -> None:
+    """A GGUF holding only a 3-token BPE vocabulary ("a", "b", "ab") with pre-tokenizer ``pre`` (None: no key)."""
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    if pre:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(["a", "b", "ab"])
     w.add_token_merges(["a b"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(CheckpointError, match=r"unknown pre-tokenizer 'gpt2' \(known: .*gpt-2"):
-        Tokenizer.from_gguf(open_gguf(tmp_path / "tok.gguf"))
