@@ -715,8 +715,8 @@ def tree_nodes(drafter) -> int | None:
     if not getattr(drafter, "is_tree", False):
         return None
     budget = getattr(drafter, "budget", None)  # a dynamic tree
-    if isinstance(budget, int):
-        return budget
+    if isinstance(budget, int | np.integer) and not isinstance(budget, bool):
+        return int(budget)
     spec = getattr(drafter, "spec", None)
     return spec.num_nodes if spec is not None else None
 
@@ -835,6 +835,22 @@ class PreparedDecode:
     fn: Any  # the jitted whole decode
     args: tuple
     config: DecodeConfig
+    stream_fns: Any = None  # () -> the (prefill, round) pair a stream steps with
+
+    def stream(self, fns=None) -> DecodeStream:
+        """The round-by-round ``DecodeStream`` of this call (see ``decode_stream``); ``fns``: the pair
+        ``compile_stream`` returns, else they compile at the first steps."""
+        pre, step = fns or self.stream_fns()
+        return DecodeStream(pre, step, self.args, self.config.logprobs)
+
+    def compile_stream(self):
+        """Compile the stream's (prefill, round) ahead of time (no execution), so that a timed stream runs
+        without compiling; returns the pair for ``stream``. With debug_checks the pair stays jitted."""
+        pre, step = self.stream_fns()
+        if not hasattr(step, "lower"):
+            return pre, step
+        state = jax.eval_shape(pre, *self.args)
+        return pre.lower(*self.args).compile(), step.lower(*self.args[:2], state).compile()
 
     def compile(self):
         """Compile ahead of time (no execution); returns the compiled executable."""
@@ -895,7 +911,12 @@ def prepare(
         gamma, slots, eos, debug_checks, adaptive_policy(adaptive), block_verify, logprobs=bool(logprobs)
     )
     arrays = (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
-    return PreparedDecode(_compiled(target, drafter, config), (target_params, draft_params, *arrays), config)
+    return PreparedDecode(
+        _compiled(target, drafter, config),
+        (target_params, draft_params, *arrays),
+        config,
+        functools.partial(_stream_fns, target, drafter, config),
+    )
 
 
 def check_draft_context(drafter, last: np.ndarray) -> None:
@@ -969,35 +990,73 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     Returns generated tokens per row, the stop reason per row and statistics (defined in the module doc). Sampling
     parameters, the seed or key and the budgets are arrays: new values reuse the compiled loop as long as the batch,
     the padded prompt width (a multiple of 16), max_len and the kind of seed (one, or one per row) stay the same (a
-    default max_len follows the budget); drafter, gamma, eos_ids, adaptive, block_verify and debug_checks are static
-    and compile a loop of their own.
+    default max_len follows the budget); drafter, gamma, eos_ids, adaptive, block_verify, debug_checks and logprobs
+    are static and compile a loop of their own.
     """
     return prepare(target, target_params, prompts, **kwargs).run()
 
 
-def decode_stream(target: Model, target_params, prompts, **kwargs) -> Iterator[list[list[int]]]:
-    """Like ``decode`` (same arguments), but steps round by round from Python and yields, after prefill and
-    after every round, the tokens each row emitted in that step (an empty list for rows that emitted nothing).
-    The rounds run the same ``decode_round`` as the fused loop, so the tokens are identical. Arguments are
-    checked when it is called, not at the first ``next()``. It yields tokens only: ``logprobs=True`` is refused
-    (use ``decode``)."""
-    if kwargs.get("logprobs"):
-        raise ValueError("decode_stream yields tokens only: logprobs=True needs decode (it would be computed and lost)")
-    prepared = prepare(target, target_params, prompts, **kwargs)
-    return _stream(prepared, target, kwargs.get("drafter"))
+def decode_stream(target: Model, target_params, prompts, **kwargs) -> DecodeStream:
+    """Like ``decode`` (same arguments), but steps round by round from Python: the returned ``DecodeStream``
+    yields, after prefill and after every round, the tokens each row emitted in that step (an empty list for rows
+    that emitted nothing), and says between steps why each row stopped (``stop_reasons``), the log-probabilities
+    of the step's tokens (``logprobs``, with ``logprobs=True``) and the whole ``DecodeOutput`` so far
+    (``output()``). The rounds run the same ``decode_round`` as the fused loop, so the tokens are identical.
+    Arguments are checked when it is called, not at the first ``next()``."""
+    return prepare(target, target_params, prompts, **kwargs).stream()
 
 
-def _stream(prepared: PreparedDecode, target: Model, drafter) -> Iterator[list[list[int]]]:
-    target_params, draft_params, *arrays = prepared.args
-    pre, step = _stream_fns(target, drafter, prepared.config)
-    st = pre(target_params, draft_params, *arrays)
-    seq, sl = jax.device_get((st.seq, st.seq_len))
-    b = seq.shape[0]
-    yield [[int(seq[i, sl[i] - 1])] for i in range(b)]
-    while np.any(np.asarray(st.stop) == StopReason.RUNNING):
-        st, emitted, n_emit = step(target_params, draft_params, st)
-        emitted, n_emit = jax.device_get((emitted, n_emit))
-        yield [emitted[i, : n_emit[i]].tolist() for i in range(b)]
+class DecodeStream(Iterator[list[list[int]]]):
+    """The iterator ``decode_stream`` returns (and ``sharding``'s streams): ``next()`` runs one step (prefill
+    first, then one round) and returns the tokens each row emitted in it; it stops after the step in which the
+    last running row stopped.
+
+    After a step: ``stop_reasons[b]`` is row b's ``StopReason`` (RUNNING while it decodes; the finish reason a
+    server reports when a row's last tokens arrive), ``logprobs[b]`` the target's log-probabilities of the tokens
+    the step gave row b (with ``logprobs=True``, else None), and ``output()`` the ``DecodeOutput`` of the state so
+    far, equal to ``decode``'s once the stream is exhausted.
+
+    ``to_host`` fetches (small per-row) device arrays to numpy and ``gather`` turns a state into a
+    ``DecodeOutput``: multi-process callers pass collectives, so every process must step the stream alike."""
+
+    def __init__(self, pre, step, args, logprobs: bool, to_host=jax.device_get, gather=None):
+        self._pre, self._step, self._args = pre, step, args
+        self._to_host, self._gather = to_host, gather or to_output
+        self._want_logprobs = bool(logprobs)
+        self._st = None  # the latest state; the round donates it, so only the newest one is ever read
+        self._done = False
+        self.stop_reasons: list[StopReason] | None = None
+        self.logprobs: list[list[float]] | None = None
+
+    def __iter__(self) -> DecodeStream:
+        return self
+
+    def __next__(self) -> list[list[int]]:
+        if self._done:
+            raise StopIteration
+        target_params, draft_params, *arrays = self._args
+        if self._st is None:
+            st = self._pre(target_params, draft_params, *arrays)
+            seq, seq_len, stop = self._to_host((st.seq, st.seq_len, st.stop))
+            chunk = [[int(seq[i, seq_len[i] - 1])] for i in range(seq.shape[0])]
+            n_emit = np.ones_like(seq_len)
+        else:
+            st, emitted, n_emit = self._step(target_params, draft_params, self._st)
+            emitted, n_emit, seq_len, stop = self._to_host((emitted, n_emit, st.seq_len, st.stop))
+            chunk = [emitted[i, : n_emit[i]].tolist() for i in range(emitted.shape[0])]
+        self._st = st
+        self.stop_reasons = [StopReason(int(r)) for r in stop]
+        if self._want_logprobs:
+            lp = self._to_host(st.logprob)  # the step's tokens sit at seq_len - n_emit .. seq_len - 1
+            self.logprobs = [lp[i, seq_len[i] - n_emit[i] : seq_len[i]].tolist() for i in range(lp.shape[0])]
+        self._done = not np.any(np.asarray(stop) == StopReason.RUNNING)
+        return chunk
+
+    def output(self) -> DecodeOutput:
+        """Tokens, stop reasons, statistics (and logprobs) of every step so far."""
+        if self._st is None:
+            raise ValueError("the stream has not run a step yet: call next() first")
+        return self._gather(self._st)
 
 
 @functools.lru_cache(maxsize=64)

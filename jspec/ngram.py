@@ -38,7 +38,7 @@ def ngram_lookup(
     [min_ngram, max_ngram]) and read the tokens that followed it, repeated with their period when fewer than K
     follow (the history then ends in a repetition).
 
-    Returns tokens [B, K] (0 past the available ones), n_found [B] (K when something matches, 0 when nothing
+    Returns tokens [B, K] (zeros when nothing matches), n_found [B] (K when something matches, 0 when nothing
     does) and ngram [B] (the n that matched, 0 when none).
     """
     b, w = seq.shape

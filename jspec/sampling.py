@@ -251,7 +251,7 @@ def sample_from(probs: jax.Array, u: jax.Array) -> jax.Array:
     """Inverse-CDF draw: probs [..., V] (need not be normalised), u [...] uniforms in [0, 1) -> ids [...].
 
     Taking explicit uniforms (rather than a key) lets a caller replay a draw exactly. A token of zero
-    probability is never returned.
+    probability is never returned while the row has some mass (an all-zero row gives V - 1).
     """
     cdf = jnp.cumsum(probs, axis=-1)
     return inverse_cdf(probs, cdf, u[..., None] * cdf[..., -1:])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from test_layerskip import PROMPTS, TINY, TINY_MODEL, TINY_PARAMS
 
-from jspec.decode import decode
+from jspec.decode import StopReason, decode, decode_stream
 from jspec.drafters import ModelDrafter
 from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
 from models import llama
@@ -69,3 +69,37 @@ def test_logprobs_are_the_targets_own(name):
 def test_logprobs_flag_is_checked():
     with pytest.raises(ValueError, match="logprobs must be True or False"):
         decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=2, logprobs="yes")
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_stream_reports_stop_reasons_and_logprobs(name):
+    """decode_stream's steps carry each row's stop reason (RUNNING until the step that gives the row its last
+    token) and the log-probabilities of the step's tokens; its output() is decode's."""
+    drafter, dparams, kw = _drafters()[name]
+    kw = dict(
+        drafter=drafter, draft_params=dparams, max_new_tokens=[10, 12, 9], temperature=[0.0, 1.3, 0.0],
+        top_k=[0, 5, 0], seed=[1, 2, 3], **kw,
+    )  # fmt: skip
+    first = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, **kw)
+    eos = first.tokens[0][4]  # row 0 then stops on EOS by its fifth token, the others may too or run to budget
+    fused = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, eos_ids=[eos], logprobs=True, **kw)
+    assert StopReason.EOS in fused.stop_reason
+    stream = decode_stream(TINY_MODEL, TINY_PARAMS, PROMPTS, eos_ids=[eos], logprobs=True, **kw)
+    with pytest.raises(ValueError, match="not run a step"):
+        stream.output()
+    toks, lps = [[] for _ in PROMPTS], [[] for _ in PROMPTS]
+    for chunk in stream:
+        for b, row in enumerate(chunk):
+            assert len(stream.logprobs[b]) == len(row)
+            toks[b] += row
+            lps[b] += stream.logprobs[b]
+            done = len(toks[b]) == len(fused.tokens[b])
+            assert (stream.stop_reasons[b] == StopReason.RUNNING) != done
+            if done:
+                assert stream.stop_reasons[b] == fused.stop_reason[b]
+    assert toks == fused.tokens and stream.stop_reasons == fused.stop_reason
+    for prompt, t, lp in zip(PROMPTS, toks, lps):
+        np.testing.assert_allclose(lp, reference_logprobs(prompt, t), atol=2e-5, rtol=1e-5)
+    out = stream.output()
+    assert out.tokens == fused.tokens and out.stop_reason == fused.stop_reason and out.logprobs == lps
+    assert out.stats["rounds"] == fused.stats["rounds"]
