@@ -79,6 +79,14 @@ def _insert_state(big: DecodeState, row: jax.Array, one: DecodeState) -> DecodeS
     )
 
 
+def engine_slots(target: Model, drafter, max_len: int) -> int:
+    """The cache slots S of an ``Engine`` with ``max_len``: a tree's scratch past each request's P + N - 1 slots,
+    as decode's default max_len reserves it, so that which nodes a row verifies (and so its sampled tokens) does
+    not depend on the engine's size; both are capped at the model's context length, where no node may sit."""
+    s = max_len + (tree_nodes(drafter) or 1) - 1
+    return s if target.max_positions is None else min(s, target.max_positions)
+
+
 def freeze_gc_heap() -> int:
     """Collect garbage once, then move every object alive into CPython's permanent generation
     (``gc.freeze``); returns how many objects are frozen now. Call it once the engine is warm (its programs compiled).
@@ -102,6 +110,8 @@ class Engine:
     call per prompt-width bucket); ``step()`` runs rounds for every row and returns {row: tokens emitted by them};
     ``stop_reason(row)`` says why a row's request ended and ``free_rows()`` lists the rows ready for a new one.
 
+    logprobs: with True, ``last_logprobs[row]`` holds, after ``add()`` and after ``step()``, the target's
+    log-probabilities of the tokens that call returned for ``row`` (as ``decode(logprobs=True)`` reports them).
     rounds_per_sync: rounds one ``step()`` runs on the device before returning to the host (multi-step
     scheduling). Each return is a host sync; on a GPU at small batch it costs about as much as a round. A
     step still returns right after the round in which some running row stops, so its row is refilled as
@@ -121,8 +131,11 @@ class Engine:
     bucket: int = 64
     seed: int = 0
     rounds_per_sync: int = 1
+    logprobs: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.logprobs, bool | np.bool_):
+            raise ValueError(f"logprobs must be True or False, got {self.logprobs!r}")
         for name, what in (
             ("batch", "batch"),
             ("max_len", "max_len"),
@@ -142,21 +155,20 @@ class Engine:
             self.draft_params,
             self.target_params,
         )
-        # A tree's scratch past each request's P + N - 1 slots (as decode's default max_len reserves it): then
-        # which nodes a row verifies, and so its sampled tokens, never depend on this cache's size.
-        reserve = (tree_nodes(self.drafter) or 1) - 1
         self.config = DecodeConfig(
             gamma,
-            self.max_len + reserve,
+            engine_slots(self.target, self.drafter, self.max_len),
             check_eos(self.eos_ids, self.target.vocab_size),
             False,
             self.adaptive,
             self.block_verify,
+            logprobs=bool(self.logprobs),
         )
         self._prefill, self._insert, self._step = _engine_fns(
             self.target, self.drafter, self.config, self.rounds_per_sync
         )
         self.last_rounds = 0  # rounds the last step() ran
+        self.last_logprobs: dict[int, list[float]] = {}
         # Every row starts idle: a 1-token dummy prefill gives the state its shapes.
         b = self.batch
         dummy = jnp.zeros((b, 1), jnp.int32)
@@ -235,7 +247,7 @@ class Engine:
         else:
             key = jax.random.key(check_seed(seed))
         self._n_added += 1
-        self.state, first, stop = self._insert(
+        self.state, first, first_lp, stop = self._insert(
             self.target_params,
             self.draft_params,
             self.state,
@@ -246,8 +258,9 @@ class Engine:
             sampling,
             key[None],
         )
-        first, stop = jax.device_get((first, stop))
+        first, first_lp, stop = jax.device_get((first, first_lp, stop))
         self._stop[row] = int(stop)
+        self.last_logprobs = {int(row): [float(first_lp)]} if self.logprobs else {}
         return int(first)
 
     def step(self) -> dict[int, list[int]]:
@@ -257,10 +270,15 @@ class Engine:
         emitted, n_emit, n_rounds, stop = jax.device_get((emitted, n_emit, n_rounds, self.state.stop))
         self._stop = np.asarray(stop).copy()
         self.last_rounds = int(n_rounds)
-        return {
+        out = {
             int(r): [t for i in range(self.last_rounds) for t in emitted[i, r, : n_emit[i, r]].tolist()]
             for r in np.nonzero(running)[0]
         }
+        self.last_logprobs = {}
+        if self.logprobs:  # a row's tokens of this step are the last ones in its sequence
+            lp, seq_len = jax.device_get((self.state.logprob, self.state.seq_len))
+            self.last_logprobs = {r: lp[r, seq_len[r] - len(t) : seq_len[r]].tolist() for r, t in out.items()}
+        return out
 
     def stop_reason(self, row: int) -> StopReason:
         if isinstance(row, bool) or not isinstance(row, int | np.integer) or not 0 <= row < self.batch:
@@ -301,7 +319,8 @@ def _engine_fns(target, drafter, config, rounds: int):
     def insert(target_params, draft_params, state, row, prompt, plen, max_new, sampling, key):
         one = prefill(target, drafter, config, target_params, draft_params, prompt, plen, max_new, sampling, key)
         first = one.seq[0, plen[0]]
-        return _insert_state(state, row, one), first, one.stop[0]
+        first_lp = one.logprob[0, plen[0]] if config.logprobs else jnp.float32(0)
+        return _insert_state(state, row, one), first, first_lp, one.stop[0]
 
     step = functools.partial(_step_rounds, target, drafter, config, rounds)
     return pre, jax.jit(insert, donate_argnums=(2,)), jax.jit(step, donate_argnums=(2,))

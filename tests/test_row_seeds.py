@@ -2,6 +2,8 @@
 only, not on its row, on the other rows or on the batch size, and the sampled distribution is still the
 target's."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -211,3 +213,28 @@ def test_an_engine_tree_row_near_its_cache_end_follows_its_seed():
         while engine.stop_reason(seed % 2) == dec.StopReason.RUNNING:
             got += engine.step().get(seed % 2, [])
         assert got == alone, seed
+
+
+def test_engine_and_decode_cap_a_trees_scratch_at_the_context_length():
+    """Next to the model's context length no scratch slot may hold a node (its position would run past it):
+    decode's default and the engine both cap the cache there, so a sampled tree request that ends at the last
+    position still follows its seed alike (the engine used to keep max_len + its scratch, decode 64). A NumPy
+    budget of a dynamic tree is a tree's node count like an int."""
+    drafter = TREE_DRAFTERS["static-without-replacement"]
+    short = dataclasses.replace(TARGET, max_positions=64)
+    prompt = np.random.default_rng(4).integers(0, 3, 40).tolist()
+    kw = dict(drafter=drafter, draft_params=DRAFT_PARAMS, temperature=1.0)
+    assert dec.prepare(short, TARGET_PARAMS, [prompt], max_new_tokens=25, **kw).config.slots == 64
+    engine = Engine(short, TARGET_PARAMS, batch=1, max_len=64, drafter=drafter, draft_params=DRAFT_PARAMS)
+    assert engine.config.slots == 64
+    reserve = dec.tree_nodes(drafter) - 1  # the scratch an engine without a context length keeps
+    unbounded = Engine(TARGET, TARGET_PARAMS, batch=1, max_len=64, drafter=drafter, draft_params=DRAFT_PARAMS)
+    assert unbounded.config.slots == 64 + reserve
+    for seed in range(2):  # seed 1 differed when the engine kept the scratch
+        alone = dec.decode(short, TARGET_PARAMS, [prompt], max_new_tokens=25, seed=[seed], **kw).tokens[0]
+        got = [engine.add(0, prompt, 25, temperature=1.0, seed=seed)]
+        while engine.stop_reason(0) == dec.StopReason.RUNNING:
+            got += engine.step().get(0, [])
+        assert got == alone, seed
+    dyn = TREE_DRAFTERS["dynamic"]
+    assert dec.tree_nodes(dataclasses.replace(dyn, budget=np.int64(dyn.budget))) == dec.tree_nodes(dyn) > 1

@@ -1,5 +1,6 @@
 """Continuous batching: requests dropped into free rows decode exactly as they would alone."""
 
+import numpy as np
 import pytest
 from test_decode_core import DRAFT_PARAMS, DRAFTER, TARGET, TARGET_PARAMS
 
@@ -10,7 +11,8 @@ REQUESTS = [[0, 1, 2, 0, 1], [2], [1, 1, 0, 2, 2, 1, 0, 0, 1], [0, 2], [1, 2, 1,
 BUDGETS = [8, 5, 12, 1, 9, 6]
 
 
-def _serve(engine):
+def _serve(engine, logprobs=None):
+    """Serves every request; with a ``logprobs`` dict, also collects each request's ``last_logprobs``."""
     out, queue, owner = {}, list(range(len(REQUESTS))), {}
     while queue or owner:
         for row in engine.free_rows():
@@ -19,6 +21,8 @@ def _serve(engine):
                 i = queue.pop(0)
                 owner[row] = i
                 out[i] = [engine.add(row, REQUESTS[i], BUDGETS[i])]
+                if logprobs is not None:
+                    logprobs[i] = list(engine.last_logprobs[row])
                 if engine.stop_reason(row) == dec.StopReason.RUNNING:
                     break
         if not any(engine.stop_reason(r) == dec.StopReason.RUNNING for r in owner):
@@ -28,6 +32,9 @@ def _serve(engine):
             continue
         for row, toks in engine.step().items():
             out[owner[row]] += toks
+            if logprobs is not None:
+                assert len(engine.last_logprobs[row]) == len(toks)
+                logprobs[owner[row]] += engine.last_logprobs[row]
     return [out[i] for i in range(len(REQUESTS))]
 
 
@@ -141,3 +148,20 @@ def test_engine_checks_its_drafter_like_decode():
         kwargs = {"batch": 1, "max_len": 16, **kwargs}
         with pytest.raises(ValueError, match=message):
             Engine(TARGET, TARGET_PARAMS, **kwargs)
+
+
+def test_engine_reports_logprobs_of_every_token():
+    """With logprobs=True, add() and step() leave each returned token's target log-probability in
+    last_logprobs: the values decode(logprobs=True) gives each request alone, several rounds per sync included."""
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3)
+    alone = [
+        dec.decode(TARGET, TARGET_PARAMS, [r], max_new_tokens=m, logprobs=True, **kw) for r, m in zip(REQUESTS, BUDGETS)
+    ]
+    got = {}
+    engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, rounds_per_sync=3, logprobs=True, **kw)
+    assert _serve(engine, got) == [o.tokens[0] for o in alone]
+    for i, o in enumerate(alone):
+        np.testing.assert_allclose(got[i], o.logprobs[0], atol=1e-5, rtol=1e-5)
+    assert not Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16).last_logprobs  # off by default
+    with pytest.raises(ValueError, match="logprobs must be True or False"):
+        Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16, logprobs=1)

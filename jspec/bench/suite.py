@@ -229,11 +229,13 @@ def run_one(target: Target, spec: Spec, load: Load, jobs, cfg: SuiteConfig, log=
 def attach_phases(target: Target, group: Sequence[RunResult], cfg: SuiteConfig, context_len: int) -> None:
     """Per-phase costs of every run of one load, sampled interleaved (see ``metrics.PhaseTimer``)."""
     from jspec.decode import DecodeConfig
+    from jspec.serve import engine_slots
 
     timers = []
     for res in group:
         spec = res.spec
-        config = DecodeConfig(res.engine["gamma"], cfg.max_len, target.eos_ids, False, spec.adaptive, spec.block_verify)
+        slots = engine_slots(target.model, spec.drafter, cfg.max_len)  # the engine's own cache, tree scratch included
+        config = DecodeConfig(res.engine["gamma"], slots, target.eos_ids, False, spec.adaptive, spec.block_verify)
         timers.append(
             metrics.PhaseTimer(target.model, target.params, spec.drafter, spec.draft_params, config,
                                res.load.concurrency, context_len, temperature=cfg.sampling.temperature,
