@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import io
 import json
 import os
 import sys
+import time
 from importlib.metadata import entry_points
 
 from jspec.decode import DEFAULT_GAMMA, prepare
@@ -148,10 +150,14 @@ def check_flags(args) -> None:
     if args.gamma is not None and (args.tree or args.dynamic_tree):
         flag = "--tree" if args.tree else "--dynamic-tree"
         raise ValueError(f"--gamma does not apply with {flag}: a tree drafts to its depth, which its shape sets")
+    if args.stream and args.json:
+        raise ValueError("--stream prints the text as it is generated; --json prints one object at the end")
     if args.system is not None and args.raw:
         raise ValueError("--system needs the chat template, which --raw turns off")
     if args.tree is not None and not all(p.strip().isdigit() for p in args.tree.split(",")):
         raise ValueError(f"--tree wants comma-separated branching factors (e.g. 3,2,1), got '{args.tree}'")
+    if args.dynamic_tree is not None:
+        _dynamic_tree_args(args)  # its format, before any model is loaded
     if args.temperature == 0:
         filters = (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0), ("--min-p", args.min_p, 0.0))
         for flag, value, off in filters:
@@ -199,7 +205,35 @@ def end_ids(tok) -> list[int]:
     return [int(i) for i in ends]
 
 
-def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None):
+def _stream_timed(prepared, tok, out):
+    """Decode round by round, writing the text to ``out`` as it grows; the statistics of ``run_timed``
+    (compilation timed apart; ``seconds`` include each round's host sync and the printing)."""
+    t0 = time.perf_counter()
+    fns = prepared.compile_stream()
+    t1 = time.perf_counter()
+    stream = prepared.stream(fns)
+    ids, shown = [], ""
+    for chunk in stream:
+        ids += chunk[0]
+        text = tok.decode(ids, skip_special_tokens=True)
+        # A token can end inside a UTF-8 character (U+FFFD until the rest arrives), and a tokenizer may rewrite
+        # earlier text as more arrives: only a stable extension of what is on the screen is written.
+        if text.startswith(shown) and not text.endswith("\ufffd"):
+            out.write(text[len(shown) :])
+            out.flush()
+            shown = text
+    result = stream.output()
+    t2 = time.perf_counter()
+    text = tok.decode(ids, skip_special_tokens=True)
+    rest = text[len(shown) :] if text.startswith(shown) else f"\n[the text above changed as it grew; in full:]\n{text}"
+    print(rest, file=out)
+    total = sum(result.stats["new_tokens"])
+    result.stats.update(compile_seconds=t1 - t0, seconds=t2 - t1, tokens_per_s=total / (t2 - t1))
+    return result
+
+
+def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, stream=None):
+    """One timed decode; with ``stream`` = (tokenizer, file), stepped round by round and written to the file."""
     prepared = prepare(
         target,
         params,
@@ -219,7 +253,7 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None):
         block_verify=args.block_verify and drafter is not None,
         logprobs=args.logprobs,  # on both sides of --compare, so that they time the same work
     )
-    out = prepared.run_timed()
+    out = prepared.run_timed() if stream is None else _stream_timed(prepared, *stream)
     st = out.stats
     return out.tokens[0], {
         "logprobs": out.logprobs[0] if out.logprobs is not None else None,
@@ -257,7 +291,9 @@ def generate(args) -> int:
         prompt_ids = tok.encode_chat(msgs)
     eos = [] if args.ignore_eos else end_ids(tok)
     drafter, dparams = build_drafter(args, target, loaded)
-    ids, stats = _run(target, params, prompt_ids, drafter, dparams, args, eos)
+    ids, stats = _run(
+        target, params, prompt_ids, drafter, dparams, args, eos, stream=(tok, sys.stdout) if args.stream else None
+    )
     stats.update(drafter=args.drafter)
     logprobs = stats.pop("logprobs")
     result = {
@@ -270,7 +306,11 @@ def generate(args) -> int:
         result["logprobs"] = logprobs
     if args.compare and drafter is not None:
         # The same cache as the speculative run (a tree's default reserves its scratch): attention reads every slot.
-        plain_ids, plain = _run(target, params, prompt_ids, None, None, args, eos, max_len=stats["cache_slots"])
+        # Streamed too under --stream (into nothing): both sides pay a host sync per round.
+        quiet = (tok, io.StringIO()) if args.stream else None
+        plain_ids, plain = _run(
+            target, params, prompt_ids, None, None, args, eos, max_len=stats["cache_slots"], stream=quiet
+        )
         plain.pop("logprobs")
         result["plain"] = {"token_ids": plain_ids, "stats": plain}
         result["speedup"] = stats["tokens_per_s"] / plain["tokens_per_s"]
@@ -278,7 +318,8 @@ def generate(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(result["text"])
+    if not args.stream:  # else already written
+        print(result["text"])
     print(_stats_line(args.drafter if drafter is not None else "none", stats), file=sys.stderr)
     if logprobs is not None:
         print(f"[log-probability of the {len(logprobs)} generated tokens: {sum(logprobs):.4f}]", file=sys.stderr)
@@ -394,14 +435,19 @@ def main(argv=None) -> int:
     g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the text round by round as it is generated (rounds stepped from Python, one host sync each)",
+    )
+    g.add_argument(
         "--logprobs",
         action="store_true",
         help="the target's log-probability of each generated token (in --json output; else their sum on stderr)",
     )
     args = ap.parse_args(argv)
-    enable_compile_cache(args.compile_cache)
     try:
+        enable_compile_cache(args.compile_cache)
         return generate(args)
-    except (ValueError, FileNotFoundError) as e:  # bad input: a clear message, not a traceback
+    except (ValueError, OSError) as e:  # bad input (a missing or unreadable path too): a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -28,6 +28,8 @@ from jspec import cli
         (["--top-p", "0.9"], "--top-p 0.9 has no effect at --temperature 0"),
         (["--min-p", "0.1", "--temperature", "0"], "--min-p 0.1 has no effect"),
         (["--drafter", "eagle", "--tree", "3,,1"], "--tree wants comma-separated branching factors"),
+        (["--drafter", "eagle", "--dynamic-tree", "2,2"], "--dynamic-tree wants TOP_K,DEPTH,BUDGET (three integers)"),
+        (["--stream", "--json"], "--stream prints the text as it is generated; --json prints one object"),
     ],
 )
 def test_ignored_flags_are_refused(flags, message, monkeypatch, capsys):
@@ -62,3 +64,14 @@ def test_flags_their_drafter_reads_pass_the_check(flags, monkeypatch):
     monkeypatch.setattr(cli, "model_loader", loader)
     with pytest.raises(_Loaded):
         cli.main(["generate", "--prompt", "hi", "--compile-cache", "none", *flags])
+
+
+def test_an_unusable_compile_cache_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    def no_load(*_, **__):
+        raise AssertionError("the cache directory must be refused before a model is loaded")
+
+    monkeypatch.setattr(cli, "model_loader", no_load)
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    (tmp_path / "file").write_text("not a directory")
+    assert cli.main(["generate", "--prompt", "hi", "--compile-cache", str(tmp_path / "file" / "xla")]) == 2
+    assert "error:" in capsys.readouterr().err
