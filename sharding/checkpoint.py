@@ -44,9 +44,20 @@ def stored_shapes(path: str | os.PathLike) -> Any:
     return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
 
 
+def _check_dtype(dtype: Any) -> None:
+    """A restore dtype must be a floating-point one: it recasts weights, and an integer dtype would truncate them."""
+    if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(
+            f"dtype={jnp.dtype(dtype)} is not a floating-point dtype: a restore recasts the floating-point leaves "
+            "(weights) to it, and an integer dtype would truncate them (give e.g. bfloat16 or float32, or None)"
+        )
+
+
 def abstract(shapes: Any, shardings: Any, dtype: Any = None) -> Any:
     """ShapeDtypeStruct targets: the leaves of ``shapes`` (anything with shape/dtype) with ``shardings``;
-    ``dtype`` recasts the floating-point leaves only (token-id maps stay integers: 1025 in bf16 is 1024)."""
+    ``dtype`` (a floating-point dtype; others are refused) recasts the floating-point leaves only (token-id maps
+    stay integers: 1025 in bf16 is 1024)."""
+    _check_dtype(dtype)
 
     def leaf(x, s):
         cast = dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
@@ -72,8 +83,10 @@ def restore_params(
     """Restore a parameter tree onto ``mesh`` with the table's layout (``axes`` None: replicated).
 
     shapes: the expected tree (e.g. ``models.llama.param_shapes`` as ShapeDtypeStructs, or arrays); default:
-      read from the checkpoint. dtype: cast on restore (e.g. bfloat16), default as stored.
+      read from the checkpoint. dtype: a floating-point dtype (e.g. bfloat16) the floating-point leaves are
+      recast to on restore; other leaves (integers) keep their stored dtype; default: every leaf as stored.
     """
+    _check_dtype(dtype)  # before reading anything
     shapes = stored_shapes(path) if shapes is None else shapes
     if axes is None:
         shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), shapes)
@@ -104,7 +117,9 @@ def restore_decode_params(
     next to a tensor-parallel target: ``rules('data')``), defaulting to the target's. Both are fitted to the
     stored shapes on this mesh (``fit_rules``), so rules fitted for the mesh the checkpoint was saved from
     cannot leave query heads split over KV heads that this one replicates. Without ``draft_axes`` a stored
-    draft is restored whole on every device (and ``draft_rules`` cannot be given)."""
+    draft is restored whole on every device (and ``draft_rules`` cannot be given). dtype: as ``restore_params``'s
+    (floating-point leaves only)."""
+    _check_dtype(dtype)
     shapes = stored_shapes(path)
     tr = fit_rules(target_rules, target_axes, shapes[TARGET], mesh)
     shardings = {TARGET: tree_shardings(target_axes, shapes[TARGET], mesh, tr)}

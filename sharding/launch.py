@@ -51,38 +51,44 @@ def launch(
     A child still running at the timeout, or once another child has failed, is killed with every process it
     started (each child leads its own process group: a ``bash -c`` wrapper's Python would otherwise outlive it,
     holding the coordinator port and the output pipe) (exit code -9)."""
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
     port = free_port()
     procs, outputs, threads = [], [[] for _ in range(num_processes)], []
-    for i in range(num_processes):
-        child_env = dict(os.environ if env is None else env)
-        child_env.update(
-            {ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(num_processes), ENV_PROCESS_ID: str(i)}
-        )
-        if cpu_devices:
-            child_env[ENV_CPU_DEVICES] = str(cpu_devices)
-        p = subprocess.Popen(
-            list(cmd),
-            env=child_env,
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        procs.append(p)
-
-        def pump(p=p, i=i):
-            for line in p.stdout:
-                outputs[i].append(line)
-                if echo:
-                    sys.stdout.write(f"[p{i}] {line}")
-                    sys.stdout.flush()
-
-        t = threading.Thread(target=pump, daemon=True)
-        t.start()
-        threads.append(t)
-    deadline = time.monotonic() + timeout
     try:
+        # Started inside the try: a Popen that fails (a missing executable, too many processes) must not leave
+        # the children already started running, blocked in a collective with the one that never came.
+        for i in range(num_processes):
+            child_env = dict(os.environ if env is None else env)
+            child_env.update(
+                {ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(num_processes), ENV_PROCESS_ID: str(i)}
+            )
+            if cpu_devices:
+                child_env[ENV_CPU_DEVICES] = str(cpu_devices)
+            p = subprocess.Popen(
+                list(cmd),
+                env=child_env,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                encoding="utf-8",
+                errors="replace",  # a stray non-UTF-8 byte must not kill the reader (and then block the child)
+                start_new_session=True,
+            )
+            procs.append(p)
+
+            def pump(p=p, i=i):
+                for line in p.stdout:
+                    outputs[i].append(line)
+                    if echo:
+                        sys.stdout.write(f"[p{i}] {line}")
+                        sys.stdout.flush()
+
+            t = threading.Thread(target=pump, daemon=True)
+            t.start()
+            threads.append(t)
+        deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             failed = any(p.poll() not in (None, 0) for p in procs)
             if failed or time.monotonic() > deadline:
@@ -113,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         ap.error("no command given (put it after --)")
+    if args.num_processes < 1:
+        ap.error(f"-n/--num-processes must be at least 1, got {args.num_processes}")
     codes, _ = launch(cmd, args.num_processes, args.cpu_devices or None, timeout=args.timeout)
     print(f"exit codes: {codes}")
     return 0 if all(c == 0 for c in codes) else 1

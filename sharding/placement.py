@@ -23,7 +23,11 @@ def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """Place one array whose global value every process knows (host data), or re-lay out a ``jax.Array``
     that already spans the processes (a restored checkpoint: ``np.asarray`` of it would fail on the shards
     this process cannot address)."""
-    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+    if (
+        jax.process_count() == 1
+        or sharding.is_fully_addressable  # a mesh of this process's devices only: nothing to assemble
+        or (isinstance(x, jax.Array) and not x.is_fully_addressable)
+    ):
         return jax.device_put(x, sharding)
     host = np.asarray(x)  # each process builds only its addressable shards from the full host copy
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
@@ -35,7 +39,7 @@ def put_tree(tree: Any, shardings: Any) -> Any:
 
 def put_rows(local: Any, sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> jax.Array:
     """Place local [B_local, ...] rows (this process's ``local_rows``) of a global [B, ...] array."""
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or sharding.is_fully_addressable:  # this process's devices only: local is global
         return jax.device_put(local, sharding)
     return jax.make_array_from_process_local_data(sharding, np.asarray(local), global_shape)
 

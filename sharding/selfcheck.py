@@ -207,14 +207,21 @@ def _stream_check(sd) -> dict:
     """Round-by-round decoding from Python with the jitted (prefill, round) pair: the tokens must be those of
     the fused loop, and the round must consume (donate) the state it is given."""
     rows: list[list[int]] = [[] for _ in range(sd.global_batch)]
-    for chunk in sd.stream():
+    stream = sd.stream()
+    for chunk in stream:
         for i, toks in enumerate(chunk):
             rows[i] += toks
+    out = stream.output()
     pre, step = sd.step_fns()
     tp, dp, *inputs = sd.args()
     st0 = jax.block_until_ready(pre(tp, dp, *inputs))
     jax.block_until_ready(step(tp, dp, st0))
-    return {"stream_tokens": rows, "state_donated": bool(st0.cache.k.is_deleted())}
+    return {
+        "stream_tokens": rows,
+        "stream_stop": [r.name for r in stream.stop_reasons],
+        "stream_output": {"tokens": out.tokens, "stop": [r.name for r in out.stop_reason]},
+        "state_donated": bool(st0.cache.k.is_deleted()),
+    }
 
 
 def checkpoint_scenario() -> dict:
@@ -378,7 +385,99 @@ def multiprocess_scenario() -> dict:
         out["mixed_batches"] = "accepted"
     except ValueError as e:
         out["mixed_batches"] = str(e)
+    out.update(_multiprocess_refusals(cfg, tp, dcfg, dp, plan, stp, sdp, rows, local_prompts, drafter))
     multihost_utils.sync_global_devices("selfcheck done")
+    return out
+
+
+LOCAL_MESH_ROWS = (1, 6)  # the row each process decodes on a mesh of its own device
+
+
+def _multiprocess_refusals(cfg, tp, dcfg, dp, plan, stp, sdp, rows, local_prompts, drafter) -> dict:
+    """What the processes must agree on, and a decode that involves no other process. Every case but the first
+    is refused in both processes (nothing compiled); the last one would leave the processes in different
+    collectives if it were not caught by the first one (it must stay last)."""
+    from models.llama import make_model, param_logical_axes
+    from sharding.mesh import make_mesh, single_device_mesh
+    from sharding.placement import shard_params
+    from sharding.sharded_decode import make_plan, prepare_sharded
+
+    me, model, out = jax.process_index(), make_model(cfg), {}
+
+    def refused(name, *args, **kw):
+        try:
+            prepare_sharded(*args, **kw)
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = str(e)
+
+    # A mesh of this process's own device: a local decode while another process runs, with other prompts and
+    # process_local left False (it gathered across processes, and refused the different prompts).
+    local = single_device_mesh()
+    plan_l = make_plan(local, "data_tensor")
+    row = LOCAL_MESH_ROWS[me]
+    sd = prepare_sharded(
+        model,
+        shard_params(tp, param_logical_axes(cfg), local, plan_l.target),
+        [prompts()[row]],
+        plan=plan_l,
+        **_kw("greedy", [row]),
+    )
+    out["local_mesh"] = {"row": row, "tokens": sd.run().tokens}
+    # A mesh of the other process's devices only: refused at once (its checks would gather over both processes).
+    other = [d for d in jax.devices() if d.process_index != me][:1]
+    refused("other_process_mesh", model, tp, local_prompts, plan=make_plan(make_mesh((1, 1), devices=other)))
+    # One seed for the batch, a different one in each process: each would sample its rows under another key.
+    kw = dict(_kw("sampled", rows, drafter), seed=11 + me)
+    refused(
+        "different_seeds",
+        model,
+        stp,
+        local_prompts,
+        plan=plan,
+        drafter=drafter,
+        draft_params=sdp,
+        process_local=True,
+        **kw,
+    )
+    # Another draft preset in process 1: other programs (their collectives would never meet).
+    plan_p = plan if me == 0 else _plan(plan.mesh, "data_tensor", cfg, tp, dcfg, dp)
+    refused(
+        "different_plans",
+        model,
+        stp,
+        local_prompts,
+        plan=plan_p,
+        drafter=drafter,
+        draft_params=sdp,
+        process_local=True,
+        **_kw("greedy", rows, drafter),
+    )
+    # The whole batch with other budgets in each process and no max_len: the cache sizes follow the budgets (128
+    # and 256 slots), but the inputs are what differs and what the error must name.
+    budgets = dict(temperature=0.0, max_new_tokens=10 if me == 0 else 200)
+    refused("different_budgets", model, stp, prompts(), plan=plan, **budgets)
+    # Every process holds every row (data axis 1): process 1's row 3 prompt and row 5 seed differ from process 0's.
+    mesh_r = make_mesh((1, 8))
+    plan_r = _plan(mesh_r, "data", cfg, tp, dcfg, dp)
+    kw, ps = _kw("row_seeds", range(8)), [list(x) for x in prompts()]
+    if me == 1:
+        ps[3][0] = (ps[3][0] + 1) % cfg.vocab_size
+        kw["seed"] = [s + 100 * (i == 5) for i, s in enumerate(kw["seed"])]
+    stp_r = shard_params(tp, param_logical_axes(cfg), mesh_r, plan_r.target)
+    refused("shared_rows_differ", model, stp_r, ps, plan=plan_r, process_local=True, **kw)
+    # process_local=True in process 0 only: the first collective compares it, before any other.
+    refused(
+        "mixed_process_local",
+        model,
+        stp,
+        local_prompts,
+        plan=plan,
+        drafter=drafter,
+        draft_params=sdp,
+        process_local=me == 0,
+        **_kw("greedy", rows, drafter),
+    )
     return out
 
 

@@ -26,7 +26,7 @@ import functools
 import hashlib
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jspec import decode as jdecode
-from jspec.decode import DecodeConfig, DecodeOutput, DecodeState, StopReason, decode_round, generate_arrays, prefill
+from jspec.decode import DecodeConfig, DecodeOutput, DecodeState, decode_round, generate_arrays, prefill
 from jspec.model import Model
 from jspec.sampling import SamplingParams
 from sharding.placement import cache_shardings, local_rows, put, put_rows, rows_sharding
@@ -327,21 +327,14 @@ class ShardedDecode:
         """(prefill, round): the jitted pieces ``stream`` runs; the round's state argument is donated."""
         return _step_fns(*self.step_key)
 
-    def stream(self) -> Iterator[list[list[int]]]:
+    def stream(self) -> jdecode.DecodeStream:
         """Like ``jspec.decode.decode_stream``: yields, after prefill and after every round, the tokens each row
-        emitted (all rows, in every process). Each round is blocked on before the next is dispatched (XLA:CPU
-        deadlocks on long queues of programs with collectives)."""
-        if self.config.logprobs:
-            raise ValueError("stream yields tokens only: logprobs=True needs run() (it would be computed and lost)")
+        emitted (all rows, in every process), with the stream's ``stop_reasons``, ``logprobs`` and ``output()``.
+        Every step fetches its tokens to the host, so each round is blocked on before the next is dispatched
+        (XLA:CPU deadlocks on long queues of programs with collectives). With several processes, every process
+        must step the stream (and call ``output()``) alike: the fetches are collectives."""
         pre, step = self.step_fns()
-        target_params, draft_params, *inputs = self.args()
-        st = pre(target_params, draft_params, *inputs)
-        seq, seq_len, stop = _to_host((st.seq, st.seq_len, st.stop))
-        yield [[int(seq[i, seq_len[i] - 1])] for i in range(seq.shape[0])]
-        while np.any(stop == StopReason.RUNNING):
-            st, emitted, n_emit = step(target_params, draft_params, st)
-            emitted, n_emit, stop = _to_host((emitted, n_emit, st.stop))
-            yield [emitted[i, : n_emit[i]].tolist() for i in range(emitted.shape[0])]
+        return jdecode.DecodeStream(pre, step, self.args(), self.config.logprobs, _to_host, gather_output)
 
     def run_timed(self) -> DecodeOutput:
         """Like ``PreparedDecode.run_timed``: compile, then time execution + gathering the tokens alone."""
@@ -377,49 +370,149 @@ def gather_output(st: DecodeState) -> DecodeOutput:
     return jdecode.to_output(host)
 
 
-def _agree_ok(error: Exception | None) -> None:
-    """A collective (every process calls it at the same point): the processes whose local check failed raise
-    their own error, the others a ValueError naming them, so that none goes on to a gather the others never
-    reach."""
-    failed = np.asarray(multihost_utils.process_allgather(np.asarray([error is not None], np.int64))).ravel()
+def _spans_processes(mesh: Mesh) -> bool:
+    """Whether a decode on ``mesh`` involves other processes: True when the mesh holds devices of every process
+    (the agreement checks of ``prepare_sharded`` then gather over all processes), False when it holds devices
+    of this process only (a purely local decode, e.g. on ``single_device_mesh``, even when several processes
+    run). A mesh over some processes but not all is refused: the checks gather over every process, and those
+    outside the mesh would never join them."""
+    procs = sorted({d.process_index for d in mesh.devices.flat})
+    if procs == [jax.process_index()]:
+        return False
+    if len(procs) == jax.process_count():
+        return True
+    raise ValueError(
+        f"the plan's mesh holds devices of process(es) {procs} of {jax.process_count()} (this is process "
+        f"{jax.process_index()}): a sharded decode runs on a mesh over this process's devices only, or over the "
+        "devices of every process (its agreement checks gather over all processes)"
+    )
+
+
+def _digest(*parts: Any) -> int:
+    """31 bits of a SHA-256 over arrays and strings (with their dtypes and shapes), never 0: an int32 (what a gather
+    carries without 64-bit mode) that 0 can stand beside as "nothing here"."""
+    h = hashlib.sha256()
+    for a in parts:
+        a = np.frombuffer(a.encode(), np.uint8) if isinstance(a, str) else np.ascontiguousarray(a)
+        h.update(str((a.dtype.str, a.shape)).encode())
+        h.update(a.tobytes())
+    return (int.from_bytes(h.digest()[:4], "little") & 0x7FFFFFFF) or 1
+
+
+def _gather(values: Sequence[int]) -> np.ndarray:
+    """A collective (every process calls it at the same point, with as many values): every process's ``values``
+    (int32) as a [processes, len(values)] table, the same in every process."""
+    row = np.asarray(values, np.int32)
+    return np.asarray(multihost_utils.process_allgather(row)).reshape(-1, row.size)
+
+
+def _raise_failed(failed: np.ndarray, error: Exception | None, what: str) -> None:
+    """After a gather that carried each process's ``error is not None``: the processes whose local check failed
+    raise their own error, the others a ValueError naming them, so that none goes on to a collective the others
+    never reach."""
     if error is not None:
         raise error
-    if failed.any():
+    if np.any(failed):
         raise ValueError(
-            f"process(es) {np.nonzero(failed)[0].tolist()} refused their rows' inputs (their own error says why); "
+            f"process(es) {np.nonzero(failed)[0].tolist()} refused {what} (their own error says why); "
             f"process {jax.process_index()}'s were valid"
         )
 
 
-def _agree_same(arrays: Sequence[np.ndarray], what: str | None = None) -> None:
-    """A collective: refuses (in every process) inputs that are not the same in every process. ``what`` names
-    them in the error (default: the whole batch of a process_local=False run)."""
-    h = hashlib.sha256()
-    for a in arrays:
-        a = np.ascontiguousarray(a)
-        h.update(str((a.dtype.str, a.shape)).encode())
-        h.update(a.tobytes())
-    digest = np.frombuffer(h.digest()[:8], np.int64)
-    digests = np.asarray(multihost_utils.process_allgather(digest)).ravel()
-    if np.any(digests != digests[0]):
-        groups = [np.nonzero(digests == d)[0].tolist() for d in dict.fromkeys(digests.tolist())]
-        if what is not None:
-            raise ValueError(
-                f"the processes passed different {what} (groups of equal ones: {groups}): every process must "
-                "compile the same program"
-            )
-        raise ValueError(
-            f"process_local=False, but the processes passed different inputs (groups of equal ones: {groups}): "
-            "pass the same prompts and options in every process, or each process's own rows "
-            "(rows_for_process) with process_local=True"
+def _refuse_unequal(column: np.ndarray, what: str, hint: str) -> None:
+    """Refuses (in every process: each sees the same table) a gathered value that differs between processes."""
+    if np.any(column != column[0]):
+        groups = [np.nonzero(column == v)[0].tolist() for v in dict.fromkeys(column.tolist())]
+        raise ValueError(f"{what} (groups of equal ones: {groups}): {hint}")
+
+
+def _setup_digest(plan: DecodePlan, process_local: bool, target_params: Any, draft_params: Any) -> int:
+    """What decides the program a process compiles and the checks it runs before comparing any input: the plan
+    (rules, and the mesh's axes, shape, devices and axis types), the parameters' layouts and process_local."""
+
+    def layout(tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        spec = lambda x: str(getattr(getattr(x, "sharding", None), "spec", None))  # noqa: E731
+        return str(treedef), [(tuple(x.shape), str(x.dtype), spec(x)) for x in leaves]
+
+    m = plan.mesh
+    mesh = (
+        tuple(m.axis_names),
+        tuple(m.devices.shape),
+        [d.id for d in m.devices.flat],
+        tuple(str(t) for t in getattr(m, "axis_types", ())),
+    )
+    return _digest(
+        repr((bool(process_local), plan.target, plan.draft, plan.draft_fitted, mesh))
+        + repr((layout(target_params), layout(draft_params)))
+    )
+
+
+def _agree_on_inputs(
+    pd: Any, error: Exception | None, target: Model, drafter, plan: DecodePlan, process_local: bool, global_b: int
+) -> int:
+    """A collective after ``jspec.decode.prepare`` in every process (``pd``: its result, None where ``error``
+    says why it failed): refuses, in every process and in this order, rows a process refused; with
+    process_local=False, inputs that are not the same everywhere; decode settings, drafters or kinds of seed
+    that differ (the program's static parts); with process_local=True, one key for the whole batch that differs
+    between processes, and rows held by several processes (a data axis smaller than the process count, or row
+    blocks that span processes) whose inputs differ between them (their devices would take different copies).
+    Returns the widest prompt width (every process must compile the same shapes)."""
+    n_rows = global_b if process_local else 0  # global_b and process_local are agreed on by now
+    values = [0] * (4 + n_rows)
+    if error is None:
+        _, _, prompt, plen, mnew, sampling, key = pd.args
+        prompt, plen, mnew = np.asarray(prompt), np.asarray(plen), np.asarray(mnew)
+        samp = [np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingParams)]
+        key_data = np.asarray(jax.random.key_data(key))
+        # Whether the key is one for the batch or one per row is static: one process with seed=[...] and another
+        # with seed=7 would compile two programs whose collectives never meet.
+        static = repr((pd.config, drafter, target.name, key.shape, str(jax.random.key_impl(key))))
+        static = re.sub(r" at 0x[0-9a-fA-F]+", "", static)  # the drafter's functions print their addresses
+        if not process_local:
+            # Every process claims to hold the whole batch: each device would take its rows from its own process's
+            # copy, so copies that differ would be mixed silently. Compared before the settings, which hold
+            # input-derived fields (the cache slots follow the prompts and budgets when max_len is not given).
+            values[0] = _digest(prompt, plen, mnew, *samp, key_data)
+        values[1] = _digest(static)
+        if process_local and key.ndim == 0:  # one key for the batch: the same in every process
+            values[2] = _digest(key_data)
+        values[3] = prompt.shape[1]
+        if process_local:  # per global row, among the processes that hold it (0: a row this process lacks)
+            held = local_rows(plan.rows((global_b,), global_b), (global_b,))
+            for j, r in enumerate(held.tolist()):
+                own_key = key_data[j] if key.ndim == 1 else key_data[:0]
+                values[4 + r] = _digest(prompt[j, : plen[j]], plen[j], mnew[j], *(s[j] for s in samp), own_key)
+    table = _gather([error is not None, *values])
+    _raise_failed(table[:, 0], error, "their rows' inputs")
+    if not process_local:
+        _refuse_unequal(
+            table[:, 1],
+            "process_local=False, but the processes passed different inputs",
+            "pass the same prompts and options in every process, or each process's own rows (rows_for_process) "
+            "with process_local=True",
         )
-
-
-def _agree_max(local: int) -> int:
-    """Max of an int over all processes (every process must compile the same shapes)."""
-    if jax.process_count() == 1:
-        return local
-    return int(np.max(multihost_utils.process_allgather(np.asarray([local], np.int64))))
+    _refuse_unequal(
+        table[:, 2],
+        "the processes passed different decode settings, drafters or kinds of seed",
+        "every process must compile the same program",
+    )
+    if process_local:
+        _refuse_unequal(
+            table[:, 3],
+            "the processes passed different seeds or keys for the whole batch",
+            "one seed (or key) for the batch must be the same in every process; per-row seeds go with their rows",
+        )
+        rows = table[:, 5:]
+        bad = [r for r in range(n_rows) if len(set(rows[:, r][rows[:, r] != 0].tolist())) > 1]
+        if bad:
+            raise ValueError(
+                f"process_local=True, but processes that hold the same rows passed different inputs for row(s) "
+                f"{bad[:16]}{' ...' if len(bad) > 16 else ''}: every process holding a row (rows_for_process) must "
+                "pass the same prompt, budget, sampling parameters and seed for it, or its devices would decode "
+                "different copies of it"
+            )
+    return int(table[:, 4].max())
 
 
 def global_batch(local: int, held: int, data_size: int) -> int:
@@ -459,28 +552,50 @@ def prepare_sharded(
     prompts: all B rows, or with ``process_local=True`` only this process's rows (``rows_for_process``), in
       order; per-row keyword arguments (temperature, max_new_tokens, ...) then cover those rows only.
     The batch must be divisible by the data axis (pad it with dummy rows otherwise).
+
+    Several processes: on a mesh over every process's devices, every process calls this alike, and collectives
+    compare, in this order, the plan (rules, mesh), the parameters' layouts and ``process_local`` (the first
+    collective, whatever else differs); then the inputs (process_local=False: the whole batch; True: each row
+    among the processes that hold it, and one seed or key for the batch); then the decode settings. Any
+    difference is a ValueError in every process, naming it. On a mesh of this process's devices only (e.g.
+    ``sharding.mesh.single_device_mesh``) the decode is local: nothing is compared with other processes and
+    ``process_local`` changes nothing. A mesh over some processes but not all is refused.
     """
-    tp_sh = _shardings_of(target_params, plan.mesh, "target_params")
-    dp_sh = _shardings_of(draft_params, plan.mesh, "draft_params")
-    multi = process_local and jax.process_count() > 1
-    if multi:
-        # Every process must compile the same program: agree on the batch and on the cache size.
-        counts = np.asarray(multihost_utils.process_allgather(np.asarray([len(prompts)], np.int64))).ravel()
-        d = plan.data_size
-        held = len(local_rows(plan.rows((d,), d), (d,)))  # this process's share of the data axis: held / d
-        try:
-            global_b, error = global_batch(len(prompts), held, d), None
-        except ValueError as e:  # raised after the gather below: the other processes must not wait in it
-            global_b, error = -1, e
-        agreed = np.asarray(multihost_utils.process_allgather(np.asarray([global_b], np.int64))).ravel()
-        if error is not None:
-            raise error
-        if np.any(agreed != global_b):
+    cross = _spans_processes(plan.mesh)  # refuses a mesh over some processes only (in each of them)
+    error: Exception | None = None
+    try:
+        tp_sh = _shardings_of(target_params, plan.mesh, "target_params")
+        dp_sh = _shardings_of(draft_params, plan.mesh, "draft_params")
+    except ValueError as e:  # raised after the first gather below: the other processes must not wait in it
+        if not cross:
+            raise
+        error = e
+    global_b = len(prompts)
+    if cross:
+        # The first collective, the same in every process whatever it was given: the set-up that decides which
+        # program each process compiles and which collectives follow (process_local, the plan, the parameter
+        # layouts), and the batch of process_local rows.
+        setup = _setup_digest(plan, process_local, target_params, draft_params)
+        if process_local and error is None:
+            d = plan.data_size
+            held = len(local_rows(plan.rows((d,), d), (d,)))  # this process's share of the data axis: held / d
+            try:
+                global_b = global_batch(len(prompts), held, d)
+            except ValueError as e:
+                global_b, error = -1, e
+        table = _gather([error is not None, setup, len(prompts), global_b])
+        _refuse_unequal(
+            table[:, 1],
+            "the processes passed different plans (mesh, rules), parameter layouts or process_local",
+            "every process must pass the same, or they compile different programs whose collectives never meet",
+        )
+        _raise_failed(table[:, 0], error, "their parameters or rows")
+        if process_local and np.any(table[:, 3] != global_b):
             raise ValueError(
-                f"the processes' rows ({counts.tolist()}) make batches of {agreed.tolist()}, not one batch: "
-                "pass the rows of rows_for_process(plan, batch) in every process"
+                f"the processes' rows ({table[:, 2].tolist()}) make batches of {table[:, 3].tolist()}, not one "
+                "batch: pass the rows of rows_for_process(plan, batch) in every process"
             )
-        if max_len is None:
+        if process_local and max_len is None:  # every process must compile the same cache size
             need, error = 0, None
             try:
                 budget = kwargs.get("max_new_tokens", 64)
@@ -494,40 +609,23 @@ def prepare_sharded(
                     need = min(need, target.max_positions)
             except (ValueError, TypeError) as e:
                 error = e
-            _agree_ok(error)
-            max_len = -(-_agree_max(need) // 128) * 128
+            table = _gather([error is not None, need])
+            _raise_failed(table[:, 0], error, "their rows' inputs")
+            max_len = -(-int(table[:, 1].max()) // 128) * 128
             if target.max_positions is not None:
                 max_len = min(max_len, target.max_positions)
-    else:
-        global_b = len(prompts)
     # This process's rows are checked here, between collectives: a process that refused them while the others
     # went on to the next gather would leave those waiting in it for good.
-    many = jax.process_count() > 1
     pd, error = None, None
     try:
         pd = jdecode.prepare(
             target, target_params, prompts, drafter=drafter, draft_params=draft_params, max_len=max_len, **kwargs
         )
-    except Exception as e:  # any error: the other processes must not wait for this one in the gathers below
-        if not many:
+    except Exception as e:  # any error: the other processes must not wait for this one in the gather below
+        if not cross:
             raise
         error = e
-    if many:
-        _agree_ok(error)
-        # The program's static parts, which no per-row agreement covers: the decode settings, the drafter, and
-        # whether the key is one for the batch or one per row (one process with seed=[...] and another with
-        # seed=7 would compile two programs whose collectives never meet).
-        key = pd.args[-1]
-        static = repr((pd.config, drafter, target.name, key.shape, str(jax.random.key_impl(key))))
-        static = re.sub(r" at 0x[0-9a-fA-F]+", "", static)  # the drafter's functions print their addresses
-        _agree_same([np.frombuffer(static.encode(), np.uint8)], "decode settings, drafters or kinds of seed")
-    if many and not process_local:
-        # Every process claims to hold the whole batch: each device would take its rows from its own process's
-        # copy, so copies that differ would be mixed silently (and other cache sizes compile other programs).
-        # Checked before any check that could fail in some processes only (they would leave the others waiting).
-        _, _, *inputs, key0 = pd.args
-        leaves = [np.asarray(x) for x in jax.tree.leaves(inputs)]
-        _agree_same([*leaves, np.asarray(jax.random.key_data(key0))])
+    pw = _agree_on_inputs(pd, error, target, drafter, plan, process_local, global_b) if cross else None
     if global_b % plan.data_size:
         raise ValueError(
             f"batch {global_b} is not divisible by the data axis ({plan.batch_axis}={plan.data_size}); "
@@ -537,7 +635,7 @@ def prepare_sharded(
     target, drafter = pinned_model(target, plan, plan.target), pinned_drafter(drafter, plan)
     _, _, prompt, plen, mnew, sampling, key = pd.args
     prompt, plen, mnew = np.asarray(prompt), np.asarray(plen), np.asarray(mnew)
-    pw = _agree_max(prompt.shape[1])
+    pw = prompt.shape[1] if pw is None else pw
     prompt = np.pad(prompt, ((0, 0), (0, pw - prompt.shape[1])))
     samp = {f.name: np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingParams)}
     key_data = np.asarray(jax.random.key_data(key))  # [W] or [B, W] (W: the key's words, 2 for threefry)

@@ -342,3 +342,82 @@ def test_restore_targets_recast_floats_only():
     shapes = {"ids": jax.ShapeDtypeStruct((4,), jnp.int32), "w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
     got = abstract(shapes, {"ids": dev, "w": dev}, jnp.bfloat16)
     assert got["ids"].dtype == jnp.int32 and got["w"].dtype == jnp.bfloat16
+
+
+def test_restore_refuses_non_float_dtypes():
+    """An integer restore dtype would truncate the float weights silently (it recasts floating leaves)."""
+    import jax.numpy as jnp
+
+    from sharding.checkpoint import abstract, restore_decode_params, restore_params
+    from sharding.mesh import single_device_mesh
+
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(ValueError, match="dtype=int8 is not a floating-point dtype"):
+        abstract({"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}, {"w": dev}, jnp.int8)
+    mesh = single_device_mesh()
+    with pytest.raises(ValueError, match="dtype=int32 is not a floating-point dtype"):  # before reading the path
+        restore_params("/nonexistent/ckpt", None, mesh, rules("replicated"), dtype="int32")
+    with pytest.raises(ValueError, match="dtype=bool is not a floating-point dtype"):
+        restore_decode_params("/nonexistent/ckpt", mesh, rules("replicated"), {}, dtype=bool)
+
+
+def _stand_in_mesh(*process_indices: int):
+    import numpy as np
+
+    devices = [types.SimpleNamespace(process_index=i) for i in process_indices]
+    return types.SimpleNamespace(devices=np.asarray(devices, dtype=object).reshape(1, -1))
+
+
+def test_cross_process_checks_follow_the_mesh_not_the_process_count(monkeypatch):
+    """With several processes running, a mesh of this process's devices only (``single_device_mesh``) is a
+    local decode: no agreement collectives (one process decoding alone hung in a gather the others never
+    joined). A mesh over every process runs them; one over some processes only is refused."""
+    from sharding.sharded_decode import _spans_processes
+
+    assert _spans_processes(_stand_in_mesh(0)) is False  # one process
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert _spans_processes(_stand_in_mesh(1, 1)) is False
+    assert _spans_processes(_stand_in_mesh(0, 1, 2, 2)) is True
+    with pytest.raises(ValueError, match=r"holds devices of process\(es\) \[0, 1\] of 3 \(this is process 1\)"):
+        _spans_processes(_stand_in_mesh(0, 1))
+    with pytest.raises(ValueError, match=r"process\(es\) \[2\] of 3"):  # another process's devices only
+        _spans_processes(_stand_in_mesh(2))
+
+
+def test_launch_refuses_fewer_than_one_process():
+    """``-n 0`` ran nothing and exited 0."""
+    from sharding.launch import main
+
+    with pytest.raises(ValueError, match="num_processes must be an int >= 1, got 0"):
+        launch([sys.executable, "-c", "pass"], 0, None, echo=False)
+    with pytest.raises(SystemExit) as e:
+        main(["-n", "-1", "--", sys.executable, "-c", "pass"])
+    assert e.value.code == 2
+
+
+def test_launch_stops_the_children_started_before_a_failing_start(monkeypatch, tmp_path):
+    """A Popen that fails for the second process left the first one running (the start loop was outside the
+    try/finally that stops the children)."""
+    import subprocess
+
+    real, started = subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        if started:
+            raise OSError("no more processes")
+        started.append(real(*args, **kwargs))
+        return started[0]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with pytest.raises(OSError, match="no more processes"):
+        launch([sys.executable, "-c", "import time; time.sleep(120)"], 2, None, timeout=60, echo=False)
+    _assert_gone(started[0].pid, "the first child")
+
+
+def test_launch_reads_output_that_is_not_utf8():
+    """A non-UTF-8 byte killed the reader thread (strict decoding): everything after it was lost."""
+    code = "import sys; sys.stdout.buffer.write(b'bad \\xff byte\\n'); sys.stdout.flush(); print('after')"
+    codes, outs = launch([sys.executable, "-c", code], 1, None, timeout=60, echo=False)
+    assert codes == [0]
+    assert outs[0] == "bad \ufffd byte\nafter\n"

@@ -124,6 +124,9 @@ def test_sharded_tokens_equal_single_device(runs, mesh, drafter, sampling):
 def test_round_by_round_stream_donates_state_and_matches(runs):
     e = _decode(runs, "8x1")["model"]
     assert e["stream_tokens"] == _reference(runs)["model"]["greedy"]
+    # every row ran to its budget (see test_sharded_tokens_equal_single_device), and the stream says so
+    assert e["stream_stop"] == ["MAX_NEW_TOKENS"] * 8
+    assert e["stream_output"] == {"tokens": e["stream_tokens"], "stop": e["stream_stop"]}
     assert e["state_donated"]  # the KV caches were updated in place, not copied, every round
 
 
@@ -214,3 +217,25 @@ def test_two_processes_match_single_process(runs):
     for p in (0, 1):  # each process's own rows without process_local=True: refused, not mixed
         assert "process_local=False, but the processes passed different inputs" in procs[p]["mixed_batches"]
     assert "process(es) [1] refused their rows' inputs" in procs[0]["bad_row"], procs[0]["bad_row"]
+
+
+def test_two_processes_refuse_what_they_disagree_on_and_decode_alone_on_local_meshes(runs):
+    mp = runs["mp"]
+    assert mp["codes"] == [0, 0], "\n".join(mp["outputs"])
+    procs = mp["processes"]
+    plain = _reference(runs)["plain"]["greedy"]
+    for p in (0, 1):
+        # A mesh of the process's own device: decoded locally (other prompts, process_local=False), no gather.
+        local = procs[p]["local_mesh"]
+        assert local["row"] == (1, 6)[p] and local["tokens"] == [plain[local["row"]]], (p, local)
+        # The plan, the parameter layouts and process_local are compared first, whatever else differs.
+        for case in ("different_plans", "mixed_process_local"):
+            assert "different plans (mesh, rules), parameter layouts or process_local" in procs[p][case], (p, case)
+        # One seed for the whole batch that differs between processes (per-row seeds may differ).
+        assert "different seeds or keys for the whole batch" in procs[p]["different_seeds"], procs[p]
+        # process_local=False with other budgets (hence other cache sizes): the inputs are named, not the settings.
+        assert "process_local=False, but the processes passed different inputs" in procs[p]["different_budgets"]
+        # Rows every process holds (data axis 1) whose prompt / seed differ between the processes.
+        assert "different inputs for row(s) [3, 5]" in procs[p]["shared_rows_differ"], procs[p]
+    assert "holds devices of process(es) [1] of 2 (this is process 0)" in procs[0]["other_process_mesh"]
+    assert "holds devices of process(es) [0] of 2 (this is process 1)" in procs[1]["other_process_mesh"]
