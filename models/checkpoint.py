@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from models.llama import LlamaConfig, Params
+from models.llama import LlamaConfig, Params, end_token_ids
 
 
 class CheckpointError(ValueError):
@@ -122,6 +123,59 @@ def params_from_hf_layout(cfg: LlamaConfig, get: Callable[[str], np.ndarray]) ->
 
 # GGUF keys of tokens that end generation besides ``tokenizer.ggml.eos_token_id``.
 GGUF_END_KEYS = ("eot", "eom")
+
+# Token texts llama.cpp ends generation at whatever the metadata says: llama-vocab.cpp, ``llama_vocab::impl::load``
+# ("maintain a list of tokens that cause end-of-generation", ggml-org/llama.cpp issue 9606), which also makes each
+# of them a CONTROL token. Its current list also has texts of model families jspec does not load (PaddleOCR's
+# "</s>", Kimi-K2's "[EOT]", SmolDocling's "<end_of_utterance>", Gemma-4's), left out here.
+GGUF_END_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "<|end_of_text|>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek's <｜end▁of▁sentence｜>
+        "<|return|>",  # gpt-oss (o200k_harmony)
+        "<|call|>",
+        "<|calls|>",  # Solar-Open
+        "<|flush|>",
+    }
+)
+# The same load ends generation at the fill-in-the-middle pad / repository / file-separator tokens too: the id
+# tokenizer.ggml.fim_{pad,rep,sep}_token_id names, else a token with one of these texts (llama.cpp takes the one
+# its hash map meets first when several match; the lowest id here). SmolLM2's <reponame> (id 4) is such a token.
+GGUF_FIM_END_TEXTS = {
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+
+
+def gguf_end_ids(get: Callable[[str], Any]) -> tuple[int, ...]:
+    """Every id llama.cpp ends generation at, from GGUF metadata read by ``get(key)`` (None when absent).
+
+    The metadata's EOS (the canonical one, first), EOT and EOM ids, then in id order every token whose text is in
+    ``GGUF_END_TEXTS`` and the FIM tokens of ``GGUF_FIM_END_TEXTS``; no id twice. As llama.cpp does, ``<|end|>``
+    is left out when the set also holds ``<|return|>`` and ``<|call|>`` (gpt-oss) or ``<|calls|>`` and
+    ``<|flush|>`` (Solar-Open): there it ends a message, not the turn.
+    """
+    tokens = get("tokenizer.ggml.tokens") or []
+    by_text = {i for i, t in enumerate(tokens) if t in GGUF_END_TEXTS}
+    for role, texts in GGUF_FIM_END_TEXTS.items():
+        named = get(f"tokenizer.ggml.{role}_token_id")
+        found = [i for i, t in enumerate(tokens) if t in texts] if named is None else [named]
+        by_text.update(found[:1])
+    ids = end_token_ids([*(get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", *GGUF_END_KEYS)), *sorted(by_text)])
+    texts = {tokens[i]: i for i in ids if 0 <= i < len(tokens)}
+    calls = "<|call|>" in texts or "<|calls|>" in texts
+    if "<|end|>" in texts and calls and ("<|return|>" in texts or "<|flush|>" in texts):
+        ids = tuple(i for i in ids if i != texts["<|end|>"])
+    return ids
 
 
 def read_json(path: str) -> dict | None:

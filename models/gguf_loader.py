@@ -18,7 +18,13 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from models.checkpoint import GGUF_END_KEYS, CheckpointError, check_tensors, hf_expected_shapes, params_from_hf_layout
+from models.checkpoint import (
+    CheckpointError,
+    check_tensors,
+    gguf_end_ids,
+    hf_expected_shapes,
+    params_from_hf_layout,
+)
 from models.llama import LlamaConfig, Params, canonical_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -116,6 +122,10 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
     hidden = int(_field(gf, f"{arch}.embedding_length"))
     num_layers = int(_field(gf, f"{arch}.block_count"))
     heads = _per_layer(gf, f"{arch}.attention.head_count", num_layers)
+    kv_heads = _per_layer(gf, f"{arch}.attention.head_count_kv", num_layers, heads)
+    for key, count in (("head_count", heads), ("head_count_kv", kv_heads)):
+        if count <= 0:
+            raise CheckpointError(f"{gf.path}: {arch}.attention.{key} is {count}: a model needs at least one head")
     head_dim = int(_field(gf, f"{arch}.attention.key_length", hidden // heads))
     rot = int(_field(gf, f"{arch}.rope.dimension_count", head_dim))
     if rot != head_dim:
@@ -132,7 +142,7 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
         hidden=hidden,
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=_per_layer(gf, f"{arch}.attention.head_count_kv", num_layers, heads),
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         ffn=_per_layer(gf, f"{arch}.feed_forward_length", num_layers),
         rope_theta=float(_field(gf, f"{arch}.rope.freq_base", 10000.0)),
@@ -141,9 +151,7 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
         qkv_bias=arch == "qwen2",
         bos_id=_field(gf, "tokenizer.ggml.bos_token_id", required=False),
         eos_id=_field(gf, "tokenizer.ggml.eos_token_id", required=False),
-        eos_ids=tuple(
-            i for k in GGUF_END_KEYS if (i := _field(gf, f"tokenizer.ggml.{k}_token_id", required=False)) is not None
-        ),
+        eos_ids=gguf_end_ids(lambda key: _field(gf, key, required=False)),  # as llama.cpp: by id and by text
         dtype=canonical_dtype(dtype),
         name=name or _field(gf, "general.name", "", required=False) or arch,
         max_positions=_optional_int(_field(gf, f"{arch}.context_length", required=False)),

@@ -158,26 +158,20 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
         raise CheckpointError(
             f"{cfg_path}: unsupported model_type '{mtype}' (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    rope = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {}
-    # Both places may name a type; a scaling entry that names none (only a factor) still scales positions.
-    for where, d in (("rope_scaling", scaling), ("rope_parameters", rope)):
-        rope_type = d.get("rope_type", d.get("type"))
-        if rope_type not in (None, "default"):
-            raise CheckpointError(f"{cfg_path}: RoPE scaling '{rope_type}' is not supported")
-        other = sorted(set(d) - {"rope_type", "type", "rope_theta"})
-        if rope_type is None and other:
-            raise CheckpointError(
-                f"{cfg_path}: {where} has {other} but no type: RoPE scaling of an unknown kind is not supported"
-            )
+    rope_theta = _rope_theta(c, cfg_path)
     unsupported = {
         "attention_bias": mtype != "qwen2" and c.get("attention_bias", False),
         "mlp_bias": c.get("mlp_bias", False),
-        "use_sliding_window": c.get("use_sliding_window", False),
+        # Qwen2 names the layers that slide (_qwen2_sliding_layers); the others have no per-layer switch.
+        "use_sliding_window": mtype != "qwen2" and c.get("use_sliding_window", False),
         "sliding_window": mtype == "mistral" and c.get("sliding_window") is not None,
         f"hidden_act={c.get('hidden_act')}": c.get("hidden_act", "silu") != "silu",
     }
-    unsupported[f"partial_rotary_factor={c.get('partial_rotary_factor')}"] = c.get("partial_rotary_factor", 1.0) != 1.0
+    partial = c.get("partial_rotary_factor")  # null is unset, as transformers reads it
+    unsupported[f"partial_rotary_factor={partial}"] = partial not in (None, 1)
+    if mtype == "qwen2":
+        sliding = _qwen2_sliding_layers(c, cfg_path)
+        unsupported[f"sliding-window attention in layers {sliding}"] = bool(sliding)
     bad = [k for k, v in unsupported.items() if v]
     if bad:
         raise CheckpointError(f"{cfg_path}: unsupported setting {bad[0]}")
@@ -198,7 +192,7 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
             num_kv_heads=int(c.get("num_key_value_heads") or heads),
             head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
             ffn=int(c["intermediate_size"]),
-            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            rope_theta=rope_theta,
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=mtype == "qwen2",
@@ -213,6 +207,66 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
         raise CheckpointError(f"{cfg_path}: missing key {e}") from e
     except (TypeError, ValueError, ZeroDivisionError) as e:  # e.g. "num_attention_heads": null, or 0
         raise CheckpointError(f"{cfg_path}: {e}") from e
+
+
+def _rope_theta(c: dict, cfg_path: str) -> float:
+    """config.json's RoPE base, read as transformers 5 reads it, refusing scaling this model does not implement.
+
+    transformers (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``) takes its RoPE dict from
+    ``rope_scaling`` when that is non-empty, else from ``rope_parameters``, and the base from that dict's
+    ``rope_theta``, else the top-level ``rope_theta``, else 10000. A config giving both dicts, different, is
+    refused: transformers would ignore ``rope_parameters`` (the current name) without a word.
+    """
+    rope = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or {}
+    # Both places may name a type; a scaling entry that names none (only a factor) still scales positions.
+    for where, d in (("rope_scaling", scaling), ("rope_parameters", rope)):
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{cfg_path}: {where} must be an object, got {d!r}")
+        rope_type = d.get("rope_type", d.get("type"))
+        if rope_type not in (None, "default"):
+            raise CheckpointError(f"{cfg_path}: RoPE scaling '{rope_type}' is not supported")
+        other = sorted(set(d) - {"rope_type", "type", "rope_theta"})
+        if rope_type is None and other:
+            raise CheckpointError(
+                f"{cfg_path}: {where} has {other} but no type: RoPE scaling of an unknown kind is not supported"
+            )
+    if rope and scaling and rope != scaling:
+        raise CheckpointError(
+            f"{cfg_path}: rope_scaling {scaling} and rope_parameters {rope} differ: transformers would read only "
+            "rope_scaling; give one of them"
+        )
+    d = scaling or rope
+    theta = d["rope_theta"] if "rope_theta" in d else c.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise CheckpointError(f"{cfg_path}: rope_theta must be a positive number, got {theta!r}")
+    return float(theta)
+
+
+def _qwen2_sliding_layers(c: dict, cfg_path: str) -> list[int]:
+    """The layers a Qwen2 config gives sliding-window attention, as transformers' Qwen2Config decides: its
+    ``layer_types`` when given, else layer i slides when ``use_sliding_window`` is on, ``sliding_window`` is not
+    null and i >= ``max_window_layers`` (defaults 4096 and 28). So ``max_window_layers >= num_hidden_layers``
+    means no layer slides."""
+    try:
+        layers = int(c["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        return []  # refused by name where the config is read
+    types = c.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise CheckpointError(f"{cfg_path}: layer_types must list one type per layer ({layers}), got {types!r}")
+        # "attention" is the legacy name transformers reads as "full_attention" (remap_legacy_layer_types).
+        other = [t for t in types if t not in ("full_attention", "attention", "sliding_attention")]
+        if other:
+            raise CheckpointError(f"{cfg_path}: unsupported layer type {other[0]!r} in layer_types")
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if not c.get("use_sliding_window", False) or c.get("sliding_window", 4096) is None:
+        return []
+    first = c.get("max_window_layers", 28)
+    if isinstance(first, bool) or not isinstance(first, int):
+        raise CheckpointError(f"{cfg_path}: max_window_layers must be a layer count, got {first!r}")
+    return list(range(max(first, 0), layers))
 
 
 def params_from_hf(path: str | os.PathLike, cfg: LlamaConfig) -> Params:

@@ -16,15 +16,18 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from models.checkpoint import GGUF_END_KEYS, CheckpointError, hf_id_list, read_json
+from models.checkpoint import GGUF_END_TEXTS, GGUF_FIM_END_TEXTS, CheckpointError, gguf_end_ids, hf_id_list, read_json
 from models.llama import end_token_ids
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
+# Texts of the tokens llama.cpp ends generation at by their spelling (checkpoint.gguf_end_ids).
+_END_TEXTS = GGUF_END_TEXTS.union(*GGUF_FIM_END_TEXTS.values())
 
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -64,10 +67,31 @@ _PRE_TOKENIZERS = {
 _LLAMA3_PRE = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: marks the assistant's part of a chat for training masks (TRL's
+    templates). transformers parses it with its AssistantTracker extension, which renders the body as it is (and
+    records where it fell); rendering the body as it is, is all a prompt needs."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' filter (Jinja's own escapes HTML characters and takes only indent).
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _render_env() -> jinja2.Environment:
     # Same settings as the reference chat-template renderers, so whitespace comes out identical.
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
 
     def raise_exception(message):
@@ -78,7 +102,7 @@ def _render_env() -> jinja2.Environment:
 
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = _tojson
     return env
 
 
@@ -86,11 +110,12 @@ class Tokenizer:
     """encode/decode plus the checkpoint's chat template and special ids.
 
     bos_id / eos_id: ints or None. add_bos: whether ``encode`` prepends BOS (False for ChatML models, whose
-    template writes ``<|im_start|>`` itself). eos_ids: every id that ends generation, the canonical ``eos_id``
-    first, then ``extra_eos_ids`` (Llama-3's ``<|eot_id|>``, GGUF's end-of-turn token, the lists of config.json
-    and generation_config.json): pass it to ``jspec.decode(eos_ids=...)``, as transformers and llama.cpp stop
-    at any of them. template_error: what ``apply_chat_template`` says when there is no template to use (e.g.
-    named templates none of which is the default).
+    template writes ``<|im_start|>`` itself); add_eos: whether it appends EOS (GGUF ``add_eos_token``, an HF
+    tokenizer.json whose post-processor appends it). eos_ids: every id that ends generation, the canonical
+    ``eos_id`` first, then ``extra_eos_ids`` (Llama-3's ``<|eot_id|>``, GGUF's end-of-turn tokens, the lists of
+    config.json and generation_config.json): pass it to ``jspec.decode(eos_ids=...)``, as transformers and
+    llama.cpp stop at any of them. template_error: what ``apply_chat_template`` says when there is no template to
+    use (e.g. named templates none of which is the default).
     """
 
     def __init__(
@@ -103,6 +128,7 @@ class Tokenizer:
         pad_id: int | None = None,
         extra_eos_ids: Sequence[int] = (),
         template_error: str | None = None,
+        add_eos: bool = False,
     ):
         self.backend = backend
         self.template_error = template_error  # why there is no chat template, when the checkpoint says
@@ -111,6 +137,7 @@ class Tokenizer:
         self.eos_id = self.eos_ids[0] if self.eos_ids else None
         self.pad_id = pad_id
         self.add_bos = add_bos
+        self.add_eos = add_eos
         self.chat_template = chat_template
         self._template = _render_env().from_string(chat_template) if chat_template else None
 
@@ -126,11 +153,14 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return None if self.eos_id is None else self.backend.id_to_token(self.eos_id)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """text -> token ids (special-token text such as ``<|im_end|>`` maps to its single id)."""
+    def encode(self, text: str, add_bos: bool | None = None, add_eos: bool | None = None) -> list[int]:
+        """text -> token ids (special-token text such as ``<|im_end|>`` maps to its single id); BOS first and EOS
+        last where the checkpoint says (``add_bos`` / ``add_eos``, which the arguments override)."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
+        if (self.add_eos if add_eos is None else add_eos) and self.eos_id is not None:
+            ids = ids + [self.eos_id]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -140,6 +170,9 @@ class Tokenizer:
         """Render the checkpoint's chat template (a string; tokenize with ``encode_chat`` or ``encode``)."""
         if self._template is None:
             raise ValueError(self.template_error or "this checkpoint has no chat template")
+        # tools and documents are always defined, None unless given, as transformers renders them: templates test
+        # `tools is not none`, which an undefined variable passes.
+        kw = {"tools": None, "documents": None} | kw
         return self._template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
@@ -149,8 +182,9 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        # The template already contains any BOS it wants.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+        # The template already contains any BOS it wants, and a prompt must not end the text (as transformers'
+        # apply_chat_template, which tokenizes with add_special_tokens=False).
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False, add_eos=False)
 
     # ---------------------------------------------------------------------------------------------------
     @classmethod
@@ -182,6 +216,10 @@ class Tokenizer:
         if tokens is None or merges is None:
             raise CheckpointError(f"{gf.path}: no tokenizer in the metadata (tokenizer.ggml.tokens / merges)")
         types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        ends = gguf_end_ids(get)
+        # llama.cpp makes every end-of-generation token it finds by its text a CONTROL token, whatever its type in
+        # the file: its text in a prompt is then that one token, not pieces of it.
+        types = [_CONTROL if t in _END_TEXTS and i in ends else ty for i, (t, ty) in enumerate(zip(tokens, types))]
         backend = _HFTokenizer(
             models.BPE(
                 vocab={t: i for i, t in enumerate(tokens)},
@@ -203,9 +241,11 @@ class Tokenizer:
             eos_id=get("tokenizer.ggml.eos_token_id"),
             chat_template=get("tokenizer.chat_template"),
             add_bos=bool(get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE)),
+            add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
             pad_id=get("tokenizer.ggml.padding_token_id"),
-            # llama.cpp ends generation at end-of-turn / end-of-message too (Llama-3's <|eot_id|>, <|eom_id|>).
-            extra_eos_ids=[get(f"tokenizer.ggml.{k}_token_id") for k in GGUF_END_KEYS],
+            # llama.cpp ends generation at end-of-turn / end-of-message too (Llama-3's <|eot_id|>, <|eom_id|>), and
+            # at every token spelled like one (checkpoint.GGUF_END_TEXTS), named in the metadata or not.
+            extra_eos_ids=ends,
         )
 
     @classmethod
@@ -240,9 +280,11 @@ class Tokenizer:
             raise CheckpointError(
                 f"{path}: chat_template must be a string or a list of named templates, got {type(template).__name__}"
             )
-        # transformers reads special_tokens_map.json over tokenizer_config.json; an explicit null in either is
-        # "no such token", not a missing entry.
-        stm = read_json(os.path.join(path, "special_tokens_map.json")) or {}
+        # transformers 5 (PreTrainedTokenizerBase._from_pretrained) reads special_tokens_map.json only for a
+        # tokenizer_config.json without "added_tokens_decoder" (the legacy layout), and then its entries replace
+        # tokenizer_config.json's; a tokenizer_config.json with one (what save_pretrained writes) is read alone.
+        # An explicit null in either is "no such token", not a missing entry.
+        stm = {} if "added_tokens_decoder" in tcfg else read_json(os.path.join(path, "special_tokens_map.json")) or {}
 
         def token_id(key):
             where = "special_tokens_map.json" if key in stm else "tokenizer_config.json"
@@ -261,21 +303,26 @@ class Tokenizer:
                 raise CheckpointError(f"{path}: {key} {tok!r} of {where} is not in the vocabulary")
             return found
 
-        bos_id = token_id("bos_token")
-        add_bos = tcfg.get("add_bos_token")
-        if add_bos is None:  # no flag: a BOS-adding tokenizer.json does it in its post-processor
-            probe = backend.encode("a", add_special_tokens=True).ids
-            add_bos = bos_id is not None and probe[:1] == [bos_id]
+        bos_id, eos_id = token_id("bos_token"), token_id("eos_token")
+        # transformers' generate stops at every id of generation_config.json (else config.json).
+        extra_eos_ids = hf_id_list(config, "eos_token_id", os.path.join(path, "config.json")) + hf_id_list(
+            read_json(gen := os.path.join(path, "generation_config.json")), "eos_token_id", gen
+        )
+        # BOS first / EOS last where tokenizer.json's post-processor puts them. transformers 5 drops
+        # tokenizer_config.json's add_bos_token and add_eos_token when there is a tokenizer.json
+        # (PreTrainedTokenizerBase._from_pretrained), so the post-processor alone decides; probed on one letter.
+        canonical_eos = (end_token_ids([eos_id, *extra_eos_ids]) or (None,))[0]
+        plain = backend.encode("a", add_special_tokens=False).ids
+        full = backend.encode("a", add_special_tokens=True).ids
         return cls(
             backend,
             bos_id=bos_id,
-            eos_id=token_id("eos_token"),
+            eos_id=eos_id,
             chat_template=template,
-            add_bos=bool(add_bos),
+            add_bos=bos_id is not None and full[:1] == [bos_id] and plain[:1] != [bos_id],
+            add_eos=canonical_eos is not None and full[-1:] == [canonical_eos] and plain[-1:] != [canonical_eos],
             pad_id=token_id("pad_token"),
-            # transformers' generate stops at every id of generation_config.json (else config.json).
-            extra_eos_ids=hf_id_list(config, "eos_token_id", os.path.join(path, "config.json"))
-            + hf_id_list(read_json(gen := os.path.join(path, "generation_config.json")), "eos_token_id", gen),
+            extra_eos_ids=extra_eos_ids,
             template_error=template_error,
         )
 

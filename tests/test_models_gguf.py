@@ -193,9 +193,14 @@ def encode(w, qtype):
     return gguf.quants.quantize(w, qtype), qtype, None
 
 
-def write_gguf(path, state, qtype=Q.F32, arch="llama", drop=(), reshape=None, extra_meta=None, extra_tensors=None):
-    """Write ``state`` (HF layout) as a llama.cpp-style GGUF; returns {gguf name: expected values or None}."""
+def write_gguf(
+    path, state, qtype=Q.F32, arch="llama", drop=(), reshape=None, extra_meta=None, extra_tensors=None, tokens=None
+):
+    """Write ``state`` (HF layout) as a llama.cpp-style GGUF; returns {gguf name: expected values or None}.
+    ``tokens``: a tokenizer.ggml.tokens list to write (no tokenizer otherwise)."""
     w = gguf.GGUFWriter(os.fspath(path), arch)
+    if tokens is not None:
+        w.add_token_list(tokens)
     w.add_context_length(256)
     w.add_embedding_length(E)
     w.add_feed_forward_length(F)
@@ -542,6 +547,83 @@ def test_end_of_turn_tokens_end_generation(tmp_path):
     assert (tok.eos_id, tok.eos_ids) == (3, (3, 4))
 
 
+def test_tokens_spelled_like_end_tokens_end_generation_like_llama_cpp(tmp_path):
+    """llama.cpp (llama-vocab.cpp, ``llama_vocab::impl::load``) ends generation at every token spelled like an
+    end-of-turn token ("<|eot_id|>", "<|im_end|>", "<|endoftext|>", ...) and at the fill-in-the-middle
+    repository / pad / file-separator tokens ("<reponame>", ...), named by the metadata or not, and makes each a
+    CONTROL token. jspec stopped only at the eos/eot/eom ids of the metadata, so a file naming only EOS ran past
+    the <|eot_id|> its chat turns end with. Expected here: the metadata's EOS first, then those ids in id order."""
+    from models.tokenizer import Tokenizer
+
+    extra = ["<eos>", "<|eot_id|>", "<reponame>", "<|im_end|>", "eot_id", "<|im_end|> "]  # ids 3-8
+    path = tmp_path / "tok.gguf"
+    _write_tiny_bpe(path, "gpt-2", extra, eos=3)
+    tok = Tokenizer.from_gguf(open_gguf(path))
+    assert (tok.eos_id, tok.eos_ids) == (3, (3, 4, 5, 6))
+    # NORMAL in the file, CONTROL for llama.cpp: its text in a prompt is that one token (else no BPE piece of
+    # this vocabulary spells it).
+    assert tok.encode("a<|eot_id|>b") == [0, 4, 1]
+    assert tok.decode([0, 4], skip_special_tokens=True) == "a"
+    # No EOS in the metadata: the ids found by their text, still in id order.
+    _write_tiny_bpe(path, "gpt-2", extra)
+    assert Tokenizer.from_gguf(open_gguf(path)).eos_ids == (4, 5, 6)
+    # A FIM repository token named by the metadata replaces the one found by its text.
+    _write_tiny_bpe(path, "gpt-2", extra, eos=3, meta={"tokenizer.ggml.fim_rep_token_id": 7})
+    assert Tokenizer.from_gguf(open_gguf(path)).eos_ids == (3, 4, 6, 7)
+    # The model config carries the same list (what decode and the CLI stop at without a tokenizer).
+    meta = {"tokenizer.ggml.eos_token_id": 3}
+    write_gguf(path, hf_state(seed=11), Q.F32, extra_meta=meta, tokens=["a", "b", "ab", *extra])
+    cfg = config_from_gguf(open_gguf(path))
+    assert (cfg.eos_id, cfg.eos_ids) == (3, (3, 4, 5, 6))
+
+
+def test_end_token_of_a_harmony_vocabulary_is_not_an_end_of_turn(tmp_path):
+    """llama.cpp drops "<|end|>" from its end tokens when "<|return|>" and "<|call|>" are also there (gpt-oss's
+    o200k_harmony, where <|end|> ends a message, not the turn; Solar-Open: "<|calls|>" and "<|flush|>")."""
+    from models.tokenizer import Tokenizer
+
+    path = tmp_path / "tok.gguf"
+    cases = [
+        (["<|end|>", "<|return|>", "<|call|>"], (4, 5)),
+        (["<|end|>", "<|calls|>", "<|flush|>"], (4, 5)),
+        (["<|end|>", "<|return|>"], (3, 4)),  # no <|call|>: <|end|> stays
+        (["<|end|>", "<|call|>"], (3, 4)),
+    ]
+    for extra, want in cases:
+        _write_tiny_bpe(path, "gpt-2", extra)
+        assert Tokenizer.from_gguf(open_gguf(path)).eos_ids == want, extra
+
+
+def test_smollm2_ends_generation_where_llama_cpp_does(smollm2_path):
+    """The real SmolLM2 file names EOS <|im_end|> (2) and no EOT/EOM. llama.cpp adds <|endoftext|> (0) by its
+    text and <reponame> (4), which it takes for the fill-in-the-middle repository token, as end tokens."""
+    from models.tokenizer import Tokenizer
+
+    gf = open_gguf(smollm2_path)
+    tokens = gf.reader.fields["tokenizer.ggml.tokens"].contents()
+    assert tokens[:6] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>"]
+    assert all(f"tokenizer.ggml.{k}_token_id" not in gf.reader.fields for k in ("eot", "eom", "fim_rep"))
+    assert gf.reader.fields["tokenizer.ggml.eos_token_id"].contents() == 2
+    tok = Tokenizer.from_gguf(gf)
+    assert (tok.eos_id, tok.eos_ids) == (2, (2, 0, 4)) and config_from_gguf(gf).eos_ids == (2, 0, 4)
+    assert not tok.add_eos  # the file has no tokenizer.ggml.add_eos_token
+
+
+def test_add_eos_token_appends_eos_like_llama_cpp(tmp_path):
+    """tokenizer.ggml.add_eos_token: llama.cpp's tokenizer appends EOS to text it tokenizes with its special
+    tokens (as it prepends BOS for add_bos_token); jspec ignored the flag. A chat prompt gets none (the template
+    decides, and a prompt must not end the text)."""
+    from models.tokenizer import Tokenizer
+
+    path = tmp_path / "tok.gguf"
+    for add_eos, want in ((True, [2, 0, 3]), (False, [2, 0]), (None, [2, 0])):
+        _write_tiny_bpe(path, "gpt-2", ["</s>"], eos=3, add_eos=add_eos)
+        tok = Tokenizer.from_gguf(open_gguf(path))
+        assert tok.encode("aba") == want and tok.encode("aba", add_eos=False) == [2, 0]
+        chat = Tokenizer(tok.backend, None, 3, chat_template="{{ messages[0].content }}", add_eos=tok.add_eos)
+        assert chat.encode_chat([{"role": "user", "content": "aba"}]) == [2, 0]
+
+
 def test_llama3_vocabularies_take_whole_words_before_merges(tmp_path):
     """llama.cpp's LLAMA3 pre-tokenizer (llama-bpe / llama3 / llama-v3) ignores the merges for a piece that is
     itself a vocabulary entry (tokenizer.json's ignore_merges) and adds BOS unless told not to; other
@@ -611,6 +693,28 @@ def test_per_layer_head_counts_and_ffn_width(tmp_path, monkeypatch):
             config_from_gguf(open_gguf(tmp_path / f"{key}.gguf"))
 
 
+def test_zero_heads_are_refused_by_name(tmp_path, monkeypatch):
+    """head_count 0 divided the embedding width by zero (a bare ZeroDivisionError, even with key_length given);
+    head_count_kv 0 failed later as a shape error. Both are refused by name."""
+    counts: dict[str, int] = {}
+
+    class ZeroHeadWriter(gguf.GGUFWriter):
+        def add_head_count(self, count):
+            super().add_head_count(counts.get("head_count", count))
+
+        def add_head_count_kv(self, count):
+            super().add_head_count_kv(counts.get("head_count_kv", count))
+
+    monkeypatch.setattr(gguf, "GGUFWriter", ZeroHeadWriter)
+    state = hf_state(seed=11)
+    for key in ("head_count", "head_count_kv"):
+        counts.clear()
+        counts[key] = 0
+        write_gguf(tmp_path / f"{key}.gguf", state, Q.F32)
+        with pytest.raises(CheckpointError, match=rf"llama\.attention\.{key} is 0: a model needs at least one head"):
+            config_from_gguf(open_gguf(tmp_path / f"{key}.gguf"))
+
+
 def test_pre_tokenizer_gpt2_is_not_an_alias_of_gpt_2(tmp_path):
     """llama.cpp names GPT-2's pre-tokenizer "gpt-2" and throws "unknown pre-tokenizer type: 'gpt2'" for the
     unhyphenated spelling (tokenizer.ggml.model's value); jspec accepted it as an alias it made up."""
@@ -621,14 +725,22 @@ def test_pre_tokenizer_gpt2_is_not_an_alias_of_gpt_2(tmp_path):
         Tokenizer.from_gguf(open_gguf(tmp_path / "tok.gguf"))
 
 
-def _write_tiny_bpe(path, pre: str | None) -> None:
-    """A GGUF holding only a 3-token BPE vocabulary ("a", "b", "ab") with pre-tokenizer ``pre`` (None: no key)."""
+def _write_tiny_bpe(path, pre: str | None, extra_tokens=(), eos=None, add_eos=None, meta=None) -> None:
+    """A GGUF holding only a BPE vocabulary "a", "b", "ab" (merge "a b"), then ``extra_tokens`` (ids 3, 4, ...,
+    written without token types, so NORMAL ones), with pre-tokenizer ``pre`` (None: no key), EOS id ``eos``,
+    ``add_eos_token`` (None: no key) and ``meta`` (more uint32 keys)."""
     w = gguf.GGUFWriter(os.fspath(path), "llama")
     w.add_tokenizer_model("gpt2")
     if pre:
         w.add_tokenizer_pre(pre)
-    w.add_token_list(["a", "b", "ab"])
+    w.add_token_list(["a", "b", "ab", *extra_tokens])
     w.add_token_merges(["a b"])
+    if eos is not None:
+        w.add_eos_token_id(eos)
+    if add_eos is not None:
+        w.add_add_eos_token(add_eos)
+    for key, value in (meta or {}).items():
+        w.add_uint32(key, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

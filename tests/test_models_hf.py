@@ -206,6 +206,12 @@ def test_context_length_and_partial_rope_from_config(tmp_path):
         config_from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(conf | {"partial_rotary_factor": 1.0}))
     assert config_from_hf(tmp_path) == cfg
+    # null is unset for transformers (its config keeps no partial_rotary_factor), so plain RoPE; it was refused.
+    (tmp_path / "config.json").write_text(json.dumps(conf | {"partial_rotary_factor": None}))
+    import transformers
+
+    assert "partial_rotary_factor" not in transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters
+    assert config_from_hf(tmp_path) == cfg
 
 
 def test_generation_stops_at_every_end_token_like_transformers(tmp_path):
@@ -261,9 +267,12 @@ def test_registry_hands_config_json_to_the_tokenizer(tmp_path, hf_smollm2_tokeni
     assert tok.eos_ids == cfg.eos_ids == (2, 7) and tok.eos_id == 2
 
 
-def _tiny_tokenizer_dir(path, tcfg: dict, special_tokens_map: dict | None = None, config: dict | None = None):
-    """A hand-built byte-free BPE tokenizer.json (single letters, four special tokens) with ``tcfg`` as its
-    tokenizer_config.json; what transformers' AutoTokenizer and ``Tokenizer.from_hf_dir`` both read."""
+def _tiny_tokenizer_dir(
+    path, tcfg: dict, special_tokens_map: dict | None = None, config: dict | None = None, post_processor=None
+):
+    """A hand-built byte-free BPE tokenizer.json (single letters, four special tokens, ``post_processor``) with
+    ``tcfg`` as its tokenizer_config.json; what transformers' AutoTokenizer and ``Tokenizer.from_hf_dir`` both
+    read."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models as tk_models
 
@@ -271,6 +280,8 @@ def _tiny_tokenizer_dir(path, tcfg: dict, special_tokens_map: dict | None = None
     vocab = {t: i for i, t in enumerate(specials)} | {c: i + 4 for i, c in enumerate("abcdefghij ")}
     backend = HFTokenizer(tk_models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     backend.add_special_tokens(specials)
+    if post_processor is not None:
+        backend.post_processor = post_processor
     path.mkdir(exist_ok=True)
     backend.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"} | tcfg))
@@ -313,8 +324,8 @@ def test_named_chat_templates_without_a_default_are_refused_like_transformers(tm
 def test_null_special_token_means_none_like_transformers(tmp_path):
     """``"bos_token": null`` (Qwen2.5's tokenizer_config.json, whose config.json still says bos_token_id
     151643) is no BOS for transformers, so ``{{ bos_token }}`` renders empty; jspec treated it as a missing key
-    and took config.json's id. special_tokens_map.json, which transformers reads over tokenizer_config.json, is
-    read too (a null there also means none)."""
+    and took config.json's id. special_tokens_map.json, which transformers reads over a tokenizer_config.json
+    without added_tokens_decoder (as here), is read too (a null there also means none)."""
     import transformers
 
     from models.tokenizer import Tokenizer
@@ -401,3 +412,180 @@ def test_config_json_errors_are_named_and_bos_is_read_like_eos(tmp_path):
     assert cfg_with(bos_token_id=[1]).bos_id == 1
     with pytest.raises(CheckpointError, match=r"bos_token_id must be a token id or a list of token ids, got '1'"):
         cfg_with(bos_token_id="1")
+
+
+def test_special_tokens_map_is_read_only_beside_a_legacy_tokenizer_config(tmp_path):
+    """transformers 5 reads special_tokens_map.json only when tokenizer_config.json has no added_tokens_decoder
+    (the legacy layout), and then its entries replace tokenizer_config.json's; a tokenizer_config.json with one
+    (what save_pretrained writes) is read alone. jspec always let special_tokens_map.json win. Both layouts,
+    the two files naming different EOS tokens, against transformers' AutoTokenizer."""
+    import transformers
+
+    from models.tokenizer import Tokenizer
+
+    decoder = {
+        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+        | {"special": True}
+        for i, t in enumerate(["<s>", "</s>", "<|im_start|>", "<|im_end|>"])
+    }
+    seen = set()
+    for layout, tcfg in (("legacy", {}), ("saved", {"added_tokens_decoder": decoder})):
+        path = _tiny_tokenizer_dir(tmp_path / layout, tcfg | {"eos_token": "</s>"}, {"eos_token": "<|im_end|>"})
+        theirs = transformers.AutoTokenizer.from_pretrained(path).eos_token_id
+        tok = Tokenizer.from_hf_dir(path)
+        assert tok.eos_id == theirs and tok.eos_ids == (theirs,), layout
+        seen.add(theirs)
+    assert seen == {1, 3}  # the layouts really differ: </s> read alone, <|im_end|> from special_tokens_map.json
+
+
+def test_chat_template_features_render_like_transformers(tmp_path):
+    """Three things transformers' chat-template renderer has and jspec's lacked, each compared with transformers'
+    apply_chat_template on the same template: TRL's ``{% generation %}`` blocks (assistant-mask templates: the
+    template did not even parse), ``tools`` and ``documents`` defined as None (``tools is not none`` was true for
+    the undefined variable), and tojson's ensure_ascii / separators / sort_keys arguments (refused before)."""
+    import transformers
+
+    from models.tokenizer import Tokenizer
+
+    chat = [{"role": "user", "content": "a<b>&"}, {"role": "assistant", "content": "caf\u00e9", "z": 1, "k": [1, 2]}]
+    templates = {
+        "generation": (
+            "{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}"
+            "{{ m.content }}!{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+        ),
+        "tools": (
+            "{% if tools is not none %}T{{ tools | length }}{% endif %}{% if documents is not none %}D{% endif %}"
+            "{% if tools is defined %}d{% endif %}{{ messages[0].content }}"
+        ),
+        "tojson": (
+            "{{ messages[1] | tojson(indent=2, sort_keys=True, separators=(',', ': ')) }}|"
+            "{{ messages[1] | tojson(ensure_ascii=True) }}|{{ messages[0] | tojson }}"
+        ),
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for name, template in templates.items():
+        path = _tiny_tokenizer_dir(tmp_path / name, {"eos_token": "</s>", "chat_template": template})
+        theirs = transformers.AutoTokenizer.from_pretrained(path)
+        ours = Tokenizer.from_hf_dir(path)
+        for kw in ({}, {"tools": tools}):
+            want = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=False, **kw)
+            assert ours.apply_chat_template(chat, add_generation_prompt=False, **kw) == want, (name, kw, want)
+            if name == "tools":  # what the comparison covers: no tools is None (and defined), given tools show
+                assert want == ("T1da<b>&" if kw else "da<b>&")
+
+
+def test_rope_theta_is_read_where_transformers_reads_it(tmp_path):
+    """transformers 5 takes the RoPE base from rope_scaling's (else rope_parameters') rope_theta, then the
+    top-level rope_theta, then 10000; the loader ignored a rope_theta inside rope_scaling and used the
+    top-level one or 10000. Each case against transformers' own config; two different dicts are refused
+    (transformers would silently ignore rope_parameters)."""
+    import transformers
+
+    tiny_model("llama", tied=True).save_pretrained(tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    base = {k: v for k, v in conf.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    cases = [
+        {"rope_scaling": {"rope_type": "default", "rope_theta": 2500.0}},
+        {"rope_scaling": {"type": "default", "rope_theta": 2500.0}, "rope_theta": 7000.0},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 2500.0}, "rope_theta": 7000.0},
+        {"rope_parameters": {"rope_type": "default"}, "rope_theta": 7000.0},
+        {"rope_scaling": {"rope_type": "default"}, "rope_theta": 7000.0},
+        {"rope_theta": 7000.0},
+        {},
+        {"rope_scaling": {"rope_type": "default", "rope_theta": 2500.0}, "rope_parameters": {}},
+    ]
+    seen = set()
+    for case in cases:
+        (tmp_path / "config.json").write_text(json.dumps(base | case))
+        theirs = transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters["rope_theta"]
+        assert config_from_hf(tmp_path).rope_theta == theirs, case
+        seen.add(theirs)
+    assert seen == {2500.0, 7000.0, 10000.0}  # the cases reach each source of the value
+    both = {"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_type": "default", "rope_theta": 9.0}}
+    (tmp_path / "config.json").write_text(json.dumps(base | both))
+    with pytest.raises(CheckpointError, match="rope_scaling .* and rope_parameters .* differ: transformers would"):
+        config_from_hf(tmp_path)
+    same = {"rope_scaling": both["rope_parameters"], "rope_parameters": both["rope_parameters"]}
+    (tmp_path / "config.json").write_text(json.dumps(base | same))
+    assert config_from_hf(tmp_path).rope_theta == 9.0
+    (tmp_path / "config.json").write_text(json.dumps(base | {"rope_theta": "5000"}))
+    with pytest.raises(CheckpointError, match="rope_theta must be a positive number, got '5000'"):
+        config_from_hf(tmp_path)
+
+
+def test_qwen2_sliding_window_layers_like_transformers(tmp_path):
+    """use_sliding_window was refused outright; transformers' Qwen2Config slides only layers i >=
+    max_window_layers (or those layer_types names), so a config whose max_window_layers covers every layer (or
+    whose sliding_window is null) has none and loads. The layers that would slide are named, compared with the
+    layer_types transformers derives."""
+    import transformers
+
+    tiny_model("qwen2", tied=False).save_pretrained(tmp_path)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    conf.pop("layer_types", None)
+    want = config_from_hf(tmp_path)
+    cases = [
+        {"use_sliding_window": True, "max_window_layers": 2, "sliding_window": 16},
+        {"use_sliding_window": True, "max_window_layers": 5, "sliding_window": 16},
+        {"use_sliding_window": True, "sliding_window": 16},  # default max_window_layers 28
+        {"use_sliding_window": True, "max_window_layers": 0, "sliding_window": None},
+        {"use_sliding_window": False, "max_window_layers": 0, "sliding_window": 16},
+        {"use_sliding_window": True, "max_window_layers": 1, "sliding_window": 16},
+        {"use_sliding_window": True, "max_window_layers": 0, "sliding_window": 16},
+        {"use_sliding_window": True, "max_window_layers": 0, "layer_types": ["full_attention"] * 2},
+        {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]},
+    ]
+    for case in cases:
+        (tmp_path / "config.json").write_text(json.dumps(conf | case))
+        types = transformers.AutoConfig.from_pretrained(tmp_path).layer_types
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        if sliding:
+            with pytest.raises(CheckpointError, match=rf"sliding-window attention in layers \{sliding}"):
+                config_from_hf(tmp_path)
+        else:
+            assert config_from_hf(tmp_path) == want, case
+    (tmp_path / "config.json").write_text(
+        json.dumps(conf | {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": None})
+    )
+    with pytest.raises(CheckpointError, match="max_window_layers must be a layer count, got None"):
+        config_from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(conf | {"layer_types": ["full_attention", "linear_attention"]}))
+    with pytest.raises(CheckpointError, match="unsupported layer type 'linear_attention' in layer_types"):
+        config_from_hf(tmp_path)
+
+
+def test_bos_and_eos_are_added_where_transformers_adds_them(tmp_path):
+    """An EOS-appending tokenizer: jspec's encode never appended EOS, and it let tokenizer_config.json's
+    add_bos_token override the post-processor. transformers 5 drops add_bos_token / add_eos_token when there is a
+    tokenizer.json and lets its post-processor decide, so the same holds here: every combination of
+    post-processor and flags, against AutoTokenizer (encode, and a chat prompt, which gets neither added)."""
+    import transformers
+    from tokenizers import processors
+
+    from models.tokenizer import Tokenizer
+
+    template = processors.TemplateProcessing
+    posts = {
+        "none": None,
+        "eos": template(single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]),
+        "bos": template(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]),
+        "both": template(single="<s> $A </s>", pair="<s> $A </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 1)]),
+    }
+    seen = set()
+    for name, post in posts.items():
+        for flags in (
+            {},
+            {"add_bos_token": True, "add_eos_token": True},
+            {"add_bos_token": False, "add_eos_token": False},
+        ):
+            tcfg = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": "{{ messages[0].content }}"} | flags
+            path = _tiny_tokenizer_dir(
+                tmp_path / f"{name}{len(flags)}{flags.get('add_eos_token')}", tcfg, None, None, post
+            )
+            theirs = transformers.AutoTokenizer.from_pretrained(path)
+            tok = Tokenizer.from_hf_dir(path)
+            assert tok.encode("abc") == theirs("abc")["input_ids"], (name, flags)
+            chat = [{"role": "user", "content": "abc"}]
+            assert tok.encode_chat(chat) == theirs.apply_chat_template(chat, tokenize=True, return_dict=False)
+            seen.add(tuple(tok.encode("abc")))
+    assert seen == {(4, 5, 6), (4, 5, 6, 1), (0, 4, 5, 6), (0, 4, 5, 6, 1)}
