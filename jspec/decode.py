@@ -1025,6 +1025,7 @@ class DecodeStream(Iterator[list[list[int]]]):
         self._want_logprobs = bool(logprobs)
         self._st = None  # the latest state; the round donates it, so only the newest one is ever read
         self._done = False
+        self._failed = False
         self.stop_reasons: list[StopReason] | None = None
         self.logprobs: list[list[float]] | None = None
 
@@ -1034,7 +1035,10 @@ class DecodeStream(Iterator[list[list[int]]]):
     def __next__(self) -> list[list[int]]:
         if self._done:
             raise StopIteration
+        if self._failed:
+            raise ValueError("a step of this stream failed (the error was raised then): it cannot go on")
         target_params, draft_params, *arrays = self._args
+        self._failed = True  # until the step returns: the round donates the state it is given
         if self._st is None:
             st = self._pre(target_params, draft_params, *arrays)
             seq, seq_len, stop = self._to_host((st.seq, st.seq_len, st.stop))
@@ -1044,7 +1048,7 @@ class DecodeStream(Iterator[list[list[int]]]):
             st, emitted, n_emit = self._step(target_params, draft_params, self._st)
             emitted, n_emit, seq_len, stop = self._to_host((emitted, n_emit, st.seq_len, st.stop))
             chunk = [emitted[i, : n_emit[i]].tolist() for i in range(emitted.shape[0])]
-        self._st = st
+        self._st, self._failed = st, False
         self.stop_reasons = [StopReason(int(r)) for r in stop]
         if self._want_logprobs:
             lp = self._to_host(st.logprob)  # the step's tokens sit at seq_len - n_emit .. seq_len - 1
@@ -1054,6 +1058,8 @@ class DecodeStream(Iterator[list[list[int]]]):
 
     def output(self) -> DecodeOutput:
         """Tokens, stop reasons, statistics (and logprobs) of every step so far."""
+        if self._failed:
+            raise ValueError("a step of this stream failed: its state was given to that step and is gone")
         if self._st is None:
             raise ValueError("the stream has not run a step yet: call next() first")
         return self._gather(self._st)

@@ -110,8 +110,9 @@ class Engine:
     call per prompt-width bucket); ``step()`` runs rounds for every row and returns {row: tokens emitted by them};
     ``stop_reason(row)`` says why a row's request ended and ``free_rows()`` lists the rows ready for a new one.
 
-    logprobs: with True, ``last_logprobs[row]`` holds, after ``add()`` and after ``step()``, the target's
-    log-probabilities of the tokens that call returned for ``row`` (as ``decode(logprobs=True)`` reports them).
+    logprobs: with True, ``last_logprobs[row]`` holds the target's log-probabilities of the tokens last returned
+    for ``row`` (as ``decode(logprobs=True)`` reports them): ``step()`` replaces the dict with its rows',
+    ``add()`` sets its own row's (its first token) and keeps the others'.
     rounds_per_sync: rounds one ``step()`` runs on the device before returning to the host (multi-step
     scheduling). Each return is a host sync; on a GPU at small batch it costs about as much as a round. A
     step still returns right after the round in which some running row stops, so its row is refilled as
@@ -238,7 +239,7 @@ class Engine:
                 f"{self.target.name}'s context length ({ctx} positions)"
             )
         check_draft_context(self.drafter, np.asarray([prompt.size + max_new_tokens - 1]))
-        width = min(-(-prompt.size // self.bucket) * self.bucket, self.max_len)
+        width = min(-(-prompt.size // self.bucket) * self.bucket, self.config.slots)  # slots: capped at the context
         padded = np.zeros((1, width), np.int32)
         padded[0, : prompt.size] = prompt
         sampling = SamplingParams.make(1, temperature, top_k, top_p, min_p)
@@ -260,7 +261,8 @@ class Engine:
         )
         first, first_lp, stop = jax.device_get((first, first_lp, stop))
         self._stop[row] = int(stop)
-        self.last_logprobs = {int(row): [float(first_lp)]} if self.logprobs else {}
+        if self.logprobs:  # the other rows keep the tokens they were last given (a step's, before the refill)
+            self.last_logprobs[int(row)] = [float(first_lp)]
         return int(first)
 
     def step(self) -> dict[int, list[int]]:

@@ -168,6 +168,8 @@ def gguf_end_ids(get: Callable[[str], Any]) -> tuple[int, ...]:
     by_text = {i for i, t in enumerate(tokens) if t in GGUF_END_TEXTS}
     for role, texts in GGUF_FIM_END_TEXTS.items():
         named = get(f"tokenizer.ggml.{role}_token_id")
+        if named is not None and not 0 <= named < len(tokens):
+            named = None  # llama.cpp ignores an id outside the vocabulary ("bad special token") and goes by text
         found = [i for i, t in enumerate(tokens) if t in texts] if named is None else [named]
         by_text.update(found[:1])
     ids = end_token_ids([*(get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", *GGUF_END_KEYS)), *sorted(by_text)])

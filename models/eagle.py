@@ -347,16 +347,16 @@ def subset_logits(f_hat: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 def expand_to_vocab(q_sub: jax.Array, token_ids: jax.Array, vocab_size: int) -> jax.Array:
-    """[..., N] probabilities over the subset -> [..., V] with exactly 0 outside it."""
-    if q_sub.shape[-1] == vocab_size:  # full head: token_ids is arange(V)
-        return q_sub
+    """[..., N] probabilities over the subset -> [..., V] with exactly 0 outside it. Scattered even when N == V:
+    a full head's ids are arange(V) when checked (``_check_token_ids``), but ids traced under a caller's jit are
+    not, and a permutation taken as arange would report q of other tokens than those drawn."""
     full = jnp.zeros(q_sub.shape[:-1] + (vocab_size,), q_sub.dtype)
     return full.at[..., token_ids].set(q_sub)
 
 
 def _check_token_ids(ecfg: EagleConfig, ids: np.ndarray) -> None:
-    """The head's vocabulary: N distinct ascending ids in [0, V). ``expand_to_vocab`` scatters q over them (and
-    takes N == V as arange(V)): a repeated id would overwrite q, so the q verified would not be the q sampled."""
+    """The head's vocabulary: N distinct ascending ids in [0, V). ``expand_to_vocab`` scatters q over them: a
+    repeated id would overwrite q, so the q verified would not be the q sampled."""
     v = ecfg.target.vocab_size
     if ids.shape != (ecfg.n,) or ids.min() < 0 or ids.max() >= v or np.any(np.diff(ids) <= 0):
         raise ValueError(f"token_ids must be {ecfg.n} distinct ascending ids in [0, {v}), got {ids[:8]}...")
@@ -763,7 +763,9 @@ def restore_head(path: str | os.PathLike, target_cfg: LlamaConfig | None = None)
         # the same widths); a head saved before qkv_bias was recorded was trained for a model without biases.
         check_trained_for(f"head '{path}'", dataclasses.asdict(ecfg.target), target_cfg)
         ecfg = dataclasses.replace(ecfg, target=target_cfg)
-    return ecfg, restore_exit_params(path, target=abstract_head(ecfg))
+    params = restore_exit_params(path, target=abstract_head(ecfg))
+    _check_token_ids(ecfg, np.asarray(params["token_ids"]))  # what expand_to_vocab scatters q over
+    return ecfg, params
 
 
 def cache_root() -> str:

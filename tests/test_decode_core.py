@@ -519,12 +519,16 @@ def test_adaptive_policies_are_checked():
 def test_debug_checks_in_the_streaming_path():
     """decode_stream with debug_checks raises the drafter bug on the host (it used to fail to trace), and a
     sound drafter streams the fused loop's tokens."""
+    broken = dec.decode_stream(
+        TARGET, TARGET_PARAMS, PROMPTS, drafter=_BrokenDrafter(), gamma=2, max_new_tokens=5, debug_checks=True
+    )
     with pytest.raises(Exception, match="probability 0"):
-        list(
-            dec.decode_stream(
-                TARGET, TARGET_PARAMS, PROMPTS, drafter=_BrokenDrafter(), gamma=2, max_new_tokens=5, debug_checks=True
-            )
-        )
+        list(broken)
+    # The failed round was given (donated) the stream's state: the stream says so instead of reading it.
+    with pytest.raises(ValueError, match="a step of this stream failed"):
+        next(broken)
+    with pytest.raises(ValueError, match="a step of this stream failed"):
+        broken.output()
     kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=2, max_new_tokens=6, temperature=1.0, seed=3)
     chunks = list(dec.decode_stream(TARGET, TARGET_PARAMS, PROMPTS, debug_checks=True, **kw))
     streamed = [sum((c[b] for c in chunks), []) for b in range(len(PROMPTS))]

@@ -933,3 +933,20 @@ def test_trainer_refuses_more_batches_than_prompts(tmp_path):
         train_eagle.generate_doc_data(doc_args, target, str(tmp_path))
     assert not os.listdir(tmp_path)
     assert len(train_eagle.topic_answers()) > 100  # the reference manual's topics extend the docstrings
+
+
+def test_full_head_q_lands_on_its_ids_and_restore_checks_the_ids(tmp_path):
+    """expand_to_vocab scatters q over the head's ids even when N == V (a permutation taken as arange(V) put
+    q on other tokens than those drawn), and restore_head refuses ids expand_to_vocab could not scatter over."""
+    from models.eagle import expand_to_vocab, restore_head, save_head
+
+    q = np.asarray([[0.1, 0.2, 0.3, 0.4]], np.float32)
+    perm = np.asarray([2, 0, 3, 1])
+    out = np.asarray(expand_to_vocab(jnp.asarray(q), jnp.asarray(perm), 4))
+    np.testing.assert_array_equal(out[0, perm], q[0])
+    ecfg, hp = _rollout_head()
+    repeated = np.asarray(hp["token_ids"]).copy()
+    repeated[1] = repeated[0]  # one token twice: its q would be overwritten
+    save_head(tmp_path / "head", ecfg, dict(hp, token_ids=jnp.asarray(repeated)))
+    with pytest.raises(ValueError, match="distinct ascending ids"):
+        restore_head(tmp_path / "head")

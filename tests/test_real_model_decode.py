@@ -160,12 +160,12 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     out = json.loads(capsys.readouterr().out)
     assert out["identical_to_plain"] is True and out["stats"]["proposed"] > 0
     assert out["token_ids"] == out["plain"]["token_ids"]
-    # --stream writes the same text round by round (stepped from Python); --compare streams plain too.
-    no_json = [a for a in base if a != "--json"]
+    # --stream writes the same text round by round (stepped from Python, compiled ahead).
+    no_json = [a for a in base if a not in ("--json", "--compare")]
     assert cli.main([*no_json, "--stream", "--drafter", "eagle", "--gamma", "2"]) == 0
     streamed = capsys.readouterr()
     assert streamed.out == out["text"] + "\n"
-    assert "output identical]" in streamed.err and f"[eagle: {out['stats']['new_tokens']} tokens" in streamed.err
+    assert f"[eagle: {out['stats']['new_tokens']} tokens" in streamed.err
     # --logprobs: one log-probability per generated token (decode's own values are checked in test_logprobs.py);
     # greedy picks each step's most likely token, so none is below log(1/V).
     assert cli.main([*base, "--drafter", "ngram", "--logprobs"]) == 0

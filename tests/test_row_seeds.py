@@ -46,7 +46,8 @@ def _decode(drafter, rows, seeds, order=None):
     return dec.decode(TARGET, TARGET_PARAMS, [rows[i] for i in order], seed=[seeds[i] for i in order], max_len=32, **kw)
 
 
-@pytest.mark.parametrize("name", list(SPEC_DRAFTERS))
+# tree-iid: in test_a_tree_row_does_not_depend_on_the_cache_the_other_rows_size (the suite's time)
+@pytest.mark.parametrize("name", [n for n in SPEC_DRAFTERS if n != "tree-iid"])
 def test_a_row_follows_its_own_seed(name):
     """Each row decoded alone (batch 1), and the batch in another row order, give the same tokens per request."""
     drafter = SPEC_DRAFTERS[name]
@@ -176,7 +177,7 @@ def test_eagle_rows_follow_their_own_seed(tree):
     assert together.stats["accepted"] > 0
 
 
-@pytest.mark.parametrize("name", ["tree-iid", "tree-without-replacement"])
+@pytest.mark.parametrize("name", ["tree-iid"])  # without replacement: test_a_row_follows_its_own_seed
 def test_a_tree_row_does_not_depend_on_the_cache_the_other_rows_size(name):
     """A 100-token prompt with 28 new tokens alone gets a 256-slot cache (P + N - 1 and the tree's 10 scratch
     slots, rounded up to 128; it was 128 before the reservation); next to a row that needs 360 slots, 384. A
@@ -204,7 +205,7 @@ def test_an_engine_tree_row_near_its_cache_end_follows_its_seed():
     drafter = TREE_DRAFTERS["static-without-replacement"]
     prompt = np.random.default_rng(3).integers(0, 3, 40).tolist()
     engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, drafter=drafter, draft_params=DRAFT_PARAMS)
-    for seed in range(4):
+    for seed in range(2):
         alone = dec.decode(
             TARGET, TARGET_PARAMS, [prompt], drafter=drafter, draft_params=DRAFT_PARAMS, max_new_tokens=24,
             temperature=1.0, seed=[seed],

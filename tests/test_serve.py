@@ -165,3 +165,18 @@ def test_engine_reports_logprobs_of_every_token():
     assert not Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16).last_logprobs  # off by default
     with pytest.raises(ValueError, match="logprobs must be True or False"):
         Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16, logprobs=1)
+
+
+def test_engine_pads_prompts_within_its_cache_near_the_context_length():
+    """An engine whose max_len runs past the model's context keeps a cache of the context's size; a prompt
+    padded to the bucket must fit it (62 tokens in buckets of 48: 96 columns for 64 slots failed to prefill)."""
+    import dataclasses
+
+    short = dataclasses.replace(TARGET, max_positions=64)
+    engine = Engine(short, TARGET_PARAMS, batch=1, max_len=128, bucket=48)
+    assert engine.config.slots == 64
+    prompt = [i % 3 for i in range(62)]
+    got = [engine.add(0, prompt, 3)]
+    while engine.stop_reason(0) == dec.StopReason.RUNNING:
+        got += engine.step()[0]
+    assert got == dec.decode(short, TARGET_PARAMS, [prompt], max_new_tokens=3).tokens[0]
