@@ -466,6 +466,12 @@ def _multiprocess_refusals(cfg, tp, dcfg, dp, plan, stp, sdp, rows, local_prompt
         kw["seed"] = [s + 100 * (i == 5) for i, s in enumerate(kw["seed"])]
     stp_r = shard_params(tp, param_logical_axes(cfg), mesh_r, plan_r.target)
     refused("shared_rows_differ", model, stp_r, ps, plan=plan_r, process_local=True, **kw)
+    # max_len in process 1 only (process_local): process 0 alone would gather the cache size its rows need.
+    kw = _kw("greedy", rows, drafter)
+    if me == 0:
+        del kw["max_len"]
+    kw.update(plan=plan, drafter=drafter, draft_params=sdp, process_local=True)
+    refused("mixed_max_len", model, stp, local_prompts, **kw)
     # process_local=True in process 0 only: the first collective compares it, before any other.
     refused(
         "mixed_process_local",

@@ -426,14 +426,16 @@ def _refuse_unequal(column: np.ndarray, what: str, hint: str) -> None:
         raise ValueError(f"{what} (groups of equal ones: {groups}): {hint}")
 
 
-def _setup_digest(plan: DecodePlan, process_local: bool, target_params: Any, draft_params: Any) -> int:
+def _setup_digest(plan: DecodePlan, process_local: bool, max_len: int | None, target_params: Any, draft_params: Any):
     """What decides the program a process compiles and the checks it runs before comparing any input: the plan
-    (rules, and the mesh's axes, shape, devices and axis types), the parameters' layouts and process_local."""
+    (rules, and the mesh's axes, shape, devices and axis types), the parameters' layouts, process_local and
+    max_len (without one, process_local runs gather the cache size the rows need: one more collective)."""
 
-    def layout(tree):
+    def layout(tree):  # any leaf: one that is not an array is refused by name after this digest's gather
         leaves, treedef = jax.tree.flatten(tree)
         spec = lambda x: str(getattr(getattr(x, "sharding", None), "spec", None))  # noqa: E731
-        return str(treedef), [(tuple(x.shape), str(x.dtype), spec(x)) for x in leaves]
+        shape = lambda x: str(getattr(x, "shape", type(x)))  # noqa: E731
+        return str(treedef), [(shape(x), str(getattr(x, "dtype", "")), spec(x)) for x in leaves]
 
     m = plan.mesh
     mesh = (
@@ -443,7 +445,7 @@ def _setup_digest(plan: DecodePlan, process_local: bool, target_params: Any, dra
         tuple(str(t) for t in getattr(m, "axis_types", ())),
     )
     return _digest(
-        repr((bool(process_local), plan.target, plan.draft, plan.draft_fitted, mesh))
+        repr((bool(process_local), max_len, plan.target, plan.draft, plan.draft_fitted, mesh))
         + repr((layout(target_params), layout(draft_params)))
     )
 
@@ -575,7 +577,7 @@ def prepare_sharded(
         # The first collective, the same in every process whatever it was given: the set-up that decides which
         # program each process compiles and which collectives follow (process_local, the plan, the parameter
         # layouts), and the batch of process_local rows.
-        setup = _setup_digest(plan, process_local, target_params, draft_params)
+        setup = _setup_digest(plan, process_local, max_len, target_params, draft_params)
         if process_local and error is None:
             d = plan.data_size
             held = len(local_rows(plan.rows((d,), d), (d,)))  # this process's share of the data axis: held / d
@@ -586,7 +588,7 @@ def prepare_sharded(
         table = _gather([error is not None, setup, len(prompts), global_b])
         _refuse_unequal(
             table[:, 1],
-            "the processes passed different plans (mesh, rules), parameter layouts or process_local",
+            "the processes passed different plans (mesh, rules), parameter layouts, process_local or max_len",
             "every process must pass the same, or they compile different programs whose collectives never meet",
         )
         _raise_failed(table[:, 0], error, "their parameters or rows")

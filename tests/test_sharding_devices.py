@@ -229,8 +229,8 @@ def test_two_processes_refuse_what_they_disagree_on_and_decode_alone_on_local_me
         local = procs[p]["local_mesh"]
         assert local["row"] == (1, 6)[p] and local["tokens"] == [plain[local["row"]]], (p, local)
         # The plan, the parameter layouts and process_local are compared first, whatever else differs.
-        for case in ("different_plans", "mixed_process_local"):
-            assert "different plans (mesh, rules), parameter layouts or process_local" in procs[p][case], (p, case)
+        for case in ("different_plans", "mixed_process_local", "mixed_max_len"):
+            assert "parameter layouts, process_local or max_len" in procs[p][case], (p, case)
         # One seed for the whole batch that differs between processes (per-row seeds may differ).
         assert "different seeds or keys for the whole batch" in procs[p]["different_seeds"], procs[p]
         # process_local=False with other budgets (hence other cache sizes): the inputs are named, not the settings.
