@@ -1,4 +1,4 @@
-"""Chain vs tree speculation at EQUAL verification budget (seed section 6), same draft model, same prompts.
+"""Chain vs tree speculation at one verification budget (seed section 6), same draft model, same prompts.
 
 For each budget N (positions the target verifies per round, the pending token included):
 - chain: K = N - 1 candidates from the draft (``ModelDrafter``), one K+1-wide target call;
@@ -13,7 +13,9 @@ its budget on branches and on a per-level draft rollout.
 
 The draft is ``--draft-layers L`` (the target's first L layers, no training) or ``--draft NAME`` (distilled
 by examples/train_draft.py); ``--layerskip NAME|exit:E`` compares LayerSkip's own chain (early-layer K/V shared
-with the target) with trees drafted by the same exit as a stand-alone model; ``--ngram`` the n-gram drafter.
+with the target) with trees drafted by the same exit as a stand-alone model; ``--ngram`` the n-gram drafter,
+whose trees are b continuations x depth: they verify 1 + b * depth <= N nodes, so at a budget b does not
+divide (N - 1) they verify FEWER positions than the chain (their labels give their own N and the budget).
 Writes <out>/chain_vs_tree.{json,md} and plots.
 
     python examples/bench_chain_vs_tree.py [--budgets 5,8] [--draft-layers 4 | --draft NAME | --layerskip NAME]
@@ -89,7 +91,8 @@ def layerskip_specs_for_budget(target, spec: str, n: int, widths=(2, 4), rules=(
 
 def ngram_specs_for_budget(target, n: int) -> list[Spec]:
     """The n-gram drafter at budget N: a K = N - 1 chain vs trees of b continuations x depth (1 + b*depth <= N),
-    for each b in (2, 3) that fits."""
+    for each b in (2, 3) that fits. A tree verifies as many positions as the chain (N) only when b divides
+    N - 1; otherwise it verifies fewer, and its label says so ("N=7 of budget 8"): not an equal-budget row."""
     from jspec.ngram import NgramDrafter, NgramTreeDrafter
 
     v = target.config.vocab_size
@@ -98,8 +101,20 @@ def ngram_specs_for_budget(target, n: int) -> list[Spec]:
         depth = (n - 1) // b
         if depth >= 1:
             d = NgramTreeDrafter(b, depth, vocab_size=v)
-            specs.append(Spec(f"ngram tree {b}x{depth} (N={1 + b * depth})", d, depth, None, peer="tree"))
+            nodes = 1 + b * depth
+            size = f"N={nodes}" if nodes == n else f"N={nodes} of budget {n}"
+            specs.append(Spec(f"ngram tree {b}x{depth} ({size})", d, depth, None, peer="tree"))
     return specs
+
+
+def _budget_note(ngram: bool) -> str:
+    note = "N = positions verified per round (the pending token included)."
+    if ngram:
+        note += (
+            " The n-gram trees are b continuations x depth: 'N=7 of budget 8' verifies 7 positions where the chain "
+            "at that budget verifies 8, so those rows are not at an equal verification budget."
+        )
+    return note
 
 
 def main(argv=None) -> int:
@@ -170,7 +185,7 @@ def main(argv=None) -> int:
         else args.draft or f"first {args.draft_layers} layers of the target"
     )
     pl = suite.payload("chain_vs_tree", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd,
-                       markdown_extra=[f"Draft model: {draft_name}. N = positions verified per round."])  # fmt: skip
+                       markdown_extra=[f"Draft model: {draft_name}. {_budget_note(args.ngram)}"])  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     plots = [
         report.plot_acceptance_by_position(pl, os.path.join(args.out, "chain_vs_tree_acceptance.png")),

@@ -1,4 +1,4 @@
-"""Plain greedy decode speed of SmolLM2-135M-Instruct (f32, batch 1) on CPU: our fused loop vs transformers.
+"""Plain greedy decode speed of SmolLM2-135M-Instruct (f32, batch 1): our fused loop vs transformers, on one device.
 
 Our side: prefill the prompt, then ``new`` 1-token steps inside ONE jitted ``lax.scan`` (no Python per token),
 for each layout of the layer weights (stacked: a scan over layers; unstacked: a Python loop with XLA's
@@ -8,6 +8,10 @@ call of T = 1, 2, 5, 9 tokens after the prompt (what a verification pass of K = 
 transformers: ``generate(do_sample=False)`` on the same GGUF (dequantised to f32). Prints tokens/s as medians
 over ``--repeats`` runs measured in this same process (JAX timings on these VMs jump between two levels from
 process to process, so compare ratios within one run and repeat the whole script a few times).
+transformers runs on the device kind JAX runs on: the CPU, or, where JAX runs on a GPU, the GPU torch sees
+(with f32 matmuls in full f32 on both sides); where torch cannot use JAX's device the script refuses before
+measuring anything (run it with JAX_PLATFORMS=cpu, or --no-torch), since a ratio across devices would be
+no comparison of the implementations.
 
     python examples/bench_forward.py [--ctx 256] [--new 64] [--repeats 5] [--verify-tokens 1,2,5,9] [--no-torch]
 """
@@ -47,7 +51,23 @@ def greedy(cfg, params, prompt, cache, new: int):
     return toks.T
 
 
-def main():
+def torch_device_for(backend: str, cuda_available: bool) -> str:
+    """The torch device on the device kind JAX's ``backend`` is, or SystemExit saying why there is none."""
+    from jspec.bench.peers import device_kind
+
+    kind = device_kind(backend)
+    if kind == "cpu":
+        return "cpu"
+    if kind == "gpu" and cuda_available:
+        return "cuda"
+    raise SystemExit(
+        f"JAX runs on {kind} here and torch cannot (torch.cuda.is_available() is {cuda_available}): transformers "
+        "would run on the CPU and the ratio would compare devices, not implementations. Run with "
+        "JAX_PLATFORMS=cpu to compare both on the CPU, or pass --no-torch."
+    )
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--ctx", type=int, default=256, help="prompt length (context the decode attends to)")
@@ -57,7 +77,15 @@ def main():
         "--verify-tokens", default="1,2,5,9", help="token counts T of the one-call cost table ('' to skip it)"
     )
     ap.add_argument("--no-torch", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    torch_device = None
+    if not args.no_torch:  # checked before any measurement: both sides on one device kind, or nothing
+        import torch
+
+        torch_device = torch_device_for(jax.default_backend(), torch.cuda.is_available())
+        if torch_device != "cpu" and jax.config.jax_default_matmul_precision is None:
+            # f32 on both sides: JAX's GPU default runs f32 matmuls in TF32, torch's does not.
+            jax.config.update("jax_default_matmul_precision", "highest")
 
     m = registry.load(args.model, dtype="float32")
     rng = np.random.default_rng(0)
@@ -182,21 +210,32 @@ def main():
 
     from models.hf_reference import transformers_from_gguf
 
-    tm = transformers_from_gguf(registry.resolve(args.model))
-    ids = torch.tensor([prompt_ids])
+    tm = transformers_from_gguf(registry.resolve(args.model)).to(torch_device)
+    ids = torch.tensor([prompt_ids], device=torch_device)
     gen = functools.partial(tm.generate, ids, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def sync():
+        if torch_device != "cpu":
+            torch.cuda.synchronize()
+
     with torch.no_grad():
         gen(max_new_tokens=2)
         theirs = []
         for _ in range(args.repeats):
+            sync()
             t0 = time.perf_counter()
             gen(max_new_tokens=1)
+            sync()
             t1 = time.perf_counter()
             out = gen(max_new_tokens=args.new + 1)
+            sync()
             theirs.append(((time.perf_counter() - t1) - (t1 - t0)) / args.new)
     tms = statistics.median(theirs) * 1e3
-    print(f"transformers greedy ctx={args.ctx} new={args.new}: {tms:.1f} ms/token, {1e3 / tms:.1f} tok/s")
-    same = out[0, args.ctx : args.ctx + args.new].tolist() == jax_tokens
+    print(
+        f"transformers greedy ctx={args.ctx} new={args.new} on {torch_device} (JAX on {jax.default_backend()}): "
+        f"{tms:.1f} ms/token, {1e3 / tms:.1f} tok/s"
+    )
+    same = out[0, args.ctx : args.ctx + args.new].cpu().tolist() == jax_tokens
     for name in layouts:
         print(f"speed ratio jax ({name} layers)/transformers: {tms / fused[name]:.2f}x")
     print(f"same greedy tokens as transformers: {same}")

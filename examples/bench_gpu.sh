@@ -11,7 +11,8 @@
 # Why these settings:
 # - JAX_DEFAULT_MATMUL_PRECISION=highest: XLA on NVIDIA GPUs runs f32 matmuls in TF32 by default, which
 #   is neither the f32 the issues ask for nor what transformers does (torch leaves TF32 off). With it, the
-#   greedy runs are still checked token for token against plain decoding.
+#   greedy runs are still checked token for token against plain decoding (bench_eagle at T=0: a MISMATCH line
+#   and exit status 1; bench_selfspec: an assertion in its warm-up repeat).
 # - layers: the EAGLE steps take --layers auto (unrolled per-layer weights on a GPU, see above); grounded,
 #   selfspec and sync keep --layers stacked, as they were measured on 2026-11-30 (unrolled there is untried:
 #   the serving engine's per-round jitted call would pass one buffer per layer weight).

@@ -9,7 +9,9 @@ process, so only ratios within a run are meaningful): each repeat decodes every 
 setting: tokens/s (total tokens / total time of a repeat, median over repeats), speedup over plain (median
 of the per-repeat ratios), acceptance per draft position, and the cost model (``jspec.cost_model.predict``)
 fed with the measured conditional acceptance and separately measured costs: one draft step (a jitted K-step
-``propose`` / K) and one verification (a jitted ``verify`` of K+1 tokens, reuse included), state cost 0. The
+``propose`` / K) and one verification (a jitted ``verify`` of K+1 tokens, reuse included), state cost 0, for
+rounds of K draft steps (a position never proposed counts as never accepted). The pieces take the KV cache
+donated, as the fused round updates it in place (fresh copies made outside the timing). The
 costs are timed after the decode runs, and these VMs' speed drifts by 10-40% within minutes, so they enter
 the model as multiples of a plain 1-token step timed interleaved with them, at the plain decode's ms per
 token (the raw ms are printed too). The gap between the prediction and the measurement is then the per-round
@@ -22,6 +24,7 @@ The exit adapter comes from ``examples/train_early_exit.py``'s cache (``--train`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -31,8 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.bench import metrics
+from jspec.bench.metrics import _fresh as fresh
+from jspec.bench.runner import predict_k_rounds
 from jspec.cli import wants_unstacked
-from jspec.cost_model import conditional_rates_from_stats, predict, survival_from_stats
+from jspec.cost_model import conditional_rates_from_stats, survival_from_stats
 from jspec.decode import prepare
 from jspec.drafters import DraftContext
 from jspec.sampling import SamplingParams
@@ -66,32 +71,50 @@ def exit_params_for(args, cfg, exit_layer: int, train: bool):
     return None, (jnp.arange(args.head_tokens, dtype=jnp.int32) if args.head_tokens else None)
 
 
-def time_ms(fn, *a, n: int = 10) -> float:
-    return metrics.median_ms(lambda: fn(*a), repeats=n)
+def time_ms(fn, args, n: int = 10) -> float:
+    """Median ms of ``fn(*args())``, the arguments made before each call's clock starts."""
+    return metrics.median_ms(fn, repeats=n, args=args)
 
 
-def component_costs(cfg, params, model, drafter, dparams, k: int, prompt: list[int], slots: int) -> dict:
-    """Median ms of one plain 1-token step, one K-step draft rollout and one K+1-token reusing verification,
-    after a prefill of ``prompt`` (a realistic cache length)."""
+def component_parts(cfg, params, model, drafter, dparams, k: int, prompt: list[int], slots: int) -> dict:
+    """name -> (jitted piece, maker of its arguments) after a prefill of ``prompt`` (a realistic cache length):
+    one plain 1-token step, one K-step draft rollout and one K+1-token reusing verification. Each takes the
+    target's KV cache (and the drafter's state) donated, as the fused round updates them in place: returned
+    undonated, every call would copy the whole cache into its output, which the decode loop never does. The
+    maker hands each call fresh copies, to be made outside the timed region."""
     p = len(prompt)
     cache = model.init_cache(1, slots)
     toks = jnp.asarray([prompt], jnp.int32)
     _, cache = jax.jit(model.apply)(params, toks, jnp.arange(p)[None], cache)
     cache = cache.with_lengths(jnp.asarray([p - 1], jnp.int32))  # the last prompt token is pending
     seq = jnp.zeros((1, slots + 1), jnp.int32).at[:, :p].set(toks)
-    ctx = DraftContext(seq, jnp.asarray([p]), jnp.asarray([k]), SamplingParams.make(1), cache)
+    ctx = DraftContext(seq, jnp.asarray([p]), jnp.asarray([k]), SamplingParams.make(1))
     state = drafter.init(dparams, toks, jnp.asarray([p]), slots)
-    propose = jax.jit(drafter.propose, static_argnums=4)
-    prop = propose(dparams, state, ctx, jax.random.key(0), k)
+    key = jax.random.key(0)
+
+    def draft(dp, state, target_cache, ctx, key):  # the cache a separate argument: donated alone
+        return drafter.propose(dp, state, dataclasses.replace(ctx, target_cache=target_cache), key, k)
+
+    propose = jax.jit(draft, donate_argnums=(1, 2))
+    prop = propose(dparams, fresh(state), fresh(cache), ctx, key)
     tokens = jnp.concatenate([toks[:, -1:], prop.tokens], axis=1)
     positions = (p - 1) + jnp.arange(k + 1)[None]
-    verify = jax.jit(drafter.verify, static_argnums=0)
-    step = jax.jit(lambda prm, c: model.apply(prm, toks[:, -1:], jnp.asarray([[p - 1]]), c))
-    out = {"plain_step": [], "draft": [], "verify": []}
+    verify = jax.jit(drafter.verify, static_argnums=0, donate_argnums=6)
+    step = jax.jit(lambda prm, c: model.apply(prm, toks[:, -1:], jnp.asarray([[p - 1]]), c), donate_argnums=1)
+    return {
+        "plain_step": (step, lambda: (params, fresh(cache))),
+        "draft": (propose, lambda: (dparams, fresh(state), fresh(cache), ctx, key)),
+        "verify": (verify, lambda: (model, params, dparams, prop.state, tokens, positions, fresh(prop.target_cache))),
+    }
+
+
+def component_costs(cfg, params, model, drafter, dparams, k: int, prompt: list[int], slots: int) -> dict:
+    """Median ms of each of ``component_parts``' pieces, three interleaved medians of 10 calls each."""
+    parts = component_parts(cfg, params, model, drafter, dparams, k, prompt, slots)
+    out = {name: [] for name in parts}
     for _ in range(3):  # interleaved, medians
-        out["plain_step"].append(time_ms(step, params, cache))
-        out["draft"].append(time_ms(propose, dparams, state, ctx, jax.random.key(0), k))
-        out["verify"].append(time_ms(verify, model, params, dparams, prop.state, tokens, positions, prop.target_cache))
+        for name, (fn, args) in parts.items():
+            out[name].append(time_ms(fn, args))
     return {name: statistics.median(v) for name, v in out.items()}
 
 
@@ -198,7 +221,8 @@ def main(argv=None) -> None:
         # In plain steps timed beside them, then at the decode runs' speed (one plain token = base_ms).
         speed = base_ms / costs["plain_step"]
         draft_ms, verify_ms = speed * costs["draft"] / k, speed * costs["verify"]
-        pred = predict(baseline_ms_per_token=base_ms, draft_ms=draft_ms, verify_ms=verify_ms, accept_at=list(rates))
+        # Rounds of K draft steps, as the pieces were timed (a position never proposed: rate 0, not a shorter K).
+        pred = predict_k_rounds(base_ms, draft_ms, verify_ms, rates, k)
         sec, rounds = (statistics.median(x[f] for x in per_repeat[name]) for f in ("seconds", "loop_rounds"))
         round_ms = 1e3 * sec / rounds
         per_round = statistics.median(tokens_per_round(x) for x in per_repeat[name])

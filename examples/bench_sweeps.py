@@ -35,9 +35,14 @@ K_GROUP = "K sweep"
 
 def _point(series, r, plain, key, value):
     """The K sweep plots the decode-phase speedup (what the cost model describes); the batch sweep the
-    end-to-end output rate (saturation throughput). Both ratios are kept in every point."""
-    dec = r.summary["decode_tokens_per_s"] / max(plain.summary["decode_tokens_per_s"], 1e-9)
-    e2e = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
+    end-to-end output rate (saturation throughput). Both ratios are kept in every point, unless the two runs
+    served different requests (a wall limit or deadlines cut them differently): then there is no ratio, and
+    ``different_requests`` says why."""
+    why = report.requests_differ(r.summary, plain.summary)
+    dec = e2e = None
+    if not why:
+        dec = r.summary["decode_tokens_per_s"] / max(plain.summary["decode_tokens_per_s"], 1e-9)
+        e2e = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
     sp = dec if key == "k" else e2e
     cm = (r.cost_model or {}).get("measured_rounds") or {}
     seed = (r.cost_model or {}).get("seed") or {}
@@ -47,6 +52,7 @@ def _point(series, r, plain, key, value):
         "speedup": sp,
         "speedup_decode": dec,
         "speedup_end_to_end": e2e,
+        "different_requests": why,
         "tokens_per_s": r.summary["output_tokens_per_s"],
         "predicted": cm.get("speedup"),
         "predicted_seed": seed.get("speedup"),
@@ -125,18 +131,20 @@ def _sweep_tables(k_points, b_points) -> str:
     out = []
     if k_points:
         out.append("## K sweep\n")
-        rows = [[p["series"], p["k"], f"{p['speedup']:.2f}x", _x(p.get("predicted")), _x(p.get("predicted_seed")),
+        rows = [[p["series"], p["k"], _x(p["speedup"], p), _x(p.get("predicted")), _x(p.get("predicted_seed")),
                  f"{p['tokens_per_round']:.2f}", f"{100 * p['acceptance_rate']:.0f}%"] for p in k_points]  # fmt: skip
         out.append(report._table(["drafter", "K", "measured (decode)", "cost model (whole rounds)", "seed model",
                                   "tokens/round", "acceptance"], rows))  # fmt: skip
     if b_points:
         out.append("\n## Batch sweep\n")
-        rows = [[p["series"], p["batch"], f"{p['tokens_per_s']:.1f}", _x(p.get("speedup"))] for p in b_points]
+        rows = [[p["series"], p["batch"], f"{p['tokens_per_s']:.1f}", _x(p.get("speedup"), p)] for p in b_points]
         out.append(report._table(["config", "batch", "out tok/s", "vs plain (end-to-end)"], rows))
     return "\n".join(out)
 
 
-def _x(v) -> str:
+def _x(v, point=None) -> str:
+    if v is None and point is not None and point.get("different_requests"):
+        return "no ratio: different requests"
     return "-" if v is None else f"{v:.2f}x"
 
 

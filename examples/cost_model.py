@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     try:
         _print_predictions(args)
-    except ValueError as e:  # the model's own checks (a rate outside [0, 1], gamma < 1, ...): name it, no traceback
+    except ValueError as e:  # the model's own checks (a rate outside [0, 1], gamma < 0, ...): name it, no traceback
         ap.error(str(e))
 
 

@@ -975,3 +975,284 @@ def test_cost_model_script_refuses_what_it_cannot_use(capsys):
         assert message in capsys.readouterr().err, argv
     cm.main(["--accept-at", "0.9,0.8", "--gamma", "1", "--measured-speedup", "1.5"])  # a shorter K is fine
     assert "predicted / measured" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Ratios only over the same work, peers against jspec's median pass, open loops, the scripts' measurements
+
+
+def _outcome_summary(outcomes, out, dec):
+    """A summary of requests r0, r1, ... ending as ``outcomes`` ("finished" / "not_run" / "timeout"), at
+    canned rates (output, decode tok/s)."""
+    from jspec.bench.metrics import RequestRecord
+
+    recs = []
+    for i, o in enumerate(outcomes):
+        r = RequestRecord(f"r{i}", "a", 2, 0.0, admitted=0.0, emissions=[(0.5, 1)], tokens=[1])
+        if o == "finished":
+            r.finished, r.stop_reason = 1.0, "eos"
+        elif o == "timeout":
+            r.timed_out, r.stop_reason = True, "timeout"
+        else:
+            r.emissions, r.tokens, r.admitted, r.stop_reason = [], [], None, "not_run"
+        recs.append(r)
+    return {**metrics.summarize_requests(recs, 1.0), "output_tokens_per_s": out, "decode_tokens_per_s": dec}
+
+
+def _fake_result(spec, summary, load=None, passes=None):
+    stats = {"tokens_per_round": 1.0, "acceptance_rate": 0.5}
+    extra = {"passes": passes} if passes is not None else {}
+    stats.update(accepted_at=[1, 1, 1], proposed_at=[2, 2, 2])
+    return runner.RunResult(spec, load or Load.closed(1), runner.Sampling(), 8, [], summary, stats, {}, {},
+                            extra=extra)  # fmt: skip
+
+
+def test_no_ratio_between_runs_that_served_different_requests():
+    """--max-wall-s / --timeout-s can cut two runs of the same jobs differently: plain finished r0 and r1, the
+    speculative run r0 only (r1 not run). Their rates are over different work, so no speedup is printed (the old
+    headline said 2.00x), in the headline, the results table, the cost-model check, a pass's ratio, the sweeps'
+    points and against a peer."""
+    from jspec.bench import suite
+
+    full, cut = ["finished", "finished"], ["finished", "not_run"]
+    assert _outcome_summary(full, 1, 1)["request_set"] != _outcome_summary(cut, 1, 1)["request_set"]
+    assert _outcome_summary(full, 1, 1)["request_set"] == _outcome_summary(full, 5, 5)["request_set"]
+    # Same counts, other requests: still different work.
+    a, b = _outcome_summary(["finished", "not_run"], 1, 1), _outcome_summary(["not_run", "finished"], 1, 1)
+    assert "the same counts but other requests" in report.requests_differ(a, b)
+    assert report.requests_differ({"finished": 2}, {"finished": 2}) is None  # older results: counts only
+    plain = _fake_result(PLAIN, _outcome_summary(full, 10.0, 10.0))
+    spec = _fake_result(CHAIN, _outcome_summary(cut, 20.0, 20.0))
+    (line,) = suite.headline([plain, spec])
+    assert "no ratio to plain in pass 1 (different requests served (this run 1/2 finished, 1 not run, plain 2/2" in line
+    assert "x plain" not in line and "2.00x" not in line
+    table = report.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
+    row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
+    assert row.count("no ratio: different requests") == 2 and "2.00x" not in row
+    cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
+                                 {"round_ms": 10.0, "plain_step_ms": 8.0})  # fmt: skip
+    assert cm["measured_speedup"] is None and cm["measured_output_speedup"] is None
+    assert "different requests" in cm["different_requests"] and cm["measured_rounds"]["ratio_to_measured"] is None
+    sweeps = _examples_module("bench_sweeps")
+    point = sweeps._point("ngram", spec, plain, "k", 3)
+    assert point["speedup"] is None and "different requests" in point["different_requests"]
+    assert "no ratio: different requests" in sweeps._sweep_tables([point], [])
+    # Passes: the second pass's runs served different requests: no ratio for it, the median over the others.
+    same = {"request_set": "x", "finished": 2, "submitted": 2}
+    cut_pass = {"request_set": "y", "finished": 1, "submitted": 2, "not_run": 1}
+    pp = [dict(same, output_tokens_per_s=10.0, decode_tokens_per_s=10.0)] * 3
+    sp = [dict(same, output_tokens_per_s=30.0, decode_tokens_per_s=30.0),
+          dict(cut_pass, output_tokens_per_s=90.0, decode_tokens_per_s=90.0),
+          dict(same, output_tokens_per_s=20.0, decode_tokens_per_s=20.0)]  # fmt: skip
+    p3 = _fake_result(PLAIN, _outcome_summary(full, 10.0, 10.0), passes=pp)
+    s3 = _fake_result(CHAIN, _outcome_summary(full, 30.0, 30.0), passes=sp)
+    assert suite.pass_ratios(s3, p3)["output"] == [3.0, None, 2.0]
+    (line,) = suite.headline([p3, s3])
+    assert "passes: 3.00, -, 2.00 end-to-end" in line and "median 2.50x / 2.50x" in line
+    assert "'-': that pass's runs served different requests" in line
+    # A peer that served both requests against jspec's run that served one.
+    peer = _fake_peer("transformers assisted K=3", "assisted", 5.0, 5.0, _TORCH_INFO, [])
+    peer.summary.update(_outcome_summary(full, 5.0, 5.0))
+    (line,) = suite.headline([plain, spec], [peer])
+    assert "vs transformers assisted K=3: no ratio (different requests served (jspec 1/2" in line
+    table = report.peers_table([plain.to_json(False), spec.to_json(False)], [peer.to_json(False)])
+    assert "no ratio: different requests served" in table and "4.00x" not in table
+
+
+def test_peer_ratio_takes_the_median_of_jspecs_passes():
+    """A peer runs once; jspec with --passes 3 ran at 30 (pass 1), 90 and 60 tok/s. The ratio to the peer's 30
+    tok/s is the median pass, 60 / 30 = 2.00x, labelled as such (the old ratio took pass 1: 1.00x)."""
+    from jspec.bench import suite
+
+    spec = Spec("ngram K=3", DRAFTER, 3, DRAFT_PARAMS, peer="prompt_lookup")
+    full = ["finished", "finished"]
+    base = _outcome_summary(full, 30.0, 30.0)
+    passes = [{k: base[k] for k in ("request_set", "submitted", "finished", "errors", "timeouts", "not_run")}
+              | {"output_tokens_per_s": v, "decode_tokens_per_s": v} for v in (30.0, 90.0, 60.0)]  # fmt: skip
+    plain = _fake_result(PLAIN, _outcome_summary(full, 10.0, 10.0), passes=[dict(passes[0])] * 3)
+    ng = _fake_result(spec, base, passes=passes)
+    peer = _fake_peer("transformers prompt-lookup K=3", "prompt_lookup", 30.0, 30.0, _TORCH_INFO, [])
+    peer.summary.update(_outcome_summary(full, 30.0, 30.0))
+    (line,) = suite.headline([plain, ng], [peer])
+    assert ("vs transformers prompt-lookup K=3: 2.00x end-to-end, 2.00x decode (jspec: median of 3 passes; the "
+            "peer: its one run)") in line  # fmt: skip
+    table = report.peers_table([plain.to_json(False), ng.to_json(False)], [peer.to_json(False)])
+    row = table.splitlines()[2]
+    assert "| 60.0 (median of 3 passes) | 2.00x | 2.00x |" in row
+    assert "jspec out tok/s (median of its passes)" in table.splitlines()[0]
+
+
+def test_open_loop_prints_no_end_to_end_ratio():
+    """An open loop's wall time is the arrivals' span whatever the decoding speed: its end-to-end ratio (here
+    1.00x) says nothing about speculation, so only the decode ratio is printed, in the headline, the table and
+    the cost-model check."""
+    from jspec.bench import suite
+
+    load = Load.open(2.0, rows=2)
+    full = ["finished", "finished"]
+    plain = _fake_result(PLAIN, _outcome_summary(full, 10.0, 20.0), load)
+    spec = _fake_result(CHAIN, _outcome_summary(full, 10.0, 50.0), load)
+    (line,) = suite.headline([plain, spec])
+    assert line.startswith("model K=3 @ open 2/s rows=2: 2.50x plain decode (end-to-end: arrival-bound")
+    assert "end-to-end," not in line and "1.00x" not in line
+    table = report.results_table([plain.to_json(False), spec.to_json(False)], load.name)
+    row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
+    assert "| - (arrival-bound) |" in row and "| 2.50x |" in row
+    cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
+                                 {"round_ms": 10.0, "plain_step_ms": 8.0})  # fmt: skip
+    assert cm["measured_output_speedup"] is None and cm["measured_speedup"] == pytest.approx(2.5)
+    assert "arrival-bound" in cm["output_speedup_note"]
+
+
+def test_cost_model_prices_the_k_the_rounds_drafted():
+    """K = 4 rounds whose last two positions were never proposed (an n-gram lookup that never found more than 2):
+    the rates stop at 2 positions, but the pieces were timed drafting 4 and verifying 5. E[N] = 1 + .8 + .4 = 2.2
+    with rates [.8, .5, 0, 0]; cycle 4 x (4 ms / 4) + 12 + 1 = 17 ms (the old call took gamma = 2: 15 ms)."""
+    from types import SimpleNamespace as NS
+
+    stats = dict(
+        tokens_per_round=2.2, wide_verify_fraction=1.0, accepted_at=[80, 40, 0, 0], proposed_at=[100, 100, 0, 0]
+    )
+    spec_run = NS(summary={"decode_tokens_per_s": 150.0, "output_tokens_per_s": 140.0}, decode_stats=stats,
+                  spec=NS(kind="chain", gamma=4))  # fmt: skip
+    plain_run = NS(summary={"decode_tokens_per_s": 100.0, "output_tokens_per_s": 112.0})
+    phases = dict(draft_ms=4.0, verify_ms=12.0, state_ms=1.0, round_ms=17.0, gamma=4)
+    cm = runner.cost_model_check(spec_run, plain_run, phases, {"round_ms": 10.0, "plain_step_ms": 8.0})
+    assert cm["seed"]["cycle_ms"] == pytest.approx(17.0) and cm["seed"]["expected_tokens"] == pytest.approx(2.2)
+    assert cm["seed"]["accept_at"] == pytest.approx([0.8, 0.5, 0.0, 0.0])
+    assert cm["seed"]["speedup"] == pytest.approx(10 * 2.2 / 17)
+    pred = runner.predict_k_rounds(10.0, 1.0, 12.0, [0.8, 0.5], 4, 1.0)
+    assert pred.gamma == 4 and pred.cycle_ms == pytest.approx(17.0)
+    assert runner.predict_k_rounds(10.0, 1.0, 12.0, [0.8, 0.5, 0.5], 2).accept_at == (0.8, 0.5)
+
+
+def test_run_memory_says_the_device_peak_is_the_processs(closed_runs):
+    """JAX cannot reset the device's peak bytes in use: the number is the process's peak so far, not a run's."""
+    mem = closed_runs["plain"].memory
+    assert "process_device_peak_bytes" in mem and "device_peak_bytes" not in mem
+    assert "since the process started" in mem["how"]
+
+
+def test_chain_vs_tree_ngram_labels_say_when_a_tree_verifies_less_than_the_budget():
+    """--ngram trees are b continuations x depth: at budget 8, 2x3 and 3x2 trees verify 7 nodes, not 8."""
+    from types import SimpleNamespace
+
+    bench = _examples_module("bench_chain_vs_tree")
+    target = SimpleNamespace(config=SimpleNamespace(vocab_size=TARGET.vocab_size))
+    labels = [s.label for s in bench.ngram_specs_for_budget(target, 8)]
+    assert labels == ["ngram chain K=7 (N=8)", "ngram tree 2x3 (N=7 of budget 8)", "ngram tree 3x2 (N=7 of budget 8)"]
+    labels = [s.label for s in bench.ngram_specs_for_budget(target, 5)]
+    assert labels[1:] == ["ngram tree 2x2 (N=5)", "ngram tree 3x1 (N=4 of budget 5)"]
+    assert "not at an equal verification budget" in bench._budget_note(True)
+    assert "EQUAL" not in bench.__doc__
+
+
+def test_bench_eagle_checks_greedy_output_and_rates_decode_alone():
+    """bench_eagle compares every greedy speculative run's tokens with plain's (the check bench_gpu.sh relies
+    on) and rates the decode without its prefill: at T = 1 the two sides emit different lengths, over which an
+    end-to-end rate spreads one prefill differently."""
+    eagle = _examples_module("bench_eagle")
+    assert eagle.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert eagle.first_difference([1, 2, 4], [1, 2, 3]) == 2
+    assert eagle.first_difference([1, 2], [1, 2, 3]) == 2
+    # 33 tokens in 1.1 s of which the prefill took 0.3 s: 32 decode tokens in 0.8 s.
+    assert eagle.decode_rate(33, 1.1, 0.3) == pytest.approx(40.0)
+    assert eagle.decode_rate(1, 1.1, 0.3) is None and eagle.decode_rate(5, 0.2, 0.3) is None
+    rs = [{"x": 4.0}, {"x": None}, {"x": 9.0}]
+    assert eagle.paired(rs, [{"x": 2.0}, {"x": 1.0}, {"x": 3.0}], "x") == [2.0, 3.0]
+
+
+def test_bench_eagle_times_each_program_after_one_untimed_run():
+    """The first time a configuration meets a program (its decode and prompt width) both the decode and its
+    prefill are compiled and run once untimed; later runs of the same program reuse them. Every run also
+    times its prefill alone (for the decode-only rate)."""
+    from jspec import decode as dec
+
+    eagle = _examples_module("bench_eagle")
+    programs: dict = {}
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3, max_new_tokens=6, max_len=MAX_LEN)
+    a = dec.prepare(TARGET, TARGET_PARAMS, [[1, 2, 0]], seed=1, **kw)
+    b = dec.prepare(TARGET, TARGET_PARAMS, [[2, 1, 0, 1]], seed=2, **kw)  # the same padded width: same program
+    c = dec.prepare(TARGET, TARGET_PARAMS, [[1] * 20], seed=3, **kw)  # another width
+    outs = [eagle.timed_run(p, programs) for p in (a, b, c)]
+    assert len(programs) == 2 and eagle.program_key(a) == eagle.program_key(b) != eagle.program_key(c)
+    assert [o.stats["compile_seconds"] > 0 for o in outs] == [True, False, True]
+    assert all(0 < o.stats["prefill_seconds"] and o.stats["seconds"] > 0 for o in outs)
+    assert outs[0].tokens == dec.prepare(TARGET, TARGET_PARAMS, [[1, 2, 0]], seed=1, **kw).run().tokens
+
+
+def _donated(tree) -> bool:
+    """Every buffer of ``tree`` (its K/V and feature arrays, not the [B] lengths) consumed by a donating call."""
+    big = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and x.ndim >= 2]
+    return bool(big) and all(x.is_deleted() for x in big)
+
+
+def test_bench_scripts_cost_pieces_take_the_cache_donated():
+    """bench_eagle's and bench_selfspec's timed pieces update the KV cache in place, as the fused round does:
+    undonated, each call copied the whole cache into its output (about 1.6 ms at 640 slots for SmolLM2), a cost
+    the decode loop never pays. Each call gets fresh copies; the ones handed in are consumed."""
+    import test_eagle
+    import test_layerskip
+
+    from models.layerskip import LayerSkipDrafter
+
+    eagle = _examples_module("bench_eagle")
+    drafter, dparams, _ = test_eagle.tiny_drafter(k=2)
+    parts = eagle.round_parts(test_eagle.TINY_MODEL, drafter, dparams, test_eagle.TINY_PARAMS, [1, 5, 9, 3], 2, ())
+    # The head's state and cache, the target's cache (verify reads only the shape of the state's feature block).
+    donated = {
+        "propose_ms": lambda a: [a[1]],
+        "verify_ms": lambda a: [a[3].cache, a[6]],
+        "plain_step_ms": lambda a: [a[3]],
+    }
+    for name, (fn, args) in parts.items():
+        a = args()
+        jax.block_until_ready(fn(*a))
+        assert all(_donated(x) for x in donated[name](a)), name
+        b = args()  # fresh copies every call
+        assert not any(_donated(x) for x in donated[name](b)), name
+    selfspec = _examples_module("bench_selfspec")
+    ls = LayerSkipDrafter(test_layerskip.TINY, 2, adapter=False, head_tokens=0, max_draft=2)
+    lp = ls.draft_params(test_layerskip.TINY_PARAMS, {})
+    parts = selfspec.component_parts(test_layerskip.TINY, test_layerskip.TINY_PARAMS, test_layerskip.TINY_MODEL, ls,
+                                     lp, 2, [1, 5, 9, 3], 32)  # fmt: skip
+    donated = {"plain_step": [1], "draft": [1, 2], "verify": [6]}
+    for name, (fn, args) in parts.items():
+        a = args()
+        jax.block_until_ready(fn(*a))
+        assert all(_donated(a[i]) for i in donated[name]), name
+        assert selfspec.time_ms(fn, args, n=2) > 0  # each timed call on fresh copies (a consumed one would raise)
+
+
+def test_bench_draft_times_no_first_execution():
+    """run_timed compiled afresh on every call (its compile excluded), so every timed repeat ran a program for
+    the first time. warm_up caches each compile and runs each decode once, untimed."""
+    from jspec import decode as dec
+
+    bench = _examples_module("bench_draft")
+    preps = [dec.prepare(TARGET, TARGET_PARAMS, [p], max_new_tokens=4, max_len=MAX_LEN) for p in ([1, 2], [2, 0, 1])]
+    assert bench.warm_up([preps]) == 2
+    assert all(p.compile() is p.compile() for p in preps)
+    assert preps[0].run_timed().stats["compile_seconds"] < 0.05  # reused, not compiled again
+
+
+def test_bench_forward_compares_on_one_device_kind_only(monkeypatch):
+    """On a GPU host JAX ran on the GPU and transformers on the CPU, and the ratio compared devices. transformers
+    now runs on JAX's device kind, or the script refuses before measuring anything."""
+    fwd = _examples_module("bench_forward")
+    assert fwd.torch_device_for("cpu", False) == "cpu" and fwd.torch_device_for("cpu", True) == "cpu"
+    assert fwd.torch_device_for("gpu", True) == "cuda"
+    with pytest.raises(SystemExit, match="JAX runs on gpu here and torch cannot"):
+        fwd.torch_device_for("gpu", False)
+    with pytest.raises(SystemExit, match="JAX runs on tpu here"):
+        fwd.torch_device_for("tpu", True)
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def load(*a, **k):
+        raise AssertionError("the model was loaded before the device check")
+
+    monkeypatch.setattr(fwd.registry, "load", load)
+    with pytest.raises(SystemExit, match="JAX_PLATFORMS=cpu"):
+        fwd.main([])

@@ -26,7 +26,8 @@ Memory on CPU: ``device_bytes`` adds the bytes of the target params, the draft p
 drafter's state) of the serving batch, plus the round's scratch (XLA's temp allocation of the compiled round,
 ``memory_analysis().temp_size_in_bytes``); ``max_rss_bytes`` is the process's peak resident set size
 (``getrusage``), which also counts Python, the tokenizer and anything else loaded. On an accelerator whose
-backend reports ``memory_stats()`` the peak bytes in use are recorded too.
+backend reports ``memory_stats()`` the process's peak device bytes so far are recorded too (JAX cannot reset that
+peak, so it is not one run's own).
 """
 
 from __future__ import annotations
@@ -110,6 +111,17 @@ class RequestRecord:
         return self.error is None and not self.timed_out and self.finished is not None
 
     @property
+    def outcome(self) -> str:
+        """finished / timeout / not_run / error / unfinished: what became of the request."""
+        if self.ok:
+            return "finished"
+        if self.timed_out:
+            return "timeout"
+        if self.stop_reason == "not_run":
+            return "not_run"
+        return "error" if self.error is not None else "unfinished"
+
+    @property
     def ttft(self) -> float | None:
         return self.emissions[0][0] - self.arrival if self.emissions else None
 
@@ -189,6 +201,15 @@ def timed_region_gc(freeze: bool = True):
         stats["pause_ms_max"] = round(max(pauses, default=0.0) * 1e3, 3)
 
 
+def request_set(records: Sequence[RequestRecord]) -> str:
+    """A digest of which requests a run served and how each ended (id and ``outcome``): two runs with the
+    same digest finished, timed out and left unrun the same requests, so their throughputs are over the same
+    work (``report.requests_differ``); a wall limit (--max-wall-s) or deadlines (--timeout-s) can cut two
+    runs of the same jobs differently."""
+    lines = sorted(f"{r.id}\t{r.outcome}" for r in records)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
 def summarize_requests(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:
     """Run-level latency / throughput / counts. Throughput counts only tokens delivered to requests, i.e.
     emitted tokens (accepted candidates + correction/bonus tokens); rejected candidates never appear."""
@@ -210,6 +231,7 @@ def summarize_requests(records: Sequence[RequestRecord], wall_s: float) -> dict[
         "errors": len(errors),
         "timeouts": len(timeouts),
         "not_run": sum(r.stop_reason == "not_run" for r in records),  # cut by the run's wall limit
+        "request_set": request_set(records),
         "error_messages": sorted({r.error for r in errors if r.error}),
         "stop_reasons": stops,
         "completion_rate": (stops.get("eos", 0) / len(ok)) if ok else 0.0,
@@ -319,7 +341,10 @@ def max_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def device_peak_bytes() -> int | None:
+def process_device_peak_bytes() -> int | None:
+    """The first device's peak bytes in use since the PROCESS started (``memory_stats()``, where the backend
+    reports it): JAX offers no reset of that peak, so it is the largest of every run so far (and of warm-ups,
+    phase timers and peers on the same device), not one run's own peak."""
     stats = jax.devices()[0].memory_stats()
     return None if not stats else stats.get("peak_bytes_in_use")
 
@@ -328,13 +353,18 @@ def device_peak_bytes() -> int | None:
 # Per-phase costs
 
 
-def median_ms(fn: Callable[[], Any], repeats: int = 7) -> float:
-    """Median wall time of ``fn()`` in ms after one warm-up call (which also compiles)."""
-    jax.block_until_ready(fn())
+def median_ms(fn: Callable[..., Any], repeats: int = 7, args: Callable[[], tuple] | None = None) -> float:
+    """Median wall time of ``fn()`` in ms after one warm-up call (which also compiles).
+
+    args: makes ``fn``'s arguments for each call, outside the timed region (``fn(*args())``): fresh copies of
+    what a piece that donates its inputs (a KV cache) consumes, as ``PhaseTimer`` feeds its pieces."""
+    make = args or tuple
+    jax.block_until_ready(fn(*make()))
     times = []
     for _ in range(repeats):
+        a = make()
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
+        jax.block_until_ready(fn(*a))
         times.append((time.perf_counter() - t0) * 1e3)
     return float(statistics.median(times))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,6 +53,70 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
+_COUNTS = ("submitted", "finished", "errors", "timeouts", "not_run")
+
+
+def _served_counts(s: dict[str, Any]) -> str:
+    out = f"{s.get('finished')}/{s.get('submitted')} finished"
+    for key, what in (("not_run", "not run"), ("timeouts", "timed out"), ("errors", "failed")):
+        if s.get(key):
+            out += f", {s[key]} {what}"
+    return out
+
+
+def requests_differ(a: dict[str, Any], b: dict[str, Any], names: Sequence[str] = ("this run", "plain")) -> str | None:
+    """Why the throughputs of two runs (their summaries, or ``_pass_summary`` entries) are not over the same
+    requests, or None when they are: a wall limit (--max-wall-s) or deadlines (--timeout-s) can leave other
+    requests unrun or timed out on each side, and a ratio of the two rates would then compare other work.
+    Compared by ``request_set`` (which requests, and how each ended) where both have it, else by the counts
+    both recorded (an older result); nothing recorded on a side counts as the same."""
+    da, db = a.get("request_set"), b.get("request_set")
+    if da is not None and db is not None:
+        if da == db:
+            return None
+    elif all(a.get(k) == b.get(k) for k in _COUNTS if k in a and k in b):
+        return None
+    same_counts = all(a.get(k) == b.get(k) for k in _COUNTS)
+    detail = (
+        "the same counts but other requests"
+        if same_counts
+        else f"{names[0]} {_served_counts(a)}, {names[1]} {_served_counts(b)}"
+    )
+    return f"different requests served ({detail})"
+
+
+def open_loop_note() -> str:
+    return "arrival-bound: an open loop's wall time is set by its arrivals"
+
+
+def jspec_rates(run: dict[str, Any], peer_summary: dict[str, Any]) -> tuple[float | None, float | None, str]:
+    """jspec's throughput to set against a peer's single run: the median over jspec's passes (``--passes``)
+    of its output and decode rates, over the passes that served the peer's requests; with one pass, that
+    pass. Returns (output tok/s, decode tok/s, how) or (None, None, why not)."""
+    passes = run.get("passes") or []
+    if len(passes) < 2:
+        why = requests_differ(run["summary"], peer_summary, ("jspec", "the peer"))
+        if why:
+            return None, None, why
+        return run["summary"]["output_tokens_per_s"], run["summary"].get("decode_tokens_per_s"), "one pass"
+    ok = [p for p in passes if not requests_differ(p, peer_summary)]
+    if not ok:
+        return None, None, requests_differ(passes[0], peer_summary, ("jspec", "the peer")) or ""
+    how = f"median of {len(ok)} passes"
+    if len(ok) < len(passes):
+        how += f" (of {len(passes)}; the others served other requests than the peer)"
+    dec = [p.get("decode_tokens_per_s") for p in ok]
+    return (
+        _median([p["output_tokens_per_s"] for p in ok]),
+        _median(dec) if all(d is not None for d in dec) else None,
+        how,
+    )
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
 def _plain_of(runs: Sequence[dict], load_name: str, group: str | None = None) -> dict | None:
     """The plain run at ``load_name`` in the same run group (``run_specs(group=...)``): sweeps that share a
     load are separate groups (other jobs, other moments), so a run is never divided by another group's plain."""
@@ -80,13 +145,20 @@ def results_table(runs: Sequence[dict], load_name: str, group: str | None = None
             continue
         s, d, q = r["summary"], r["decode_stats"], r.get("quality") or {}
         tps, dps = s["output_tokens_per_s"], s.get("decode_tokens_per_s")
+        out_ratio = _f(tps / base, 2, "x") if base else "-"
+        dec_ratio = _f(dps / dbase, 2, "x") if dbase and dps else "-"
+        why = requests_differ(s, plain["summary"]) if plain is not None and r is not plain else None
+        if why:  # not the same work on both sides: no ratio (the finished column says what each served)
+            out_ratio = dec_ratio = "no ratio: different requests"
+        elif r["load"].get("mode") == "open" and r is not plain:
+            out_ratio = "- (arrival-bound)"
         rows.append(
             [
                 r["spec"]["label"],
                 _f(tps),
-                _f(tps / base, 2, "x") if base else "-",
+                out_ratio,
                 _f(dps),
-                _f(dps / dbase, 2, "x") if dbase and dps else "-",
+                dec_ratio,
                 _f(s["finished_requests_per_s"], 2),
                 f"{_f(s['ttft_ms']['median'], 0)} / {_f(s['ttft_ms']['p95'], 0)}",
                 f"{_f(s['itl_ms']['median'], 1)} / {_f(s['itl_ms']['p95'], 1)}",
@@ -123,11 +195,14 @@ def cost_table(runs: Sequence[dict]) -> str:
         if not cm:
             continue
         seed, men, mr = cm.get("seed") or {}, cm.get("measured_en") or {}, cm.get("measured_rounds") or {}
+        e2e = _f(cm.get("measured_output_speedup"), 2, "x")
+        if cm.get("output_speedup_note"):
+            e2e = f"- ({cm['output_speedup_note']})"
         rows.append(
             [
                 _run_label(r),
-                _f(cm.get("measured_output_speedup"), 2, "x"),
-                _f(cm["measured_speedup"], 2, "x"),
+                "no ratio: different requests" if cm.get("different_requests") else e2e,
+                _f(cm.get("measured_speedup"), 2, "x"),
                 _f(seed.get("speedup"), 2, "x"),
                 _f(seed.get("ratio_to_measured"), 2),
                 _f(men.get("speedup"), 2, "x"),
@@ -217,7 +292,8 @@ def memory_table(runs: Sequence[dict]) -> str:
                 _f(m["max_rss_bytes"] / MB, 0),
             ]
         )
-    header = ["config", "params MB", "draft MB", "caches MB", "round scratch MB", "device total MB", "peak RSS MB"]
+    header = ["config", "params MB", "draft MB", "caches MB", "round scratch MB", "device total MB",
+              "process peak RSS MB so far"]  # fmt: skip
     return _table(header, rows)
 
 
@@ -242,7 +318,9 @@ def ratio_blockers(peer_info: dict[str, Any], technique: str, spec: dict[str, An
 
 def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
     """Each peer next to the jspec run of the same technique at concurrency 1, measured in the same run. A
-    pair that is not like for like (``ratio_blockers``) gets the reason instead of a ratio."""
+    pair that is not like for like (``ratio_blockers``), or that served other requests (``requests_differ``),
+    gets the reason instead of a ratio. The peer runs once; jspec's side is the median over its passes
+    (``jspec_rates``), as its cell says."""
     c1 = [r for r in runs if r["load"]["mode"] == "closed" and r["load"]["concurrency"] == 1]
     rows = []
     for p in peers:
@@ -256,14 +334,22 @@ def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
         if not mates:
             mates = [None]
         for mate in mates:
-            jt = mate["summary"]["output_tokens_per_s"] if mate else None
-            jd = mate["summary"].get("decode_tokens_per_s") if mate else None
+            jt = jd = None
+            how = ""
             why = ratio_blockers(p.get("info") or {}, p["technique"], mate["spec"]) if mate else None
+            if mate:
+                jt, jd, how = jspec_rates(mate, s)
             if why:
                 ratio_out, ratio_dec = f"no ratio: {why} (not like for like)", "-"
+            elif mate and jt is None:
+                ratio_out, ratio_dec = f"no ratio: {how}", "-"
             else:
                 ratio_out = _f(jt / tps, 2, "x") if jt and tps else "-"
                 ratio_dec = _f(jd / dps, 2, "x") if jd and dps else "-"
+            if jt is None and mate:  # no ratio: its first pass's rate, said to be that
+                jt_cell = f"{_f(mate['summary']['output_tokens_per_s'])} (pass 1)"
+            else:
+                jt_cell = _f(jt) + (f" ({how})" if jt is not None and how != "one pass" else "")
             rows.append(
                 [
                     p["label"],
@@ -271,7 +357,7 @@ def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
                     _f(dps),
                     f"{_f(s['ttft_ms']['median'], 0)} / {_f(s['itl_ms']['median'], 1)} / {_f(s['itl_ms']['p95'], 1)}",
                     (_run_label(mate) if mate.get("group") else mate["spec"]["label"]) if mate else "-",
-                    _f(jt),
+                    jt_cell,
                     ratio_out,
                     ratio_dec,
                     _pct(q.get("exact_match_vs_plain")),
@@ -284,7 +370,7 @@ def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
         "peer decode tok/s",
         "peer TTFT p50 / ITL p50 / p95 ms",
         "jspec row",
-        "jspec out tok/s",
+        "jspec out tok/s (median of its passes)",
         "jspec / peer (out)",
         "jspec / peer (decode)",
         "= jspec plain",
@@ -357,7 +443,9 @@ def markdown(payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
         "included); decode tok/s = tokens after each request's first emission / time after it (a peer's first "
         "burst can carry several tokens). ITL: a round that emits n tokens gives one interval and n - 1 zero "
         "gaps (bursts). acceptance = accepted / proposed candidates; tokens/round = emitted / rounds (the "
-        "prefill's first token is no round's).",
+        "prefill's first token is no round's). A ratio is given only between runs that served the same "
+        "requests (a wall limit or deadlines can cut two runs differently: 'no ratio: different requests'); an "
+        "open loop's end-to-end rate is set by its arrivals, so only its decode rate is compared.",
         "",
     ]
     note = gc_note(runs, peers)
@@ -484,7 +572,10 @@ def plot_speedup_vs_k(points: Sequence[dict[str, Any]], path: str, title: str = 
     for p in points:
         series.setdefault(p["series"], []).append(p)
     for name, ps in series.items():
-        ps = sorted(ps, key=lambda p: p["k"])
+        # A point without a speedup (its runs served other requests than plain's) is not drawn.
+        ps = sorted((p for p in ps if p.get("speedup") is not None), key=lambda p: p["k"])
+        if not ps:
+            continue
         (line,) = ax.plot([p["k"] for p in ps], [p["speedup"] for p in ps], marker="o", label=f"{name} measured")
         pred = [(p["k"], p["predicted"]) for p in ps if p.get("predicted") is not None]
         if pred:

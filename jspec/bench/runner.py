@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jspec import cost_model
-from jspec.bench import metrics
+from jspec.bench import metrics, report
 from jspec.bench.metrics import RequestRecord
 from jspec.decode import DEFAULT_GAMMA, StopReason, adaptive_policy
 from jspec.sampling import SamplingParams
@@ -548,7 +548,9 @@ def run(
         "how": (
             "device_bytes = params + draft params (not counting arrays shared with the target) + KV cache + "
             "drafter state of the serving batch (+ the round's scratch when phases were measured); "
-            "max_rss_bytes = process peak RSS (getrusage)"
+            "max_rss_bytes = process peak RSS so far (getrusage); process_device_peak_bytes = the device's peak "
+            "bytes in use since the process started (memory_stats; JAX cannot reset it, so neither is this "
+            "run's own peak)"
         ),
         "params_bytes": metrics.tree_bytes(params),
         "draft_params_bytes": draft_b,
@@ -557,7 +559,7 @@ def run(
         "draft_state_bytes": draft_state_b,
         "device_bytes": metrics.tree_bytes(params) + draft_b + cache_b + draft_state_b,
         "max_rss_bytes": metrics.max_rss_bytes(),
-        "device_peak_bytes": metrics.device_peak_bytes(),
+        "process_device_peak_bytes": metrics.process_device_peak_bytes(),
     }
     engine_info = {
         "rows": rows,
@@ -616,6 +618,25 @@ def _mean(xs) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def predict_k_rounds(
+    baseline_ms: float, draft_step_ms: float, verify_ms: float, rates, k: int, state_ms: float = 0.0
+) -> cost_model.CostModelResult:
+    """``cost_model.predict`` for rounds that draft K candidates and verify K + 1 positions, as the costs were
+    timed: gamma = K, whatever positions the decode measured. ``rates`` (``conditional_rates_from_stats``)
+    stop at the last position any round proposed; the positions past it were drafted and never accepted
+    (rate 0), so they must not shorten the cycle (``predict`` would take gamma = len(rates) < K, pricing
+    fewer draft steps than the rounds ran)."""
+    rates = [float(x) for x in rates][:k]
+    return cost_model.predict(
+        baseline_ms_per_token=baseline_ms,
+        draft_ms=draft_step_ms,
+        verify_ms=verify_ms,
+        state_ms=state_ms,
+        gamma=k,
+        accept_at=rates + [0.0] * (k - len(rates)),
+    )
+
+
 def cost_model_check(spec_run: RunResult, plain_run: RunResult, phases: dict, plain_phases: dict) -> dict[str, Any]:
     """The seed's cost model next to the measured decode speedup (same load, same jobs).
 
@@ -627,30 +648,39 @@ def cost_model_check(spec_run: RunResult, plain_run: RunResult, phases: dict, pl
       share.
     - "measured_rounds": the same E[N] and share, with the whole fused round timed (wide and narrow) instead
       of the sum of its pieces: what the loop really runs, branching and buffer copies included.
-    ratio = predicted / measured (1: the model explains the measurement; > 1: overheads it leaves out)."""
+    ratio = predicted / measured (1: the model explains the measurement; > 1: overheads it leaves out).
+
+    The two runs must have served the same requests (``report.requests_differ``): otherwise nothing measured
+    is compared (measured speedups None, ``different_requests`` says why); the predictions are still given. An
+    open loop's end-to-end ratio is not recorded (its wall time follows the arrivals: ``output_speedup_note``)."""
     # The model describes the decode loop, so it is checked against the decode-phase rate (prefill and
     # queueing excluded); the end-to-end output rate ratio is recorded next to it.
     measured = spec_run.summary["decode_tokens_per_s"] / max(plain_run.summary["decode_tokens_per_s"], 1e-12)
     end_to_end = spec_run.summary["output_tokens_per_s"] / max(plain_run.summary["output_tokens_per_s"], 1e-12)
     ds = spec_run.decode_stats
     base = plain_phases["round_ms"]
-    out: dict[str, Any] = {"measured_speedup": measured, "measured_output_speedup": end_to_end, "baseline_ms": base}
+    out: dict[str, Any] = {"baseline_ms": base}
+    differ = report.requests_differ(spec_run.summary, plain_run.summary)
+    if differ:
+        measured = end_to_end = None
+        out["different_requests"] = differ
+    elif getattr(getattr(spec_run, "load", None), "mode", "closed") == "open":
+        end_to_end = None
+        out["output_speedup_note"] = report.open_loop_note()
+    out.update(measured_speedup=measured, measured_output_speedup=end_to_end)
     d, v, s = phases.get("draft_ms") or 0.0, phases.get("verify_ms") or 0.0, phases.get("state_ms") or 0.0
     k = phases.get("gamma") or spec_run.spec.gamma
     if spec_run.spec.kind == "chain" and k:
         try:
-            pred = cost_model.predict(
-                baseline_ms_per_token=base,
-                draft_ms=d / k,
-                verify_ms=v,
-                state_ms=s,
-                accept_at=cost_model.conditional_rates_from_stats(ds["accepted_at"], ds["proposed_at"]),
-            )
+            # The pieces were timed drafting K and verifying K + 1 positions, as every wide round does: the cycle
+            # is K draft steps (d / K each), whatever positions were measured (``predict_k_rounds``).
+            rates = cost_model.conditional_rates_from_stats(ds["accepted_at"], ds["proposed_at"])
+            pred = predict_k_rounds(base, d / k, v, rates, k, s)
             out["seed"] = {
                 "expected_tokens": pred.expected_tokens,
                 "cycle_ms": pred.cycle_ms,
                 "speedup": pred.speedup,
-                "ratio_to_measured": pred.ratio_to(measured) if measured > 0 else None,
+                "ratio_to_measured": pred.ratio_to(measured) if measured else None,
                 "accept_at": list(pred.accept_at),
                 # The seed formula assumes every round drafts K and verifies K + 1: with rounds that proposed
                 # nothing (an n-gram miss) it predicts another configuration than the one measured.
@@ -676,6 +706,6 @@ def cost_model_check(spec_run: RunResult, plain_run: RunResult, phases: dict, pl
                     "wide_fraction": f,
                     "cycle_ms": cyc,
                     "speedup": sp,
-                    "ratio_to_measured": sp / measured if measured > 0 else None,
+                    "ratio_to_measured": sp / measured if measured else None,
                 }
     return out

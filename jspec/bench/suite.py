@@ -282,7 +282,8 @@ def run_specs(
     (A B, B A, A B, ...): these CPUs' speed drifts over minutes, and a single pass could credit the drift to
     whichever configuration ran in the fast spell. The tables report the first pass; each result keeps every
     pass's throughput in ``extra["passes"]`` (with whether its tokens equal the first pass's), from which
-    ``headline`` gives each pass's ratio and their median."""
+    ``headline`` gives each pass's ratio and their median. A peer runs once: its ratio takes the median of
+    jspec's passes (``report.jspec_rates``)."""
     results: list[RunResult] = []
     ctx = int(np.median([len(j.prompt) for j in jobs if j.prompt is not None]) + cfg.max_new_tokens // 2)
     if cfg.passes < 1:
@@ -318,6 +319,8 @@ def run_specs(
 def _pass_summary(r: RunResult, first: RunResult) -> dict[str, Any]:
     s = r.summary
     return {
+        # Which requests this pass served (``report.requests_differ``): a wall limit can cut passes differently.
+        **{k: s.get(k) for k in ("request_set", "submitted", "finished", "errors", "timeouts", "not_run")},
         "output_tokens_per_s": s["output_tokens_per_s"],
         "decode_tokens_per_s": s["decode_tokens_per_s"],
         "ttft_ms_p50": s["ttft_ms"]["median"],
@@ -327,15 +330,27 @@ def _pass_summary(r: RunResult, first: RunResult) -> dict[str, Any]:
     }
 
 
-def pass_ratios(r: RunResult, plain: RunResult) -> dict[str, list[float]] | None:
-    """Per pass: r's end-to-end and decode throughput over plain's in the same pass (None for one pass)."""
+def pass_ratios(r: RunResult, plain: RunResult) -> dict[str, list[float | None]] | None:
+    """Per pass: r's end-to-end and decode throughput over plain's in the same pass (None for one pass); a
+    pass in which the two served different requests (``report.requests_differ``) has None: no ratio."""
     a, b = r.extra.get("passes") or [], plain.extra.get("passes") or []
     if min(len(a), len(b)) < 2:
         return None
+    same = [report.requests_differ(x, y) is None for x, y in zip(a, b)]
     return {
-        key: [x[f"{key}_tokens_per_s"] / max(y[f"{key}_tokens_per_s"], 1e-9) for x, y in zip(a, b)]
+        key: [x[f"{key}_tokens_per_s"] / max(y[f"{key}_tokens_per_s"], 1e-9) if ok else None
+              for x, y, ok in zip(a, b, same)]
         for key in ("output", "decode")
-    }
+    }  # fmt: skip
+
+
+def _ratios_text(xs: Sequence[float | None]) -> str:
+    return ", ".join("-" if x is None else f"{x:.2f}" for x in xs)
+
+
+def _median_text(xs: Sequence[float | None]) -> str:
+    kept = [x for x in xs if x is not None]
+    return f"{statistics.median(kept):.2f}x" if kept else "-"
 
 
 def run_peer_set(
@@ -424,7 +439,12 @@ def write_outputs(out_dir: str, name: str, pl: dict[str, Any], plots: Sequence[s
 def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = ()) -> list[str]:
     """One line per speculative run: its speedup over plain at the same load in the same run group
     (``run_specs(group=...)``), and its ratio to the peers of its technique where they are like for like
-    (``report.ratio_blockers``: same weights' and cache's precision, same device, same K), else why not."""
+    (``report.ratio_blockers``: same weights' and cache's precision, same device, same K), else why not.
+
+    No ratio is printed between runs that served different requests (``report.requests_differ``: a wall limit
+    or deadlines cut them differently), and an open loop's end-to-end ratio is not printed (its wall time is
+    the arrivals' span, whatever the decoding speed): its decode ratio is. Against a peer (one run), jspec's
+    side is the median over its passes (``report.jspec_rates``), as the line says."""
     lines = []
     for r in results:
         if r.spec.kind == "plain":
@@ -439,15 +459,24 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
         sp = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
         dsp = r.summary["decode_tokens_per_s"] / max(plain.summary["decode_tokens_per_s"], 1e-9)
         where = f"{r.load.name}, {group}" if group else r.load.name
-        line = f"{r.spec.label} @ {where}: {sp:.2f}x plain end-to-end, {dsp:.2f}x decode"
+        open_loop = r.load.mode == "open"
+        why = report.requests_differ(r.summary, plain.summary)
+        if why:
+            line = f"{r.spec.label} @ {where}: no ratio to plain in pass 1 ({why})"
+        elif open_loop:
+            line = f"{r.spec.label} @ {where}: {dsp:.2f}x plain decode (end-to-end: {report.open_loop_note()})"
+        else:
+            line = f"{r.spec.label} @ {where}: {sp:.2f}x plain end-to-end, {dsp:.2f}x decode"
         per = pass_ratios(r, plain)
         if per is not None:
-            med = {k: statistics.median(v) for k, v in per.items()}
-            line += (
-                f" in pass 1 (passes: {', '.join(f'{x:.2f}' for x in per['output'])} end-to-end, "
-                f"{', '.join(f'{x:.2f}' for x in per['decode'])} decode; median {med['output']:.2f}x / "
-                f"{med['decode']:.2f}x)"
-            )
+            e2e = "" if open_loop else f"{_ratios_text(per['output'])} end-to-end, "
+            med = f"{_median_text(per['decode'])}" if open_loop else f"{_median_text(per['output'])} / "
+            med += "" if open_loop else _median_text(per["decode"])
+            line += "; by pass (" if why else " in pass 1 ("
+            line += f"passes: {e2e}{_ratios_text(per['decode'])} decode; median {med}"
+            if None in per["decode"]:
+                line += "; '-': that pass's runs served different requests"
+            line += ")"
         cm = r.cost_model or {}
         if cm.get("measured_rounds"):
             line += f" (cost model: {cm['measured_rounds']['speedup']:.2f}x from whole rounds"
@@ -459,14 +488,19 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
             for p in peer_runs:
                 ps = p.summary
                 if p.available and p.technique == (r.spec.peer or r.spec.kind) and ps.get("decode_tokens_per_s"):
-                    why = report.ratio_blockers(p.info, p.technique, r.spec.describe())
-                    if why:
-                        line += f"; vs {p.label}: no ratio ({why}: not like for like)"
+                    blocked = report.ratio_blockers(p.info, p.technique, r.spec.describe())
+                    if blocked:
+                        line += f"; vs {p.label}: no ratio ({blocked}: not like for like)"
                         continue
-                    line += (
-                        f"; vs {p.label}: {r.summary['output_tokens_per_s'] / ps['output_tokens_per_s']:.2f}x "
-                        f"end-to-end, {r.summary['decode_tokens_per_s'] / ps['decode_tokens_per_s']:.2f}x decode"
-                    )
+                    jt, jd, how = report.jspec_rates({"summary": r.summary, "passes": r.extra.get("passes")}, ps)
+                    if jt is None:
+                        line += f"; vs {p.label}: no ratio ({how})"
+                        continue
+                    line += f"; vs {p.label}: {jt / max(ps['output_tokens_per_s'], 1e-9):.2f}x end-to-end"
+                    if jd:
+                        line += f", {jd / ps['decode_tokens_per_s']:.2f}x decode"
+                    if how != "one pass":
+                        line += f" (jspec: {how}; the peer: its one run)"
         lines.append(line)
     return lines
 
