@@ -444,7 +444,7 @@ def user_turn_prefix(tok) -> list[int]:
     """The chat template up to where a user's message starts (system turn + ``<|im_start|>user\\n``)."""
     mark = "\x00USER\x00"
     text = tok.apply_chat_template([{"role": "user", "content": mark}], False)
-    return tok.encode(text[: text.index(mark)], add_bos=False)
+    return tok.encode(text[: text.index(mark)], add_bos=False, add_eos=False)  # a prefix: nothing appended
 
 
 def _words(text: str) -> set[str]:

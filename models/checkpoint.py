@@ -172,7 +172,10 @@ def gguf_end_ids(get: Callable[[str], Any]) -> tuple[int, ...]:
             named = None  # llama.cpp ignores an id outside the vocabulary ("bad special token") and goes by text
         found = [i for i, t in enumerate(tokens) if t in texts] if named is None else [named]
         by_text.update(found[:1])
-    ids = end_token_ids([*(get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", *GGUF_END_KEYS)), *sorted(by_text)])
+    named = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", *GGUF_END_KEYS)]
+    if tokens:  # llama.cpp ignores a special id outside the vocabulary ("bad special token")
+        named = [i for i in named if i is None or 0 <= i < len(tokens)]
+    ids = end_token_ids([*named, *sorted(by_text)])
     texts = {tokens[i]: i for i in ids if 0 <= i < len(tokens)}
     calls = "<|call|>" in texts or "<|calls|>" in texts
     if "<|end|>" in texts and calls and ("<|return|>" in texts or "<|flush|>" in texts):

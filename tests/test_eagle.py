@@ -857,7 +857,7 @@ def test_trainer_self_prompts(monkeypatch):
         def apply_chat_template(self, messages, add_generation_prompt):
             return "<sys>hello</sys><user>" + messages[0]["content"] + "</user>"
 
-        def encode(self, text, add_bos=False):
+        def encode(self, text, add_bos=False, add_eos=False):
             return [ord(c) for c in text]
 
     calls = []

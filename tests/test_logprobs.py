@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from test_layerskip import PROMPTS, TINY, TINY_MODEL, TINY_PARAMS
 
-from jspec.decode import StopReason, decode, decode_stream, prepare
+from jspec.decode import StopReason, decode, prepare
 from jspec.drafters import ModelDrafter
 from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
 from models import llama
@@ -84,11 +84,9 @@ def test_stream_reports_stop_reasons_and_logprobs(name):
     eos = first.tokens[0][4]  # row 0 then stops on EOS by its fifth token, the others may too or run to budget
     fused = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, eos_ids=[eos], logprobs=True, **kw)
     assert StopReason.EOS in fused.stop_reason
-    if name == "chain":
-        stream = decode_stream(TINY_MODEL, TINY_PARAMS, PROMPTS, eos_ids=[eos], logprobs=True, **kw)
-    else:  # the pair compiled ahead of time, as the CLI times a stream
-        prepared = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, eos_ids=[eos], logprobs=True, **kw)
-        stream = prepared.stream(prepared.compile_stream())
+    # The pair compiled ahead of time, as the CLI times a stream (decode_stream compiles at the first steps).
+    prepared = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, eos_ids=[eos], logprobs=True, **kw)
+    stream = prepared.stream(prepared.compile_stream())
     with pytest.raises(ValueError, match="not run a step"):
         stream.output()
     toks, lps = [[] for _ in PROMPTS], [[] for _ in PROMPTS]

@@ -570,6 +570,10 @@ def test_tokens_spelled_like_end_tokens_end_generation_like_llama_cpp(tmp_path):
     # A FIM repository token named by the metadata replaces the one found by its text.
     _write_tiny_bpe(path, "gpt-2", extra, eos=3, meta={"tokenizer.ggml.fim_rep_token_id": 7})
     assert Tokenizer.from_gguf(open_gguf(path)).eos_ids == (3, 4, 6, 7)
+    # Ids outside the vocabulary, which llama.cpp ignores ("bad special token"): not end ids (they were kept,
+    # and every decode then refused the list).
+    _write_tiny_bpe(path, "gpt-2", extra, eos=3, meta={"tokenizer.ggml.eot_token_id": 99})
+    assert Tokenizer.from_gguf(open_gguf(path)).eos_ids == (3, 4, 5, 6)
     # The model config carries the same list (what decode and the CLI stop at without a tokenizer).
     meta = {"tokenizer.ggml.eos_token_id": 3}
     write_gguf(path, hf_state(seed=11), Q.F32, extra_meta=meta, tokens=["a", "b", "ab", *extra])

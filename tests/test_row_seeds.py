@@ -198,26 +198,10 @@ def test_a_tree_row_does_not_depend_on_the_cache_the_other_rows_size(name):
         assert alone.tokens[0] == both.tokens[0], seed
 
 
-def test_an_engine_tree_row_near_its_cache_end_follows_its_seed():
-    """A request that fills the engine's cache to its last slot (P + N - 1 = max_len) with a sampled tree: the
-    engine keeps the tree's scratch past max_len, as decode's default does, so its last rounds verify the same
-    nodes as the request alone and give the same tokens."""
-    drafter = TREE_DRAFTERS["static-without-replacement"]
-    prompt = np.random.default_rng(3).integers(0, 3, 40).tolist()
-    engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, drafter=drafter, draft_params=DRAFT_PARAMS)
-    for seed in range(2):
-        alone = dec.decode(
-            TARGET, TARGET_PARAMS, [prompt], drafter=drafter, draft_params=DRAFT_PARAMS, max_new_tokens=24,
-            temperature=1.0, seed=[seed],
-        ).tokens[0]  # fmt: skip
-        got = [engine.add(seed % 2, prompt, 24, temperature=1.0, seed=seed)]
-        while engine.stop_reason(seed % 2) == dec.StopReason.RUNNING:
-            got += engine.step().get(seed % 2, [])
-        assert got == alone, seed
-
-
 def test_engine_and_decode_cap_a_trees_scratch_at_the_context_length():
-    """Next to the model's context length no scratch slot may hold a node (its position would run past it):
+    """The engine keeps a tree's scratch past max_len, as decode's default does (without it, a request filling
+    the cache verified fewer nodes in its last rounds than alone, and gave other tokens for the same seed).
+    Next to the model's context length no scratch slot may hold a node (its position would run past it):
     decode's default and the engine both cap the cache there, so a sampled tree request that ends at the last
     position still follows its seed alike (the engine used to keep max_len + its scratch, decode 64). A NumPy
     budget of a dynamic tree is a tree's node count like an int."""
