@@ -427,32 +427,16 @@ def _multiprocess_refusals(cfg, tp, dcfg, dp, plan, stp, sdp, rows, local_prompt
     # A mesh of the other process's devices only: refused at once (its checks would gather over both processes).
     other = [d for d in jax.devices() if d.process_index != me][:1]
     refused("other_process_mesh", model, tp, local_prompts, plan=make_plan(make_mesh((1, 1), devices=other)))
+
+    def refused_rows(name, sampling="greedy", **kw):
+        """This process's rows with the draft model on ``plan`` (process_local), ``kw`` overriding."""
+        base = dict(plan=plan, drafter=drafter, draft_params=sdp, process_local=True, **_kw(sampling, rows, drafter))
+        refused(name, model, stp, local_prompts, **{**base, **kw})
+
     # One seed for the batch, a different one in each process: each would sample its rows under another key.
-    kw = dict(_kw("sampled", rows, drafter), seed=11 + me)
-    refused(
-        "different_seeds",
-        model,
-        stp,
-        local_prompts,
-        plan=plan,
-        drafter=drafter,
-        draft_params=sdp,
-        process_local=True,
-        **kw,
-    )
+    refused_rows("different_seeds", "sampled", seed=11 + me)
     # Another draft preset in process 1: other programs (their collectives would never meet).
-    plan_p = plan if me == 0 else _plan(plan.mesh, "data_tensor", cfg, tp, dcfg, dp)
-    refused(
-        "different_plans",
-        model,
-        stp,
-        local_prompts,
-        plan=plan_p,
-        drafter=drafter,
-        draft_params=sdp,
-        process_local=True,
-        **_kw("greedy", rows, drafter),
-    )
+    refused_rows("different_plans", plan=plan if me == 0 else _plan(plan.mesh, "data_tensor", cfg, tp, dcfg, dp))
     # The whole batch with other budgets in each process and no max_len: the cache sizes follow the budgets (128
     # and 256 slots), but the inputs are what differs and what the error must name.
     budgets = dict(temperature=0.0, max_new_tokens=10 if me == 0 else 200)
@@ -467,23 +451,9 @@ def _multiprocess_refusals(cfg, tp, dcfg, dp, plan, stp, sdp, rows, local_prompt
     stp_r = shard_params(tp, param_logical_axes(cfg), mesh_r, plan_r.target)
     refused("shared_rows_differ", model, stp_r, ps, plan=plan_r, process_local=True, **kw)
     # max_len in process 1 only (process_local): process 0 alone would gather the cache size its rows need.
-    kw = _kw("greedy", rows, drafter)
-    if me == 0:
-        del kw["max_len"]
-    kw.update(plan=plan, drafter=drafter, draft_params=sdp, process_local=True)
-    refused("mixed_max_len", model, stp, local_prompts, **kw)
+    refused_rows("mixed_max_len", max_len=None if me == 0 else MAX_LEN)
     # process_local=True in process 0 only: the first collective compares it, before any other.
-    refused(
-        "mixed_process_local",
-        model,
-        stp,
-        local_prompts,
-        plan=plan,
-        drafter=drafter,
-        draft_params=sdp,
-        process_local=me == 0,
-        **_kw("greedy", rows, drafter),
-    )
+    refused_rows("mixed_process_local", process_local=me == 0)
     return out
 
 
