@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.bench import metrics
-from jspec.bench.metrics import _fresh as fresh
+from jspec.bench.metrics import fresh
 from jspec.bench.runner import predict_k_rounds
 from jspec.cli import wants_unstacked
 from jspec.cost_model import conditional_rates_from_stats, survival_from_stats

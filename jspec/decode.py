@@ -1041,17 +1041,20 @@ class DecodeStream(Iterator[list[list[int]]]):
         self._failed = True  # until the step returns: the round donates the state it is given
         if self._st is None:
             st = self._pre(target_params, draft_params, *arrays)
-            seq, seq_len, stop = self._to_host((st.seq, st.seq_len, st.stop))
-            chunk = [[int(seq[i, seq_len[i] - 1])] for i in range(seq.shape[0])]
-            n_emit = np.ones_like(seq_len)
+            emitted, n_emit = st.seq, None  # the first token: at seq_len - 1
         else:
             st, emitted, n_emit = self._step(target_params, draft_params, self._st)
-            emitted, n_emit, seq_len, stop = self._to_host((emitted, n_emit, st.seq_len, st.stop))
-            chunk = [emitted[i, : n_emit[i]].tolist() for i in range(emitted.shape[0])]
+        lp = st.logprob if self._want_logprobs else None
+        # One transfer per step (a collective across processes): tokens, lengths, stops and logprobs together.
+        emitted, n_emit, seq_len, stop, lp = self._to_host((emitted, n_emit, st.seq_len, st.stop, lp))
+        if n_emit is None:
+            chunk = [[int(emitted[i, seq_len[i] - 1])] for i in range(seq_len.shape[0])]
+            n_emit = np.ones_like(seq_len)
+        else:
+            chunk = [emitted[i, : n_emit[i]].tolist() for i in range(seq_len.shape[0])]
         self._st, self._failed = st, False
         self.stop_reasons = [StopReason(int(r)) for r in stop]
-        if self._want_logprobs:
-            lp = self._to_host(st.logprob)  # the step's tokens sit at seq_len - n_emit .. seq_len - 1
+        if lp is not None:  # the step's tokens sit at seq_len - n_emit .. seq_len - 1
             self.logprobs = [lp[i, seq_len[i] - n_emit[i] : seq_len[i]].tolist() for i in range(lp.shape[0])]
         self._done = not np.any(np.asarray(stop) == StopReason.RUNNING)
         return chunk

@@ -269,7 +269,8 @@ class Engine:
         """Up to ``rounds_per_sync`` rounds for all rows; returns the tokens each running row emitted."""
         running = self._stop == StopReason.RUNNING
         self.state, emitted, n_emit, n_rounds = self._step(self.target_params, self.draft_params, self.state)
-        emitted, n_emit, n_rounds, stop = jax.device_get((emitted, n_emit, n_rounds, self.state.stop))
+        lp = (self.state.logprob, self.state.seq_len) if self.logprobs else None  # fetched with the tokens
+        emitted, n_emit, n_rounds, stop, lp = jax.device_get((emitted, n_emit, n_rounds, self.state.stop, lp))
         self._stop = np.asarray(stop).copy()
         self.last_rounds = int(n_rounds)
         out = {
@@ -277,8 +278,8 @@ class Engine:
             for r in np.nonzero(running)[0]
         }
         self.last_logprobs = {}
-        if self.logprobs:  # a row's tokens of this step are the last ones in its sequence
-            lp, seq_len = jax.device_get((self.state.logprob, self.state.seq_len))
+        if lp is not None:  # a row's tokens of this step are the last ones in its sequence
+            lp, seq_len = lp
             self.last_logprobs = {r: lp[r, seq_len[r] - len(t) : seq_len[r]].tolist() for r, t in out.items()}
         return out
 

@@ -622,7 +622,7 @@ def test_phase_pieces_compose_to_the_round_for_every_drafter_path():
     EAGLE verifies through its own call (the piece timed a plain target call the round never makes), and a
     greedy batch verifies on argmax ids (the pieces built [B, T, V] distributions). Composed, the pieces
     must commit exactly the sequence the real round commits; sampled, they must run."""
-    from jspec.bench.metrics import _fresh, _phase_fns
+    from jspec.bench.metrics import _phase_fns, fresh
     from jspec.sampling import SamplingParams
 
     rows = np.asarray([[1, 5, 9, 3, 7, 2], [2, 4, 6, 8, 10, 12]], np.int32)
@@ -634,13 +634,13 @@ def test_phase_pieces_compose_to_the_round_for_every_drafter_path():
             key = jax.random.key(3)
             plen = jnp.full((2,), rows.shape[1], jnp.int32)
             st = pre(tp, dp, jnp.asarray(rows), plen, jnp.full((2,), 20, jnp.int32), sampling, key)
-            prop = draft(dp, _fresh(st), key)
-            p, cache = verify(tp, dp, _fresh(st.cache), st, prop)
+            prop = draft(dp, fresh(st), key)
+            p, cache = verify(tp, dp, fresh(st.cache), st, prop)
             seq, _ = update(st, prop, p, cache, key)
             if greedy:
                 assert p.shape[:2] == (2, prop.tokens.shape[1] + (0 if getattr(drafter, "is_tree", False) else 1))
                 assert p.ndim == 2
-                np.testing.assert_array_equal(np.asarray(seq), np.asarray(round_(tp, dp, _fresh(st)).seq), name)
+                np.testing.assert_array_equal(np.asarray(seq), np.asarray(round_(tp, dp, fresh(st)).seq), name)
             else:
                 assert p.ndim == 3 and np.allclose(np.asarray(p).sum(-1), 1.0, atol=1e-5), name
 

@@ -660,19 +660,7 @@ def test_per_layer_head_counts_and_ffn_width(tmp_path, monkeypatch):
     layer (``get_key_or_arr``); an array failed here as ``TypeError: int() ... list``. One value repeated for
     every layer is that value (the file then loads and computes what the scalar file does); values that vary
     between layers, or an array of another length (llama.cpp: "wrong array length"), are refused by name."""
-    per_layer: dict[str, list[int]] = {}
-
-    class PerLayerWriter(gguf.GGUFWriter):
-        def add_head_count(self, count):
-            super().add_head_count(per_layer.get("head_count", count))
-
-        def add_head_count_kv(self, count):
-            super().add_head_count_kv(per_layer.get("head_count_kv", count))
-
-        def add_feed_forward_length(self, length):
-            super().add_feed_forward_length(per_layer.get("feed_forward_length", length))
-
-    monkeypatch.setattr(gguf, "GGUFWriter", PerLayerWriter)
+    per_layer = _override_shape_keys(monkeypatch)
     state = hf_state(seed=11)
     write_gguf(tmp_path / "scalar.gguf", state, Q.F32)
     want_cfg, want_params, _ = load_gguf(tmp_path / "scalar.gguf")
@@ -697,19 +685,29 @@ def test_per_layer_head_counts_and_ffn_width(tmp_path, monkeypatch):
             config_from_gguf(open_gguf(tmp_path / f"{key}.gguf"))
 
 
+def _override_shape_keys(monkeypatch) -> dict:
+    """Makes ``write_gguf`` store, for head_count / head_count_kv / feed_forward_length, whatever the returned
+    dict holds under that name (an int or a per-layer list) instead of the model's value."""
+    values: dict = {}
+
+    class Writer(gguf.GGUFWriter):
+        def add_head_count(self, count):
+            super().add_head_count(values.get("head_count", count))
+
+        def add_head_count_kv(self, count):
+            super().add_head_count_kv(values.get("head_count_kv", count))
+
+        def add_feed_forward_length(self, length):
+            super().add_feed_forward_length(values.get("feed_forward_length", length))
+
+    monkeypatch.setattr(gguf, "GGUFWriter", Writer)
+    return values
+
+
 def test_zero_heads_are_refused_by_name(tmp_path, monkeypatch):
     """head_count 0 divided the embedding width by zero (a bare ZeroDivisionError, even with key_length given);
     head_count_kv 0 failed later as a shape error. Both are refused by name."""
-    counts: dict[str, int] = {}
-
-    class ZeroHeadWriter(gguf.GGUFWriter):
-        def add_head_count(self, count):
-            super().add_head_count(counts.get("head_count", count))
-
-        def add_head_count_kv(self, count):
-            super().add_head_count_kv(counts.get("head_count_kv", count))
-
-    monkeypatch.setattr(gguf, "GGUFWriter", ZeroHeadWriter)
+    counts = _override_shape_keys(monkeypatch)
     state = hf_state(seed=11)
     for key in ("head_count", "head_count_kv"):
         counts.clear()

@@ -475,7 +475,7 @@ def _phase_fns(target, drafter, config: DecodeConfig, greedy: bool):
     )
 
 
-def _fresh(tree):
+def fresh(tree):
     """A copy of every array of ``tree``, ready: the argument a donating piece may consume."""
     return jax.block_until_ready(jax.tree.map(jnp.copy, tree))
 
@@ -507,23 +507,23 @@ class PhaseTimer:
         tp, dp = target_params, draft_params
         # name -> (arguments, made before the clock starts: fresh copies of what the piece consumes; the piece)
         self.pieces: dict[str, tuple[Callable[[], tuple], Callable[..., Any]]] = {
-            "plain_step_ms": (lambda: (tp, _fresh(st.cache), st), plain)
+            "plain_step_ms": (lambda: (tp, fresh(st.cache), st), plain)
         }
         self.info: dict[str, Any] = {"batch": b, "context_len": self.context_len, "slots": s, "gamma": config.gamma}
         if drafter is not None:
-            prop = draft(dp, _fresh(st), key)
-            p, cache = verify(tp, dp, _fresh(st.cache), st, prop)
-            self.pieces["draft_ms"] = (lambda: (dp, _fresh(st), key), draft)
-            self.pieces["verify_ms"] = (lambda: (tp, dp, _fresh(st.cache), st, prop), verify)
-            self.pieces["state_ms"] = (lambda: (st, prop, p, _fresh(cache), key), update)
+            prop = draft(dp, fresh(st), key)
+            p, cache = verify(tp, dp, fresh(st.cache), st, prop)
+            self.pieces["draft_ms"] = (lambda: (dp, fresh(st), key), draft)
+            self.pieces["verify_ms"] = (lambda: (tp, dp, fresh(st.cache), st, prop), verify)
+            self.pieces["state_ms"] = (lambda: (st, prop, p, fresh(cache), key), update)
             self.info["verify_positions"] = int(prop.tokens.shape[1] + (0 if getattr(drafter, "is_tree", False) else 1))
-        self.pieces["round_ms"] = (lambda: (tp, dp, _fresh(st)), round_)
+        self.pieces["round_ms"] = (lambda: (tp, dp, fresh(st)), round_)
         if drafter is not None and not getattr(drafter, "is_tree", False) and target.vocab_size >= n:
             # Distinct tokens: no suffix occurs earlier, so a lookup drafter proposes nothing and the round
             # takes its narrow path (a 1-token verification). For a model drafter it equals round_ms.
             distinct = np.stack([rng.permutation(target.vocab_size)[:n] for _ in range(b)])
             st_miss = pre(tp, dp, jnp.asarray(distinct, jnp.int32), plen, max_new, sampling, key)
-            self.pieces["round_narrow_ms"] = (lambda: (tp, dp, _fresh(st_miss)), round_)
+            self.pieces["round_narrow_ms"] = (lambda: (tp, dp, fresh(st_miss)), round_)
         for args, fn in self.pieces.values():  # compile and warm every piece before any sample is taken
             jax.block_until_ready(fn(*args()))
         self.samples: dict[str, list[float]] = {k: [] for k in self.pieces}
