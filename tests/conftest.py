@@ -24,9 +24,18 @@ import pytest
 # And no YNNPACK reduce fusions: XLA:CPU (jax 0.10.2) hands reductions to YNNPACK, which ran the attention
 # softmax of the toy models' 300k-row distribution tests, a reduce over a strided axis of [300000, 1, 16, 4, 1],
 # at 0.8 s a call against 0.07 s as an XLA loop fusion; the layerskip distribution test ran 35 s instead of
-# 51 s (after compilation). Also a flag no test's semantics depend on. Subprocesses that set XLA_FLAGS for
-# fake devices add ``TEST_XLA_FLAGS``.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_experimental_ynn_fusion_type=-reduce"
+# 51 s (after compilation). Also a flag no test's semantics depend on.
+#
+# And XLA:CPU's older loop emitters instead of its MLIR fusion emitters: a decode loop is ~550 small fusions, each
+# compiled on its own. Measured on the 2-core Xeon (jax 0.10.2): a table-model tree decode loop compiles in 4.8 s
+# instead of 9.8 s; test_decode_core + test_compressed + test_decode_transformer ran 210 s instead of 289 s (one
+# process, nothing beside it); the real SmolLM2 runs ~15% slower (40 tokens, batch 2: 5.06 s against 4.25 s)
+# and compiles ~1 s faster, so the real-model files lose a little of what the toy-model files gain. Subprocesses
+# that set XLA_FLAGS for fake devices add ``TEST_XLA_FLAGS``.
+TEST_XLA_FLAGS = (
+    "--xla_backend_optimization_level=1 --xla_cpu_experimental_ynn_fusion_type=-reduce"
+    " --xla_cpu_use_fusion_emitters=false"
+)
 _flags = os.environ.get("XLA_FLAGS", "")
 for _flag in TEST_XLA_FLAGS.split():
     if _flag.split("=")[0] not in _flags:

@@ -11,11 +11,9 @@ from test_eagle import (
     PROMPTS,
     TINY_MODEL,
     TINY_PARAMS,
-    _dist_head,
     _path_tokens,
     _reference_features,
     _rollout_head,
-    _sample_and_check,
     random_head,
 )
 
@@ -142,10 +140,3 @@ def test_dynamic_tree_refuses_what_it_cannot_build():
     with pytest.raises(TypeError, match="max_draft"):  # depth sets it
         EagleDynamicTreeDrafter(ecfg, max_draft=6, top_k=2, depth=2, budget=4)
     assert EagleDynamicTreeDrafter(ecfg, top_k=2, depth=3, budget=5).max_draft == 3
-
-
-def test_dynamic_tree_whole_sequence_distribution_equals_target():
-    """An EAGLE-2 dynamic tree (top 2, depth 3, 5 nodes) from the reduced vocabulary at T > 0 with top-k / top-p:
-    its children are the head's best candidates, each verified as a one-hot proposal."""
-    ecfg, hp = _dist_head()
-    _sample_and_check(EagleDynamicTreeDrafter(ecfg, top_k=2, depth=3, budget=5), hp, 8)
