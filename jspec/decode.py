@@ -898,8 +898,10 @@ def prepare(
     logprobs: bool = False,
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
-    if not isinstance(logprobs, bool | np.bool_):
-        raise ValueError(f"logprobs must be True or False, got {logprobs!r}")
+    for name, flag in (("logprobs", logprobs), ("block_verify", block_verify), ("debug_checks", debug_checks)):
+        if not isinstance(flag, bool | np.bool_):  # a truthy "no" or "off" would switch the feature on
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    block_verify, debug_checks = bool(block_verify), bool(debug_checks)
     gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params, target_params)
     nodes = tree_nodes(drafter)
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len, (nodes or 1) - 1)

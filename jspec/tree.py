@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import ClassVar
 
 import jax
@@ -42,6 +43,14 @@ class TreeRule(enum.IntEnum):
     WITHOUT_REPLACEMENT = 2
 
 
+def _count(name: str, value) -> int:
+    """An integer count given as an int (NumPy's included, bool not): a float or a list would pass the range checks
+    here and fail far away, at trace time or in the compile cache's hashing."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
     """A static tree shape: ``branching[d]`` children per node at depth d (depth 0 = root).
@@ -55,7 +64,12 @@ class TreeSpec:
     budget: int | None = None
 
     def __post_init__(self):
-        if not self.branching or any(int(c) < 1 for c in self.branching):
+        if isinstance(self.branching, str) or not isinstance(self.branching, Sequence):
+            raise ValueError(f"branching must be a non-empty tuple of counts >= 1, got {self.branching!r}")
+        object.__setattr__(self, "branching", tuple(_count("a branching count", c) for c in self.branching))
+        if self.budget is not None:
+            object.__setattr__(self, "budget", _count("a tree budget", self.budget))
+        if not self.branching or any(c < 1 for c in self.branching):
             raise ValueError(f"branching must be a non-empty tuple of counts >= 1, got {self.branching}")
         if self.budget is not None and self.budget < 2:
             raise ValueError(f"a tree budget counts the root: it must be >= 2, got {self.budget}")
@@ -299,6 +313,7 @@ def frontier_mask(f_par: jax.Array) -> jax.Array:
 
 def check_dynamic_tree(rule, top_k: int, depth: int, budget: int) -> None:
     """Refuse a dynamic tree that ``grow_dynamic_tree`` cannot build, naming the bad value."""
+    top_k, depth, budget = _count("top_k", top_k), _count("depth", depth), _count("budget", budget)
     if rule != TreeRule.DETERMINISTIC:
         raise ValueError("a dynamic tree chooses children deterministically: use TreeRule.DETERMINISTIC")
     if top_k < 1 or depth < 1:
@@ -390,6 +405,16 @@ class TreeModelDrafter:
     is_tree: bool = dataclasses.field(default=True, init=False)
 
     needs_params: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if not isinstance(self.spec, TreeSpec):
+            raise TypeError(f"TreeModelDrafter needs spec=jspec.tree.TreeSpec, got {type(self.spec).__name__}")
+        # The drafter and the verifier branch on the rule differently (an unknown value would draw children
+        # without replacement and verify them as iid draws: lossy), so only TreeRule's values are taken.
+        try:
+            object.__setattr__(self, "rule", TreeRule(self.rule))
+        except ValueError:
+            raise ValueError(f"rule must be a jspec.tree.TreeRule, got {self.rule!r}") from None
 
     @property
     def vocab_size(self) -> int:
