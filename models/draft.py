@@ -40,6 +40,7 @@ from models import cpu_kernels
 from models.llama import (
     LlamaConfig,
     Params,
+    abstract_params,
     embed,
     embedding_rows,
     final_norm,
@@ -121,7 +122,11 @@ def token_counts(token_lists: Iterable[Sequence[int]], vocab_size: int) -> np.nd
     for toks in token_lists:
         arr = np.asarray(toks, np.int64).reshape(-1)
         if arr.size:
-            counts += np.bincount(arr, minlength=vocab_size)[:vocab_size]
+            # An id outside the vocabulary is not one of its tokens: cut off, it would vanish from the counts.
+            bad = arr[(arr < 0) | (arr >= vocab_size)]
+            if bad.size:
+                raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+            counts += np.bincount(arr, minlength=vocab_size)
     return counts
 
 
@@ -138,8 +143,12 @@ def frequent_token_map(counts: np.ndarray, n: int, always: Sequence[int] = ()) -
     v = counts.shape[0]
     if not 0 < n <= v:
         raise ValueError(f"head size N={n} must be in [1, V={v}]")
+    always = np.asarray(always, np.int64).reshape(-1)
+    bad = always[(always < 0) | (always >= v)]
+    if bad.size:  # a negative id would index from the end: another token kept in its place
+        raise ValueError(f"always: token id {int(bad[0])} is outside the vocabulary [0, {v})")
     score = counts.copy()
-    score[np.asarray(always, np.int64)] = np.inf
+    score[always] = np.inf
     order = np.lexsort((np.arange(v), -score))  # count descending, then id ascending
     return np.sort(order[:n]).astype(np.int32)
 
@@ -456,6 +465,60 @@ def _leaf_specs(params: Params) -> dict[str, list]:
     return {jax.tree_util.keystr(p): [list(x.shape), jnp.dtype(x.dtype).name] for p, x in flat}
 
 
+def _config_leaf_specs(dcfg: DraftConfig) -> dict[str, list]:
+    """``_leaf_specs`` of the params a draft of ``dcfg`` has: the stacked Llama tree in its dtype, with a
+    frequent-token head in place of an untied ``lm_head``."""
+    tree = abstract_params(dcfg.llama)
+    if dcfg.head_size:
+        tree.pop("lm_head", None)
+        n = dcfg.head_size
+        tree["head"] = {
+            "weight": jax.ShapeDtypeStruct((n, dcfg.llama.hidden), dcfg.llama.jdtype),
+            "ids": jax.ShapeDtypeStruct((n,), jnp.int32),
+            "index": jax.ShapeDtypeStruct((dcfg.vocab_size,), jnp.int32),
+        }
+    return _leaf_specs(tree)
+
+
+def _check_leaf_specs(holder: str, leaves: dict[str, list], dcfg: DraftConfig) -> None:
+    """Refuse leaves (``_leaf_specs``) other than those ``dcfg`` implies, naming the first that differs: restored
+    as recorded, they would load another depth or dtype than the config says, or fail far from the cause."""
+
+    def spec(s) -> str:
+        return f"{tuple(s[0])} {s[1]}"
+
+    want = _config_leaf_specs(dcfg)
+    for key, w in want.items():
+        if key not in leaves:
+            raise ValueError(f"{holder} has no leaf {key}; the draft's config implies {spec(w)}")
+        got = [list(leaves[key][0]), str(leaves[key][1])]
+        if got != w:
+            raise ValueError(f"{holder} has leaf {key} of {spec(got)}; the draft's config implies {spec(w)}")
+    extra = sorted(leaves.keys() - want.keys())
+    if extra:
+        raise ValueError(f"{holder} has leaf {extra[0]} of {spec(leaves[extra[0]])}; the draft's config has none")
+
+
+def _check_head_maps(holder: str, head: Params, vocab_size: int) -> None:
+    """The frequent-token head's integer maps must be each other's inverse: ``ids`` N distinct ids in [0, V),
+    ``index[ids] = arange(N)`` and N everywhere else (else ``expand_logits`` puts q on the wrong tokens)."""
+    ids = np.asarray(jax.device_get(head["ids"]))
+    index = np.asarray(jax.device_get(head["index"]))
+    n = ids.shape[0]
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"{holder}: head id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+    uniq, counts = np.unique(ids, return_counts=True)
+    if uniq.size != n:
+        raise ValueError(f"{holder}: head id {int(uniq[counts > 1][0])} appears more than once")
+    want = np.full(vocab_size, n, np.int64)
+    want[ids] = np.arange(n)
+    wrong = np.flatnonzero(index != want)
+    if wrong.size:
+        v = int(wrong[0])
+        raise ValueError(f"{holder}: head index[{v}] is {int(index[v])}, the head ids imply {int(want[v])}")
+
+
 def save_draft(
     path: str | os.PathLike,
     dcfg: DraftConfig,
@@ -470,6 +533,10 @@ def save_draft(
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.fspath(path))
+    # restore_draft refuses leaves other than the config implies: such params are refused before anything is written.
+    _check_leaf_specs(f"save_draft '{path}': the params", _leaf_specs(params), dcfg)
+    if dcfg.head_size:
+        _check_head_maps(f"save_draft '{path}'", params["head"], dcfg.vocab_size)
     os.makedirs(path, exist_ok=True)
     if os.path.exists(os.path.join(path, META_FILE)):  # an overwrite: the old json must not vouch for new params
         os.remove(os.path.join(path, META_FILE))
@@ -528,6 +595,7 @@ def restore_draft(
 
     meta = read_meta(path)
     dcfg = config_from_meta(meta)
+    _check_leaf_specs(f"'{path}': {META_FILE}", meta["leaves"], dcfg)
     if dtype is not None:
         dcfg = dataclasses.replace(dcfg, llama=dcfg.llama.replace(dtype=dtype))
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -554,6 +622,8 @@ def restore_draft(
             node = node.setdefault(part, {})
         node[parts[-1]] = target(key, spec)
     params = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(os.fspath(path)), PARAMS_DIR), abstract)
+    if dcfg.head_size:
+        _check_head_maps(f"'{path}'", params["head"], dcfg.vocab_size)
     return dcfg, params
 
 

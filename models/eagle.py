@@ -763,7 +763,8 @@ def restore_head(path: str | os.PathLike, target_cfg: LlamaConfig | None = None)
         # the same widths); a head saved before qkv_bias was recorded was trained for a model without biases.
         check_trained_for(f"head '{path}'", dataclasses.asdict(ecfg.target), target_cfg)
         ecfg = dataclasses.replace(ecfg, target=target_cfg)
-    params = restore_exit_params(path, target=abstract_head(ecfg))
+    # Stored arrays that disagree with meta.json's config (another depth, fusion, head size) are refused by leaf.
+    params = restore_exit_params(path, target=abstract_head(ecfg), holder=f"EAGLE head '{path}'")
     _check_token_ids(ecfg, np.asarray(params["token_ids"]))  # what expand_to_vocab scatters q over
     return ecfg, params
 

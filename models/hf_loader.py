@@ -29,6 +29,15 @@ from models.checkpoint import (
 from models.llama import LlamaConfig, Params, canonical_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# What transformers' config class of each model type (configuration_<type>.py) takes for a key config.json
+# lacks, where that is not "none": a Mistral config without sliding_window slides a 4096-token window, Mistral
+# and Qwen2 configs without num_key_value_heads have 8 and 32 KV heads (an explicit null is "none": one KV head
+# per attention head, as for Llama).
+_ABSENT_DEFAULTS = {
+    "llama": {},
+    "mistral": {"sliding_window": 4096, "num_key_value_heads": 8},
+    "qwen2": {"sliding_window": 4096, "num_key_value_heads": 32},
+}
 
 _ST_DTYPES = {
     "F32": np.dtype(np.float32),
@@ -158,13 +167,18 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
         raise CheckpointError(
             f"{cfg_path}: unsupported model_type '{mtype}' (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    absent = {k: v for k, v in _ABSENT_DEFAULTS[mtype].items() if k not in c}
+    c = c | absent
     rope_theta = _rope_theta(c, cfg_path)
+    window = f"sliding_window={c.get('sliding_window')}"
+    if "sliding_window" in absent:
+        window += " (transformers' default for a config.json without one)"
     unsupported = {
         "attention_bias": mtype != "qwen2" and c.get("attention_bias", False),
         "mlp_bias": c.get("mlp_bias", False),
         # Qwen2 names the layers that slide (_qwen2_sliding_layers); the others have no per-layer switch.
         "use_sliding_window": mtype != "qwen2" and c.get("use_sliding_window", False),
-        "sliding_window": mtype == "mistral" and c.get("sliding_window") is not None,
+        window: mtype == "mistral" and c.get("sliding_window") is not None,
         f"hidden_act={c.get('hidden_act')}": c.get("hidden_act", "silu") != "silu",
     }
     partial = c.get("partial_rotary_factor")  # null is unset, as transformers reads it

@@ -410,7 +410,36 @@ def _stored_shapes(ckpt, path: str) -> Any:
     return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
 
 
-def restore_exit_params(path: str | os.PathLike, cfg: LlamaConfig | None = None, target: Any = None) -> dict:
+def check_stored(holder: str, stored: Any, expected: Any) -> None:
+    """Refuse, naming the leaf, stored arrays (``_stored_shapes``) that are not the tree ``expected`` restores
+    into (a meta.json that disagrees with params/): orbax's own error names no key. A float leaf may be stored in
+    another float dtype (``eagle.export_head`` writes bf16; the restore casts it), never as an integer one or the
+    other way round."""
+
+    def flat(tree) -> dict:
+        return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    def spec(x) -> str:
+        return f"{tuple(x.shape)} {jnp.dtype(x.dtype).name}"
+
+    def floating(x) -> bool:
+        return jnp.issubdtype(x.dtype, jnp.floating)
+
+    got, want = flat(stored), flat(expected)
+    for key, w in want.items():
+        if key not in got:
+            raise ValueError(f"{holder}: no stored leaf {key} (expected {spec(w)})")
+        g = got[key]
+        if tuple(g.shape) != tuple(w.shape) or floating(g) != floating(w):
+            raise ValueError(f"{holder}: stored leaf {key} is {spec(g)}, not compatible with the expected {spec(w)}")
+    extra = sorted(got.keys() - want.keys())
+    if extra:
+        raise ValueError(f"{holder}: stored leaf {extra[0]} ({spec(got[extra[0]])}) is not expected")
+
+
+def restore_exit_params(
+    path: str | os.PathLike, cfg: LlamaConfig | None = None, target: Any = None, *, holder: str | None = None
+) -> dict:
     """Read what ``save_exit_params`` wrote. With ``target`` (a tree of ``jax.ShapeDtypeStruct``, e.g. from
     ``abstract_exit_params``) orbax restores into exactly those shapes, dtypes and shardings; with ``cfg``
     only, the target is built from ``meta.json``; with neither, from the checkpoint's own metadata. Leaves
@@ -418,12 +447,13 @@ def restore_exit_params(path: str | os.PathLike, cfg: LlamaConfig | None = None,
 
     With ``cfg`` (the target model) the params must have been trained for it: meta.json's ``target`` record
     (``save_exit_params(target_cfg=)``) is compared field by field, and an adapter of another width is refused
-    by name (files written before the record existed are checked on that width only)."""
+    by name (files written before the record existed are checked on that width only). Stored arrays of another
+    shape than the target's are refused naming the leaf (``check_stored``); ``holder`` names the file there."""
     path = os.path.abspath(os.fspath(path))
     ckpt = ocp.StandardCheckpointer()
     if cfg is not None:
         meta = load_exit_meta(path)
-        holder = f"exit adapter '{path}'"
+        holder = holder or f"exit adapter '{path}'"
         if isinstance(meta.get("target"), dict):
             check_trained_for(holder, meta["target"], cfg)
         stored = _stored_shapes(ckpt, path)
@@ -433,8 +463,11 @@ def restore_exit_params(path: str | os.PathLike, cfg: LlamaConfig | None = None,
             )
         if target is None:
             target = abstract_exit_params(cfg, meta["adapter_width"], meta["head_tokens"])
+        check_stored(holder, stored, target)
     elif target is None:
         target = _stored_shapes(ckpt, path)
+    else:
+        check_stored(holder or f"'{path}'", _stored_shapes(ckpt, path), target)
     # A leaf without a sharding goes to the default device. Left to orbax, it would take the sharding
     # recorded at save time, and a file written on one host's cpu:0 would not load on a GPU host.
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])

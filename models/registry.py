@@ -54,15 +54,21 @@ def known_names() -> list[str]:
 
 
 def resolve(name_or_path: str | os.PathLike) -> str:
-    """A short name, a .gguf file or an HF directory -> the checkpoint path."""
+    """A short name, a .gguf file or an HF directory -> the checkpoint path.
+
+    An existing path wins over a short name spelled the same: a local directory ``smollm2`` or
+    ``SmolLM2-135M-Instruct`` loads as that directory, not as the packaged checkpoint (which loaded silently in
+    its place).
+    """
     s = os.fspath(name_or_path)
     key = ALIASES.get(s.lower(), s.lower())
-    if key in KNOWN_MODELS:
-        return KNOWN_MODELS[key]()
     if os.path.isfile(s) and s.endswith(".gguf") or os.path.isdir(s):
         return s
     if os.path.exists(s):
-        raise CheckpointError(f"'{s}' is neither a .gguf file nor a Hugging Face directory")
+        shadows = f" (the path shadows the known model '{key}')" if key in KNOWN_MODELS else ""
+        raise CheckpointError(f"'{s}' is neither a .gguf file nor a Hugging Face directory{shadows}")
+    if key in KNOWN_MODELS:
+        return KNOWN_MODELS[key]()
     raise CheckpointError(f"unknown model '{s}' (not a path); known names: {', '.join(known_names())}")
 
 

@@ -256,6 +256,10 @@ class Tokenizer:
         if not os.path.isfile(tj):
             raise CheckpointError(f"{path}: no tokenizer.json")
         backend = _HFTokenizer.from_file(tj)
+        # tokenizer.json may store truncation / padding, which the backend then applies to every encode (a
+        # "max_length": 8 cut each prompt to 8 tokens); transformers turns both off unless a call asks for them.
+        backend.no_truncation()
+        backend.no_padding()
         tcfg = {}
         if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
             with open(os.path.join(path, "tokenizer_config.json")) as f:

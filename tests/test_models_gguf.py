@@ -477,6 +477,24 @@ def test_missing_package_says_how_to_install(monkeypatch):
         registry.resolve("smollm2")
 
 
+def test_a_local_path_wins_over_a_known_name(tmp_path, monkeypatch):
+    """resolve looked the lower-cased argument up among the known names before asking whether it is a path: a
+    local directory named smollm2 or SmolLM2-135M-Instruct silently loaded the packaged GGUF in its place."""
+    from models import registry
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("smollm2", "SmolLM2-135M-Instruct"):
+        (tmp_path / name).mkdir()
+        assert registry.resolve(name) == name
+        with pytest.raises(CheckpointError, match=rf"^{name}: no config\.json"):  # read as that directory
+            load(name)
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path / "other")
+    (tmp_path / "other" / "smollm2").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"neither a \.gguf file .* shadows the known model 'smollm2-135m"):
+        registry.resolve("smollm2")
+
+
 def test_config_reads_metadata_not_defaults(tmp_path):
     path = tmp_path / "meta.gguf"
     write_gguf(path, hf_state(seed=11), Q.F32)

@@ -589,3 +589,66 @@ def test_bos_and_eos_are_added_where_transformers_adds_them(tmp_path):
             assert tok.encode_chat(chat) == theirs.apply_chat_template(chat, tokenize=True, return_dict=False)
             seen.add(tuple(tok.encode("abc")))
     assert seen == {(4, 5, 6), (4, 5, 6, 1), (0, 4, 5, 6), (0, 4, 5, 6, 1)}
+
+
+def test_truncation_and_padding_in_tokenizer_json_are_off_like_transformers(tmp_path):
+    """tokenizer.json may store truncation and padding, which the ``tokenizers`` backend then applies to every
+    encode: a "max_length": 8 there cut every prompt (and chat prompt) to 8 tokens, padding lengthened short ones.
+    transformers turns both off unless a call asks for them; compared with AutoTokenizer on long and short text."""
+    import transformers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from models.tokenizer import Tokenizer
+
+    tcfg = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": "<|im_start|>{{ messages[0].content }}"}
+    path = _tiny_tokenizer_dir(tmp_path / "tok", tcfg)
+    backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    backend.enable_truncation(max_length=8)
+    backend.enable_padding(length=12, pad_id=0, pad_token="<s>")
+    backend.save(str(path / "tokenizer.json"))
+    saved = json.loads((path / "tokenizer.json").read_text())
+    assert saved["truncation"]["max_length"] == 8 and saved["padding"]["strategy"] == {"Fixed": 12}
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    tok = Tokenizer.from_hf_dir(path)
+    for text in ("abcdefghij abcdefghij abc", "ab"):
+        want = theirs(text)["input_ids"]
+        assert tok.encode(text) == want, text
+        chat = [{"role": "user", "content": text}]
+        assert tok.encode_chat(chat) == theirs.apply_chat_template(chat, tokenize=True, return_dict=False)
+    assert len(tok.encode("abcdefghij abcdefghij abc")) == 25 and len(tok.encode("ab")) == 2  # one token a letter
+
+
+def test_model_type_defaults_of_absent_keys_like_transformers(tmp_path):
+    """A config.json without num_key_value_heads has 8 KV heads for Mistral and 32 for Qwen2 in transformers
+    (their config classes' defaults; null, like Llama's default, is one per attention head, where transformers
+    accepts null at all): the loader took one per attention head for all three. A Mistral config without
+    sliding_window slides 4096 tokens in transformers and is refused like an explicit window; it loaded as full
+    attention. Each case against AutoConfig."""
+    import transformers
+
+    base = {"vocab_size": 128, "hidden_size": 512, "intermediate_size": 96, "num_hidden_layers": 2}
+    base["num_attention_heads"] = 64  # neither 8 nor 32: every default is told apart
+    seen = {}
+    for mtype in ("llama", "mistral", "qwen2"):
+        for kv in ("absent", None, 4):
+            conf = base | {"model_type": mtype} | ({} if kv == "absent" else {"num_key_value_heads": kv})
+            if mtype == "mistral":
+                conf["sliding_window"] = None  # full attention (the absent window is the next case)
+            (tmp_path / "config.json").write_text(json.dumps(conf))
+            if (mtype, kv) == ("mistral", None):  # MistralConfig's field is a plain int: its validation refuses null
+                with pytest.raises(Exception, match="num_key_value_heads"):
+                    transformers.AutoConfig.from_pretrained(tmp_path)
+                continue
+            theirs = transformers.AutoConfig.from_pretrained(tmp_path).num_key_value_heads
+            assert config_from_hf(tmp_path).num_kv_heads == theirs, (mtype, kv)
+            seen[mtype, kv] = theirs
+    assert (seen["llama", "absent"], seen["mistral", "absent"], seen["qwen2", "absent"]) == (64, 8, 32)
+    assert seen["llama", None] == seen["qwen2", None] == 64
+    no_window = base | {"model_type": "mistral", "num_key_value_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(no_window))
+    assert transformers.AutoConfig.from_pretrained(tmp_path).sliding_window == 4096
+    with pytest.raises(CheckpointError, match=r"unsupported setting sliding_window=4096 \(transformers' default"):
+        config_from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(no_window | {"sliding_window": 4096}))
+    with pytest.raises(CheckpointError, match=r"unsupported setting sliding_window=4096$"):
+        config_from_hf(tmp_path)
