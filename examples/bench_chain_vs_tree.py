@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import shlex
 import sys
 import time
@@ -155,7 +154,10 @@ def main(argv=None) -> int:
         ap.error(f"{flag} does not apply to {mode}")
     if given["--draft"] and given["--draft-layers"]:
         ap.error("--draft-layers (a truncated target) and --draft (a distilled draft) are exclusive")
-    cfg = suite.config_from_args(args)
+    try:
+        cfg = suite.config_from_args(args)
+    except ValueError as e:
+        ap.error(str(e))
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite.prepare_jobs(target, cfg)
@@ -186,12 +188,11 @@ def main(argv=None) -> int:
     )
     pl = suite.payload("chain_vs_tree", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd,
                        markdown_extra=[f"Draft model: {draft_name}. {_budget_note(args.ngram)}"])  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
     plots = [
-        report.plot_acceptance_by_position(pl, os.path.join(args.out, "chain_vs_tree_acceptance.png")),
-        report.plot_latency(pl, os.path.join(args.out, "chain_vs_tree_latency_c1.png"), loads[0].name),
+        ("chain_vs_tree_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
+        ("chain_vs_tree_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
     ]
-    paths = suite.write_outputs(args.out, "chain_vs_tree", pl, plots)
+    paths, _ = suite.write_results(args.out, "chain_vs_tree", pl, plots)  # results first, then the plots
     print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 

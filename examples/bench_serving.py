@@ -15,7 +15,6 @@ Writes <out>/serving.{json,md} and one latency-CDF plot per load.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import sys
@@ -34,7 +33,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=4)
     ap.set_defaults(out="results/serving", n=3)
     args = ap.parse_args(argv)
-    cfg = suite.config_from_args(args)
+    try:
+        cfg = suite.config_from_args(args, gamma=args.gamma, rows=args.rows)
+    except ValueError as e:
+        ap.error(str(e))
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite.prepare_jobs(target, cfg)
@@ -45,12 +47,11 @@ def main(argv=None) -> int:
     lines = suite.headline(results)
     cmd = " ".join(["python examples/bench_serving.py", *map(shlex.quote, argv or sys.argv[1:])])
     pl = suite.payload("serving", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd)
-    os.makedirs(args.out, exist_ok=True)
     plots = []
     for load in loads:
         slug = re.sub(r"[^a-z0-9]+", "_", load.name.lower()).strip("_")
-        plots.append(report.plot_latency(pl, os.path.join(args.out, f"serving_latency_{slug}.png"), load.name))
-    paths = suite.write_outputs(args.out, "serving", pl, plots)
+        plots.append((f"serving_latency_{slug}.png", lambda path, name=load.name: report.plot_latency(pl, path, name)))
+    paths, _ = suite.write_results(args.out, "serving", pl, plots)  # results first, then the plots
     print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 

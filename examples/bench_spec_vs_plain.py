@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import sys
 import time
@@ -88,7 +87,13 @@ def main(argv=None) -> int:
     )
     ap.set_defaults(out="results/spec_vs_plain")
     args = ap.parse_args(argv)
-    cfg = suite.config_from_args(args)
+    try:
+        for v in filter(None, args.ngram_variants.split(";")):
+            ngram_variant(v)  # its format, before the model is loaded
+        names = suite.peer_names(args.peers)
+        cfg = suite.config_from_args(args, gamma=args.gamma, concurrency=args.concurrency)
+    except ValueError as e:
+        ap.error(str(e))
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite.prepare_jobs(target, cfg)
@@ -98,19 +103,17 @@ def main(argv=None) -> int:
     specs[2:2] = [v if v.gamma == args.gamma else dataclasses.replace(v, peer=None) for v in variants]
     loads = [Load.closed(1, cfg.timeout_s)] + ([Load.closed(args.concurrency, cfg.timeout_s)] * (args.concurrency > 1))
     results = suite.run_specs(target, specs, loads, jobs, cfg)
-    names = [] if args.peers in ("", "none") else args.peers.split(",")
     plain1 = results[0]
     peer_runs = suite.run_peer_set(target, names, jobs, cfg, args.gamma, plain1, assistant_layers=args.draft_layers)
     lines = suite.headline(results, peer_runs)
     cmd = " ".join(["python examples/bench_spec_vs_plain.py", *map(shlex.quote, argv or sys.argv[1:])])
     pl = suite.payload("spec_vs_plain", None, suite.meta(target, cfg, desc), results, peer_runs, headline=lines,
                        command=cmd)  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
     plots = [
-        report.plot_latency(pl, os.path.join(args.out, "spec_vs_plain_latency_c1.png"), loads[0].name),
-        report.plot_acceptance_by_position(pl, os.path.join(args.out, "spec_vs_plain_acceptance.png")),
+        ("spec_vs_plain_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
+        ("spec_vs_plain_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
     ]
-    paths = suite.write_outputs(args.out, "spec_vs_plain", pl, plots)
+    paths, _ = suite.write_results(args.out, "spec_vs_plain", pl, plots)  # results first, then the plots
     print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shlex
 import sys
 import time
@@ -36,9 +35,9 @@ K_GROUP = "K sweep"
 def _point(series, r, plain, key, value):
     """The K sweep plots the decode-phase speedup (what the cost model describes); the batch sweep the
     end-to-end output rate (saturation throughput). Both ratios are kept in every point, unless the two runs
-    served different requests (a wall limit or deadlines cut them differently): then there is no ratio, and
-    ``different_requests`` says why."""
-    why = report.requests_differ(r.summary, plain.summary)
+    served different requests (a wall limit or deadlines cut them differently) or one of them none
+    (``report.no_ratio``): then there is no ratio, and ``different_requests`` says why."""
+    why = report.no_ratio(r.summary, plain.summary)
     dec = e2e = None
     if not why:
         dec = r.summary["decode_tokens_per_s"] / max(plain.summary["decode_tokens_per_s"], 1e-9)
@@ -73,7 +72,10 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-batch", action="store_true")
     ap.set_defaults(out="results/sweeps", n=2, max_new_tokens=64)
     args = ap.parse_args(argv)
-    cfg = suite.config_from_args(args)
+    try:
+        cfg = suite.config_from_args(args, gamma=args.gamma, k_concurrency=args.k_concurrency)
+    except ValueError as e:
+        ap.error(str(e))
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite.prepare_jobs(target, cfg)
@@ -112,17 +114,16 @@ def main(argv=None) -> int:
     lines = suite.headline(results)
     pl = suite.payload("sweeps", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd,
                        sweeps={"k": k_points, "batch": b_points})  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
     plots = []
     if k_points:
-        plots.append(report.plot_speedup_vs_k(k_points, os.path.join(args.out, "speedup_vs_k.png"),
-                                              f"{target.name}, closed loop c={args.k_concurrency}"))  # fmt: skip
+        title = f"{target.name}, closed loop c={args.k_concurrency}"
+        plots.append(("speedup_vs_k.png", lambda path: report.plot_speedup_vs_k(k_points, path, title)))
         kpl = dict(pl, runs=[r.to_json(False) for r in results if r.extra.get("group") == K_GROUP])
-        plots.append(report.plot_acceptance_by_position(kpl, os.path.join(args.out, "acceptance_by_position.png")))
+        plots.append(("acceptance_by_position.png", lambda path: report.plot_acceptance_by_position(kpl, path)))
     if b_points:
-        plots.append(report.plot_batch_sweep(b_points, os.path.join(args.out, "batch_sweep.png"), target.name))
+        plots.append(("batch_sweep.png", lambda path: report.plot_batch_sweep(b_points, path, target.name)))
     pl["markdown_extra"] = [_sweep_tables(k_points, b_points)]
-    paths = suite.write_outputs(args.out, "sweeps", pl, plots)
+    paths, _ = suite.write_results(args.out, "sweeps", pl, plots)  # results first, then the plots
     print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 
@@ -144,7 +145,7 @@ def _sweep_tables(k_points, b_points) -> str:
 
 def _x(v, point=None) -> str:
     if v is None and point is not None and point.get("different_requests"):
-        return "no ratio: different requests"
+        return report.no_ratio_cell(point["different_requests"])
     return "-" if v is None else f"{v:.2f}x"
 
 

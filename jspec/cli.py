@@ -158,9 +158,13 @@ def check_flags(args) -> None:
         raise ValueError(f"--tree wants comma-separated branching factors (e.g. 3,2,1), got '{args.tree}'")
     if args.dynamic_tree is not None:
         _dynamic_tree_args(args)  # its format, before any model is loaded
-    if args.temperature == 0:
-        filters = (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0), ("--min-p", args.min_p, 0.0))
-        for flag, value, off in filters:
+    check_greedy_filters(args.temperature, args.top_k, args.top_p, args.min_p)
+
+
+def check_greedy_filters(temperature, top_k, top_p, min_p) -> None:
+    """A sampling filter (--top-k, --top-p, --min-p) at --temperature 0 would be ignored (greedy): refused."""
+    if temperature == 0:
+        for flag, value, off in (("--top-k", top_k, 0), ("--top-p", top_p, 1.0), ("--min-p", min_p, 0.0)):
             if value != off:
                 raise ValueError(f"{flag} {value} has no effect at --temperature 0 (greedy): set a temperature > 0")
 
@@ -318,8 +322,19 @@ def generate(args) -> int:
         )
         plain.pop("logprobs")
         result["plain"] = {"token_ids": plain_ids, "stats": plain}
-        result["speedup"] = stats["tokens_per_s"] / plain["tokens_per_s"]
         result["identical_to_plain"] = plain_ids == ids
+        ratio = stats["tokens_per_s"] / plain["tokens_per_s"]
+        if args.temperature == 0 or result["identical_to_plain"]:
+            result["speedup"] = ratio
+        else:
+            # Sampling drew other outputs on the two sides (other lengths, other stops), and each rate includes its
+            # prefill, a larger share of a shorter output: the ratio of the rates is no speed-up of the same work.
+            result["speedup"] = None
+            result["tokens_per_s_ratio"] = ratio
+            result["not_like_for_like"] = (
+                f"sampled outputs differ (speculative {len(ids)} tokens, plain {len(plain_ids)}); each rate includes "
+                "its prefill"
+            )
     if args.json:
         print(json.dumps(result))
         return 0
@@ -330,27 +345,43 @@ def generate(args) -> int:
         print(f"[log-probability of the {len(logprobs)} generated tokens: {sum(logprobs):.4f}]", file=sys.stderr)
     if "plain" in result:
         print(_stats_line("plain", result["plain"]["stats"]), file=sys.stderr)
-        if result["identical_to_plain"]:
-            same = "identical"
-        elif args.temperature == 0:  # greedy must match token for token: a float near-tie, or a bug
-            same = "DIFFERENT from greedy plain decoding (a float near-tie between two tokens, or a bug)"
+        if result["speedup"] is None:  # sampling, other outputs: the two rates are not over the same work
+            p = result["plain"]["stats"]
+            print(
+                f"[no speedup: not like for like at --temperature {args.temperature}: the sampled outputs differ "
+                f"(same distribution, other draws): speculative {stats['new_tokens']} tokens at "
+                f"{stats['tokens_per_s']:.1f} tok/s, plain {p['new_tokens']} tokens at {p['tokens_per_s']:.1f} tok/s, "
+                "each rate with its prefill; --temperature 0 compares the same output]",
+                file=sys.stderr,
+            )
         else:
-            same = "different (sampling: same distribution, other draws)"
-        print(
-            f"[speedup {result['speedup']:.2f}x over plain decoding, measured in this run; output {same}]",
-            file=sys.stderr,
-        )
+            if result["identical_to_plain"]:
+                same = "identical"
+            else:  # greedy must match token for token: a float near-tie, or a bug
+                same = "DIFFERENT from greedy plain decoding (a float near-tie between two tokens, or a bug)"
+            print(
+                f"[speedup {result['speedup']:.2f}x over plain decoding, measured in this run; output {same}]",
+                file=sys.stderr,
+            )
     return 0
 
 
-def enable_compile_cache(path: str | None) -> str | None:
+def enable_compile_cache(path: str | None, explicit: bool = False) -> str | None:
     """Keep compiled programs on disk (JAX's persistent cache), so a repeated command does not recompile.
-    ``path`` None/'none' disables it; JAX_COMPILATION_CACHE_DIR, when set, wins. Returns the directory used."""
+    Returns the directory used, or None when the cache is off.
+
+    ``path`` None/'none'/'off' disables it. explicit=False (a default directory): JAX_COMPILATION_CACHE_DIR,
+    when set, wins. explicit=True (the user's --compile-cache): ``path`` wins over JAX_COMPILATION_CACHE_DIR,
+    'none' included. Whichever directory is used, every program is cached, however fast it compiled."""
     import jax
 
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return os.environ["JAX_COMPILATION_CACHE_DIR"]
-    if not path or path.lower() in ("none", "off"):
+    off = not path or path.lower() in ("none", "off")
+    env = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if env and not explicit:
+        path, off = env, False
+    if off:
+        if env:  # JAX took $JAX_COMPILATION_CACHE_DIR as its directory at import
+            jax.config.update("jax_compilation_cache_dir", None)
         return None
     path = os.path.expanduser(path)
     os.makedirs(path, exist_ok=True)
@@ -433,11 +464,17 @@ def main(argv=None) -> int:
     )
     g.add_argument(
         "--compile-cache",
-        default=COMPILE_CACHE_DEFAULT,
-        help="persistent XLA compilation cache directory ('none' to disable; env JSPEC_COMPILE_CACHE): a "
-        "second run with the same shapes skips compilation",
+        default=None,
+        help="persistent XLA compilation cache directory ('none' to disable): a second run with the same shapes "
+        f"skips compilation; default $JAX_COMPILATION_CACHE_DIR when set, else {COMPILE_CACHE_DEFAULT} "
+        "($JSPEC_COMPILE_CACHE); given, it wins",
     )
-    g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
+    g.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run plain decoding and report the speedup (at --temperature > 0, unless the outputs match, each "
+        "side's tokens/s: the sampled outputs differ, so no speedup)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument(
         "--stream",
@@ -451,7 +488,11 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     try:
-        enable_compile_cache(args.compile_cache)
+        check_flags(args)  # before anything is set up
+        if args.compile_cache is None:  # not given: $JAX_COMPILATION_CACHE_DIR when set, else the default
+            enable_compile_cache(COMPILE_CACHE_DEFAULT)
+        else:
+            enable_compile_cache(args.compile_cache, explicit=True)
         return generate(args)
     except (ValueError, OSError) as e:  # bad input (a missing or unreadable path too): a message, not a traceback
         print(f"error: {e}", file=sys.stderr)

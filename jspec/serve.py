@@ -107,8 +107,9 @@ class Engine:
     """B rows of decoding with per-row requests.
 
     ``add(row, prompt, max_new_tokens, ...)`` puts a request into a free row (prefill + insert, one jitted
-    call per prompt-width bucket); ``step()`` runs rounds for every row and returns {row: tokens emitted by them};
-    ``stop_reason(row)`` says why a row's request ended and ``free_rows()`` lists the rows ready for a new one.
+    call per prompt-width bucket); ``step()`` runs rounds for every row and returns {row: tokens emitted by them}
+    (with no row running it runs nothing and returns {}); ``cancel(row)`` aborts a running request and frees its
+    row; ``stop_reason(row)`` says why a row's request ended and ``free_rows()`` lists the rows ready for a new one.
 
     logprobs: with True, ``last_logprobs[row]`` holds the target's log-probabilities of the tokens last returned
     for ``row`` (as ``decode(logprobs=True)`` reports them): ``step()`` replaces the dict with its rows',
@@ -135,8 +136,10 @@ class Engine:
     logprobs: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.logprobs, bool | np.bool_):
-            raise ValueError(f"logprobs must be True or False, got {self.logprobs!r}")
+        for name in ("logprobs", "block_verify"):  # a truthy "no" would switch the feature on
+            if not isinstance(getattr(self, name), bool | np.bool_):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        self.block_verify = bool(self.block_verify)
         for name, what in (
             ("batch", "batch"),
             ("max_len", "max_len"),
@@ -194,6 +197,25 @@ class Engine:
     def free_rows(self) -> list[int]:
         return [int(i) for i in np.nonzero(self._stop != StopReason.RUNNING)[0]]
 
+    def _check_row(self, row) -> None:
+        if isinstance(row, bool) or not isinstance(row, int | np.integer) or not 0 <= row < self.batch:
+            raise ValueError(f"row must be an int in [0, {self.batch}), got {row!r}")  # -1 is not the last row
+
+    def cancel(self, row: int) -> None:
+        """Abort the request running in ``row`` (vLLM's abort): the row stops now, as a row whose request ended
+        does, and is free for the next ``add()``; the other rows' requests go on unchanged. Its stop reason
+        becomes IDLE (no request), as before any request; its counters stay in ``state.stats`` until the next
+        request in the row resets them. A row with no running request is refused."""
+        self._check_row(row)
+        if self._stop[row] != StopReason.RUNNING:
+            reason = StopReason(int(self._stop[row])).name
+            raise ValueError(f"row {row} has no running request to cancel (its stop reason is {reason})")
+        stop = self.state.stop  # int32, not weak-typed (as add() and step() leave it): nothing recompiles
+        idle = jnp.asarray(int(StopReason.IDLE), stop.dtype)
+        self.state = dataclasses.replace(self.state, stop=stop.at[int(row)].set(idle))
+        self._stop[row] = int(StopReason.IDLE)
+        self.last_logprobs.pop(int(row), None)
+
     def add(
         self,
         row: int,
@@ -211,8 +233,7 @@ class Engine:
         one the engine's ``seed`` folded with the request's admission number. With a seed, a request's tokens
         do not depend on its row, on when it was admitted or on the other requests (up to the float
         reassociation of batched matmuls, as in any server)."""
-        if isinstance(row, bool) or not isinstance(row, int | np.integer) or not 0 <= row < self.batch:
-            raise ValueError(f"row must be an int in [0, {self.batch}), got {row!r}")
+        self._check_row(row)
         if self._stop[row] == StopReason.RUNNING:
             raise ValueError(f"row {row} is still decoding a request")
         prompt = int_array(prompt, "prompt")
@@ -266,8 +287,13 @@ class Engine:
         return int(first)
 
     def step(self) -> dict[int, list[int]]:
-        """Up to ``rounds_per_sync`` rounds for all rows; returns the tokens each running row emitted."""
+        """Up to ``rounds_per_sync`` rounds for all rows; returns the tokens each running row emitted. With no
+        row running (the host knows each row's state) nothing runs: {} and ``last_rounds`` 0."""
         running = self._stop == StopReason.RUNNING
+        if not running.any():
+            self.last_rounds = 0
+            self.last_logprobs = {}
+            return {}
         self.state, emitted, n_emit, n_rounds = self._step(self.target_params, self.draft_params, self.state)
         lp = (self.state.logprob, self.state.seq_len) if self.logprobs else None  # fetched with the tokens
         emitted, n_emit, n_rounds, stop, lp = jax.device_get((emitted, n_emit, n_rounds, self.state.stop, lp))
@@ -284,8 +310,7 @@ class Engine:
         return out
 
     def stop_reason(self, row: int) -> StopReason:
-        if isinstance(row, bool) or not isinstance(row, int | np.integer) or not 0 <= row < self.batch:
-            raise ValueError(f"row must be an int in [0, {self.batch}), got {row!r}")  # -1 is not the last row
+        self._check_row(row)
         return StopReason(int(self._stop[row]))
 
 

@@ -139,20 +139,20 @@ def test_timeouts_are_recorded_without_stopping_the_run():
     assert s["output_tokens_per_s"] >= 0 and s["submitted"] == 6
 
 
-def test_running_request_past_its_deadline_is_a_timeout():
-    """A fake clock (+10 ms per reading) makes the first requests overrun a 50 ms deadline while decoding:
-    they are recorded as timeouts with the tokens they got, their rows finish the decode (Engine has no
-    cancel), and the requests queued behind them time out in the queue."""
+def test_running_request_past_its_deadline_is_cancelled():
+    """A fake clock (+10 ms per reading) makes every request overrun a 50 ms deadline while decoding: each is
+    recorded as a timeout with the tokens it got, and cancelled (Engine.cancel), so its row takes the next
+    request at once. Before, the late rows decoded to their end (tokens discarded) and the requests queued
+    behind them timed out in the queue, never run."""
     ticks = itertools.count()
     jobs = [Job(f"d{i}", "a", (0, 1, 2)) for i in range(5)]
     res = _run(PLAIN, Load.closed(2, timeout_s=0.05), jobs, max_new_tokens=12, warmup=False,
                clock=lambda: next(ticks) * 0.01)  # fmt: skip
     s = res.summary
     assert s["timeouts"] == 5 and s["finished"] == 0
-    first = [r for r in res.records if r.admitted is not None]
-    assert len(first) == 2 and all(r.tokens and r.timed_out for r in first)
-    assert all(r.stats["emitted"] == 11 for r in first)  # the rows decoded to the end, tokens discarded
-    assert all(not r.tokens for r in res.records if r.admitted is None)
+    assert all(r.admitted is not None and r.tokens and r.timed_out for r in res.records)
+    # Cut short: fewer than 12 tokens, and the counters of the rounds that gave them.
+    assert all(len(r.tokens) == 1 + r.stats["emitted"] < 12 for r in res.records)
 
 
 def test_wall_limit_marks_the_rest_not_run():
@@ -1256,3 +1256,92 @@ def test_bench_forward_compares_on_one_device_kind_only(monkeypatch):
     monkeypatch.setattr(fwd.registry, "load", load)
     with pytest.raises(SystemExit, match="JAX_PLATFORMS=cpu"):
         fwd.main([])
+
+
+def test_suite_writes_its_results_before_plots_and_without_matplotlib(closed_runs, tmp_path, monkeypatch, capsys):
+    """The suite drew its plots before writing the JSON and Markdown: without matplotlib (an optional
+    dependency) a finished run lost every result to an ImportError. Results are written first; without
+    matplotlib the plots are skipped with a note."""
+    import sys
+    from types import SimpleNamespace
+
+    from jspec.bench import suite
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    monkeypatch.setattr(suite, "load_target", lambda *a: SimpleNamespace(model=TARGET))
+    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: (_jobs(), {"input_len": {"median": 2.0}}))
+    monkeypatch.setattr(suite, "meta", lambda *a: {})
+    runs = [dataclasses.replace(r, load=Load.closed(1), extra={}) for r in closed_runs.values()]
+    monkeypatch.setattr(suite, "run_specs", lambda *a, **k: runs)
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--name", "toy", "--peers", "none", "--compile-cache", "none", "--concurrency", "1"]
+    assert suite.main(argv) == 0
+    assert "plots skipped: matplotlib is not importable" in capsys.readouterr().out
+    assert [r["spec"]["label"] for r in json.loads((out / "toy.json").read_text())["runs"]] == ["plain", "model K=3"]
+    md = (out / "toy.md").read_text()
+    assert "## Headline\n\n- model K=3 @ closed c=1:" in md and ".png" not in md
+    assert not list(out.glob("*.png"))
+
+
+def test_write_results_draws_plots_after_the_results(tmp_path):
+    """With matplotlib, each plot is drawn once the JSON and Markdown are on disk, and linked from the Markdown."""
+    from jspec.bench import suite
+
+    if report.plotting_unavailable():
+        pytest.skip(report.plotting_unavailable())
+    seen = []
+
+    def draw(path):
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        open(path, "w").close()
+        return path
+
+    paths, drawn = suite.write_results(str(tmp_path), "x", {"suite": "x", "runs": []}, [("x_plot.png", draw)])
+    assert seen == [["x.json", "x.md"]] and drawn == [str(tmp_path / "x_plot.png")]
+    assert "![x_plot.png](x_plot.png)" in (tmp_path / "x.md").read_text()
+
+
+def test_runs_that_finished_nothing_get_no_ratio():
+    """max_new_tokens past max_len: every request was refused by Engine.add, both runs finished 0 of N and the
+    headline printed "0.00x plain". runner.run refuses the setting up front, and a run that finished no request
+    gets no ratio (headline, results table, cost-model check)."""
+    from jspec.bench import suite
+    from jspec.bench.metrics import RequestRecord
+
+    with pytest.raises(ValueError, match=r"max_new_tokens \(65\) must be <= max_len \(64\): no request could fit"):
+        runner.run(TARGET, TARGET_PARAMS, PLAIN, Load.closed(1), _jobs(), max_new_tokens=65, max_len=MAX_LEN)
+    failed = [RequestRecord(f"r{i}", "a", 2, 0.0, stop_reason="error", error="ValueError: must fit") for i in range(2)]
+    summary = metrics.summarize_requests(failed, 1.0)
+    plain, spec = _fake_result(PLAIN, summary), _fake_result(CHAIN, dict(summary))
+    (line,) = suite.headline([plain, spec])
+    assert "no ratio to plain in pass 1 (this run finished no requests (0/2 finished, 2 failed))" in line, line
+    assert "0.00x" not in line
+    table = report.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
+    row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
+    assert row.count("no ratio: nothing served") == 2 and "0.00x" not in row
+    cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
+                                 {"round_ms": 10.0, "plain_step_ms": 8.0})  # fmt: skip
+    assert cm["measured_speedup"] is None and "finished no requests" in cm["different_requests"]
+
+
+def test_bench_scripts_refuse_bad_settings_before_loading_a_model(monkeypatch, capsys):
+    """The example suite scripts share the suite's checks (``suite.config_from_args``) and their own counts."""
+    from jspec.bench import suite
+
+    def no_load(*_, **__):
+        raise AssertionError("the settings must be refused before a model is loaded")
+
+    monkeypatch.setattr(suite, "load_target", no_load)
+    for name, argv, message in (
+        ("bench_serving", ["--phase-repeats", "0"], "--phase-repeats 0: must be >= 1"),
+        ("bench_serving", ["--rows", "0"], "--rows 0: must be >= 1"),
+        ("bench_sweeps", ["--k-concurrency", "0"], "--k-concurrency 0: must be >= 1"),
+        ("bench_spec_vs_plain", ["--max-new-tokens", "700"], "--max-new-tokens 700 > --max-len 640"),
+        ("bench_spec_vs_plain", ["--peers", "vllm"], "--peers: unknown vllm"),
+        ("bench_chain_vs_tree", ["--workloads", ","], "--workloads ',': name at least one"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            _examples_module(name).main([*argv, "--compile-cache", "none"])
+        assert e.value.code == 2, (name, argv)
+        assert message in capsys.readouterr().err, (name, argv)

@@ -1,4 +1,7 @@
-"""``python -m jspec generate`` refuses flags that its drafter would ignore, before any model is loaded."""
+"""``python -m jspec generate`` and ``bench`` refuse flags that would be ignored or fail, before any model is
+loaded; --compare's label; the compilation cache's switch."""
+
+import json
 
 import pytest
 
@@ -75,3 +78,138 @@ def test_an_unusable_compile_cache_is_a_clear_error(tmp_path, monkeypatch, capsy
     (tmp_path / "file").write_text("not a directory")
     assert cli.main(["generate", "--prompt", "hi", "--compile-cache", str(tmp_path / "file" / "xla")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+class _Tok:
+    eos_ids = [2]
+
+    def encode(self, text):
+        return [1, 2]
+
+    def encode_chat(self, messages):
+        return [1, 2]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _fake_decodes(monkeypatch, spec_ids, plain_ids):
+    """generate with a stand-in model whose speculative run gives ``spec_ids`` at 30 tok/s and plain decoding
+    ``plain_ids`` at 10 tok/s (no decoding: only what generate prints of them is tested)."""
+    from types import SimpleNamespace
+
+    target = SimpleNamespace(vocab_size=3)
+    monkeypatch.setattr(cli, "model_loader", lambda *a, **k: lambda name, dtype: (None, None, target, _Tok()))
+
+    def run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, stream=None):
+        ids, tps = (spec_ids, 30.0) if drafter is not None else (plain_ids, 10.0)
+        stats = {"logprobs": None, "new_tokens": len(ids), "gamma": 4, "cache_slots": 64, "rounds": 2,
+                 "tokens_per_round": 1.5, "acceptance_rate": 0.5, "proposed": 4, "accepted": 2, "accepted_at": [2],
+                 "proposed_at": [4], "stop_reason": "eos", "seconds": len(ids) / tps, "tokens_per_s": tps,
+                 "compile_seconds": 0.0}  # fmt: skip
+        return list(ids), stats
+
+    monkeypatch.setattr(cli, "_run", run)
+
+
+def test_compare_when_sampling_gives_no_speedup_between_different_outputs(monkeypatch, capsys):
+    """At --temperature > 0 the two sides sample other outputs (here 3 and 6 tokens), each rate with its prefill:
+    the ratio of their tokens/s (3.00x) was printed as a speedup. It is labelled not like for like, with each
+    side's tokens and rate; greedy (the same output) still prints the speedup."""
+    flags = ["generate", "--prompt", "hi", "--compile-cache", "none", "--compare"]
+    _fake_decodes(monkeypatch, [1, 0, 2], [1, 1, 0, 1, 0, 2])
+    assert cli.main([*flags, "--temperature", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "no speedup: not like for like at --temperature 1.0: the sampled outputs differ" in err
+    assert "speculative 3 tokens at 30.0 tok/s, plain 6 tokens at 10.0 tok/s" in err
+    assert "3.00x" not in err and "[speedup" not in err
+    assert cli.main([*flags, "--temperature", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["speedup"] is None and out["tokens_per_s_ratio"] == 3.0
+    assert "sampled outputs differ (speculative 3 tokens, plain 6)" in out["not_like_for_like"]
+    _fake_decodes(monkeypatch, [1, 0, 2], [1, 0, 2])
+    for temperature in ("0", "1"):  # the same output: the same work on both sides
+        assert cli.main([*flags, "--temperature", temperature]) == 0
+        assert "[speedup 3.00x over plain decoding, measured in this run; output identical]" in capsys.readouterr().err
+
+
+@pytest.fixture
+def jax_cache_config():
+    """JAX's compilation-cache settings, restored after the test (the test session's cache is configured)."""
+    import jax
+
+    saved = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    yield jax
+    jax.config.update("jax_compilation_cache_dir", saved[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", saved[1])
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_an_explicit_compile_cache_wins_over_the_environment(command, jax_cache_config, tmp_path, monkeypatch):
+    """With JAX_COMPILATION_CACHE_DIR set, --compile-cache DIR and --compile-cache none were ignored, and the
+    minimum compile time to cache (JAX's 1 s) was left as it was. A given flag wins; without it the environment's
+    directory is used; either way every program is cached."""
+    from jspec.bench import suite
+
+    jax = jax_cache_config
+    env_dir, flag_dir = str(tmp_path / "env"), str(tmp_path / "flag")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", env_dir)
+
+    def loader(*_, **__):
+        raise _Loaded
+
+    monkeypatch.setattr(cli, "model_loader", loader)
+    monkeypatch.setattr(suite, "load_target", loader)
+    argv = ["generate", "--prompt", "hi"] if command == "generate" else ["bench", "--out", str(tmp_path / "out")]
+    for flags, want in (([], env_dir), (["--compile-cache", flag_dir], flag_dir), (["--compile-cache", "none"], None)):
+        jax.config.update("jax_compilation_cache_dir", env_dir)  # as JAX takes it from the environment at import
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # JAX's default
+        with pytest.raises(_Loaded):
+            cli.main([*argv, *flags])
+        assert jax.config.jax_compilation_cache_dir == want, flags
+        if want is not None:
+            assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0, flags
+    # The test session's own call (tests/conftest.py): a default directory, which the environment's overrides.
+    assert cli.enable_compile_cache(flag_dir) == env_dir
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--phase-repeats", "0"], "--phase-repeats 0: must be >= 1"),
+        (["--bucket", "0"], "--bucket 0: must be >= 1"),
+        (["--n", "0"], "--n 0: must be >= 1 (requests per workload)"),
+        (["--passes", "0"], "--passes 0: must be >= 1"),
+        (["--max-len", "0"], "--max-len 0: must be >= 1"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+        (["--rounds-per-sync", "0"], "--rounds-per-sync 0: must be >= 1"),
+        (["--gamma", "0"], "--gamma 0: must be >= 1"),
+        (["--concurrency", "0"], "--concurrency 0: must be >= 1"),
+        (["--max-new-tokens", "700"], "--max-new-tokens 700 > --max-len 640: no request fits"),
+        (["--timeout-s", "-1"], "--timeout-s -1.0: must be a number of seconds > 0"),
+        (["--max-wall-s", "0"], "--max-wall-s 0.0: must be a number of seconds > 0"),
+        (["--workloads", ""], "--workloads '': name at least one of math, code, chat, grounded"),
+        (["--workloads", "math,poems"], "--workloads: unknown poems"),
+        (["--workloads", "math,math"], "names a workload twice"),
+        (["--top-k", "5"], "--top-k 5 has no effect at --temperature 0 (greedy)"),
+        (["--min-p", "0.1"], "--min-p 0.1 has no effect at --temperature 0"),
+        (["--temperature", "1", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--temperature", "-1"], "--temperature must be finite and >= 0"),
+        (["--seed", "-1"], "--seed must be in [0, "),
+        (["--peers", "transformers,vllm"], "--peers: unknown vllm"),
+    ],
+)
+def test_bench_refuses_bad_settings_before_loading_a_model(flags, message, monkeypatch, capsys):
+    """`python -m jspec bench` checked nothing: --phase-repeats 0 failed after every run, --bucket 0 on a division
+    by zero, --workloads '' on a KeyError, --concurrency 0 dropped the saturation run, a filter at temperature 0
+    was ignored. Each is now an `error:` line and exit status 2, before any model is loaded."""
+    from jspec.bench import suite
+
+    def no_load(*_, **__):
+        raise AssertionError("the settings must be refused before a model is loaded")
+
+    monkeypatch.setattr(suite, "load_target", no_load)
+    monkeypatch.setattr(cli, "model_loader", no_load)
+    assert cli.main(["bench", "--compile-cache", "none", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err

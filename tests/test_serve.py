@@ -163,6 +163,8 @@ def test_engine_reports_logprobs_of_every_token():
     for i, o in enumerate(alone):
         np.testing.assert_allclose(got[i], o.logprobs[0], atol=1e-5, rtol=1e-5)
     assert not Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16).last_logprobs  # off by default
+    with pytest.raises(ValueError, match="block_verify must be True or False"):
+        Engine(TARGET, TARGET_PARAMS, batch=2, max_len=32, block_verify="no", **kw)
     with pytest.raises(ValueError, match="logprobs must be True or False"):
         Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16, logprobs=1)
 
@@ -180,3 +182,51 @@ def test_engine_pads_prompts_within_its_cache_near_the_context_length():
     while engine.stop_reason(0) == dec.StopReason.RUNNING:
         got += engine.step()[0]
     assert got == dec.decode(short, TARGET_PARAMS, [prompt], max_new_tokens=3).tokens[0]
+
+
+def test_step_with_no_running_row_runs_nothing():
+    """An engine with no request running (fresh, or every request ended) runs no round on step(): {} and
+    last_rounds 0, and the round counter stays (it ran a whole round for nobody, and counted it)."""
+    engine = Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16)
+    assert engine.step() == {} and engine.last_rounds == 0
+    assert int(engine.state.stats.loop_rounds) == 0
+    engine.add(0, [1, 2], 3)
+    while engine.stop_reason(0) == dec.StopReason.RUNNING:
+        engine.step()
+    rounds = int(engine.state.stats.loop_rounds)
+    assert rounds == 2  # the two tokens after the prefill's
+    assert engine.step() == {} and engine.last_rounds == 0
+    assert int(engine.state.stats.loop_rounds) == rounds
+
+
+def test_cancel_frees_the_row_and_leaves_the_other_rows_alone():
+    """cancel(row) aborts a running request: its row is free at once (no tokens from it in later steps) and
+    takes a new request, while the other row's request goes on; every request decodes what it decodes alone."""
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3)
+
+    def alone(prompt, budget):
+        return dec.decode(TARGET, TARGET_PARAMS, [prompt], max_new_tokens=budget, **kw).tokens[0]
+
+    engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, **kw)
+    with pytest.raises(ValueError, match="row 0 has no running request to cancel \\(its stop reason is IDLE\\)"):
+        engine.cancel(0)
+    with pytest.raises(ValueError, match="row must be an int in \\[0, 2\\)"):
+        engine.cancel(2)
+    a, b, c = (REQUESTS[0], 30), (REQUESTS[2], 12), (REQUESTS[4], 9)
+    got_a, got_b = [engine.add(0, *a)], [engine.add(1, *b)]
+    out = engine.step()
+    got_a, got_b = got_a + out[0], got_b + out[1]
+    assert engine.stop_reason(0) == engine.stop_reason(1) == dec.StopReason.RUNNING
+    engine.cancel(0)
+    assert engine.stop_reason(0) == dec.StopReason.IDLE and engine.free_rows() == [0]
+    with pytest.raises(ValueError, match="no running request"):
+        engine.cancel(0)
+    out = engine.step()
+    assert list(out) == [1]  # the cancelled row emits nothing
+    got_b += out[1]
+    got_c = [engine.add(0, *c)]  # its row takes the next request
+    while dec.StopReason.RUNNING in (engine.stop_reason(0), engine.stop_reason(1)):
+        out = engine.step()
+        got_b, got_c = got_b + out.get(1, []), got_c + out.get(0, [])
+    assert got_b == alone(*b) and got_c == alone(*c)
+    assert len(got_a) < a[1] and got_a == alone(*a)[: len(got_a)]  # cut short, its tokens until then its own

@@ -517,6 +517,9 @@ def llama_cpp_info(gguf_path: str, llm, on_gpu: bool) -> dict[str, Any]:
     return info
 
 
+PEER_NAMES = ("transformers", "llama_cpp", "llama-cpp-python")  # what ``run_peers`` knows
+
+
 def run_peers(
     names: Sequence[str], gguf_path: str | None, jobs, *, assistant_layers: int | None = None, **kw
 ) -> list[PeerRun]:

@@ -85,6 +85,28 @@ def requests_differ(a: dict[str, Any], b: dict[str, Any], names: Sequence[str] =
     return f"different requests served ({detail})"
 
 
+def nothing_served(a: dict[str, Any], b: dict[str, Any], names: Sequence[str] = ("this run", "plain")) -> str | None:
+    """Why two runs' throughputs give no ratio although they served the same requests, or None: a side that
+    finished no request (every one failed, timed out or was not run: e.g. max_new_tokens past the cache) or
+    delivered no token, whose rate of 0 would read as a 0.00x speed-up. A count not recorded is not judged."""
+    for name, s in zip(names, (a, b)):
+        if s.get("submitted") and s.get("finished") == 0:
+            return f"{name} finished no requests ({_served_counts(s)})"
+        if s.get("output_tokens_per_s", 1.0) <= 0:
+            return f"{name} delivered no tokens"
+    return None
+
+
+def no_ratio(a: dict[str, Any], b: dict[str, Any], names: Sequence[str] = ("this run", "plain")) -> str | None:
+    """Why the throughputs of two runs give no ratio (``nothing_served``, ``requests_differ``), or None."""
+    return nothing_served(a, b, names) or requests_differ(a, b, names)
+
+
+def no_ratio_cell(why: str) -> str:
+    """A table cell for a ratio not given because of ``why`` (``no_ratio``)."""
+    return "no ratio: " + ("different requests" if why.startswith("different requests") else "nothing served")
+
+
 def open_loop_note() -> str:
     return "arrival-bound: an open loop's wall time is set by its arrivals"
 
@@ -95,13 +117,13 @@ def jspec_rates(run: dict[str, Any], peer_summary: dict[str, Any]) -> tuple[floa
     pass. Returns (output tok/s, decode tok/s, how) or (None, None, why not)."""
     passes = run.get("passes") or []
     if len(passes) < 2:
-        why = requests_differ(run["summary"], peer_summary, ("jspec", "the peer"))
+        why = no_ratio(run["summary"], peer_summary, ("jspec", "the peer"))
         if why:
             return None, None, why
         return run["summary"]["output_tokens_per_s"], run["summary"].get("decode_tokens_per_s"), "one pass"
-    ok = [p for p in passes if not requests_differ(p, peer_summary)]
+    ok = [p for p in passes if not no_ratio(p, peer_summary)]
     if not ok:
-        return None, None, requests_differ(passes[0], peer_summary, ("jspec", "the peer")) or ""
+        return None, None, no_ratio(passes[0], peer_summary, ("jspec", "the peer")) or ""
     how = f"median of {len(ok)} passes"
     if len(ok) < len(passes):
         how += f" (of {len(passes)}; the others served other requests than the peer)"
@@ -147,9 +169,9 @@ def results_table(runs: Sequence[dict], load_name: str, group: str | None = None
         tps, dps = s["output_tokens_per_s"], s.get("decode_tokens_per_s")
         out_ratio = _f(tps / base, 2, "x") if base else "-"
         dec_ratio = _f(dps / dbase, 2, "x") if dbase and dps else "-"
-        why = requests_differ(s, plain["summary"]) if plain is not None and r is not plain else None
-        if why:  # not the same work on both sides: no ratio (the finished column says what each served)
-            out_ratio = dec_ratio = "no ratio: different requests"
+        why = no_ratio(s, plain["summary"]) if plain is not None and r is not plain else None
+        if why:  # not the same work on both sides, or none: no ratio (the finished column says what each served)
+            out_ratio = dec_ratio = no_ratio_cell(why)
         elif r["load"].get("mode") == "open" and r is not plain:
             out_ratio = "- (arrival-bound)"
         rows.append(
@@ -201,7 +223,7 @@ def cost_table(runs: Sequence[dict]) -> str:
         rows.append(
             [
                 _run_label(r),
-                "no ratio: different requests" if cm.get("different_requests") else e2e,
+                no_ratio_cell(cm["different_requests"]) if cm.get("different_requests") else e2e,
                 _f(cm.get("measured_speedup"), 2, "x"),
                 _f(seed.get("speedup"), 2, "x"),
                 _f(seed.get("ratio_to_measured"), 2),
@@ -485,6 +507,15 @@ def write_markdown(path: str, payload: dict[str, Any], plots: Sequence[str] = ()
 
 # --------------------------------------------------------------------------------------------------------
 # Plots
+
+
+def plotting_unavailable() -> str | None:
+    """None when the plots can be drawn, else why not: matplotlib is optional (``pip install -e '.[bench]'``)."""
+    try:
+        _plt()
+    except ImportError as e:
+        return f"matplotlib is not importable ({e}); pip install -e '.[bench]' for the plots"
+    return None
 
 
 def _plt():

@@ -12,8 +12,8 @@ Time is the host's wall clock (``time.perf_counter``) from the run's start. A re
 admission (prefill start), every emission (the prefill's first token, then each round's burst) and finish.
 A request that raises (e.g. too long for the cache) is recorded with its error and the run goes on; a
 request past its deadline (``timeout_s`` from arrival) is recorded as a timeout: dropped if still queued,
-and if running its later tokens are discarded (the row is freed when the engine's decode of it ends,
-since ``Engine`` has no cancel; with an ``Engine.cancel(row)`` it is freed at once).
+and if running, cancelled (``Engine.cancel``) after the step in which it ran late: its row is freed at once for
+the next request, and the tokens it got up to that step are kept.
 """
 
 from __future__ import annotations
@@ -288,11 +288,11 @@ def _warm(target, params, spec, load, max_len, eos_ids, bucket, prompt_lens, max
         rounds_per_sync=rounds_per_sync,
         freeze_gc=False,  # the timed run freezes once, after its warm-up
     )
-    # A warm request that ends at its first token (EOS) is never stepped: step one explicitly (a stopped row
-    # steps as a no-op through the same program).
+    # A warm request that ends at its first token (EOS) is never stepped: run the step program once explicitly
+    # (a stopped row steps as a no-op through it). Not through Engine.step(), which runs nothing when no row runs.
     eng = _engine(target, params, spec, load.concurrency, max_len, eos_ids, 0, bucket, rounds_per_sync)
     eng.add(0, (0,) * lens[-1], new, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
-    eng.step()
+    jax.block_until_ready(eng._step(eng.target_params, eng.draft_params, eng.state))
 
 
 def run(
@@ -332,6 +332,14 @@ def run(
     for name, value in (("max_new_tokens", max_new_tokens), ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    # Engine.add takes a request when prompt + max_new_tokens - 1 <= max_len (and the model's context): even a
+    # 1-token prompt needs max_new_tokens <= both, or every request fails and the run "finishes" with none.
+    ctx = getattr(target, "max_positions", None)
+    limit, what = (max_len, "max_len") if ctx is None or max_len <= ctx else (ctx, f"{target.name}'s context length")
+    if max_new_tokens > limit:
+        raise ValueError(
+            f"max_new_tokens ({max_new_tokens}) must be <= {what} ({limit}): no request could fit the engine's cache"
+        )
     if max_wall_s is not None and not max_wall_s >= 0:  # 0: nothing is admitted (every request "not_run")
         raise ValueError(f"max_wall_s must be >= 0 seconds or None, got {max_wall_s}")
     SamplingParams.make(1, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)  # names a bad one
@@ -352,10 +360,9 @@ def run(
     records: list[RequestRecord | None] = [None] * n
     next_job = 0  # next job to arrive
     queue: collections.deque[int] = collections.deque()
-    owner: dict[int, int] = {}  # row -> job index (timed-out jobs stay here until their row frees)
+    owner: dict[int, int] = {}  # row -> job index of its running request
     step_times: list[float] = []
     add_times: list[float] = []
-    cancel = getattr(engine, "cancel", None)
 
     with metrics.timed_region_gc(freeze_gc) as gc_stats:
         t0 = clock()
@@ -466,32 +473,30 @@ def run(
                 if i is None:
                     continue
                 rec = records[i]
-                if not rec.timed_out and toks:
+                if toks:
                     rec.emissions.append((te, len(toks)))
                     rec.tokens.extend(toks)
                 if engine.stop_reason(row) != StopReason.RUNNING:
                     done_rows.append(row)
-            if done_rows:
-                st = jax.device_get(engine.state.stats)
-                for row in done_rows:
-                    i = owner.pop(row)
-                    rec = records[i]
-                    rec.stats = {
-                        f: int(getattr(st, f)[row]) for f in ("rounds", "emitted", "proposed", "accepted")
-                    }  # per-request counters (reset when a request is inserted)
-                    if not rec.timed_out:
-                        finish(i, te, engine.stop_reason(row).name.lower())
-            # Deadlines of running requests: their later tokens are discarded.
+            # Deadlines of running requests: cancelled, their rows freed for the next requests.
+            late = []
             if load.timeout_s is not None:
-                for row, i in list(owner.items()):
-                    rec = records[i]
-                    if not rec.timed_out and te - rec.arrival > load.timeout_s:
+                late = [r for r, i in owner.items() if r not in done_rows and te - records[i].arrival > load.timeout_s]
+            if done_rows or late:
+                st = jax.device_get(engine.state.stats)
+                for row in done_rows + late:
+                    i = owner.pop(row)
+                    # Per-request counters (reset when a request is inserted, so read before the row is refilled).
+                    records[i].stats = {
+                        f: int(getattr(st, f)[row]) for f in ("rounds", "emitted", "proposed", "accepted")
+                    }
+                    if row in late:
                         finish(i, te, "timeout", timed_out=True)
-                        if cancel is not None:
-                            cancel(row)
-                            owner.pop(row)
+                        engine.cancel(row)
+                    else:
+                        finish(i, te, engine.stop_reason(row).name.lower())
 
-        wall = now()  # includes decoding that timed-out requests left running: the system did that work
+        wall = now()
     for i, rec in enumerate(records):
         if rec is None:  # never arrived (run wall limit): recorded, not silently dropped
             records[i] = RequestRecord(jobs[i].id, jobs[i].workload, len(jobs[i].prompt or ()), wall)
@@ -650,7 +655,7 @@ def cost_model_check(spec_run: RunResult, plain_run: RunResult, phases: dict, pl
       of the sum of its pieces: what the loop really runs, branching and buffer copies included.
     ratio = predicted / measured (1: the model explains the measurement; > 1: overheads it leaves out).
 
-    The two runs must have served the same requests (``report.requests_differ``): otherwise nothing measured
+    The two runs must have served the same requests, and some (``report.no_ratio``): otherwise nothing measured
     is compared (measured speedups None, ``different_requests`` says why); the predictions are still given. An
     open loop's end-to-end ratio is not recorded (its wall time follows the arrivals: ``output_speedup_note``)."""
     # The model describes the decode loop, so it is checked against the decode-phase rate (prefill and
@@ -660,7 +665,7 @@ def cost_model_check(spec_run: RunResult, plain_run: RunResult, phases: dict, pl
     ds = spec_run.decode_stats
     base = plain_phases["round_ms"]
     out: dict[str, Any] = {"baseline_ms": base}
-    differ = report.requests_differ(spec_run.summary, plain_run.summary)
+    differ = report.no_ratio(spec_run.summary, plain_run.summary)
     if differ:
         measured = end_to_end = None
         out["different_requests"] = differ

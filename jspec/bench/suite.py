@@ -18,12 +18,13 @@ import argparse
 import dataclasses
 import hashlib
 import inspect
+import math
 import os
 import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -332,11 +333,12 @@ def _pass_summary(r: RunResult, first: RunResult) -> dict[str, Any]:
 
 def pass_ratios(r: RunResult, plain: RunResult) -> dict[str, list[float | None]] | None:
     """Per pass: r's end-to-end and decode throughput over plain's in the same pass (None for one pass); a
-    pass in which the two served different requests (``report.requests_differ``) has None: no ratio."""
+    pass in which the two served different requests, or one of them none (``report.no_ratio``), has None: no
+    ratio."""
     a, b = r.extra.get("passes") or [], plain.extra.get("passes") or []
     if min(len(a), len(b)) < 2:
         return None
-    same = [report.requests_differ(x, y) is None for x, y in zip(a, b)]
+    same = [report.no_ratio(x, y) is None for x, y in zip(a, b)]
     return {
         key: [x[f"{key}_tokens_per_s"] / max(y[f"{key}_tokens_per_s"], 1e-9) if ok else None
               for x, y, ok in zip(a, b, same)]
@@ -436,14 +438,38 @@ def write_outputs(out_dir: str, name: str, pl: dict[str, Any], plots: Sequence[s
     return {"json": js, "markdown": md}
 
 
+def write_results(
+    out_dir: str,
+    name: str,
+    pl: dict[str, Any],
+    plots: Sequence[tuple[str, Callable[[str], str]]] = (),
+    log=print,
+) -> tuple[dict[str, str], list[str]]:
+    """``<out_dir>/<name>.json`` and ``.md`` first, then the plots: each (file name, draw(path) -> path), drawn
+    into ``out_dir`` and linked from the Markdown, which is written again with them. Without matplotlib (an
+    optional dependency) the plots are skipped with a note: a finished benchmark never loses its results to a
+    plot. Returns the paths written ({"json", "markdown"}) and the plots drawn."""
+    paths = write_outputs(out_dir, name, pl)
+    if not plots:
+        return paths, []
+    missing = report.plotting_unavailable()
+    if missing:
+        log(f"plots skipped: {missing}")
+        return paths, []
+    drawn = [draw(os.path.join(out_dir, file)) for file, draw in plots]
+    report.write_markdown(paths["markdown"], pl, drawn)
+    return paths, drawn
+
+
 def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = ()) -> list[str]:
     """One line per speculative run: its speedup over plain at the same load in the same run group
     (``run_specs(group=...)``), and its ratio to the peers of its technique where they are like for like
     (``report.ratio_blockers``: same weights' and cache's precision, same device, same K), else why not.
 
     No ratio is printed between runs that served different requests (``report.requests_differ``: a wall limit
-    or deadlines cut them differently), and an open loop's end-to-end ratio is not printed (its wall time is
-    the arrivals' span, whatever the decoding speed): its decode ratio is. Against a peer (one run), jspec's
+    or deadlines cut them differently) or where a side finished no request (``report.nothing_served``: every
+    request failed, e.g. refused by the engine), and an open loop's end-to-end ratio is not printed (its wall
+    time is the arrivals' span, whatever the decoding speed): its decode ratio is. Against a peer (one run), jspec's
     side is the median over its passes (``report.jspec_rates``), as the line says."""
     lines = []
     for r in results:
@@ -457,16 +483,18 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
         if plain is None:
             continue
         sp = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
-        dsp = r.summary["decode_tokens_per_s"] / max(plain.summary["decode_tokens_per_s"], 1e-9)
+        rd, pd = r.summary["decode_tokens_per_s"], plain.summary["decode_tokens_per_s"]
+        # No decode ratio when a side decoded nothing after its first tokens (every request ended at its first).
+        dsp = f"{rd / pd:.2f}x" if rd > 0 and pd > 0 else "no ratio (no tokens after the first)"
         where = f"{r.load.name}, {group}" if group else r.load.name
         open_loop = r.load.mode == "open"
-        why = report.requests_differ(r.summary, plain.summary)
+        why = report.no_ratio(r.summary, plain.summary)
         if why:
             line = f"{r.spec.label} @ {where}: no ratio to plain in pass 1 ({why})"
         elif open_loop:
-            line = f"{r.spec.label} @ {where}: {dsp:.2f}x plain decode (end-to-end: {report.open_loop_note()})"
+            line = f"{r.spec.label} @ {where}: {dsp} plain decode (end-to-end: {report.open_loop_note()})"
         else:
-            line = f"{r.spec.label} @ {where}: {sp:.2f}x plain end-to-end, {dsp:.2f}x decode"
+            line = f"{r.spec.label} @ {where}: {sp:.2f}x plain end-to-end, {dsp} decode"
         per = pass_ratios(r, plain)
         if per is not None:
             e2e = "" if open_loop else f"{_ratios_text(per['output'])} end-to-end, "
@@ -475,7 +503,7 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
             line += "; by pass (" if why else " in pass 1 ("
             line += f"passes: {e2e}{_ratios_text(per['decode'])} decode; median {med}"
             if None in per["decode"]:
-                line += "; '-': that pass's runs served different requests"
+                line += "; '-': that pass's runs served different requests (or one of them none)"
             line += ")"
         cm = r.cost_model or {}
         if cm.get("measured_rounds"):
@@ -555,8 +583,9 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="results/bench", help="output directory (JSON, Markdown, PNG)")
     ap.add_argument(
         "--compile-cache",
-        default=COMPILE_CACHE_DEFAULT,
-        help="persistent XLA compilation cache directory ('none' to disable): reruns skip recompiling",
+        default=None,
+        help="persistent XLA compilation cache directory ('none' to disable): reruns skip recompiling; default "
+        f"$JAX_COMPILATION_CACHE_DIR when set, else {COMPILE_CACHE_DEFAULT} ($JSPEC_COMPILE_CACHE); given, it wins",
     )
     ap.add_argument(
         "--layers",
@@ -566,15 +595,90 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args) -> SuiteConfig:
+# The integer settings of add_common_args that must be >= 1, and what each counts.
+_COUNTS = {
+    "n": "requests per workload",
+    "max_new_tokens": "new tokens per request",
+    "max_len": "cache slots per row",
+    "bucket": "the prompt-width padding multiple",
+    "rounds_per_sync": "decode rounds per host sync",
+    "passes": "runs of every configuration",
+    "phase_repeats": "timings of each phase, whose median is kept",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_args(args, **counts: int | None) -> None:
+    """Refuse, before any model is loaded, settings of ``add_common_args`` that would fail after the runs
+    (--phase-repeats 0, --bucket 0: a traceback once every run is done), fail every request (--max-new-tokens
+    past --max-len: each refused by the engine, and "0.00x plain"), or be silently ignored (a sampling filter
+    at temperature 0). ``counts``: a script's own integer flags that must be >= 1 (e.g. ``gamma=args.gamma``,
+    ``concurrency=args.concurrency``), named as their flags."""
+    from jspec.cli import check_greedy_filters
+    from jspec.decode import check_seed
+    from jspec.sampling import SamplingParams
+
+    for name, value in [*((n, getattr(args, n)) for n in _COUNTS), *counts.items()]:
+        if value is not None and value < 1:
+            what = f" ({_COUNTS[name]})" if name in _COUNTS else ""
+            raise ValueError(f"{_flag(name)} {value}: must be >= 1{what}")
+    if args.max_new_tokens > args.max_len:
+        raise ValueError(
+            f"--max-new-tokens {args.max_new_tokens} > --max-len {args.max_len}: no request fits the engine's cache "
+            "(its slots hold the prompt and every generated token but the last)"
+        )
+    for name in ("timeout_s", "max_wall_s"):
+        value = getattr(args, name)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{_flag(name)} {value}: must be a number of seconds > 0")
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not names:
+        raise ValueError(f"--workloads {args.workloads!r}: name at least one of {', '.join(workloads.WORKLOADS)}")
+    unknown = [w for w in names if w not in workloads.WORKLOADS]
+    if unknown:
+        raise ValueError(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(workloads.WORKLOADS)}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"--workloads {args.workloads!r} names a workload twice (its requests would repeat)")
+    try:
+        check_seed(args.seed)
+        SamplingParams.make(1, args.temperature, args.top_k, args.top_p, args.min_p)
+    except ValueError as e:  # "seed must be in ...", "top_p must be in (0, 1] ...": named as their flags
+        name, _, rest = str(e).partition(" ")
+        if name not in ("seed", "temperature", "top_k", "top_p", "min_p"):
+            raise
+        raise ValueError(f"{_flag(name)} {rest}") from None
+    check_greedy_filters(args.temperature, args.top_k, args.top_p, args.min_p)
+
+
+def peer_names(text: str) -> list[str]:
+    """--peers: comma-separated names of ``peers.PEER_NAMES``, or '' / 'none' for none."""
+    if text in ("", "none"):
+        return []
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in peers.PEER_NAMES]
+    if unknown:
+        raise ValueError(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(peers.PEER_NAMES)} or none")
+    return names
+
+
+def config_from_args(args, **counts: int | None) -> SuiteConfig:
+    """The suite's configuration from ``add_common_args``' flags, checked first (``check_args``, which takes a
+    script's own ``counts``), then the compilation cache switched on."""
     from jspec.cli import enable_compile_cache
 
-    enable_compile_cache(args.compile_cache)
+    check_args(args, **counts)
+    if args.compile_cache is None:  # not given: $JAX_COMPILATION_CACHE_DIR when set, else the default directory
+        enable_compile_cache(COMPILE_CACHE_DEFAULT)
+    else:
+        enable_compile_cache(args.compile_cache, explicit=True)
     if jax.default_backend() == "gpu" and args.dtype == "float32" and jax.config.jax_default_matmul_precision is None:
         # f32 means f32 on both sides of a peer ratio: JAX's GPU default runs f32 matmuls in TF32, torch's does not.
         jax.config.update("jax_default_matmul_precision", "highest")
     return SuiteConfig(
-        workloads=tuple(w for w in args.workloads.split(",") if w),
+        workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
         n_per_workload=args.n,
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
@@ -600,7 +704,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--peers", default="transformers,llama_cpp", help="comma-separated; 'none' to skip")
     ap.add_argument("--name", default="default_suite")
     args = ap.parse_args(argv)
-    cfg = config_from_args(args)
+    try:  # bad input (a missing or unreadable path too): a message, not a traceback, as `jspec generate` does
+        return _run_suite(args, argv)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_suite(args, argv: Sequence[str] | None) -> int:
+    names = peer_names(args.peers)
+    cfg = config_from_args(args, gamma=args.gamma, concurrency=args.concurrency)
+    os.makedirs(args.out, exist_ok=True)  # an unusable --out fails now, not after the runs
     t0 = time.perf_counter()
     print(f"loading {args.model} ({args.dtype}) ...")
     target = load_target(args.model, args.dtype, args.layers)
@@ -611,20 +725,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.concurrency > 1:
         loads.append(Load.closed(args.concurrency, cfg.timeout_s))
     results = run_specs(target, specs, loads, jobs, cfg)
-    names = [] if args.peers in ("", "none") else args.peers.split(",")
     plain1 = next(r for r in results if r.spec.kind == "plain" and r.load.concurrency == 1)
     peer_runs = run_peer_set(target, names, jobs, cfg, args.gamma, plain1)
     lines = headline(results, peer_runs)
     cmd = "python -m jspec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     pl = payload(args.name, None, meta(target, cfg, desc), results, peer_runs, headline=lines, command=cmd.strip())
-    os.makedirs(args.out, exist_ok=True)
     plots = [
-        report.plot_latency(pl, os.path.join(args.out, f"{args.name}_latency_c1.png"), loads[0].name),
-        report.plot_acceptance_by_position(pl, os.path.join(args.out, f"{args.name}_acceptance.png")),
+        (f"{args.name}_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
+        (f"{args.name}_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
     ]
-    paths = write_outputs(args.out, args.name, pl, plots)
+    paths, drawn = write_results(args.out, args.name, pl, plots)
     print("\n".join(["", *lines]))
-    print(f"\nwrote {paths['json']}, {paths['markdown']} and {len(plots)} plots in {time.perf_counter() - t0:.0f} s")
+    print(f"\nwrote {paths['json']}, {paths['markdown']} and {len(drawn)} plots in {time.perf_counter() - t0:.0f} s")
     return 0
 
 
