@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         ap.error("--draft-layers (a truncated target) and --draft (a distilled draft) are exclusive")
     try:
         cfg = suite.config_from_args(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = suite.config_from_args(args, gamma=args.gamma, rows=args.rows)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
             ngram_variant(v)  # its format, before the model is loaded
         names = suite.peer_names(args.peers)
         cfg = suite.config_from_args(args, gamma=args.gamma, concurrency=args.concurrency)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)

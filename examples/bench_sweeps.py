@@ -40,7 +40,8 @@ def _point(series, r, plain, key, value):
     why = report.no_ratio(r.summary, plain.summary)
     dec = e2e = None
     if not why:
-        dec = r.summary["decode_tokens_per_s"] / max(plain.summary["decode_tokens_per_s"], 1e-9)
+        rd, pd = r.summary["decode_tokens_per_s"], plain.summary["decode_tokens_per_s"]
+        dec = rd / pd if rd > 0 and pd > 0 else None  # nothing decoded after the first tokens: no decode ratio
         e2e = r.summary["output_tokens_per_s"] / max(plain.summary["output_tokens_per_s"], 1e-9)
     sp = dec if key == "k" else e2e
     cm = (r.cost_model or {}).get("measured_rounds") or {}
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = suite.config_from_args(args, gamma=args.gamma, k_concurrency=args.k_concurrency)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)

@@ -210,10 +210,11 @@ class Engine:
         if self._stop[row] != StopReason.RUNNING:
             reason = StopReason(int(self._stop[row])).name
             raise ValueError(f"row {row} has no running request to cancel (its stop reason is {reason})")
-        stop = self.state.stop  # int32, not weak-typed (as add() and step() leave it): nothing recompiles
-        idle = jnp.asarray(int(StopReason.IDLE), stop.dtype)
-        self.state = dataclasses.replace(self.state, stop=stop.at[int(row)].set(idle))
         self._stop[row] = int(StopReason.IDLE)
+        # The host's copy (every row's stop reason as of the last add/step) put back whole: a transfer, where an
+        # eager scatter would compile a program the first time a request is cancelled (inside a timed run).
+        stop = self.state.stop
+        self.state = dataclasses.replace(self.state, stop=jax.device_put(self._stop.astype(stop.dtype), stop.sharding))
         self.last_logprobs.pop(int(row), None)
 
     def add(

@@ -1345,3 +1345,18 @@ def test_bench_scripts_refuse_bad_settings_before_loading_a_model(monkeypatch, c
             _examples_module(name).main([*argv, "--compile-cache", "none"])
         assert e.value.code == 2, (name, argv)
         assert message in capsys.readouterr().err, (name, argv)
+
+
+def test_a_pass_that_decoded_nothing_after_the_first_tokens_has_no_decode_ratio():
+    """max_new_tokens=1: every token is a request's first, so decode rates are 0 on both sides; the per-pass
+    decode ratios were 0 / 1e-9 = 0.00x while the headline said "no ratio". Output ratios stay (10 / 5 = 2)."""
+    from jspec.bench import suite
+
+    def passes(out, dec):
+        return [{"output_tokens_per_s": out, "decode_tokens_per_s": dec} for _ in range(2)]
+
+    spec, plain = _fake_result(CHAIN, {}, passes=passes(10.0, 0.0)), _fake_result(PLAIN, {}, passes=passes(5.0, 0.0))
+    assert suite.pass_ratios(spec, plain) == {"output": [2.0, 2.0], "decode": [None, None]}
+    spec = _fake_result(CHAIN, {}, passes=passes(10.0, 3.0))
+    plain = _fake_result(PLAIN, {}, passes=passes(5.0, 1.5))
+    assert suite.pass_ratios(spec, plain) == {"output": [2.0, 2.0], "decode": [2.0, 2.0]}

@@ -518,7 +518,8 @@ def test_tree_from_the_command_line_flags(tmp_path):
     """``--drafter eagle --tree 2,1 --tree-rule ...`` builds the tree form of a saved head (jspec.cli's own
     builder, through the installed drafter loader), ``--dynamic-tree 2,2,4`` its EAGLE-2 form. Built, not
     decoded: greedy trees of both forms decode in test_tree_greedy_identical_to_plain_tiny and
-    tests/test_eagle_dynamic.py, and through the CLI on SmolLM2 in tests/test_real_model_decode.py."""
+    tests/test_eagle_dynamic.py, and the dynamic form through the CLI on SmolLM2 in
+    tests/test_real_model_decode.py."""
     import argparse
 
     from jspec import cli

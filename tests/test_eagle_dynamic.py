@@ -1,6 +1,7 @@
 """EAGLE-2 dynamic trees from the EAGLE head (models.eagle.EagleDynamicTreeDrafter): the proposed trees equal a
-NumPy EAGLE-2 growth over the training computation, greedy output equals plain, the sampled output's
-distribution equals the target's, bad shapes are refused. A file of its own so ``pytest -n 2 --dist loadfile``
+NumPy EAGLE-2 growth over the training computation, greedy output equals plain, bad shapes are refused. Its
+children are chosen deterministically (q is never read), so its sampled verification is test_tree.py's
+``[dynamic]`` distribution case. A file of its own so ``pytest -n 2 --dist loadfile``
 can run it beside tests/test_eagle.py, whose helpers it uses."""
 
 import jax
@@ -119,8 +120,8 @@ def test_dynamic_tree_is_eagle2_growth_on_the_training_computation(top_k, depth,
 
             ref = _reference_dynamic_tree(logq_at, top_k, depth, budget)
             assert {tuple(ids.searchsorted(t) for t in path) for path in trees[row]} == ref, (row, p)
-    # The rest of the decode on the same compiled round (the fused loop runs it in the tests below and in
-    # tests/test_eagle.py's dynamic-tree greedy test).
+    # The rest of the decode on the same compiled round (the fused loop is a while_loop over this round; it runs
+    # this drafter on SmolLM2 in tests/test_real_model_decode.py's CLI test).
     while np.any(np.asarray(st.stop) == dec.StopReason.RUNNING):
         st, _, _ = step(TINY_PARAMS, dparams, st)
     out = dec.to_output(st)

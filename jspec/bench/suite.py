@@ -339,11 +339,12 @@ def pass_ratios(r: RunResult, plain: RunResult) -> dict[str, list[float | None]]
     if min(len(a), len(b)) < 2:
         return None
     same = [report.no_ratio(x, y) is None for x, y in zip(a, b)]
-    return {
-        key: [x[f"{key}_tokens_per_s"] / max(y[f"{key}_tokens_per_s"], 1e-9) if ok else None
-              for x, y, ok in zip(a, b, same)]
-        for key in ("output", "decode")
-    }  # fmt: skip
+
+    def ratio(x, y, key):  # no decode ratio where a side emitted nothing after its first tokens (as headline)
+        rx, ry = x[f"{key}_tokens_per_s"], y[f"{key}_tokens_per_s"]
+        return rx / ry if rx > 0 and ry > 0 else None
+
+    return {key: [ratio(x, y, key) if ok else None for x, y, ok in zip(a, b, same)] for key in ("output", "decode")}
 
 
 def _ratios_text(xs: Sequence[float | None]) -> str:
@@ -704,20 +705,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--peers", default="transformers,llama_cpp", help="comma-separated; 'none' to skip")
     ap.add_argument("--name", default="default_suite")
     args = ap.parse_args(argv)
-    try:  # bad input (a missing or unreadable path too): a message, not a traceback, as `jspec generate` does
-        return _run_suite(args, argv)
+    # Bad input (a missing or unreadable path too) is a message, not a traceback, as `jspec generate` does; only
+    # the set-up is covered: an error during the runs keeps its traceback.
+    t0 = time.perf_counter()
+    try:
+        names = peer_names(args.peers)
+        cfg = config_from_args(args, gamma=args.gamma, concurrency=args.concurrency)
+        os.makedirs(args.out, exist_ok=True)  # an unusable --out fails now, not after the runs
+        print(f"loading {args.model} ({args.dtype}) ...")
+        target = load_target(args.model, args.dtype, args.layers)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return _run_suite(args, argv, names, cfg, target, t0)
 
 
-def _run_suite(args, argv: Sequence[str] | None) -> int:
-    names = peer_names(args.peers)
-    cfg = config_from_args(args, gamma=args.gamma, concurrency=args.concurrency)
-    os.makedirs(args.out, exist_ok=True)  # an unusable --out fails now, not after the runs
-    t0 = time.perf_counter()
-    print(f"loading {args.model} ({args.dtype}) ...")
-    target = load_target(args.model, args.dtype, args.layers)
+def _run_suite(args, argv: Sequence[str] | None, names, cfg, target, t0: float) -> int:
     jobs, desc = prepare_jobs(target, cfg)
     print(f"{len(jobs)} requests ({', '.join(cfg.workloads)}), input tokens median {desc['input_len']['median']:.0f}")
     specs = [plain_spec(), ngram_spec(target, args.gamma)]
