@@ -118,7 +118,8 @@ def test_checkpoint_round_trip_identical_logits(distilled, tmp_path):
     assert isinstance(flat["layers"], tuple) and "w_gate_up" in flat["layers"][0]["mlp"]
     # With the CPU kernel, the frequent-token head is packed too (subset_logits then runs on it).
     assert isinstance(flat["head"]["weight"], cpu_kernels.PackedMatrix) == cpu_kernels.available()
-    np.testing.assert_allclose(np.asarray(_logits(dcfg, flat, tokens)), want, atol=1e-5, rtol=1e-5)
+    # Other kernels, other summation orders: f32 rounding (1.7e-5 on a logit of 0.55 under the suite's XLA flags).
+    np.testing.assert_allclose(np.asarray(_logits(dcfg, flat, tokens)), want, atol=3e-5, rtol=1e-5)
     # In bfloat16: float leaves cast, integer maps untouched.
     bcfg, bf = D.restore_draft(tmp_path / "d", dtype="bfloat16")
     assert bf["layers"]["attn"]["wq"].dtype == jnp.bfloat16 and bf["head"]["ids"].dtype == jnp.int32
