@@ -75,6 +75,21 @@ def parse_shape(text: str) -> dict[str, int]:
     return dict(zip(DEFAULT_AXES, sizes))
 
 
+def check_auto_axes(mesh: Mesh) -> None:
+    """Refuses a mesh with an axis that is not ``AxisType.Auto`` (``jax.make_mesh``'s default is Explicit): the
+    model and decode code carry no sharding annotations, so under Explicit axes a sharded decode would fail deep
+    in tracing (a head-sharded contraction without ``out_sharding=``), far from the cause."""
+    types = tuple(getattr(mesh, "axis_types", None) or ())
+    if any(t != AxisType.Auto for t in types):
+        names = tuple(getattr(mesh, "axis_names", ()))
+        found = ", ".join(f"{n}={t}" for n, t in zip(names, types))
+        raise ValueError(
+            f"the mesh's axis types are {found}, but a sharded decode needs every axis Auto (the model code carries "
+            "no sharding annotations): build the mesh with sharding.mesh.make_mesh, or pass "
+            "axis_types=(jax.sharding.AxisType.Auto,) * n to jax.make_mesh"
+        )
+
+
 def make_mesh(
     shape: Mapping[str, int] | Sequence[int] = (-1, 1),
     axis_names: Sequence[str] = DEFAULT_AXES,
@@ -86,12 +101,18 @@ def make_mesh(
 
     shape: sizes per axis, as a sequence aligned with ``axis_names`` or a mapping ``{name: size}``; one size
       may be -1 (fills the rest). The default ``(-1, 1)`` is pure data parallelism over all devices.
-    axis_types: one type for every axis; Auto on purpose (see the module docstring).
+    axis_types: one type for every axis; only Auto is accepted (see the module docstring); kept as a parameter so
+      that a caller passing Explicit gets a clear refusal here rather than a failure deep in a decode's tracing.
 
     Device order comes from ``jax.make_mesh`` (topology-aware on TPU/GPU: the ``model`` axis, last, gets the
     fastest links). Across processes the leading axis varies slowest, so with ``data`` first each process
     holds whole batch rows and the model-axis collectives stay inside a host when ``model`` fits on one.
     """
+    if axis_types != AxisType.Auto:
+        raise ValueError(
+            f"axis_types={axis_types}: the decode needs Auto mesh axes (the model code carries no sharding "
+            "annotations, which Explicit axes require); leave axis_types at its default"
+        )
     if isinstance(shape, Mapping):
         unknown = set(shape) - set(axis_names)
         if unknown:

@@ -174,7 +174,8 @@ def logical_sizes(axes: AxesTree, shapes: Any) -> dict[str, set[int]]:
 def fit_rules(rules: ShardingRules, axes: AxesTree, shapes: Any, mesh: Mesh) -> ShardingRules:
     """Rules adjusted to one model on one mesh: a logical axis that some array of the model cannot split
     evenly is replicated everywhere (not only in that array), and query heads are replicated when the KV
-    heads are (``_FOLLOWS``). Without this, e.g. 8 query heads over an 8-way ``model`` axis next to 4 KV
+    heads are (``_FOLLOWS``): switched off here, mapped to no mesh axis, or to an axis of size 1, while the
+    query heads would split. Without this, e.g. 8 query heads over an 8-way ``model`` axis next to 4 KV
     heads would split attention by query head while the cache stays whole, and the cache is all-gathered
     every round. ``describe`` shows the result per parameter."""
     sizes = logical_sizes(axes, shapes)
@@ -183,8 +184,14 @@ def fit_rules(rules: ShardingRules, axes: AxesTree, shapes: Any, mesh: Mesh) -> 
         m = rules[name]
         if m is not None and m in mesh.shape and any(n % mesh.shape[m] for n in ns):
             off[name] = None
+
+    def splits(axis: str | None) -> bool:
+        return axis is not None and mesh.shape.get(axis, 1) > 1
+
     for name, leader in _FOLLOWS.items():
-        if leader in off and rules[name] is not None:
+        # Switched off for divisibility: the follower too. Left whole by the rules (None, or an axis of size 1):
+        # the follower only where it would split (so a data-only mesh keeps the preset as it is).
+        if rules[name] is not None and (leader in off or (not splits(rules[leader]) and splits(rules[name]))):
             off[name] = None
     return rules.replace(**off) if off else rules
 
@@ -205,11 +212,15 @@ def spec_str(s: PartitionSpec) -> str:
 
 
 def describe(axes: AxesTree, shapes: Any, mesh: Mesh, rules: ShardingRules) -> dict[str, str]:
-    """{'path': 'PartitionSpec (fallback notes)'} for every leaf: what a preset does to a model, on a mesh."""
+    """{'path': 'PartitionSpec (fallback notes)'} for every leaf: what a preset does to a model, on a mesh.
+    ``shapes`` must have ``axes``' structure (as for ``logical_sizes``): a ValueError names the difference."""
     out = {}
-    flat_axes = jax.tree_util.tree_flatten_with_path(axes, is_leaf=_is_axes)[0]
-    flat_shapes = jax.tree.leaves(shapes)
-    for (path, a), x in zip(flat_axes, flat_shapes):
+    flat_axes, treedef = jax.tree_util.tree_flatten_with_path(axes, is_leaf=_is_axes)
+    try:
+        flat_shapes = treedef.flatten_up_to(shapes)
+    except (ValueError, TypeError) as e:  # zipping two flattenings would pair names with the wrong arrays
+        raise ValueError(f"the parameter shapes do not have the structure of the logical axes: {e}") from e
+    for (path, a), x in zip(flat_axes, flat_shapes, strict=True):
         notes: list[str] = []
         s = spec_str(spec(a, x.shape, mesh, rules, notes))
         out[jax.tree_util.keystr(path)] = s + (f"  ({'; '.join(notes)})" if notes else "")

@@ -38,6 +38,7 @@ from jspec import decode as jdecode
 from jspec.decode import DecodeConfig, DecodeOutput, DecodeState, decode_round, generate_arrays, prefill
 from jspec.model import Model
 from jspec.sampling import SamplingParams
+from sharding.mesh import check_auto_axes
 from sharding.placement import cache_shardings, local_rows, put, put_rows, rows_sharding
 from sharding.rules import ShardingRules, fit_rules, named, rules
 
@@ -62,6 +63,7 @@ class DecodePlan:
     draft_fitted: bool = True
 
     def __post_init__(self):
+        check_auto_axes(self.mesh)
         for which, r in (("target", self.target), ("draft", self.draft)):
             for logical, axis in () if r is None else r.mapping:
                 if axis is not None and axis not in self.mesh.shape:
@@ -116,25 +118,39 @@ def make_plan(
     return DecodePlan(mesh, t, d, draft_fitted=draft_axes is not None)
 
 
+# The statistics that are per row ([B]); the others are per draft position ([K]) or scalars, replicated even
+# when K happens to equal B.
+ROW_STATS = ("rounds", "emitted", "proposed", "accepted")
+
+
 def state_shardings(st: DecodeState, plan: DecodePlan) -> DecodeState:
     """A ``DecodeState`` whose leaves are the shardings of ``st``'s (arrays or ShapeDtypeStructs).
 
     Every array whose leading dimension is the batch is split over the batch axis (tokens, lengths, budgets,
-    sampling parameters, per-row statistics, per-row keys); KV caches (the target's, and a drafter's inside
-    ``draft_state``) over (batch, KV heads) by the target's / draft's rules; everything else (one key for the
-    batch, the per-position statistics, flags) is replicated. Field by field, so fields added to the state later
-    get the same treatment without a change here.
+    sampling parameters, per-row keys); KV caches (the target's, and a drafter's inside ``draft_state``) over
+    (batch, KV heads) by the target's / draft's rules; everything else (one key for the batch, flags) is
+    replicated. Statistics go by name: the per-row ones (``ROW_STATS``) are split, the per-position ones
+    (``accepted_at``, ``proposed_at``: [K]) and the scalars replicated, also when K equals the batch. Field by
+    field, so fields added to the state later get the same treatment without a change here (a statistic added
+    later is replicated until ``ROW_STATS`` names it).
     """
     b = st.seq.shape[0]
-    return dataclasses.replace(
-        st,
-        **{
-            f.name: cache_shardings(
-                getattr(st, f.name), plan.mesh, plan.draft_rules if f.name == "draft_state" else plan.target, b
-            )
-            for f in dataclasses.fields(st)
-        },
-    )
+
+    def stats(s):
+        return dataclasses.replace(
+            s,
+            **{
+                f.name: plan.rows(tuple(getattr(s, f.name).shape), b) if f.name in ROW_STATS else plan.replicated()
+                for f in dataclasses.fields(s)
+            },
+        )
+
+    def field(name: str, x: Any):
+        if name == "stats":
+            return stats(x)
+        return cache_shardings(x, plan.mesh, plan.draft_rules if name == "draft_state" else plan.target, b)
+
+    return dataclasses.replace(st, **{f.name: field(f.name, getattr(st, f.name)) for f in dataclasses.fields(st)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,6 +466,16 @@ def _setup_digest(plan: DecodePlan, process_local: bool, max_len: int | None, ta
     )
 
 
+def static_digest(config: DecodeConfig, drafter: Any, target: Model, key: jax.Array) -> int:
+    """Digest of what a process's prepared decode compiles into its program beyond the agreed set-up: the decode
+    settings, the drafter, the target's name, and whether the key is one for the batch or one per row (one
+    process with seed=[...] and another with seed=7 would compile two programs whose collectives never meet).
+    The kind of key is its ``ndim``, not its shape: with process_local=True per-row keys are [local rows], and
+    processes may legitimately hold different numbers of rows."""
+    static = repr((config, drafter, target.name, key.ndim, str(jax.random.key_impl(key))))
+    return _digest(re.sub(r" at 0x[0-9a-fA-F]+", "", static))  # the drafter's functions print their addresses
+
+
 def _agree_on_inputs(
     pd: Any, error: Exception | None, target: Model, drafter, plan: DecodePlan, process_local: bool, global_b: int
 ) -> int:
@@ -467,16 +493,12 @@ def _agree_on_inputs(
         prompt, plen, mnew = np.asarray(prompt), np.asarray(plen), np.asarray(mnew)
         samp = [np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingParams)]
         key_data = np.asarray(jax.random.key_data(key))
-        # Whether the key is one for the batch or one per row is static: one process with seed=[...] and another
-        # with seed=7 would compile two programs whose collectives never meet.
-        static = repr((pd.config, drafter, target.name, key.shape, str(jax.random.key_impl(key))))
-        static = re.sub(r" at 0x[0-9a-fA-F]+", "", static)  # the drafter's functions print their addresses
         if not process_local:
             # Every process claims to hold the whole batch: each device would take its rows from its own process's
             # copy, so copies that differ would be mixed silently. Compared before the settings, which hold
             # input-derived fields (the cache slots follow the prompts and budgets when max_len is not given).
             values[0] = _digest(prompt, plen, mnew, *samp, key_data)
-        values[1] = _digest(static)
+        values[1] = static_digest(pd.config, drafter, target, key)
         if process_local and key.ndim == 0:  # one key for the batch: the same in every process
             values[2] = _digest(key_data)
         values[3] = prompt.shape[1]
@@ -486,7 +508,7 @@ def _agree_on_inputs(
                 own_key = key_data[j] if key.ndim == 1 else key_data[:0]
                 values[4 + r] = _digest(prompt[j, : plen[j]], plen[j], mnew[j], *(s[j] for s in samp), own_key)
     table = _gather([error is not None, *values])
-    _raise_failed(table[:, 0], error, "their rows' inputs")
+    _raise_failed(table[:, 0], error, "their rows' inputs or decode options")
     if not process_local:
         _refuse_unequal(
             table[:, 1],
@@ -515,6 +537,31 @@ def _agree_on_inputs(
                 "different copies of it"
             )
     return int(table[:, 4].max())
+
+
+MAX_SLOTS = 2**31 - 1  # a cache size must fit the int32 the agreement gathers carry (and the positions)
+
+
+def cache_need(target: Model, drafter: Any, prompts: Sequence[Sequence[int]] | np.ndarray, budget: Any) -> int:
+    """The cache slots this process's rows need when ``max_len`` is not given, as ``jspec.decode`` sizes it (the
+    last token takes no slot; a tree's scratch; no more than the target's context), in Python ints (no overflow
+    whatever the budget). Refuses a size beyond ``MAX_SLOTS``, which no int32 gather or position can carry."""
+    if budget is None:
+        raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
+    lens = [len(p) for p in prompts]
+    budgets = np.broadcast_to(np.asarray(budget, dtype=object), (len(lens),)).tolist()
+    need = max((n + int(m) - 1 for n, m in zip(lens, budgets)), default=0)
+    need += (jdecode.tree_nodes(drafter) or 1) - 1  # a tree's scratch, as prepare reserves it
+    if target.max_positions is not None:
+        need = min(need, target.max_positions)
+    # No rows or a budget < 1: prepare names the problem (max_len=0 would be refused first, misleadingly).
+    need = max(need, 1)
+    if need > MAX_SLOTS:
+        raise ValueError(
+            f"the rows need a KV cache of {need} slots (prompt + max_new_tokens - 1), more than {MAX_SLOTS} "
+            "(an int32): lower max_new_tokens"
+        )
+    return need
 
 
 def global_batch(local: int, held: int, data_size: int) -> int:
@@ -555,13 +602,22 @@ def prepare_sharded(
       order; per-row keyword arguments (temperature, max_new_tokens, ...) then cover those rows only.
     The batch must be divisible by the data axis (pad it with dummy rows otherwise).
 
+    debug_checks=True is refused (a ValueError): the sharded program is not checkified.
+
     Several processes: on a mesh over every process's devices, every process calls this alike, and collectives
-    compare, in this order, the plan (rules, mesh), the parameters' layouts and ``process_local`` (the first
-    collective, whatever else differs); then the inputs (process_local=False: the whole batch; True: each row
-    among the processes that hold it, and one seed or key for the batch); then the decode settings. Any
-    difference is a ValueError in every process, naming it. On a mesh of this process's devices only (e.g.
-    ``sharding.mesh.single_device_mesh``) the decode is local: nothing is compared with other processes and
-    ``process_local`` changes nothing. A mesh over some processes but not all is refused.
+    compare, in this order, the plan (rules, mesh), the parameters' layouts, ``process_local`` and ``max_len``
+    (the first collective, whatever else differs); with process_local=False, then the whole batch of inputs, then
+    the decode settings (options, drafter, kind of seed); with process_local=True, then the cache size the rows
+    need (when ``max_len`` is not given), then the decode settings, then one seed or key for the batch, then each
+    row among the processes that hold it. Any difference is a ValueError in every process, naming it. On a mesh
+    of this process's devices only (e.g. ``sharding.mesh.single_device_mesh``) the decode is local: nothing is
+    compared with other processes and ``process_local`` changes nothing. A mesh over some processes but not all
+    is refused.
+
+    Limit: every process must choose the same kind of mesh. If one process passes a mesh of its own devices only
+    while another passes a mesh over every process, the local one skips the agreement collectives (and decodes
+    alone) while the other waits in them for good: a hang, not an error, since noticing it would take a
+    collective that the local decode never makes.
     """
     cross = _spans_processes(plan.mesh)  # refuses a mesh over some processes only (in each of them)
     error: Exception | None = None
@@ -600,17 +656,9 @@ def prepare_sharded(
         if process_local and max_len is None:  # every process must compile the same cache size
             need, error = 0, None
             try:
-                budget = kwargs.get("max_new_tokens", 64)
-                if budget is None:
-                    raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
-                lens = np.asarray([len(p) for p in prompts], np.int64)
-                # As jspec.decode sizes it: the last token takes no slot, and no more than the context.
-                need = int(np.max(lens + np.broadcast_to(np.asarray(budget, np.int64), lens.shape) - 1))
-                need += (jdecode.tree_nodes(drafter) or 1) - 1  # a tree's scratch, as prepare reserves it
-                if target.max_positions is not None:
-                    need = min(need, target.max_positions)
-            except (ValueError, TypeError) as e:
-                error = e
+                need = cache_need(target, drafter, prompts, kwargs.get("max_new_tokens", 64))
+            except Exception as e:  # any error (an OverflowError too): the others must not wait in the gather
+                need, error = 0, e
             table = _gather([error is not None, need])
             _raise_failed(table[:, 0], error, "their rows' inputs")
             max_len = -(-int(table[:, 1].max()) // 128) * 128
@@ -623,6 +671,11 @@ def prepare_sharded(
         pd = jdecode.prepare(
             target, target_params, prompts, drafter=drafter, draft_params=draft_params, max_len=max_len, **kwargs
         )
+        if pd.config.debug_checks:
+            raise ValueError(
+                "debug_checks=True is not supported by a sharded decode (its on-device check would need the "
+                "sharded program checkified): check the drafter with jspec.decode.decode(..., debug_checks=True)"
+            )
     except Exception as e:  # any error: the other processes must not wait for this one in the gather below
         if not cross:
             raise

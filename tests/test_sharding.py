@@ -421,3 +421,127 @@ def test_launch_reads_output_that_is_not_utf8():
     codes, outs = launch([sys.executable, "-c", code], 1, None, timeout=60, echo=False)
     assert codes == [0]
     assert outs[0] == "bad \ufffd byte\nafter\n"
+
+
+def _toy_decode_setup(mesh=None):
+    """A table model (vocab 4) with its parameters on a single-device plan (rows over a 1-way data axis)."""
+    import numpy as np
+    from toy_models import make_table_model
+
+    from sharding.mesh import single_device_mesh
+    from sharding.placement import shard_params
+    from sharding.sharded_decode import make_plan
+
+    model, tab = make_table_model(np.random.default_rng(0).normal(size=(4, 4, 3, 4)))
+    plan = make_plan(mesh or single_device_mesh(), "data")
+    return model, shard_params(tab, None, plan.mesh, plan.target), plan
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_prepare_sharded_refuses_debug_checks(monkeypatch, cross):
+    """debug_checks=True passed prepare_sharded, and every sharded decode then failed inside JAX ("Cannot
+    abstractly evaluate a checkify.check which was not functionalized"): the sharded program is not
+    checkified. Refused by name, also on the multi-process path (after its gathers, so no process hangs)."""
+    from sharding import sharded_decode
+    from sharding.sharded_decode import prepare_sharded
+
+    model, tp, plan = _toy_decode_setup()
+    if cross:  # the agreement collectives run (over this one process)
+        monkeypatch.setattr(sharded_decode, "_spans_processes", lambda mesh: True)
+    with pytest.raises(ValueError, match=r"debug_checks=True is not supported by a sharded decode"):
+        prepare_sharded(model, tp, [[1, 2]], plan=plan, max_new_tokens=4, debug_checks=True)
+    assert prepare_sharded(model, tp, [[1, 2]], plan=plan, max_new_tokens=4, debug_checks=False).global_batch == 1
+
+
+@pytest.mark.parametrize("budget", [2**40, 2**64, [3, 2**40]])
+def test_process_local_cache_size_refuses_sizes_past_int32(monkeypatch, budget):
+    """process_local=True without max_len gathers the cache size the rows need. A budget past int32 raised an
+    OverflowError (packing it for the gather, or 2**64 in int64) outside the error handling, in that process
+    only: the others waited in the gather for good. Now a ValueError that names the size, raised after the
+    gather."""
+    from sharding import sharded_decode
+    from sharding.sharded_decode import MAX_SLOTS, cache_need, prepare_sharded
+
+    model, tp, plan = _toy_decode_setup()
+    monkeypatch.setattr(sharded_decode, "_spans_processes", lambda mesh: True)
+    prompts = [[1, 2]] if isinstance(budget, int) else [[1, 2], [3]]
+    need = max(len(p) + b - 1 for p, b in zip(prompts, budget if isinstance(budget, list) else [budget]))
+    with pytest.raises(ValueError, match=rf"need a KV cache of {need} slots .* more than {MAX_SLOTS}"):
+        prepare_sharded(model, tp, prompts, plan=plan, process_local=True, max_new_tokens=budget)
+    assert cache_need(model, None, [[1, 2], [3]], [5, 7]) == 7  # P + N - 1
+    assert cache_need(model, None, [[1, 2]], MAX_SLOTS - 1) == MAX_SLOTS
+    with pytest.raises(ValueError, match="needs max_len"):
+        cache_need(model, None, [[1, 2]], None)
+
+
+def test_plan_refuses_explicit_mesh_axes():
+    """jax.make_mesh defaults to Explicit axes in this JAX; the model code carries no sharding annotations, so a
+    plan on such a mesh failed deep in tracing. Refused where the plan (or our make_mesh) is made."""
+    from sharding.sharded_decode import make_plan
+
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((1, 1), ("data", "model"), axis_types=explicit, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match=r"needs every axis Auto.*sharding\.mesh\.make_mesh"):
+        make_plan(mesh, "data_tensor")
+    with pytest.raises(ValueError, match=r"needs Auto mesh axes"):
+        make_mesh((1, 1), devices=jax.devices()[:1], axis_types=jax.sharding.AxisType.Explicit)
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    assert make_plan(jax.make_mesh((1, 1), ("data", "model"), axis_types=auto, devices=jax.devices()[:1]))
+    assert make_plan(make_mesh((1, 1), devices=jax.devices()[:1]))
+
+
+def test_static_digest_depends_on_the_kind_of_seed_not_the_local_rows():
+    """The settings digest held key.shape: per-row keys are [local rows], which differ between processes
+    holding different numbers of rows (refused as "different decode settings"). It holds the key's ndim now."""
+    import jax.numpy as jnp
+
+    from jspec.decode import prepare
+    from sharding.sharded_decode import static_digest
+
+    model, tab, _ = _toy_decode_setup()
+    config = prepare(model, tab, [[1, 2]], max_new_tokens=4, max_len=128).config
+    keys = lambda n: jnp.stack([jax.random.key(i) for i in range(n)])  # noqa: E731
+    assert static_digest(config, None, model, keys(2)) == static_digest(config, None, model, keys(3))
+    assert static_digest(config, None, model, keys(2)) != static_digest(config, None, model, jax.random.key(0))
+
+
+def test_fit_rules_query_heads_follow_kv_heads_the_rules_leave_whole():
+    """Query heads followed the KV heads only when fitting switched the KV heads off for divisibility, not when
+    the rules themselves left them whole (mapped to None, or to a mesh axis of size 1)."""
+    axes, shapes = param_logical_axes(CFG), _shapes(CFG)
+    f = fit_rules(rules("data_tensor", kv_heads=None), axes, shapes, _mesh(2, 4))
+    assert f["kv_heads"] is None and f["heads"] is None and f["mlp"] == "model"
+    f = fit_rules(rules("data_tensor", kv_heads="data"), axes, shapes, _mesh(1, 4))  # a 1-way axis: whole
+    assert f["heads"] is None and f["mlp"] == "model"
+    r = rules("data_tensor")  # a data-only mesh: nothing splits heads, the preset stays as it is
+    assert fit_rules(r, axes, shapes, _mesh(8, 1)) == r
+    assert fit_rules(rules("data_tensor", kv_heads="data"), axes, shapes, _mesh(4, 4))["heads"] == "model"
+
+
+def test_describe_refuses_shapes_of_another_structure():
+    """describe flattened axes and shapes separately and zipped them: a missing or extra parameter paired the
+    names with the wrong arrays silently."""
+    partial = {k: v for k, v in _shapes(CFG).items() if k != "final_norm"}
+    with pytest.raises(ValueError, match="do not have the structure of the logical axes"):
+        describe(param_logical_axes(CFG), partial, _mesh(2, 4), rules("tensor"))
+
+
+def test_state_shardings_replicate_per_position_stats_when_k_equals_the_batch():
+    """Any state leaf whose leading dimension equalled B was split over the data axis, so with K == B the
+    per-position statistics ([K]) were split as if they were rows. On an abstract 4x1 mesh (no devices)."""
+    import functools
+
+    from jspec.decode import prefill, prepare
+    from jspec.drafters import ModelDrafter
+    from sharding.sharded_decode import DecodePlan, state_shardings
+
+    model, tab, _ = _toy_decode_setup()
+    pd = prepare(model, tab, [[1, 2]] * 4, drafter=ModelDrafter(model), draft_params=tab, gamma=4, max_new_tokens=4)
+    st = jax.eval_shape(functools.partial(prefill, model, ModelDrafter(model), pd.config), *pd.args)
+    assert st.seq.shape[0] == 4 and st.stats.accepted_at.shape == (4,)  # K == B
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    plan = DecodePlan(jax.sharding.AbstractMesh((4, 1), ("data", "model"), axis_types=auto), rules("data"))
+    sh = state_shardings(st, plan)
+    assert sh.stats.accepted_at.spec == P() and sh.stats.proposed_at.spec == P()
+    assert sh.stats.accepted.spec == P("data") and sh.stats.rounds.spec == P("data")
+    assert sh.seq.spec == P("data") and sh.stop.spec == P("data") and sh.cache.k.spec == P(None, "data")
