@@ -148,6 +148,8 @@ def main(argv=None):
         help="target (and draft) layer layout, see models.llama.unstack_layers (auto: unstacked on CPU and GPU)",
     )
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: expected 1 or more (the speedups are medians over the repeats)")
     gammas = [int(g) for g in args.gammas.split(",")]
 
     unstacked = wants_unstacked(args.layers)
@@ -175,11 +177,15 @@ def main(argv=None):
         print(f"repeat {r + 1}/{args.repeats} done", flush=True)
 
     plain = runs[("plain", 0)]
-    plain_tokens = [o.tokens for o in plain[0][2]]
+    plain_ms = 1000 * statistics.median(s / n for s, n, _ in plain)
+    rows = measured_rows(configs, runs)
+    if args.json:  # the measured runs first: the cost timing below may fail or be stopped
+        write_json(args.json, dict(plain_ms_per_token=plain_ms, costs=None, rows=rows, prompts=PROMPTS))
+        print(f"measured runs written to {args.json} (the cost model's fields follow after the cost timing)")
+
     slots = prepared[("plain", 0)][0].config.slots
     ctx = int(np.mean([len(p) for p in prompts])) + args.max_new // 2
     costs = measure_costs(target, drafts, gammas, slots, ctx)
-    plain_ms = 1000 * statistics.median(s / n for s, n, _ in plain)
     # Costs in plain steps timed beside them, then at the decode runs' speed (one plain token = plain_ms).
     speed = plain_ms / costs["target_step_ms"]
     verify_ms = {k: speed * v for k, v in costs["verify_ms"].items()}
@@ -201,7 +207,6 @@ def main(argv=None):
         + ", draft step "
         + ", ".join(f"{n}: {v / plain_ms:.2f}" for n, v in draft_ms.items())
     )
-    rows = []
     header = (
         f"{'draft':22s} {'K':>2s} {'tok/s':>7s} {'speedup':>8s} {'accept':>7s} {'tok/round':>9s} "
         f"{'predicted':>9s} {'meas/pred':>9s} {'unmodelled':>10s}  accepted/proposed per position | "
@@ -209,6 +214,48 @@ def main(argv=None):
     )
     print(header)
     print("(unmodelled: ms per round the cost model leaves out; the measured seconds include each prompt's prefill)")
+    for row in rows:
+        name, k, sp = row["draft"], row["gamma"], row["speedup"]
+        rates = np.asarray(row["conditional_rates"])
+        # Rounds of K draft steps and a K+1-position verification, as the costs were timed: a position never
+        # proposed counts as never accepted, not as a shorter draft (``predict_k_rounds``).
+        pred = predict_k_rounds(plain_ms, draft_ms[name], verify_ms[k], rates, k)
+        unmodelled = row["round_ms"] - k * draft_ms[name] - verify_ms[k]
+        surv = " ".join(f"{a / p:.2f}" if p else "-" for a, p in zip(row["accepted_at"], row["proposed_at"]))
+        cond = " ".join(f"{x:.2f}" for x in rates)
+        print(
+            f"{name:22s} {k:2d} {row['tokens_per_s']:7.1f} {sp:7.2f}x {row['acceptance_rate']:7.3f} "
+            f"{row['tokens_per_round']:9.2f} {pred.speedup:8.2f}x {sp / pred.speedup:9.2f} "
+            f"{unmodelled:7.1f} ms  [{surv}] | [{cond}]"
+            + ("" if row["identical_to_plain"] else "  OUTPUT DIFFERS FROM PLAIN")
+        )
+        row.update(
+            predicted_speedup=pred.speedup,
+            predicted_expected_tokens=pred.expected_tokens,
+            measured_over_predicted=sp / pred.speedup,
+            unmodelled_ms_per_round=unmodelled,
+        )
+    best = max(rows, key=lambda r: r["speedup"])
+    print(f"best: {best['draft']} K={best['gamma']}: {best['speedup']:.2f}x plain")
+    if args.json:
+        res = dict(
+            plain_ms_per_token=plain_ms,
+            costs=costs,
+            costs_at_decode_speed=dict(verify_ms=verify_ms, draft_ms=draft_ms),
+            rows=rows,
+            prompts=PROMPTS,
+        )
+        write_json(args.json, res)
+    return rows
+
+
+def measured_rows(configs, runs: dict) -> list[dict]:
+    """Per speculative configuration, what the decode runs measured (the cost model's fields come later): the
+    median speedup over the repeats (plain time / its time, back to back), tokens/s, acceptance per position and
+    conditional rates, tokens per round, ms per round, and whether its greedy output is plain's."""
+    plain = runs[("plain", 0)]
+    plain_tokens = [o.tokens for o in plain[0][2]]
+    rows = []
     for name, _, k in configs[1:]:
         rs = runs[(name, k)]
         speedups = [ps / s for (ps, _, _), (s, _, _) in zip(plain, rs)]
@@ -220,56 +267,34 @@ def main(argv=None):
         rounds = sum(sum(o.stats["rounds"]) for o in rs[0][2])
         emitted = sum(sum(o.stats["new_tokens"]) - 1 for o in rs[0][2])  # the first token comes from prefill
         rates = cost_model.conditional_rates_from_stats(acc, prop)
-        # Rounds of K draft steps and a K+1-position verification, as the costs were timed: a position never
-        # proposed counts as never accepted, not as a shorter draft (``predict_k_rounds``).
-        pred = predict_k_rounds(plain_ms, draft_ms[name], verify_ms[k], rates, k)
         round_ms = 1000 * statistics.median(
             sum(o.stats["seconds"] for o in outs) / max(sum(sum(o.stats["rounds"]) for o in outs), 1)
             for _, _, outs in rs
-        )
-        unmodelled = round_ms - k * draft_ms[name] - verify_ms[k]
-        same = all(o.tokens == t for o, t in zip(rs[0][2], plain_tokens))
-        sp = statistics.median(speedups)
-        surv = " ".join(f"{a / p:.2f}" if p else "-" for a, p in zip(acc, prop))
-        cond = " ".join(f"{x:.2f}" for x in rates)
-        print(
-            f"{name:22s} {k:2d} {1000 / ms_tok:7.1f} {sp:7.2f}x {accepted / max(proposed, 1):7.3f} "
-            f"{emitted / max(rounds, 1):9.2f} {pred.speedup:8.2f}x {sp / pred.speedup:9.2f} "
-            f"{unmodelled:7.1f} ms  [{surv}] | [{cond}]" + ("" if same else "  OUTPUT DIFFERS FROM PLAIN")
         )
         rows.append(
             dict(
                 draft=name,
                 gamma=k,
                 tokens_per_s=1000 / ms_tok,
-                speedup=sp,
+                speedup=statistics.median(speedups),
                 speedups=speedups,
                 acceptance_rate=accepted / max(proposed, 1),
                 accepted_at=acc.tolist(),
                 proposed_at=prop.tolist(),
-                conditional_rates=rates.tolist(),
+                conditional_rates=np.asarray(rates).tolist(),
                 tokens_per_round=emitted / max(rounds, 1),
-                predicted_speedup=pred.speedup,
-                predicted_expected_tokens=pred.expected_tokens,
-                measured_over_predicted=sp / pred.speedup,
                 round_ms=round_ms,
-                unmodelled_ms_per_round=unmodelled,
-                identical_to_plain=same,
+                identical_to_plain=all(o.tokens == t for o, t in zip(rs[0][2], plain_tokens)),
             )
         )
-    best = max(rows, key=lambda r: r["speedup"])
-    print(f"best: {best['draft']} K={best['gamma']}: {best['speedup']:.2f}x plain")
-    if args.json:
-        with open(args.json, "w") as f:
-            res = dict(
-                plain_ms_per_token=plain_ms,
-                costs=costs,
-                costs_at_decode_speed=dict(verify_ms=verify_ms, draft_ms=draft_ms),
-                rows=rows,
-                prompts=PROMPTS,
-            )
-            json.dump(res, f, indent=1)
     return rows
+
+
+def write_json(path: str, obj: dict) -> None:
+    """Written atomically: a run stopped while writing leaves the file written before."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -221,7 +221,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--max-new", type=int, default=96)
-    ap.add_argument("--out", default=None, help="write the full results as JSON here")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the results as JSON here: the decode runs once measured, then again with the summary and the "
+        "cost model",
+    )
     ap.add_argument(
         "--layers",
         default="auto",
@@ -231,6 +236,14 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS):
         ap.error(f"--prompts must be in [1, {len(PROMPTS)}] (the built-in prompts), got {args.prompts}")
+    if args.reps < 1:
+        ap.error(f"--reps {args.reps}: expected 1 or more (every statistic is a median over the repetitions)")
+    dtypes = args.packed_dtypes.split(",")
+    for d in dtypes:
+        try:
+            llama.canonical_dtype(d)
+        except ValueError as e:
+            ap.error(f"--packed-dtypes {args.packed_dtypes!r}: {e}")
     ks = [int(x) for x in args.ks.split(",")]
     temps = [float(x) for x in args.temperatures.split(",")]
 
@@ -243,9 +256,13 @@ def main(argv=None) -> dict:
         f"ngram K={args.ngram_k}": (NgramDrafter(3, 1, vocab_size=cfg.vocab_size), None, args.ngram_k),
     }
     heads = args.head.split(",")
-    dtypes = args.packed_dtypes.split(",")
-    if len(dtypes) > 1 and not llama.is_packed(tparams):
-        raise SystemExit("--packed-dtypes: only a packed target (the CPU kernel layout) uses them; give one")
+    default_dtype = ap.get_default("packed_dtypes")
+    if not llama.is_packed(tparams) and (len(dtypes) > 1 or llama.canonical_dtype(dtypes[0]) != default_dtype):
+        # An unpacked target's head keeps its own weights' dtype: the flag would be ignored, silently.
+        raise SystemExit(
+            f"--packed-dtypes {args.packed_dtypes}: only a packed target (the CPU kernel layout) uses them, and this "
+            f"one is not packed: leave the flag out (it would be ignored)"
+        )
     for head, pdt in [(h, d) for h in heads for d in dtypes]:
         # Several heads or dtypes: compared in the same run, each config tagged with what differs.
         diff = [x for x, many in ((head, len(heads) > 1), (pdt, len(dtypes) > 1)) if many]
@@ -335,6 +352,9 @@ def main(argv=None) -> dict:
                     flush=True,
                 )
     print(f"decode runs took {time.perf_counter() - t_start:.0f} s ({len(programs)} programs warmed up untimed)")
+    if args.out:  # the measured runs first: the cost timing below may fail or be stopped
+        write_json(args.out, {"args": vars(args), "mismatches": mismatches, "runs": runs_json(runs), "results": None})
+        print(f"decode runs written to {args.out} (the results follow after the cost timing)", flush=True)
 
     parts = {}
     for name, (drafter, dparams, k) in configs.items():
@@ -439,9 +459,20 @@ def main(argv=None) -> dict:
             f"({', '.join(mismatches)}): their ratios compare different outputs"
         )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**report, "runs": {f"{n} T={t:g}": v for (n, t), v in runs.items()}}, f, indent=1)
+        write_json(args.out, {**report, "runs": runs_json(runs)})
     return report
+
+
+def runs_json(runs: dict) -> dict:
+    """The measured runs by "<config> T=<t>", as --out records them."""
+    return {f"{n} T={t:g}": v for (n, t), v in runs.items()}
+
+
+def write_json(path: str, obj: dict) -> None:
+    """Written atomically: a run stopped while writing leaves the file written before."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,9 @@ def main(argv=None):
     )
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args(argv)
+    for flag in ("ctx", "new", "repeats"):  # rates per token over --new tokens, medians over --repeats
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} {getattr(args, flag)}: expected 1 or more")
     torch_device = None
     if not args.no_torch:  # checked before any measurement: both sides on one device kind, or nothing
         import torch

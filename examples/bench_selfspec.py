@@ -153,6 +153,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if not 1 <= args.prompts <= len(CHATS):
         ap.error(f"--prompts must be in [1, {len(CHATS)}] (the built-in prompts), got {args.prompts}")
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: expected 1 or more (repeat 0 only warms up; the rates are medians)")
 
     cfg, params, model, tok = load(args.model, dtype="float32", unstacked=wants_unstacked(args.layers))
     prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS[: args.prompts]]

@@ -103,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--distributed", action="store_true", help="multi-process run (sharding.launch or a pod)")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: expected 1 or more (the rates are medians over the repeats)")
 
     if args.distributed:
         from sharding.distributed import initialize

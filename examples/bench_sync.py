@@ -71,6 +71,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS):
         ap.error(f"--prompts must be in [1, {len(PROMPTS)}] (the built-in prompts), got {args.prompts}")
+    if args.reps < 1:
+        ap.error(f"--reps {args.reps}: expected 1 or more (the rates are medians over the repetitions)")
 
     cfg, params, model, tok = registry.load(args.model, unstacked=wants_unstacked(args.layers))
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]

@@ -13,7 +13,9 @@
 
 The draft goes to ``${JSPEC_CACHE:-~/.cache/jspec}/draft/<name>``, the target data (shared by drafts
 trained from the same data settings) to ``.../draft/_data/<settings>``, never into the repository; a rerun
-with a finished draft only prints its evaluation unless ``--force``. The first run under a name records its
+with a finished draft only prints its evaluation unless ``--force`` (evaluating the saved draft first, never
+retraining it, when it has none or one made with other ``--gamma`` / ``--eval-max-new``). The training metrics
+are kept with each checkpoint, so a resumed run reports the whole run's. The first run under a name records its
 settings (``<name>/args.json``); a later one with other settings (model, data, schedule, ...) is refused, naming
 them, rather than resuming that run's checkpoint or reusing its draft. Defaults take a few minutes on
 a 2-core CPU (the target's generation and teacher pass dominate: ``--gen-batches`` sets how much).
@@ -123,13 +125,24 @@ def docstring_prompts(max_chars: int = 700) -> list[str]:
 
 
 def training_prompts(seed: int, doc_fraction: float) -> list[str]:
+    """The chat prompts and ``doc_fraction`` of docstring requests, interleaved. A fraction outside [0, 1), or one
+    that needs more docstring requests than this Python's standard library gives, is refused (SystemExit): the
+    mix would silently be another one."""
+    if not 0 <= doc_fraction < 1:
+        raise SystemExit(f"--doc-fraction {doc_fraction:g}: expected a share in [0, 1)")
     rng = np.random.default_rng(seed)
     chat = chat_prompts()
     docs = docstring_prompts()
     rng.shuffle(chat)
     rng.shuffle(docs)
     # Interleave so any prefix of the list (the number of batches is a budget) keeps the mix.
-    n_doc = int(round(len(chat) * doc_fraction / (1 - doc_fraction))) if doc_fraction < 1 else len(docs)
+    n_doc = int(round(len(chat) * doc_fraction / (1 - doc_fraction)))
+    if n_doc > len(docs):
+        most = int(1000 * len(docs) / (len(chat) + len(docs))) / 1000  # rounded down: it fits
+        raise SystemExit(
+            f"--doc-fraction {doc_fraction:g} asks for {n_doc} docstring requests next to the {len(chat)} chat "
+            f"prompts, and this Python's standard library gives {len(docs)}: use {most:.3f} at most"
+        )
     docs = docs[:n_doc]
     out, i, j = [], 0, 0
     while i < len(chat) or j < len(docs):
@@ -163,7 +176,7 @@ def generate_data(args, target, data_dir: str, prompts: list[str]) -> list[str]:
     files = []
     bar = tqdm(range(args.gen_batches), desc="target data", unit="batch")
     for i in bar:
-        path = os.path.join(data_dir, f"batch_{i:04d}.npz")
+        path = batch_path(data_dir, i)
         files.append(path)
         if os.path.exists(path):
             continue
@@ -209,6 +222,22 @@ def generate_data(args, target, data_dir: str, prompts: list[str]) -> list[str]:
     return files
 
 
+def batch_path(data_dir: str, i: int) -> str:
+    return os.path.join(data_dir, f"batch_{i:04d}.npz")
+
+
+def check_prompt_budget(args, data_dir: str, n_prompts: int) -> None:
+    """Refuse, before the target loads, a data budget (``--gen-batches`` x ``--gen-batch``) whose missing batches
+    need more training prompts than there are: ``generate_data`` would stop at the first such batch, after
+    generating the ones before it. Batches already cached are not generated again, so they do not count."""
+    missing = [i for i in range(args.gen_batches) if not os.path.exists(batch_path(data_dir, i))]
+    if missing and (missing[-1] + 1) * args.gen_batch > n_prompts:
+        raise SystemExit(
+            f"--gen-batches {args.gen_batches} x --gen-batch {args.gen_batch} asks for more than the {n_prompts} "
+            "training prompts: lower --gen-batches or --gen-batch"
+        )
+
+
 def data_dir(args) -> str:
     """Shared by every draft trained from the same target data (it does not depend on the draft)."""
     key = (
@@ -252,7 +281,38 @@ def batch_schedule(data, batch: int, epochs: int, seed: int) -> list[tuple[np.nd
     return out
 
 
+def save_history(path: str, step: int, seconds: float, history: list[dict]) -> None:
+    """The per-step metrics of steps [0, ``step``) and the training seconds they took, kept next to the
+    checkpoint of ``step`` (``resumed_history`` reads them back), written atomically."""
+    with open(path + ".tmp", "w") as f:
+        json.dump({"step": step, "seconds": seconds, "history": history}, f)
+    os.replace(path + ".tmp", path)
+
+
+def resumed_history(path: str, start: int) -> tuple[list[dict], int, float]:
+    """(metrics of steps [0, start), the step they start at, their training seconds) for a run resumed at step
+    ``start``, from ``save_history``'s file. The file may be a checkpoint ahead (written before a save that never
+    finished): its first ``start`` steps are taken. One that holds fewer steps, or none (a checkpoint made before
+    the metrics were kept), gives ([], start, 0.0): the metrics then cover only the steps this run makes."""
+    if start == 0:
+        return [], 0, 0.0
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        hist, step, seconds = rec["history"], int(rec["step"]), float(rec["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return [], start, 0.0
+    if len(hist) < start or step < start:
+        return [], start, 0.0
+    return hist[:start], 0, seconds * start / step
+
+
 def train(args, target, data, out_dir: str):
+    """(draft config, params, per-step metrics, the step they start at, training seconds): the metrics and
+    seconds of the steps before a resume come from ``save_history``'s file (``resumed_history``), so a run
+    resumed at its last checkpoint (one stopped while validating or evaluating) reports the run's metrics, not
+    those of no step."""
+    t0 = time.perf_counter()
     tok = target.tokenizer
     answers = [
         data["tokens"][i, data["prompt_lengths"][i] : data["lengths"][i]] for i in range(data["tokens"].shape[0])
@@ -285,15 +345,16 @@ def train(args, target, data, out_dir: str):
         os.path.abspath(os.path.join(out_dir, "ckpt")),
         options=ocp.CheckpointManagerOptions(max_to_keep=1, save_interval_steps=1),
     )
+    hist_path = os.path.join(out_dir, "ckpt_history.json")
     start = 0
     if mgr.latest_step() is not None:
         start = mgr.latest_step()
         state = mgr.restore(start, args=ocp.args.StandardRestore({"trainable": trainable, "opt": opt_state}))
         trainable, opt_state = state["trainable"], state["opt"]
         print(f"resumed from step {start}/{total}")
+    history, from_step, seconds_before = resumed_history(hist_path, start)
 
     dev = {k: jnp.asarray(v) for k, v in data.items() if k in ("tokens", "mask", "t_logp", "t_ids")}
-    history = []
     bar = tqdm(range(start, total), desc="distil", unit="step", initial=start, total=total)
     for s in bar:
         rows, w = schedule[s]
@@ -312,10 +373,48 @@ def train(args, target, data, out_dir: str):
         bar.set_postfix(kl=f"{m['kl']:.3f}", agree=f"{m['agree']:.3f}")
         if (s + 1) % args.ckpt_every == 0 or s + 1 == total:
             mgr.save(s + 1, args=ocp.args.StandardSave({"trainable": trainable, "opt": opt_state}))
+            if from_step == 0:  # metrics of every step so far: a resume keeps the run's first ones
+                save_history(hist_path, s + 1, seconds_before + time.perf_counter() - t0, history)
     mgr.wait_until_finished()
     mgr.close()
     params = D.merge_params(trainable, frozen)
-    return dcfg, params, history
+    return dcfg, params, history, from_step, seconds_before + time.perf_counter() - t0
+
+
+def training_summary(history: list[dict], from_step: int) -> dict:
+    """The report's training metrics: mean KL and top-1 agreement over the first and the last tenth of
+    ``history`` (the steps from ``from_step``), the last tenth's target mass in the head; None where no step is
+    recorded (a checkpoint of the last step, made before the metrics were kept, and nothing left to run)."""
+    k = max(len(history) // 10, 1)
+    first, last = history[:k], history[-k:]
+
+    def avg(h, key):
+        return float(np.mean([m[key] for m in h])) if h else None
+
+    return {
+        "kl_start": avg(first, "kl"),
+        "kl_end": avg(last, "kl"),
+        "agree_start": avg(first, "agree"),
+        "agree_end": avg(last, "agree"),
+        "support_end": avg(last, "support"),
+        "metrics_from_step": from_step,
+        "metrics_steps": len(history),
+    }
+
+
+def summary_line(name: str, summary: dict) -> str:
+    """``training_summary`` in words; metrics that cover only the steps after a resume say so."""
+    if not summary["metrics_steps"]:
+        return (
+            f"{name}: no training step recorded (the checkpoint of step {summary['metrics_from_step']} was made "
+            "before the metrics were kept with it, and no step was left to run): no training metrics"
+        )
+    since = f" since step {summary['metrics_from_step']}" if summary["metrics_from_step"] else ""
+    return (
+        f"{name}: KL{since} {summary['kl_start']:.3f} -> {summary['kl_end']:.3f}, top-1 agreement "
+        f"{summary['agree_start']:.3f} -> {summary['agree_end']:.3f} ({summary['metrics_steps']} steps), target "
+        f"mass in the head {summary['support_end']:.3f}"
+    )
 
 
 # ---- stage 4: evaluation ----------------------------------------------------------------------------------
@@ -408,6 +507,31 @@ def parse_args(argv=None):
     ap.add_argument("--force", action="store_true", help="retrain even if a finished draft is cached")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    # Counts that would fail (or train nothing) only after the target's data was generated: refused here.
+    for flag, low in (
+        ("layers", 1),
+        ("gen_batches", 1),
+        ("gen_batch", 1),
+        ("max_prompt", 1),
+        ("max_new", 1),
+        ("teacher_k", 1),
+        ("teacher_batch", 1),
+        ("val_batches", 0),
+        ("batch", 1),
+        ("epochs", 1),
+        ("steps", 0),
+        ("warmup", 0),
+        ("ckpt_every", 1),
+        ("gamma", 1),
+        ("eval_max_new", 1),
+        ("head_size", 0),
+    ):
+        if getattr(args, flag) < low:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected {low} or more")
+    if not 0 <= args.frozen_layers <= args.layers:
+        ap.error(f"--frozen-layers {args.frozen_layers}: expected 0 to --layers ({args.layers})")
+    if not 0 <= args.doc_fraction < 1:
+        ap.error(f"--doc-fraction {args.doc_fraction:g}: expected a share in [0, 1)")
     if args.name is None:
         head = f"{args.head_size // 1024}k" if args.head_size and args.head_size % 1024 == 0 else args.head_size
         args.name = f"{args.model}-{args.layers}L-{head or 'full'}"
@@ -415,10 +539,83 @@ def parse_args(argv=None):
 
 
 # Arguments that do not change the trained draft: a cached draft or checkpoint made with other values is the same
-# (the name is the draft's identity; the teacher's batch only chunks the same computation; the rest only evaluate).
+# (the name is the draft's identity; the teacher's batch only chunks the same computation; the rest only evaluate:
+# a cached draft evaluated with other ``eval_settings`` is evaluated again, not retrained).
 _NOT_TRAINING = frozenset(
     {"name", "force", "ckpt_every", "gamma", "eval_max_new", "no_eval", "data_only", "teacher_batch"}
 )
+
+
+def eval_settings(args) -> dict:
+    """What the held-out evaluation depends on besides the draft: a cached draft whose report was made with other
+    values is evaluated again (not retrained)."""
+    return {"gamma": args.gamma, "eval_max_new": args.eval_max_new, "seed": args.seed, "prompts": list(EVAL_PROMPTS)}
+
+
+def recorded_eval_settings(report: dict, draft_args: dict) -> dict:
+    """``eval_settings`` of a report's evaluation. A report made before they were recorded ran with its ``gamma``
+    and the arguments the draft was saved with (``draft_args``: that run evaluated it); its prompts were not
+    recorded (they are not compared)."""
+    if "eval_settings" in report:
+        return report["eval_settings"]
+    return {"gamma": report.get("gamma"), **{k: draft_args[k] for k in ("eval_max_new", "seed") if k in draft_args}}
+
+
+def stale_evaluation(report: dict, args, draft_args: dict | None = None) -> list[str]:
+    """Why ``report``'s held-out evaluation is not the one this run would make: [] when it is, ["none"] when it
+    has none, else the evaluation settings that differ (``eval_settings``)."""
+    if not report.get("eval"):
+        return ["none"]
+    return RS.differences(recorded_eval_settings(report, draft_args or {}), eval_settings(args))
+
+
+def write_report(path: str, report: dict) -> None:
+    """eval.json, written atomically (a run stopped while writing it leaves the previous one)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def print_val(val: dict, n_val: int | None = None) -> None:
+    what = f" ({n_val} batch)" if n_val else ""
+    print(
+        f"held-out target answers{what}: KL {val['kl']:.3f}, top-1 agreement {val['agree']:.3f}, target mass in "
+        f"the head {val['support']:.3f}"
+    )
+
+
+def cached_draft(args, final: str, eval_path: str) -> dict:
+    """A finished draft under --name is never retrained (``--force`` does that): its report is eval.json, or for a
+    draft never evaluated (``--no-eval``, or a run stopped while evaluating) the training report its draft.json
+    keeps. The evaluation runs (again), on the saved draft, when there is none or it was made with other
+    ``eval_settings``, unless ``--no-eval`` (or ``--data-only``); then it is printed."""
+    with open(os.path.join(final, D.META_FILE)) as f:
+        extra = json.load(f).get("extra") or {}
+    if os.path.isfile(eval_path):
+        with open(eval_path) as f:
+            report = json.load(f)
+    else:
+        report = dict(extra.get("report") or {"name": args.name, "gamma": args.gamma})
+        report["eval"] = {}
+    print(f"cached draft at {final} (--force retrains)")
+    stale = stale_evaluation(report, args, extra.get("args") or {})
+    if stale and not (args.no_eval or args.data_only):
+        why = "it was never evaluated" if stale == ["none"] else f"evaluation settings changed: {', '.join(stale)}"
+        print(f"evaluating it ({why})")
+        target = registry.load(args.model, dtype="float32")
+        loaded = D.load_draft(final, target_config=target.config, tokenizer=target.tokenizer)
+        report["eval"] = evaluate(target, loaded, args.gamma, args.eval_max_new, args.seed)
+        report["gamma"], report["eval_settings"] = args.gamma, eval_settings(args)
+        write_report(eval_path, report)
+    elif stale and stale != ["none"]:
+        print(f"(evaluated with other settings: {', '.join(stale)}; --no-eval does not evaluate it again)")
+    if isinstance(report.get("val"), dict):
+        print_val(report["val"])
+    if report["eval"]:
+        print_eval(report["eval"], report["gamma"])
+    else:
+        print("not evaluated (--no-eval)")
+    return report
 
 
 def training_settings(args) -> dict:
@@ -458,18 +655,17 @@ def main(argv=None) -> dict:
     if args.force and os.path.isdir(out_dir):
         shutil.rmtree(out_dir)  # the target data lives elsewhere (data_dir) and is kept
     check_same_run(args, out_dir)
-    if os.path.isfile(os.path.join(final, D.META_FILE)) and os.path.isfile(eval_path):
-        with open(eval_path) as f:
-            report = json.load(f)
-        print(f"cached draft at {final} (--force retrains)")
-        if "val" in report:
-            print(f"held-out target answers: top-1 agreement {report['val']['agree']:.3f}")
-        print_eval(report["eval"], report["gamma"])
-        return report
+    if os.path.isfile(os.path.join(final, D.META_FILE)):  # save_draft writes it last: the draft is finished
+        return cached_draft(args, final, eval_path)
 
     t0 = time.perf_counter()
+    prompts = training_prompts(args.seed, args.doc_fraction)  # refusals before the target loads cost nothing
+    check_prompt_budget(args, data_dir(args), len(prompts))
     target = registry.load(args.model, dtype="float32")
-    prompts = training_prompts(args.seed, args.doc_fraction)
+    if args.layers > target.config.num_layers:  # refused before the target's data is generated
+        raise SystemExit(
+            f"--layers {args.layers}: the draft copies target layers, and {args.model} has {target.config.num_layers}"
+        )
     files = generate_data(args, target, data_dir(args), prompts)
     n_val = min(args.val_batches, len(files) - 1)
     data = load_data(files[: len(files) - n_val], args.prompt_loss)
@@ -480,43 +676,25 @@ def main(argv=None) -> dict:
     if args.data_only:
         return {"data_seconds": t_data}
 
-    t1 = time.perf_counter()
-    dcfg, params, history = train(args, target, data, out_dir)
-    t_train = time.perf_counter() - t1
-    D.save_draft(final, dcfg, params, target.tokenizer, extra={"args": vars(args)})
-    first = history[: max(len(history) // 10, 1)] if history else []
-    last = history[-max(len(history) // 10, 1) :] if history else []
-
-    def avg(h, key):
-        return float(np.mean([m[key] for m in h])) if h else float("nan")
-
-    print(
-        f"trained {dcfg.name}: data {t_data:.0f} s, training {t_train:.0f} s; KL {avg(first, 'kl'):.3f} -> "
-        f"{avg(last, 'kl'):.3f}, top-1 agreement {avg(first, 'agree'):.3f} -> {avg(last, 'agree'):.3f}, "
-        f"target mass in the head {avg(last, 'support'):.3f}"
-    )
-    report = {
-        "name": args.name,
-        "gamma": args.gamma,
-        "data_seconds": t_data,
-        "train_seconds": t_train,
-        "kl_start": avg(first, "kl"),
-        "kl_end": avg(last, "kl"),
-        "agree_end": avg(last, "agree"),
-        "eval": {},
-    }
+    # A run resumed from a checkpoint of the last step (one stopped while validating or evaluating) makes no
+    # step: its metrics and seconds are those kept with the checkpoint (train), not NaN and ~0 s.
+    dcfg, params, history, from_step, t_train = train(args, target, data, out_dir)
+    summary = training_summary(history, from_step)
+    print(f"trained {summary_line(dcfg.name, summary)}; data {t_data:.0f} s, training {t_train:.0f} s")
+    report = {"name": args.name, "gamma": args.gamma, "data_seconds": t_data, "train_seconds": t_train, **summary}
     if val is not None:
         report["val"] = validate(dcfg, params, val, args.batch)
-        print(
-            f"held-out target answers ({n_val} batch): KL {report['val']['kl']:.3f}, top-1 agreement "
-            f"{report['val']['agree']:.3f}, target mass in the head {report['val']['support']:.3f}"
-        )
+        print_val(report["val"], n_val)
+    # The draft keeps its training report: a rerun after --no-eval (or a run stopped while evaluating) only
+    # evaluates it (cached_draft).
+    D.save_draft(final, dcfg, params, target.tokenizer, extra={"args": vars(args), "report": report})
+    report["eval"] = {}
     if not args.no_eval:
         loaded = D.load_draft(final, target_config=target.config, tokenizer=target.tokenizer)
         report["eval"] = evaluate(target, loaded, args.gamma, args.eval_max_new, args.seed)
+        report["eval_settings"] = eval_settings(args)
         print_eval(report["eval"], args.gamma)
-    with open(eval_path, "w") as f:  # marks the draft as finished: a rerun only prints this
-        json.dump(report, f, indent=1)
+        write_report(eval_path, report)
     print(f"total {time.perf_counter() - t0:.0f} s; draft saved to {final}")
     return report
 

@@ -1090,6 +1090,35 @@ def parse_args(argv=None):
         ap.error(f"--fuse {args.fuse!r}: expected comma-separated layer indices such as '2,15'")
     if args.head_layers < 0:
         ap.error(f"--head-layers {args.head_layers}: expected 0 (one, or --init-from's) or more")
+    # Counts that would fail (or train nothing) only after the target's data was generated: refused here.
+    for flag, low in (
+        ("self_batches", 0),
+        ("gen_batch", 1),
+        ("max_prompt", 1),
+        ("max_new", 1),
+        ("feature_batch", 1),
+        ("window", 2),  # a window of w pairs holds w + 1 tokens; one of fewer than 3 is never kept
+        ("unroll", 1),
+        ("batch", 1),
+        ("epochs", 1),
+        ("steps", 0),
+        ("warmup", 0),
+        ("ckpt_every", 1),
+        ("gamma", 1),
+        ("eval_max_new", 1),
+        ("head_tokens", 0),
+        ("ffn", 0),
+    ):
+        if getattr(args, flag) < low:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected {low} or more")
+    if args.doc_tokens > 0 and args.doc_width < 1:
+        ap.error(f"--doc-width {args.doc_width}: expected 1 or more (or --doc-tokens 0)")
+    try:
+        gen_ids = batch_ids(args.gen_batches)
+    except SystemExit as e:
+        ap.error(str(e))
+    if not gen_ids and not args.self_batches:
+        ap.error(f"--gen-batches {args.gen_batches}: no generated data without --self-batches N")
     if args.name is None:
         n = args.head_tokens
         args.name = f"{args.model}-{f'{n // 1024}k' if n and n % 1024 == 0 else (n or 'full')}"

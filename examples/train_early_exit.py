@@ -7,8 +7,8 @@ measure the draft acceptance with and without it.
 1. Data: the target itself writes the text. Chat prompts written below plus prompts built from the Python
    standard library's own docstrings (no downloads) go through ``jspec.decode`` (half greedy, half sampled
    at T=0.7); prompt + answer are the training sequences (~13k tokens at the defaults). The text is cached
-   in ``${JSPEC_CACHE:-~/.cache/jspec}/early_exit/data-*.json`` and shared by every E (delete it to
-   regenerate).
+   in ``${JSPEC_CACHE:-~/.cache/jspec}/early_exit/data-*.json`` (named by the prompts, the tokens per prompt
+   and ``--gen-batch``, on which it depends) and shared by every E (delete it to regenerate).
 2. Split: the sequences are shuffled (``--seed``) and the last whole ones, the fewest that hold a tenth of the
    tokens (256 at least), are held out; no sequence is split between the two sides. Draft head rows: the N
    most frequent tokens of the training sequences and of the stdlib docstrings outside the held-out prompts
@@ -122,6 +122,7 @@ DOC_MODULES = (
     "random statistics textwrap string heapq bisect csv sqlite3 unittest typing dataclasses enum contextlib "
     "shutil tempfile zipfile decimal fractions math copy pickle hashlib base64 inspect difflib calendar queue"
 ).split()
+TEACHER_TOP = 64  # the teacher's top tokens over the head rows kept per position (make_features)
 DOC_TASKS = (
     "Summarize the following documentation in two or three sentences:",
     "Explain the following text to a beginner programmer:",
@@ -227,7 +228,7 @@ def split_and_head_rows(tok, seqs, texts, paras, n_head: int, eos_id: int, vocab
     return n_train, ids
 
 
-def make_features(cfg, params, seqs, ids, exit_layer: int, top: int = 64, batch: int = 4):
+def make_features(cfg, params, seqs, ids, exit_layer: int, top: int = TEACHER_TOP, batch: int = 4):
     """Per token (every position that has a next token): h_E [M, Dm], teacher top-``top`` over the head rows
     (indices into ``ids`` and renormalised probabilities), full-vocabulary argmax, and the full model's
     probability of those top tokens (for the T=1 acceptance estimate)."""
@@ -389,7 +390,41 @@ def parse_args(argv=None):
     ap.add_argument("--eval-new-tokens", type=int, default=64)
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--force", action="store_true", help="retrain from scratch even if the result is cached")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # Counts that would fail (or train nothing) only after the text was generated: refused here. The exit
+    # layer's upper bound is the model's (check_model_bounds).
+    for flag, low in (
+        ("exit_layer", 1),
+        ("width", 1),
+        ("head_tokens", 0),
+        ("steps", 1),
+        ("batch", 1),
+        ("doc_prompts", 0),
+        ("new_tokens", 1),
+        ("gen_batch", 1),
+        ("eval_k", 1),
+        ("eval_new_tokens", 1),
+    ):
+        if getattr(args, flag) < low:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected {low} or more")
+    if 0 < args.head_tokens < TEACHER_TOP:
+        ap.error(
+            f"--head-tokens {args.head_tokens}: expected 0 (the full head) or {TEACHER_TOP} or more (the teacher "
+            f"keeps its top {TEACHER_TOP} over the head rows)"
+        )
+    return args
+
+
+def check_model_bounds(args, cfg) -> None:
+    """What needs the loaded model: the exit layer E (the draft runs layers [0, E), the full model more) and the
+    head rows (at most the vocabulary). SystemExit naming the flag."""
+    if not 1 <= args.exit_layer < cfg.num_layers:
+        raise SystemExit(
+            f"--exit-layer {args.exit_layer}: expected 1 to {cfg.num_layers - 1} ({args.model} has "
+            f"{cfg.num_layers} layers; the draft runs the first E)"
+        )
+    if args.head_tokens > cfg.vocab_size:
+        raise SystemExit(f"--head-tokens {args.head_tokens}: {args.model}'s vocabulary has {cfg.vocab_size} tokens")
 
 
 # Arguments that do not change the trained adapter (they only evaluate it, or start over).
@@ -399,6 +434,38 @@ _FORCE = "pass --force to retrain from scratch (the cached text is kept)"
 
 def training_settings(args) -> dict:
     return RS.settings(vars(args), _NOT_TRAINING)
+
+
+def saved_state(out_dir: str, work: str) -> bool:
+    """Whether a result, or features or checkpoints of a run, are saved (what ``check_same_run`` compares)."""
+    return (
+        os.path.isfile(os.path.join(out_dir, "meta.json"))
+        or os.path.isfile(os.path.join(work, "features.npz"))
+        or RS.has_checkpoint(os.path.join(work, "ckpt"))
+    )
+
+
+def data_file(args) -> str:
+    """The cached text: it does not depend on E or the adapter (one file serves every configuration), but on the
+    prompts, the tokens written per prompt and the generation batch (rows of a batch share its padding, its
+    seed and its order)."""
+    name = f"data-{args.model}-d{args.doc_prompts}-n{args.new_tokens}-b{args.gen_batch}.json"
+    return os.path.join(default_cache_dir(), name)
+
+
+def cached_text(args, cfg, params, model, tok) -> list[list[int]]:
+    """The sequences of ``data_file``, generated (``generate_data``) and written atomically when missing: a run
+    stopped while writing it leaves no half file for the next to read."""
+    path = data_file(args)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    seqs = generate_data(cfg, params, model, tok, args.doc_prompts, args.new_tokens, args.gen_batch)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(seqs, f)
+    os.replace(path + ".tmp", path)
+    return seqs
 
 
 def check_same_run(args, out_dir: str, work: str) -> None:
@@ -445,27 +512,22 @@ def main(argv=None) -> None:
     if args.force:
         shutil.rmtree(out_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
-    check_same_run(args, out_dir, work)  # before the model loads: a refusal costs nothing
+    if saved_state(out_dir, work):
+        check_same_run(args, out_dir, work)  # before the model loads: a refusal costs nothing
     cfg, params, model, tok = load(args.model, dtype="float32")
+    check_model_bounds(args, cfg)  # before this run's settings are recorded, and before any text is generated
+    check_same_run(args, out_dir, work)  # records them where nothing is saved
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         print(f"cached: {out_dir} (--force retrains)")
         ex_params = restore_exit_params(out_dir, cfg)
         meta = load_exit_meta(out_dir)
     else:
         os.makedirs(work, exist_ok=True)
-        # The generated text does not depend on E or the adapter: one file serves every configuration.
-        data_file = os.path.join(default_cache_dir(), f"data-{args.model}-d{args.doc_prompts}-n{args.new_tokens}.json")
-        if os.path.exists(data_file):
-            with open(data_file) as f:
-                seqs = json.load(f)
-        else:
-            seqs = generate_data(cfg, params, model, tok, args.doc_prompts, args.new_tokens, args.gen_batch)
-            with open(data_file, "w") as f:
-                json.dump(seqs, f)
+        seqs = cached_text(args, cfg, params, model, tok)
         texts, paras = prompt_texts(args.doc_prompts)
         if len(texts) != len(seqs):
             raise SystemExit(
-                f"{data_file} holds {len(seqs)} sequences for {len(texts)} prompts (the stdlib's docstrings "
+                f"{data_file(args)} holds {len(seqs)} sequences for {len(texts)} prompts (the stdlib's docstrings "
                 "changed since it was written): delete it to regenerate the text"
             )
         order = np.random.default_rng(args.seed).permutation(len(seqs))
@@ -480,7 +542,8 @@ def main(argv=None) -> None:
                 feats = [z[f"f{j}"] for j in range(5)]
         else:
             feats, _ = make_features(cfg, params, seqs, ids, args.exit_layer)
-            np.savez(feat_file, ids=ids, **{f"f{j}": x for j, x in enumerate(feats)})
+            np.savez(feat_file + ".tmp.npz", ids=ids, **{f"f{j}": x for j, x in enumerate(feats)})
+            os.replace(feat_file + ".tmp.npz", feat_file)  # atomically: its presence marks saved features
         m = feats[0].shape[0]
         n_val = sum(len(s) - 1 for s in seqs[n_train:])
         assert m == sum(len(s) - 1 for s in seqs), (m, "features do not match the sequences")
@@ -522,8 +585,10 @@ def main(argv=None) -> None:
                 f"P(first i accepted) {r['survival_at']}"
             )
         meta["eval"] = res
-        with open(os.path.join(out_dir, "meta.json"), "w") as f:
+        meta_path = os.path.join(out_dir, "meta.json")
+        with open(meta_path + ".tmp", "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
+        os.replace(meta_path + ".tmp", meta_path)
     print(f"done in {time.perf_counter() - t0:.0f} s")
 
 

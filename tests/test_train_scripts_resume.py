@@ -92,7 +92,132 @@ def test_draft_trainer_main_refuses_before_loading_the_model(tmp_path, monkeypat
     (run / "args.json").write_text(json.dumps({"model": "smollm2", "lr": 0.002, "steps": 0}))
     with pytest.raises(SystemExit, match=r"draft/mine holds a draft .* \(steps: 0 there, 40 here\)"):
         train_draft.main(["--name", "mine", "--steps", "40", "--no-eval"])
-    assert train_draft.main(["--name", "mine", "--gamma", "4"]) == {"gamma": 3, "eval": {}}  # same settings: reused
+    # The same settings: reused (its evaluation, none here, is not made with --no-eval).
+    assert train_draft.main(["--name", "mine", "--gamma", "4", "--no-eval"]) == {"gamma": 3, "eval": {}}
+
+
+def _fake_draft_eval(gamma):
+    row = {"acceptance_rate": 0.5, "tokens_per_round": 1.5, "per_position": [0.5] * gamma, "new_tokens": 10}
+    return {"greedy": row, "T=1": row}
+
+
+def test_a_finished_draft_is_evaluated_again_not_retrained(tmp_path, monkeypatch, capsys):
+    """eval.json was written under --no-eval too, with "eval": {}, and marked the draft finished: every later run
+    printed that empty evaluation; and a cached draft was printed with its evaluation at the old K whatever --gamma
+    or --eval-max-new this run gave. Now a finished draft is never retrained: it is evaluated (the saved draft,
+    with this run's settings) when it has no evaluation or one made with other settings, and --no-eval only
+    prints what there is. Its training report (draft.json) stands in for a missing eval.json."""
+    import train_draft
+
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+    run = tmp_path / "draft" / "run"
+    (run / "draft").mkdir(parents=True)
+    kept = {"name": "run", "gamma": 3, "train_seconds": 120.0, "kl_start": 2.5, "kl_end": 0.75}
+    kept["val"] = {"kl": 0.9, "agree": 0.6, "support": 0.95}
+    args = json.loads(json.dumps(vars(train_draft.parse_args(["--name", "run", "--no-eval"]))))
+    meta = {"format": 1, "extra": {"args": args, "report": kept}}
+    (run / "draft" / "draft.json").write_text(json.dumps(meta))
+    loads, evals = [], []
+    target = SimpleNamespace(config="CONFIG", tokenizer="TOKENIZER")
+    monkeypatch.setattr(train_draft.registry, "load", lambda *a, **kw: loads.append(a) or target)
+    monkeypatch.setattr(train_draft.D, "load_draft", lambda path, **kw: ("LOADED", path, kw["target_config"]))
+
+    def fake_evaluate(target, loaded, gamma, max_new, seed=0):
+        evals.append((target, loaded, gamma, max_new, seed))
+        return _fake_draft_eval(gamma)
+
+    monkeypatch.setattr(train_draft, "evaluate", fake_evaluate)
+
+    report = train_draft.main(["--name", "run", "--no-eval"])
+    assert (loads, evals) == ([], []) and report == {**kept, "eval": {}}
+    assert "not evaluated (--no-eval)" in capsys.readouterr().out
+    assert not (run / "eval.json").exists()
+
+    report = train_draft.main(["--name", "run"])
+    assert evals == [(target, ("LOADED", str(run / "draft"), "CONFIG"), 3, 64, 0)] and len(loads) == 1
+    assert report["kl_start"] == 2.5 and report["train_seconds"] == 120.0 and report["val"] == kept["val"]
+    saved = json.loads((run / "eval.json").read_text())
+    assert saved["eval"] == _fake_draft_eval(3) and saved["eval_settings"]["gamma"] == 3
+    assert (
+        saved["eval_settings"]["eval_max_new"] == 64 and saved["eval_settings"]["prompts"] == train_draft.EVAL_PROMPTS
+    )
+    assert json.loads((run / "draft" / "draft.json").read_text()) == meta  # not retrained
+
+    train_draft.main(["--name", "run"])  # evaluated with these settings: printed only
+    assert len(evals) == 1
+    report = train_draft.main(["--name", "run", "--gamma", "5"])
+    assert evals[1][2:] == (5, 64, 0) and report["gamma"] == 5 and report["eval"] == _fake_draft_eval(5)
+    capsys.readouterr()
+    report = train_draft.main(["--name", "run", "--gamma", "5", "--eval-max-new", "192", "--no-eval"])
+    assert len(evals) == 2 and report["eval"] == _fake_draft_eval(5)
+    assert "evaluated with other settings: eval_max_new; --no-eval" in capsys.readouterr().out
+    train_draft.main(["--name", "run", "--eval-max-new", "192"])  # gamma back to 3 as well
+    assert evals[2][2:] == (3, 192, 0)
+
+    # An eval.json written before the settings were recorded (by the run that trained the draft, with its
+    # arguments), and one that a --no-eval run wrote with an empty evaluation.
+    legacy = {"name": "run", "gamma": 3, "kl_start": 2.5, "eval": _fake_draft_eval(3)}
+    (run / "eval.json").write_text(json.dumps(legacy))
+    assert train_draft.main(["--name", "run"]) == legacy and len(evals) == 3
+    train_draft.main(["--name", "run", "--eval-max-new", "32"])
+    assert evals[3][2:] == (3, 32, 0)
+    (run / "eval.json").write_text(json.dumps({**legacy, "eval": {}}))
+    assert train_draft.main(["--name", "run"])["eval"] == _fake_draft_eval(3) and len(evals) == 5
+
+
+def test_a_resumed_draft_run_keeps_the_metrics_of_the_steps_before_it(tmp_path):
+    """Checkpoints kept no training metrics: a resumed run reported kl_start at the resume step, and a run stopped
+    while validating or evaluating (resumed at its last checkpoint) made no step and wrote NaN kl_start, kl_end and
+    agree_end. Now the metrics and seconds are kept next to each checkpoint and read back on a resume (train, on a
+    tiny target: 4 steps, then a rerun that resumes at step 4)."""
+    import jax
+    import train_draft
+
+    from models.llama import LlamaConfig, init_random_params
+
+    path = str(tmp_path / "ckpt_history.json")
+    hist = [{"kl": float(v), "agree": v / 10, "support": 1.0} for v in range(1, 5)]  # steps 0-3
+    assert train_draft.resumed_history(path, 0) == ([], 0, 0.0)
+    assert train_draft.resumed_history(path, 4) == ([], 4, 0.0)  # a checkpoint without them
+    train_draft.save_history(path, 4, 8.0, hist)
+    assert train_draft.resumed_history(path, 4) == (hist, 0, 8.0)
+    assert train_draft.resumed_history(path, 2) == (hist[:2], 0, 4.0)  # the save of step 4 never finished
+    assert train_draft.resumed_history(path, 6) == ([], 6, 0.0)  # kept fewer steps than the checkpoint
+    assert not os.path.exists(path + ".tmp")
+    none = train_draft.training_summary([], 4)
+    assert none["kl_start"] is None and none["metrics_steps"] == 0
+    assert "no training step recorded (the checkpoint of step 4" in train_draft.summary_line("run", none)
+    json.dumps(none, allow_nan=False)  # no NaN in the report
+    assert "KL since step 2 1.000 -> 4.000" in train_draft.summary_line("r", train_draft.training_summary(hist, 2))
+
+    cfg = LlamaConfig(vocab_size=32, hidden=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, ffn=32)
+    target = SimpleNamespace(config=cfg, params=init_random_params(cfg, jax.random.key(0), std=0.3), tokenizer=None)
+    rng = np.random.default_rng(0)
+    n, w, k = 8, 16, 4
+    lengths = np.full(n, w, np.int32)
+    t_logp = np.log(rng.dirichlet(np.ones(k), size=(n, w))).astype(np.float16)
+    data = {
+        "tokens": rng.integers(0, 32, (n, w)).astype(np.int32),
+        "lengths": lengths,
+        "prompt_lengths": np.full(n, 4, np.int32),
+        "mask": np.ones((n, w), bool),
+        "t_logp": t_logp,
+        "t_ids": np.argsort(rng.random((n, w, 32)), axis=-1)[..., :k].astype(np.int32),
+    }
+    args = train_draft.parse_args(
+        ["--layers", "1", "--head-size", "0", "--batch", "2", "--steps", "4", "--ckpt-every", "2"]
+    )
+    out = str(tmp_path / "run")
+    _, _, history, from_step, seconds = train_draft.train(args, target, data, out)
+    assert len(history) == 4 and from_step == 0 and seconds > 0
+    first = train_draft.training_summary(history, from_step)
+    # Rerun (the first stopped after its last checkpoint): no step left, the metrics are the first run's.
+    _, _, again, from_step, seconds_again = train_draft.train(args, target, data, out)
+    with open(os.path.join(out, "ckpt_history.json")) as f:
+        kept = json.load(f)
+    assert kept["step"] == 4 and kept["history"] == history and kept["seconds"] <= seconds
+    assert again == history and from_step == 0 and seconds_again >= kept["seconds"]
+    assert train_draft.training_summary(again, from_step) == first and first["kl_start"] == history[0]["kl"]
 
 
 # ---------------------------------------------------------------- train_early_exit.py
@@ -153,6 +278,38 @@ def test_early_exit_trainer_main_refuses_a_cached_result_before_loading_the_mode
     (out / "meta.json").write_text(json.dumps({"exit_layer": 4, "args": {"steps": 300, "lr": 0.002}}))
     with pytest.raises(SystemExit, match=r"\(steps: 300 there, 400 here\)"):
         T.main(["--steps", "400", "--no-eval"])
+
+
+def test_early_exit_text_cache_follows_gen_batch_and_is_written_atomically(tmp_path, monkeypatch):
+    """The cached text's file name left out --gen-batch, on which the text depends (rows of a batch share its
+    padding, seed and order): a run with another one read text it would not have written. And the file was written
+    in place: a run stopped while writing it left a half file that every later run failed to read. Now the name
+    has the batch and the file appears whole (written to .tmp, then renamed)."""
+    import train_early_exit as T
+
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_generate(cfg, params, model, tok, n_doc, new_tokens, batch):
+        calls.append(batch)
+        return [[1, 2, batch]] if batch != 3 else [[1, 2], [3, object()]]  # an object: the write fails midway
+
+    monkeypatch.setattr(T, "generate_data", fake_generate)
+    P = T.parse_args
+    assert T.cached_text(P([]), None, None, None, None) == [[1, 2, 16]]
+    assert T.cached_text(P(["--gen-batch", "8"]), None, None, None, None) == [[1, 2, 8]]  # not batch 16's text
+    assert T.cached_text(P([]), None, None, None, None) == [[1, 2, 16]] and calls == [16, 8]  # cached
+    assert T.data_file(P(["--gen-batch", "8"])) != T.data_file(P([]))
+    assert os.path.basename(T.data_file(P([]))) == "data-smollm2-d36-n128-b16.json"
+
+    with pytest.raises(TypeError):
+        T.cached_text(P(["--gen-batch", "3"]), None, None, None, None)
+    assert not os.path.exists(T.data_file(P(["--gen-batch", "3"])))  # no half file for the next run to read
+    assert sorted(os.listdir(tmp_path / "early_exit")) == [
+        "data-smollm2-d36-n128-b16.json",
+        "data-smollm2-d36-n128-b3.json.tmp",
+        "data-smollm2-d36-n128-b8.json",
+    ]
 
 
 def test_early_exit_holds_out_whole_sequences():
