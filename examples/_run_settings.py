@@ -3,7 +3,8 @@ same name resumes (or reuses) only a run with the same settings and refuses, by 
 
 Used by ``train_eagle.py``, ``train_draft.py`` and ``train_early_exit.py``: each says which of its arguments do not
 change the result (checkpoint frequency, evaluation-only flags, the name that is the output's identity) and what
-counts as saved state (a checkpoint, a finished result).
+counts as saved state (a checkpoint, a finished result). Also the per-step metrics kept next to each checkpoint
+(``save_history`` / ``resumed_history``), so that a resumed run reports the whole run's.
 """
 
 from __future__ import annotations
@@ -76,3 +77,29 @@ def check_same_run(
         write(record, mine)
         return
     refuse_if_different(theirs, mine, holder, remedy)
+
+
+def save_history(path: str, step: int, seconds: float, history: list[dict]) -> None:
+    """The per-step metrics of steps [0, ``step``) and the training seconds they took, kept next to the
+    checkpoint of ``step`` (``resumed_history`` reads them back), written atomically."""
+    with open(path + ".tmp", "w") as f:
+        json.dump({"step": step, "seconds": seconds, "history": history}, f)
+    os.replace(path + ".tmp", path)
+
+
+def resumed_history(path: str, start: int) -> tuple[list[dict], int, float]:
+    """(metrics of steps [0, start), the step they start at, their training seconds) for a run resumed at step
+    ``start``, from ``save_history``'s file. The file may be a checkpoint ahead (written before a save that never
+    finished): its first ``start`` steps are taken. One that holds fewer steps, or none (a checkpoint made before
+    the metrics were kept), gives ([], start, 0.0): the metrics then cover only the steps this run makes."""
+    if start == 0:
+        return [], 0, 0.0
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        hist, step, seconds = rec["history"], int(rec["step"]), float(rec["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return [], start, 0.0
+    if len(hist) < start or step < start:
+        return [], start, 0.0
+    return hist[:start], 0, seconds * start / step

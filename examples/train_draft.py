@@ -281,32 +281,6 @@ def batch_schedule(data, batch: int, epochs: int, seed: int) -> list[tuple[np.nd
     return out
 
 
-def save_history(path: str, step: int, seconds: float, history: list[dict]) -> None:
-    """The per-step metrics of steps [0, ``step``) and the training seconds they took, kept next to the
-    checkpoint of ``step`` (``resumed_history`` reads them back), written atomically."""
-    with open(path + ".tmp", "w") as f:
-        json.dump({"step": step, "seconds": seconds, "history": history}, f)
-    os.replace(path + ".tmp", path)
-
-
-def resumed_history(path: str, start: int) -> tuple[list[dict], int, float]:
-    """(metrics of steps [0, start), the step they start at, their training seconds) for a run resumed at step
-    ``start``, from ``save_history``'s file. The file may be a checkpoint ahead (written before a save that never
-    finished): its first ``start`` steps are taken. One that holds fewer steps, or none (a checkpoint made before
-    the metrics were kept), gives ([], start, 0.0): the metrics then cover only the steps this run makes."""
-    if start == 0:
-        return [], 0, 0.0
-    try:
-        with open(path) as f:
-            rec = json.load(f)
-        hist, step, seconds = rec["history"], int(rec["step"]), float(rec["seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return [], start, 0.0
-    if len(hist) < start or step < start:
-        return [], start, 0.0
-    return hist[:start], 0, seconds * start / step
-
-
 def train(args, target, data, out_dir: str):
     """(draft config, params, per-step metrics, the step they start at, training seconds): the metrics and
     seconds of the steps before a resume come from ``save_history``'s file (``resumed_history``), so a run
@@ -352,7 +326,7 @@ def train(args, target, data, out_dir: str):
         state = mgr.restore(start, args=ocp.args.StandardRestore({"trainable": trainable, "opt": opt_state}))
         trainable, opt_state = state["trainable"], state["opt"]
         print(f"resumed from step {start}/{total}")
-    history, from_step, seconds_before = resumed_history(hist_path, start)
+    history, from_step, seconds_before = RS.resumed_history(hist_path, start)
 
     dev = {k: jnp.asarray(v) for k, v in data.items() if k in ("tokens", "mask", "t_logp", "t_ids")}
     bar = tqdm(range(start, total), desc="distil", unit="step", initial=start, total=total)
@@ -374,7 +348,7 @@ def train(args, target, data, out_dir: str):
         if (s + 1) % args.ckpt_every == 0 or s + 1 == total:
             mgr.save(s + 1, args=ocp.args.StandardSave({"trainable": trainable, "opt": opt_state}))
             if from_step == 0:  # metrics of every step so far: a resume keeps the run's first ones
-                save_history(hist_path, s + 1, seconds_before + time.perf_counter() - t0, history)
+                RS.save_history(hist_path, s + 1, seconds_before + time.perf_counter() - t0, history)
     mgr.wait_until_finished()
     mgr.close()
     params = D.merge_params(trainable, frozen)

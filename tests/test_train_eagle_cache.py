@@ -206,15 +206,16 @@ def test_evaluation_settings_of_reports_made_before_they_were_recorded():
 
 def test_a_resume_keeps_the_metrics_of_the_steps_before_it(tmp_path):
     """The metrics of a resumed run covered only its own steps (none at all after a resume at the last step:
-    NaN). Now the steps' metrics and seconds are kept next to each checkpoint and read back on a resume."""
+    NaN). Now the steps' metrics and seconds are kept next to each checkpoint and read back on a resume
+    (``_run_settings``' helpers, which train_draft.py uses too)."""
     path = str(tmp_path / "ckpt_history.json")
     hist = [{"loss": float(v), "agree": [v / 10, v / 20]} for v in range(1, 5)]  # steps 0-3
-    assert train_eagle.resumed_history(path, 0) == ([], 0, 0.0)
-    assert train_eagle.resumed_history(path, 4) == ([], 4, 0.0)  # a checkpoint without them
-    train_eagle.save_history(path, 4, 8.0, hist)
-    assert train_eagle.resumed_history(path, 4) == (hist, 0, 8.0)
-    assert train_eagle.resumed_history(path, 2) == (hist[:2], 0, 4.0)  # the save of step 4 never finished
-    assert train_eagle.resumed_history(path, 6) == ([], 6, 0.0)  # kept fewer steps than the checkpoint
+    assert train_eagle.RS.resumed_history(path, 0) == ([], 0, 0.0)
+    assert train_eagle.RS.resumed_history(path, 4) == ([], 4, 0.0)  # a checkpoint without them
+    train_eagle.RS.save_history(path, 4, 8.0, hist)
+    assert train_eagle.RS.resumed_history(path, 4) == (hist, 0, 8.0)
+    assert train_eagle.RS.resumed_history(path, 2) == (hist[:2], 0, 4.0)  # the save of step 4 never finished
+    assert train_eagle.RS.resumed_history(path, 6) == ([], 6, 0.0)  # kept fewer steps than the checkpoint
     assert not os.path.exists(path + ".tmp")
 
     keys = ("loss", "reg", "kl", "agree", "agree_answer")

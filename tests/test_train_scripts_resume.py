@@ -175,15 +175,8 @@ def test_a_resumed_draft_run_keeps_the_metrics_of_the_steps_before_it(tmp_path):
 
     from models.llama import LlamaConfig, init_random_params
 
-    path = str(tmp_path / "ckpt_history.json")
+    # The history file's helpers (_run_settings, shared with train_eagle.py) are tested in test_train_eagle_cache.
     hist = [{"kl": float(v), "agree": v / 10, "support": 1.0} for v in range(1, 5)]  # steps 0-3
-    assert train_draft.resumed_history(path, 0) == ([], 0, 0.0)
-    assert train_draft.resumed_history(path, 4) == ([], 4, 0.0)  # a checkpoint without them
-    train_draft.save_history(path, 4, 8.0, hist)
-    assert train_draft.resumed_history(path, 4) == (hist, 0, 8.0)
-    assert train_draft.resumed_history(path, 2) == (hist[:2], 0, 4.0)  # the save of step 4 never finished
-    assert train_draft.resumed_history(path, 6) == ([], 6, 0.0)  # kept fewer steps than the checkpoint
-    assert not os.path.exists(path + ".tmp")
     none = train_draft.training_summary([], 4)
     assert none["kl_start"] is None and none["metrics_steps"] == 0
     assert "no training step recorded (the checkpoint of step 4" in train_draft.summary_line("run", none)
