@@ -103,3 +103,17 @@ def resumed_history(path: str, start: int) -> tuple[list[dict], int, float]:
     if len(hist) < start or step < start:
         return [], start, 0.0
     return hist[:start], 0, seconds * start / step
+
+
+def no_metrics_line(name: str, from_step: int) -> str:
+    """A run's report when it recorded no training step: resumed at its last checkpoint, made before the metrics
+    were kept with it (``resumed_history`` gave none), with no step left to run."""
+    return (
+        f"{name}: no training step recorded (the checkpoint of step {from_step} was made before the metrics were "
+        "kept with it, and no step was left to run): no training metrics"
+    )
+
+
+def since_step(from_step: int) -> str:
+    """' since step N' for metrics that cover only the steps after a resume at N, else ''."""
+    return f" since step {from_step}" if from_step else ""

@@ -870,11 +870,8 @@ def training_summary(history: list[dict], from_step: int) -> dict:
 def summary_line(name: str, summary: dict) -> str:
     """``training_summary`` in words; metrics that cover only the steps after a resume say so."""
     if not summary["metrics_steps"]:
-        return (
-            f"{name}: no training step recorded (the checkpoint of step {summary['metrics_from_step']} was made "
-            "before the metrics were kept with it, and no step was left to run): no training metrics"
-        )
-    since = f" since step {summary['metrics_from_step']}" if summary["metrics_from_step"] else ""
+        return RS.no_metrics_line(name, summary["metrics_from_step"])
+    since = RS.since_step(summary["metrics_from_step"])
 
     def r(v):
         return np.round(v, 3).tolist()
