@@ -391,6 +391,14 @@ def enable_compile_cache(path: str | None, explicit: bool = False) -> str | None
     return path
 
 
+def compile_cache_flag(flag: str | None) -> str | None:
+    """``enable_compile_cache`` for a ``--compile-cache`` flag: not given (None), $JAX_COMPILATION_CACHE_DIR when
+    set, else ``COMPILE_CACHE_DEFAULT``; given, it wins ('none' included)."""
+    if flag is None:
+        return enable_compile_cache(COMPILE_CACHE_DEFAULT)
+    return enable_compile_cache(flag, explicit=True)
+
+
 def _stats_line(name, s) -> str:
     acc = "" if name in ("none", "plain") else f", acceptance {s['acceptance_rate']:.2f}"
     return (
@@ -489,10 +497,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         check_flags(args)  # before anything is set up
-        if args.compile_cache is None:  # not given: $JAX_COMPILATION_CACHE_DIR when set, else the default
-            enable_compile_cache(COMPILE_CACHE_DEFAULT)
-        else:
-            enable_compile_cache(args.compile_cache, explicit=True)
+        compile_cache_flag(args.compile_cache)
         return generate(args)
     except (ValueError, OSError) as e:  # bad input (a missing or unreadable path too): a message, not a traceback
         print(f"error: {e}", file=sys.stderr)

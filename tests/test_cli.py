@@ -169,7 +169,7 @@ def test_an_explicit_compile_cache_wins_over_the_environment(command, jax_cache_
         assert jax.config.jax_compilation_cache_dir == want, flags
         if want is not None:
             assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0, flags
-    # The test session's own call (tests/conftest.py): a default directory, which the environment's overrides.
+    # A default directory (explicit=False, what an absent flag passes): the environment's overrides it.
     assert cli.enable_compile_cache(flag_dir) == env_dir
 
 

@@ -668,13 +668,10 @@ def peer_names(text: str) -> list[str]:
 def config_from_args(args, **counts: int | None) -> SuiteConfig:
     """The suite's configuration from ``add_common_args``' flags, checked first (``check_args``, which takes a
     script's own ``counts``), then the compilation cache switched on."""
-    from jspec.cli import enable_compile_cache
+    from jspec.cli import compile_cache_flag
 
     check_args(args, **counts)
-    if args.compile_cache is None:  # not given: $JAX_COMPILATION_CACHE_DIR when set, else the default directory
-        enable_compile_cache(COMPILE_CACHE_DEFAULT)
-    else:
-        enable_compile_cache(args.compile_cache, explicit=True)
+    compile_cache_flag(args.compile_cache)
     if jax.default_backend() == "gpu" and args.dtype == "float32" and jax.config.jax_default_matmul_precision is None:
         # f32 means f32 on both sides of a peer ratio: JAX's GPU default runs f32 matmuls in TF32, torch's does not.
         jax.config.update("jax_default_matmul_precision", "highest")
