@@ -898,10 +898,9 @@ def prepare(
     logprobs: bool = False,
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
-    for name, flag in (("logprobs", logprobs), ("block_verify", block_verify), ("debug_checks", debug_checks)):
-        if not isinstance(flag, bool | np.bool_):  # a truthy "no" or "off" would switch the feature on
-            raise ValueError(f"{name} must be True or False, got {flag!r}")
-    block_verify, debug_checks = bool(block_verify), bool(debug_checks)
+    logprobs = check_flag("logprobs", logprobs)
+    block_verify = check_flag("block_verify", block_verify)
+    debug_checks = check_flag("debug_checks", debug_checks)
     gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params, target_params)
     nodes = tree_nodes(drafter)
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len, (nodes or 1) - 1)
@@ -909,9 +908,7 @@ def prepare(
     sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
     key = _decode_key(seed, key, len(plen))
     eos = check_eos(eos_ids, target.vocab_size)
-    config = DecodeConfig(
-        gamma, slots, eos, debug_checks, adaptive_policy(adaptive), block_verify, logprobs=bool(logprobs)
-    )
+    config = DecodeConfig(gamma, slots, eos, debug_checks, adaptive_policy(adaptive), block_verify, logprobs=logprobs)
     arrays = (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
     return PreparedDecode(
         _compiled(target, drafter, config),
@@ -962,6 +959,13 @@ def _decode_key(seed, key, b: int) -> jax.Array:
             raise ValueError(f"seed must be one int or a list of {b} (one per row), got {seed!r:.80}")
         return jnp.stack([jax.random.key(x) for x in seeds])
     return jax.random.key(check_seed(seed))
+
+
+def check_flag(name: str, value) -> bool:
+    """A boolean option as a bool: a truthy "no" or "off" would switch the feature on, so only bools are taken."""
+    if not isinstance(value, bool | np.bool_):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def check_seed(seed) -> int:

@@ -25,6 +25,7 @@ from jspec.decode import (
     check_draft_context,
     check_drafter,
     check_eos,
+    check_flag,
     check_seed,
     decode_round,
     prefill,
@@ -136,10 +137,8 @@ class Engine:
     logprobs: bool = False
 
     def __post_init__(self):
-        for name in ("logprobs", "block_verify"):  # a truthy "no" would switch the feature on
-            if not isinstance(getattr(self, name), bool | np.bool_):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        self.block_verify = bool(self.block_verify)
+        self.logprobs = check_flag("logprobs", self.logprobs)
+        self.block_verify = check_flag("block_verify", self.block_verify)
         for name, what in (
             ("batch", "batch"),
             ("max_len", "max_len"),
@@ -166,7 +165,7 @@ class Engine:
             False,
             self.adaptive,
             self.block_verify,
-            logprobs=bool(self.logprobs),
+            logprobs=self.logprobs,
         )
         self._prefill, self._insert, self._step = _engine_fns(
             self.target, self.drafter, self.config, self.rounds_per_sync
