@@ -158,7 +158,19 @@ def check_flags(args) -> None:
         raise ValueError(f"--tree wants comma-separated branching factors (e.g. 3,2,1), got '{args.tree}'")
     if args.dynamic_tree is not None:
         _dynamic_tree_args(args)  # its format, before any model is loaded
+    stop_token_ids(args)
     check_greedy_filters(args.temperature, args.top_k, args.top_p, args.min_p)
+
+
+def stop_token_ids(args) -> list[int]:
+    """--stop-token-ids as a list of ids ([] without it); their range is checked against the model's vocabulary
+    by ``jspec.decode.prepare``."""
+    if args.stop_token_ids is None:
+        return []
+    parts = [p.strip() for p in args.stop_token_ids.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(f"--stop-token-ids wants comma-separated token ids (e.g. 2,7), got '{args.stop_token_ids}'")
+    return [int(p) for p in parts]
 
 
 def check_greedy_filters(temperature, top_k, top_p, min_p) -> None:
@@ -257,6 +269,7 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, 
         top_p=args.top_p,
         min_p=args.min_p,
         eos_ids=eos,
+        stop_token_ids=stop_token_ids(args),
         seed=args.seed,
         adaptive=args.adaptive and drafter is not None,  # --compare's plain run has no draft to adapt
         block_verify=args.block_verify and drafter is not None,
@@ -460,7 +473,12 @@ def main(argv=None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="run past the model's end tokens (not --stop-token-ids)")
+    g.add_argument(
+        "--stop-token-ids",
+        default=None,
+        help="comma-separated token ids that also end the answer, emitted as an end token is (vLLM's stop_token_ids)",
+    )
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     g.add_argument(
         "--layers",

@@ -36,14 +36,14 @@ from jspec.adaptive import AdaptiveK
 from jspec.cache import set_rows, take_rows
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
-from jspec.sampling import SamplingParams, argmax, distribution, int_array, sample, split_keys
+from jspec.sampling import SamplingParams, argmax, distribution, int_array, is_stop, sample, split_keys
 from jspec.tree import TreeProposal, TreeRule, ancestor_mask, verify_tree_greedy, verify_tree_key
 from jspec.verify import verify_chain_greedy, verify_chain_key
 
 
 class StopReason(enum.IntEnum):
     RUNNING = 0
-    EOS = 1
+    EOS = 1  # an end token: one of eos_ids or of the row's stop_token_ids
     MAX_NEW_TOKENS = 2
     CACHE_FULL = 3
     IDLE = 4  # no request in this row (the serving engine's free rows)
@@ -178,6 +178,7 @@ def prefill(
     )
     stop = _stop_reason(
         config,
+        sampling.stop_ids,
         first[:, None],
         jnp.ones((b,), jnp.int32),
         jnp.ones((b,), jnp.int32),
@@ -202,14 +203,19 @@ def prefill(
     )
 
 
-def _stop_reason(config, emitted, n_emit, n_gen, max_new, committed, old_stop):
-    """Per-row stop after a step: EOS among the emitted tokens, the token budget, or no cache slot left for
-    the next pending token. An already stopped row keeps its reason."""
-    j = jnp.arange(emitted.shape[1])[None, :]
-    hit_eos = jnp.zeros(emitted.shape[0], bool)
+def _ends(config, stop_ids, emitted):
+    """emitted [B, T] -> [B, T] bool: an end token, one of the loop's EOS ids or of the row's stop ids."""
+    ends = is_stop(emitted, stop_ids)
     if config.eos_ids:
-        is_eos = jnp.isin(emitted, jnp.asarray(config.eos_ids, jnp.int32)) & (j < n_emit[:, None])
-        hit_eos = jnp.any(is_eos, axis=1)
+        ends = ends | jnp.isin(emitted, jnp.asarray(config.eos_ids, jnp.int32))
+    return ends
+
+
+def _stop_reason(config, stop_ids, emitted, n_emit, n_gen, max_new, committed, old_stop):
+    """Per-row stop after a step: an end token (EOS or the row's stop ids) among the emitted tokens, the token
+    budget, or no cache slot left for the next pending token. An already stopped row keeps its reason."""
+    j = jnp.arange(emitted.shape[1])[None, :]
+    hit_eos = jnp.any(_ends(config, stop_ids, emitted) & (j < n_emit[:, None]), axis=1)
     reason = jnp.where(
         hit_eos,
         StopReason.EOS,
@@ -482,10 +488,8 @@ def decode_round(
     padded = jnp.concatenate([path_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(j < n_acc[:, None], padded, next_token[:, None])  # [B, K+1]
     n_emit = n_acc + 1
-    if config.eos_ids:
-        is_eos = jnp.isin(emitted, jnp.asarray(config.eos_ids, jnp.int32)) & (j < n_emit[:, None])
-        first_eos = jnp.argmax(is_eos, axis=1)
-        n_emit = jnp.where(jnp.any(is_eos, axis=1), first_eos + 1, n_emit)
+    is_end = _ends(config, st.sampling.stop_ids, emitted) & (j < n_emit[:, None])
+    n_emit = jnp.where(jnp.any(is_end, axis=1), jnp.argmax(is_end, axis=1) + 1, n_emit)
     n_emit = jnp.where(active, jnp.minimum(n_emit, st.max_new - n_gen), 0)
 
     seq = _scatter_rows(st.seq, st.seq_len, emitted, n_emit)
@@ -497,7 +501,9 @@ def decode_round(
     # For a tree, the accepted path's entries move from their scratch slots to consecutive committed slots.
     cache = cache.commit(jnp.where(active, n_acc + 1, 0), path)
     seq_len = st.seq_len + n_emit
-    stop = _stop_reason(config, emitted, n_emit, seq_len - st.prompt_len, st.max_new, seq_len - 1, st.stop)
+    stop = _stop_reason(
+        config, st.sampling.stop_ids, emitted, n_emit, seq_len - st.prompt_len, st.max_new, seq_len - 1, st.stop
+    )
 
     act = active.astype(jnp.int32)
     proposed_at = proposed_at * act[:, None]  # [B, K] candidates proposed at each draft position (tree: depth)
@@ -889,6 +895,7 @@ def prepare(
     top_p: float | Sequence[float] = 1.0,
     min_p: float | Sequence[float] = 0.0,
     eos_ids: Sequence[int] = (),
+    stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     seed: int | Sequence[int] | None = None,
     key: jax.Array | None = None,
     max_len: int | None = None,
@@ -905,7 +912,9 @@ def prepare(
     nodes = tree_nodes(drafter)
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len, (nodes or 1) - 1)
     check_draft_context(drafter, plen + mnew - 1 if max_new_tokens is not None else np.full_like(plen, slots))
-    sampling = SamplingParams.make(len(plen), temperature, top_k, top_p, min_p)
+    sampling = SamplingParams.make(
+        len(plen), temperature, top_k, top_p, min_p, stop_token_ids, vocab_size=target.vocab_size
+    )
     key = _decode_key(seed, key, len(plen))
     eos = check_eos(eos_ids, target.vocab_size)
     config = DecodeConfig(gamma, slots, eos, debug_checks, adaptive_policy(adaptive), block_verify, logprobs=logprobs)
@@ -988,15 +997,18 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     ``prepare``): drafter, draft_params, gamma (K candidates per round; unset: 4 for a chain drafter, the depth of a
     tree drafter, 0 without a drafter; a given value must be the one that runs, see ``check_drafter``),
     max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature / top_k / top_p / min_p
-    (scalars or per-row lists; temperature 0 is greedy), eos_ids, seed or key (not both; seed 0 by default, in
+    (scalars or per-row lists; temperature 0 is greedy), eos_ids (the model's end tokens, every row),
+    stop_token_ids (vLLM's: ids that end a row as EOS does, emitted; one list for every row or one list per row;
+    stop reason EOS), seed or key (not both; seed 0 by default, in
     [0, 2**32) without 64-bit mode; one for the batch, or B seeds / [B] keys for a stream per row), max_len (cache
     slots S; default the largest P + N - 1 (the slots the rows need; plus a tree's nodes but the root, its
     scratch) rounded up to a multiple of 128, capped at the model's context length), adaptive, block_verify,
     debug_checks, logprobs (``DecodeOutput.logprobs``: the target's log-probability of each generated token).
     Returns generated tokens per row, the stop reason per row and statistics (defined in the module doc). Sampling
-    parameters, the seed or key and the budgets are arrays: new values reuse the compiled loop as long as the batch,
-    the padded prompt width (a multiple of 16), max_len and the kind of seed (one, or one per row) stay the same (a
-    default max_len follows the budget); drafter, gamma, eos_ids, adaptive, block_verify, debug_checks and logprobs
+    parameters, stop token ids, the seed or key and the budgets are arrays: new values reuse the compiled loop as
+    long as the batch, the padded prompt width (a multiple of 16), max_len, the longest row's stop-id count rounded
+    up to a multiple of 4 and the kind of seed (one, or one per row) stay the same (a default max_len follows the
+    budget); drafter, gamma, eos_ids, adaptive, block_verify, debug_checks and logprobs
     are static and compile a loop of their own.
     """
     return prepare(target, target_params, prompts, **kwargs).run()

@@ -46,16 +46,36 @@ class SamplingParams:
     top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1 disables.
     min_p: keep tokens whose probability is at least min_p times the largest; 0 disables.
     Applied in that order (temperature, top-k, top-p, min-p), each on the renormalised result of the last.
+    stop_ids: [B, E] the row's own stop token ids (vLLM's ``stop_token_ids``), -1 where unused: the first of
+      them a row emits ends it, emitted, as an EOS does. Not part of the distribution (speculation may propose
+      a stop token; what the row keeps is cut after it, as for EOS).
     """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     min_p: jax.Array
+    stop_ids: jax.Array
 
     @classmethod
-    def make(cls, batch: int, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
-        """Broadcast scalars or per-row sequences to [B] arrays, validating them on the host."""
+    def make(
+        cls,
+        batch: int,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        stop_token_ids=None,
+        vocab_size: int | None = None,
+        stop_width: int | None = None,
+    ) -> SamplingParams:
+        """Broadcast scalars or per-row sequences to [B] arrays, validating them on the host.
+
+        stop_token_ids: None or one flat sequence of token ids for every row, or B sequences (one per row, of
+        any lengths); each id must lie in [0, vocab_size) when ``vocab_size`` is given. stop_width: E, the
+        fixed number of id slots per row (a serving engine's state keeps one shape; more ids are refused);
+        unset, the longest row's count rounded up to a multiple of 4, so a few more or fewer ids reuse the
+        compiled loop."""
 
         def col(x, dtype, name):
             if dtype == np.int32:
@@ -97,11 +117,50 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {p.tolist()}")
         if not np.all(np.isfinite(m)) or np.any(m < 0) or np.any(m > 1):
             raise ValueError(f"min_p must be in [0, 1] (0 = disabled), got {m.tolist()}")
-        return cls(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p), jnp.asarray(m))
+        stops = stop_id_rows(stop_token_ids, batch, vocab_size, stop_width)
+        return cls(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p), jnp.asarray(m), jnp.asarray(stops))
 
     @property
     def batch(self) -> int:
         return self.temperature.shape[0]
+
+
+def stop_id_rows(stop_token_ids, batch: int, vocab_size: int | None = None, width: int | None = None) -> np.ndarray:
+    """``SamplingParams.make``'s stop_token_ids -> [B, E] int32, -1 padded (see there)."""
+    ids = [] if stop_token_ids is None else stop_token_ids
+    if isinstance(ids, int | np.integer) or isinstance(ids, str | bytes):
+        raise ValueError(f"stop_token_ids must be a sequence of token ids, got {ids!r:.80}: use [{ids!r}]")
+    ids = list(ids.tolist() if isinstance(ids, np.ndarray) else ids)
+    nested = [isinstance(x, list | tuple | np.ndarray) for x in ids]
+    if any(nested) and not all(nested):
+        raise ValueError(f"stop_token_ids must be token ids or one sequence of them per row, not a mix: {ids!r:.80}")
+    if any(nested):
+        if len(ids) != batch:
+            raise ValueError(f"stop_token_ids has {len(ids)} per-row sequences for {batch} rows")
+        rows = [int_array(list(np.asarray(r).tolist()), f"stop_token_ids[{i}]") for i, r in enumerate(ids)]
+    else:
+        rows = [int_array(ids, "stop_token_ids")] * batch
+    for i, r in enumerate(rows):
+        if r.ndim != 1:
+            raise ValueError(f"stop_token_ids[{i}] must be a flat sequence of token ids, got shape {r.shape}")
+        top = vocab_size if vocab_size is not None else np.iinfo(np.int32).max
+        if r.size and (r.min() < 0 or r.max() >= top):
+            bad = r[(r < 0) | (r >= top)].tolist()
+            raise ValueError(f"stop_token_ids must be token ids in [0, {top}), got {bad}")
+    longest = max((r.size for r in rows), default=0)
+    if width is None:
+        width = -(-longest // 4) * 4
+    elif longest > width:
+        raise ValueError(f"{longest} stop token ids for one row, more than the {width} this state holds")
+    out = np.full((batch, width), -1, np.int32)
+    for i, r in enumerate(rows):
+        out[i, : r.size] = r
+    return out
+
+
+def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """tokens [B, T], stop_ids [B, E] (-1 unused) -> [B, T] bool: the token is one of its row's stop ids."""
+    return jnp.any(tokens[:, :, None] == stop_ids[:, None, :], axis=-1)
 
 
 def _expand(x: jax.Array, ndim: int) -> jax.Array:

@@ -119,6 +119,9 @@ class Engine:
     scheduling). Each return is a host sync; on a GPU at small batch it costs about as much as a round. A
     step still returns right after the round in which some running row stops, so its row is refilled as
     soon as with one round per step. Tokens then reach the caller up to R rounds at a time.
+    eos_ids end every request; ``add(..., stop_token_ids=[...])`` gives one request its own (vLLM's
+    stop_token_ids), at most ``max_stop_ids`` of them (the state holds that many per row, so adding them never
+    recompiles).
     """
 
     target: Model
@@ -135,6 +138,7 @@ class Engine:
     seed: int = 0
     rounds_per_sync: int = 1
     logprobs: bool = False
+    max_stop_ids: int = 4
 
     def __post_init__(self):
         self.logprobs = check_flag("logprobs", self.logprobs)
@@ -144,10 +148,11 @@ class Engine:
             ("max_len", "max_len"),
             ("bucket", "bucket (the prompt-width padding multiple)"),
             ("rounds_per_sync", "rounds_per_sync"),
+            ("max_stop_ids", "max_stop_ids"),
         ):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
-                raise ValueError(f"{what} must be an int >= 1, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < (0 if name == "max_stop_ids" else 1):
+                raise ValueError(f"{what} must be an int >= {0 if name == 'max_stop_ids' else 1}, got {v!r}")
         self.adaptive = adaptive_policy(self.adaptive)
         gamma = check_drafter(
             self.target,
@@ -181,7 +186,7 @@ class Engine:
             dummy,
             jnp.ones((b,), jnp.int32),
             jnp.ones((b,), jnp.int32),
-            SamplingParams.make(b),
+            SamplingParams.make(b, stop_width=self.max_stop_ids),
             jax.random.split(jax.random.key(check_seed(self.seed)), b),  # per-row keys; replaced by each add()
         )
         if not hasattr(st.cache, "insert"):
@@ -226,13 +231,15 @@ class Engine:
         top_p=1.0,
         min_p=0.0,
         seed: int | None = None,
+        stop_token_ids: Sequence[int] = (),
     ) -> int:
         """Prefill ``prompt`` and start it in ``row`` (which must be free). Returns its first token.
 
         Every request samples from its own key: ``seed`` (as ``decode(seed=[...])`` gives a row), or without
         one the engine's ``seed`` folded with the request's admission number. With a seed, a request's tokens
         do not depend on its row, on when it was admitted or on the other requests (up to the float
-        reassociation of batched matmuls, as in any server)."""
+        reassociation of batched matmuls, as in any server). stop_token_ids: this request's own end tokens (up
+        to ``max_stop_ids``), besides the engine's eos_ids; stop reason EOS."""
         self._check_row(row)
         if self._stop[row] == StopReason.RUNNING:
             raise ValueError(f"row {row} is still decoding a request")
@@ -263,7 +270,11 @@ class Engine:
         width = min(-(-prompt.size // self.bucket) * self.bucket, self.config.slots)  # slots: capped at the context
         padded = np.zeros((1, width), np.int32)
         padded[0, : prompt.size] = prompt
-        sampling = SamplingParams.make(1, temperature, top_k, top_p, min_p)
+        if isinstance(stop_token_ids, Sequence) and any(isinstance(x, Sequence) for x in stop_token_ids):
+            raise ValueError(f"stop_token_ids must be one flat sequence of token ids, got {stop_token_ids!r:.80}")
+        sampling = SamplingParams.make(
+            1, temperature, top_k, top_p, min_p, stop_token_ids, self.target.vocab_size, self.max_stop_ids
+        )
         if seed is None:
             key = jax.random.fold_in(jax.random.key(self.seed), self._n_added)
         else:

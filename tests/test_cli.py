@@ -33,6 +33,8 @@ from jspec import cli
         (["--drafter", "eagle", "--tree", "3,,1"], "--tree wants comma-separated branching factors"),
         (["--drafter", "eagle", "--dynamic-tree", "2,2"], "--dynamic-tree wants TOP_K,DEPTH,BUDGET (three integers)"),
         (["--stream", "--json"], "--stream prints the text as it is generated; --json prints one object"),
+        (["--stop-token-ids", "2,-1"], "--stop-token-ids wants comma-separated token ids (e.g. 2,7), got '2,-1'"),
+        (["--stop-token-ids", "2,,7"], "--stop-token-ids wants comma-separated token ids"),
     ],
 )
 def test_ignored_flags_are_refused(flags, message, monkeypatch, capsys):
@@ -110,6 +112,24 @@ def _fake_decodes(monkeypatch, spec_ids, plain_ids):
         return list(ids), stats
 
     monkeypatch.setattr(cli, "_run", run)
+
+
+def test_stop_token_ids_reach_the_decode_call_beside_ignore_eos(monkeypatch):
+    """--ignore-eos drops the model's end tokens, not the ids asked for with --stop-token-ids."""
+    from types import SimpleNamespace
+
+    target = SimpleNamespace(vocab_size=3)
+    monkeypatch.setattr(cli, "model_loader", lambda *a, **k: lambda name, dtype: (None, None, target, _Tok()))
+    seen = {}
+
+    def prepare(*_, **kw):
+        seen.update(kw)
+        raise _Loaded
+
+    monkeypatch.setattr(cli, "prepare", prepare)
+    with pytest.raises(_Loaded):
+        cli.main(["generate", "--prompt", "hi", "--compile-cache", "none", "--stop-token-ids", "2, 0", "--ignore-eos"])
+    assert seen["stop_token_ids"] == [2, 0] and seen["eos_ids"] == []
 
 
 def test_compare_when_sampling_gives_no_speedup_between_different_outputs(monkeypatch, capsys):

@@ -195,6 +195,53 @@ def test_eos_stops_row_and_nothing_follows(gamma):
 
 
 @pytest.mark.parametrize("gamma", [0, 3])
+def test_per_row_stop_token_ids_cut_each_row_after_its_own(gamma):
+    """vLLM's stop_token_ids, per row: each row is the unstopped greedy stream cut after the first of ITS ids
+    (the prefill's token included), beside an engine-wide EOS id; a row without ids runs to its budget."""
+    eos = 2
+    ref = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=30)
+    stops = [[0], [1, 0], [], [1]]
+    out = dec.decode(
+        TARGET,
+        TARGET_PARAMS,
+        PROMPTS,
+        drafter=DRAFTER if gamma else None,
+        draft_params=DRAFT_PARAMS,
+        gamma=gamma,
+        max_new_tokens=30,
+        eos_ids=[eos] if gamma else [],
+        stop_token_ids=stops,
+    )
+    for full, got, reason, own in zip(ref.tokens, out.tokens, out.stop_reason, stops):
+        ends = set(own) | ({eos} if gamma else set())
+        hits = [i for i, t in enumerate(full) if t in ends]
+        if hits:
+            assert got == full[: hits[0] + 1] and reason == dec.StopReason.EOS
+        else:
+            assert got == full and reason == dec.StopReason.MAX_NEW_TOKENS
+    assert sum(r == dec.StopReason.EOS for r in out.stop_reason) >= 2
+    if gamma:  # the row with no ids of its own still ends at the EOS id
+        assert out.stop_reason[2] == dec.StopReason.EOS
+
+
+@pytest.mark.parametrize(
+    "stops, msg",
+    [
+        (3, "must be a sequence of token ids, got 3"),
+        ([3], r"stop_token_ids must be token ids in \[0, 3\), got \[3\]"),
+        ([-1], r"in \[0, 3\), got \[-1\]"),
+        ([[0], [1]], "has 2 per-row sequences for 4 rows"),
+        ([0, [1]], "not a mix"),
+        ([True], "stop_token_ids must be integers"),
+        ([[0], [1], [2], [0.5]], r"stop_token_ids\[3\] must be integers"),
+    ],
+)
+def test_bad_stop_token_ids_are_refused(stops, msg):
+    with pytest.raises(ValueError, match=msg):
+        dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=4, stop_token_ids=stops)
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
 def test_cache_full_stops_with_reason(gamma):
     slots = 24
     drafter = DRAFTER if gamma else None
@@ -302,7 +349,8 @@ def test_streaming_yields_the_fused_tokens():
 
 def test_per_call_arrays_do_not_recompile():
     before = dec._compiled.cache_info().currsize
-    for t, budget in [(0.0, 5), (0.9, 9), (1.3, 3)]:
+    # Stop ids are arrays too: any counts up to the same multiple of 4 share the program.
+    for (t, budget), stops in zip([(0.0, 5), (0.9, 9), (1.3, 3)], [[2], [[0], [1, 2], [], [0]], [0, 1, 2]]):
         dec.decode(
             TARGET,
             TARGET_PARAMS,
@@ -314,6 +362,7 @@ def test_per_call_arrays_do_not_recompile():
             temperature=t,
             top_k=2,
             seed=int(t * 10),
+            stop_token_ids=stops,
         )
     fn = dec._compiled(TARGET, DRAFTER, dec.DecodeConfig(2, 128))
     assert dec._compiled.cache_info().currsize == before + 1

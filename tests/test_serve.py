@@ -230,3 +230,26 @@ def test_cancel_frees_the_row_and_leaves_the_other_rows_alone():
         got_b, got_c = got_b + out.get(1, []), got_c + out.get(0, [])
     assert got_b == alone(*b) and got_c == alone(*c)
     assert len(got_a) < a[1] and got_a == alone(*a)[: len(got_a)]  # cut short, its tokens until then its own
+
+
+def test_request_stop_token_ids_end_only_their_own_request():
+    """add(..., stop_token_ids=[...]) (vLLM's per-request stop ids): that request is its unstopped greedy stream
+    cut after the first of its ids, stop reason EOS; the request beside it, with none, runs to its budget."""
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3)
+    full = [dec.decode(TARGET, TARGET_PARAMS, [REQUESTS[i]], max_new_tokens=20).tokens[0] for i in (0, 2)]
+    stop = full[0][3]  # a token the first request emits after its first few
+    cut = full[0].index(stop) + 1
+    engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, max_stop_ids=2, **kw)
+    with pytest.raises(ValueError, match="3 stop token ids for one row, more than the 2 this state holds"):
+        engine.add(0, REQUESTS[0], 20, stop_token_ids=[0, 1, 2])
+    with pytest.raises(ValueError, match="one flat sequence of token ids"):
+        engine.add(0, REQUESTS[0], 20, stop_token_ids=[[0]])
+    with pytest.raises(ValueError, match=r"in \[0, 3\), got \[3\]"):
+        engine.add(0, REQUESTS[0], 20, stop_token_ids=[3])
+    got = [[engine.add(0, REQUESTS[0], 20, stop_token_ids=[stop])], [engine.add(1, REQUESTS[2], 20)]]
+    while dec.StopReason.RUNNING in (engine.stop_reason(0), engine.stop_reason(1)):
+        for row, toks in engine.step().items():
+            got[row] += toks
+    assert got[0] == full[0][:cut] and engine.stop_reason(0) == dec.StopReason.EOS
+    assert got[1] == full[1] and engine.stop_reason(1) == dec.StopReason.MAX_NEW_TOKENS
+    assert cut < 20 and stop in full[1]  # the id really cut the first request, and would have cut the second
