@@ -713,6 +713,8 @@ def _chain_k(drafter, gamma: int | None, policy: AdaptiveK | None) -> int:
         raise ValueError(f"gamma={k} is more than {name}'s max_draft={int(limit)}")
     if policy is not None and policy.min_k > k:
         raise ValueError(f"the adaptive policy's min_k={policy.min_k} is more than gamma={k}")
+    if policy is not None:
+        adapt.check_prior(policy, k, _always_wide(drafter))
     return k
 
 
@@ -725,6 +727,18 @@ def tree_nodes(drafter) -> int | None:
         return int(budget)
     spec = getattr(drafter, "spec", None)
     return spec.num_nodes if spec is not None else None
+
+
+def tree_scratch(drafter) -> int:
+    """Cache slots a round writes past the pending token's: a tree's nodes but the root (0 for a chain). A
+    dynamic tree's drafter also runs every frontier slot of its ``depth`` levels (``top_k`` each) through its
+    own cache, which can be more than ``budget - 1``: reserved too, so that no frontier entry falls off the end
+    of the cache, where its logits (and so which nodes a row keeps) would depend on the cache's size."""
+    n = (tree_nodes(drafter) or 1) - 1
+    top_k, depth = getattr(drafter, "top_k", None), getattr(drafter, "depth", None)
+    if n and isinstance(getattr(drafter, "budget", None), int) and isinstance(top_k, int) and isinstance(depth, int):
+        n = max(n, top_k * depth)
+    return n
 
 
 def _prepare(target: Model, prompts, max_new_tokens, max_len, reserve: int = 0):
@@ -909,8 +923,7 @@ def prepare(
     block_verify = check_flag("block_verify", block_verify)
     debug_checks = check_flag("debug_checks", debug_checks)
     gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params, target_params)
-    nodes = tree_nodes(drafter)
-    prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len, (nodes or 1) - 1)
+    prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len, tree_scratch(drafter))
     check_draft_context(drafter, plen + mnew - 1 if max_new_tokens is not None else np.full_like(plen, slots))
     sampling = SamplingParams.make(
         len(plen), temperature, top_k, top_p, min_p, stop_token_ids, vocab_size=target.vocab_size

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec.drafters import DraftContext, Proposal
-from jspec.tree import TreeProposal, TreeRule, TreeSpec
+from jspec.tree import TreeProposal, TreeRule, TreeSpec, _count
 
 # Stands for "before the start of the row"; outside any vocabulary, so it never matches a real token. Both
 # sides can use it: an occurrence ends before the suffix, so its side runs off the row first, while the
@@ -59,6 +59,12 @@ def ngram_lookup(
     idx = jnp.clip(start[:, None] + j % period[:, None], 0, w - 1)
     tokens = jnp.where(j < n_found[:, None], jnp.take_along_axis(seq, idx, axis=1), 0)
     return tokens, n_found, best_n
+
+
+def _counts(drafter, *names: str) -> None:
+    """Integer fields as ints: True read as 1, and 2.5 failed at trace time in range()."""
+    for name in names:
+        object.__setattr__(drafter, name, _count(name, getattr(drafter, name)))
 
 
 def _longest_suffix_matches(padded, sfx, earlier, m: int, min_ngram: int):
@@ -141,6 +147,7 @@ class NgramDrafter:
     vocab_size: int
 
     def __post_init__(self):
+        _counts(self, "max_ngram", "min_ngram", "vocab_size")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min={self.min_ngram}, max={self.max_ngram}")
         if self.vocab_size < 1:
@@ -173,6 +180,7 @@ class NgramTreeDrafter:
     is_tree: bool = dataclasses.field(default=True, init=False)
 
     def __post_init__(self):
+        _counts(self, "branches", "depth", "max_ngram", "min_ngram", "vocab_size")
         if self.branches < 1 or self.depth < 1:
             raise ValueError(f"need branches >= 1 and depth >= 1, got branches={self.branches}, depth={self.depth}")
         if not 1 <= self.min_ngram <= self.max_ngram:

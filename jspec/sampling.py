@@ -128,10 +128,13 @@ class SamplingParams:
 def stop_id_rows(stop_token_ids, batch: int, vocab_size: int | None = None, width: int | None = None) -> np.ndarray:
     """``SamplingParams.make``'s stop_token_ids -> [B, E] int32, -1 padded (see there)."""
     ids = [] if stop_token_ids is None else stop_token_ids
-    if isinstance(ids, int | np.integer) or isinstance(ids, str | bytes):
-        raise ValueError(f"stop_token_ids must be a sequence of token ids, got {ids!r:.80}: use [{ids!r}]")
-    ids = list(ids.tolist() if isinstance(ids, np.ndarray) else ids)
-    nested = [isinstance(x, list | tuple | np.ndarray) for x in ids]
+    if hasattr(ids, "shape") and hasattr(ids, "dtype"):  # a NumPy or JAX array: [E] for every row, or [B, E]
+        ids = np.asarray(ids)
+        ids = ids.tolist() if ids.ndim else ids.item()
+    if not isinstance(ids, list | tuple):
+        hint = f": use [{ids!r}]" if isinstance(ids, int | float | np.number) else ""
+        raise ValueError(f"stop_token_ids must be a sequence of token ids, got {ids!r:.80}{hint}")
+    nested = [isinstance(x, list | tuple) or getattr(x, "ndim", 0) > 0 for x in ids]
     if any(nested) and not all(nested):
         raise ValueError(f"stop_token_ids must be token ids or one sequence of them per row, not a mix: {ids!r:.80}")
     if any(nested):

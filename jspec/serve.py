@@ -29,7 +29,7 @@ from jspec.decode import (
     check_seed,
     decode_round,
     prefill,
-    tree_nodes,
+    tree_scratch,
 )
 from jspec.model import Model
 from jspec.sampling import SamplingParams, int_array
@@ -84,7 +84,7 @@ def engine_slots(target: Model, drafter, max_len: int) -> int:
     """The cache slots S of an ``Engine`` with ``max_len``: a tree's scratch past each request's P + N - 1 slots,
     as decode's default max_len reserves it, so that which nodes a row verifies (and so its sampled tokens) does
     not depend on the engine's size; both are capped at the model's context length, where no node may sit."""
-    s = max_len + (tree_nodes(drafter) or 1) - 1
+    s = max_len + tree_scratch(drafter)
     return s if target.max_positions is None else min(s, target.max_positions)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -73,26 +74,33 @@ class TreeSpec:
             raise ValueError(f"branching must be a non-empty tuple of counts >= 1, got {self.branching}")
         if self.budget is not None and self.budget < 2:
             raise ValueError(f"a tree budget counts the root: it must be >= 2, got {self.budget}")
-        full = 1 + sum(int(np.prod(self.branching[: d + 1])) for d in range(len(self.branching)))
+        full, level = 1, 1
+        for c in self.branching:  # Python ints: NumPy's int64 product wraps for wide trees
+            level *= c
+            full += level
         if self.budget is not None and self.budget > full:
             raise ValueError(f"budget {self.budget} is larger than the tree: {self.branching} has {full} nodes")
 
-    @property
+    @functools.cached_property
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(parent [N], depth [N], child_rank [N]) in breadth-first order."""
+        """(parent [N], depth [N], child_rank [N]) in breadth-first order; built once, and only up to the budget
+        (a budget of 64 on a 10**9-node shape builds 64 nodes)."""
         parent, depth, rank = [-1], [0], [0]
         frontier = [0]
+        stop = self.budget
         for d, c in enumerate(self.branching):
             nxt = []
             for node in frontier:
-                for r in range(c):
+                for r in range(c if stop is None else min(c, stop - len(parent))):
                     parent.append(node)
                     depth.append(d + 1)
                     rank.append(r)
                     nxt.append(len(parent) - 1)
             frontier = nxt
-        n = len(parent) if self.budget is None else self.budget  # __post_init__: budget <= len(parent)
-        return np.array(parent[:n]), np.array(depth[:n]), np.array(rank[:n])
+        out = np.array(parent), np.array(depth), np.array(rank)
+        for a in out:
+            a.flags.writeable = False  # shared by every caller
+        return out
 
     @property
     def num_nodes(self) -> int:
@@ -412,6 +420,8 @@ class TreeModelDrafter:
         # The drafter and the verifier branch on the rule differently (an unknown value would draw children
         # without replacement and verify them as iid draws: lossy), so only TreeRule's values are taken.
         try:
+            if isinstance(self.rule, bool | np.bool_) or not isinstance(self.rule, int | np.integer):
+                raise ValueError  # True is not IID, nor 1.0
             object.__setattr__(self, "rule", TreeRule(self.rule))
         except ValueError:
             raise ValueError(f"rule must be a jspec.tree.TreeRule, got {self.rule!r}") from None

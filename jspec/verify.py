@@ -62,6 +62,12 @@ class ChainResult:
     bad_proposal: jax.Array
 
 
+def _proposal_count(n_draft: jax.Array, k: int) -> jax.Array:
+    """A row holds K proposals at most: a count past K (a traced value, which cannot be refused here) would draw
+    the bonus token from residual(p[K], q[K-1]), positions that do not match, instead of p[K]. Read as all K."""
+    return jnp.clip(n_draft, 0, k).astype(jnp.int32)
+
+
 def verify_chain(
     p: jax.Array,  # [B, K+1, V] target distributions at the K proposals and the bonus position
     q: jax.Array,  # [B, K, V] distributions the proposals were really drawn from
@@ -72,6 +78,7 @@ def verify_chain(
 ) -> ChainResult:
     b, k1, v = p.shape
     k = k1 - 1
+    n_draft = _proposal_count(n_draft, k)
     if k == 0:
         nxt = sample_from(p[:, 0], u_final)
         return ChainResult(jnp.zeros((b,), jnp.int32), nxt, jnp.zeros((b, 0), bool), jnp.zeros((b,), bool))
@@ -108,6 +115,7 @@ def verify_chain_greedy(
     residual max(0, p - q) keeps all its mass on the argmax, so the next token is the argmax where the chain
     stopped. Works on [B, K+1] ids: no one-hot p, residual or inverse-CDF draw over V."""
     b, k = draft.shape
+    n_draft = _proposal_count(n_draft, k)
     proposed = jnp.arange(k)[None, :] < n_draft[:, None]
     ok = (draft == best[:, :k]) & proposed
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
@@ -137,6 +145,7 @@ def verify_block(
     k = k1 - 1
     if k == 0:
         return verify_chain(p, q, draft, n_draft, u_accept, u_final)
+    n_draft = _proposal_count(n_draft, k)
     p_x = jnp.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]  # [B, K]
     q_x = jnp.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
     ratio = jnp.where(q_x > 0, p_x / jnp.where(q_x > 0, q_x, 1.0), 0.0)

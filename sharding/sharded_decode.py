@@ -551,7 +551,7 @@ def cache_need(target: Model, drafter: Any, prompts: Sequence[Sequence[int]] | n
     lens = [len(p) for p in prompts]
     budgets = np.broadcast_to(np.asarray(budget, dtype=object), (len(lens),)).tolist()
     need = max((n + int(m) - 1 for n, m in zip(lens, budgets)), default=0)
-    need += (jdecode.tree_nodes(drafter) or 1) - 1  # a tree's scratch, as prepare reserves it
+    need += jdecode.tree_scratch(drafter)  # a tree's scratch, as prepare reserves it
     if target.max_positions is not None:
         need = min(need, target.max_positions)
     # No rows or a budget < 1: prepare names the problem (max_len=0 would be refused first, misleadingly).

@@ -227,7 +227,9 @@ def test_per_row_stop_token_ids_cut_each_row_after_its_own(gamma):
 @pytest.mark.parametrize(
     "stops, msg",
     [
-        (3, "must be a sequence of token ids, got 3"),
+        (3, r"must be a sequence of token ids, got 3: use \[3\]"),
+        (np.array(2.0), "must be a sequence of token ids, got 2.0"),
+        ({0, 1}, "must be a sequence of token ids"),
         ([3], r"stop_token_ids must be token ids in \[0, 3\), got \[3\]"),
         ([-1], r"in \[0, 3\), got \[-1\]"),
         ([[0], [1]], "has 2 per-row sequences for 4 rows"),
@@ -239,6 +241,21 @@ def test_per_row_stop_token_ids_cut_each_row_after_its_own(gamma):
 def test_bad_stop_token_ids_are_refused(stops, msg):
     with pytest.raises(ValueError, match=msg):
         dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=4, stop_token_ids=stops)
+
+
+def test_stop_token_ids_as_arrays_flat_or_per_row():
+    def ids(stops):
+        return np.asarray(dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, stop_token_ids=stops).args[5].stop_ids).tolist()
+
+    pad = [-1, -1, -1]
+    assert ids(jnp.asarray([[0], [1], [2], [0]])) == [[0, *pad], [1, *pad], [2, *pad], [0, *pad]]
+    assert ids(np.asarray([2, 1])) == [[2, 1, -1, -1]] * 4
+    assert ids([np.asarray([1]), (2, 0), [], jnp.asarray([0, 1, 2, 0, 1])]) == [
+        [1, *pad, -1, -1, -1, -1],
+        [2, 0, *pad[:2], -1, -1, -1, -1],
+        [-1] * 8,
+        [0, 1, 2, 0, 1, -1, -1, -1],
+    ]  # five ids in the longest row: 8 slots
 
 
 @pytest.mark.parametrize("gamma", [0, 3])
@@ -452,11 +469,13 @@ def test_adaptive_k_keeps_greedy_output_and_adapts():
     bad_draft, bad_params = make_table_model(random_table(9, VOCAB, PERIOD), "unrelated")
     kw = dict(drafter=ModelDrafter(bad_draft), draft_params=bad_params, gamma=4, max_new_tokens=24)
     fixed = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, **kw)
-    costly = AdaptiveK(draft_cost=0.4)  # an expensive drafter with poor acceptance should back off
+    # An expensive drafter with poor acceptance: it starts on (at the prior 0.9, 4.1 tokens a round against its
+    # cost of 2.9 steps) and backs off once the rows measure their acceptance.
+    costly = AdaptiveK(draft_cost=0.4, prior=0.9)
     adaptive = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, adaptive=costly, **kw)
     assert fixed.tokens == plain.tokens
     assert adaptive.tokens == plain.tokens
-    assert adaptive.stats["proposed"] < fixed.stats["proposed"] / 2
+    assert 0 < adaptive.stats["proposed"] < fixed.stats["proposed"] / 2
     good = dec.decode(
         TARGET,
         TARGET_PARAMS,
@@ -468,6 +487,25 @@ def test_adaptive_k_keeps_greedy_output_and_adapts():
         adaptive=True,
     )
     assert good.tokens == plain.tokens and good.stats["proposed"] > 0
+
+
+def test_adaptive_prior_at_which_k_never_pays_is_refused():
+    """A row starts at the prior and drifts back to it while idle: where K does not pay at the prior (the
+    default 0.6 with draft cost 0.4 at K = 4), no row ever proposed or measured anything and decoding was
+    silently plain. Refused, naming the break-even acceptance: the root of 1 + a + ... + a^4 = 1 + 4 * 0.475."""
+    from jspec.adaptive import AdaptiveK
+
+    roots = np.roots([1, 1, 1, 1, 1 - (1 + 4 * (0.4 + 0.075))])
+    even = float(next(r.real for r in roots if abs(r.imag) < 1e-9 and 0 < r.real < 1))
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=4, max_new_tokens=4)
+    with pytest.raises(ValueError, match=f"chooses K=0 at its own prior for gamma=4.*above {even:.3f}"):
+        dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, adaptive=AdaptiveK(draft_cost=0.4), **kw)
+    with pytest.raises(ValueError, match="at its own prior"):
+        dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, adaptive=AdaptiveK(prior=0.0), **kw)
+    with pytest.raises(ValueError, match="does not pay at any acceptance"):
+        dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, adaptive=AdaptiveK(draft_cost=2.0, prior=0.99), **kw)
+    for ok in (AdaptiveK(draft_cost=0.4, prior=even + 0.01), AdaptiveK(draft_cost=0.4, min_k=1)):
+        assert dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, adaptive=ok, **kw).config.adaptive == ok
 
 
 def test_adaptive_k_distribution():
@@ -690,15 +728,24 @@ def test_adaptive_estimate_is_the_per_token_acceptance():
     moved = adapt.update(policy, ema, one(2), one(4), jnp.asarray([True]))  # 2 accepted of 3 tested
     np.testing.assert_allclose(np.asarray(moved), [[0.7 * 0.6 + 0.3 * 2, 0.7 * 1 + 0.3 * 3]], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(adapt.estimate(moved)), [1.02 / 1.6], rtol=1e-6)
+    # By hand, three rows in one call: all 4 accepted tests 4 (not 5); a row that proposed nothing drifts its
+    # estimate 0.25 by 0.05 towards the prior 0.6 (0.2675) keeping its weight 2; an inactive row stays.
+    ema3 = jnp.asarray([[1.2, 2.0], [0.5, 2.0], [0.3, 1.0]])
+    got = adapt.update(policy, ema3, jnp.asarray([4, 0, 2]), jnp.asarray([4, 0, 4]), jnp.asarray([True, True, False]))
+    want = [[0.7 * 1.2 + 0.3 * 4, 0.7 * 2 + 0.3 * 4], [0.2675 * 2, 2.0], [0.3, 1.0]]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
 
     slow = adapt.AdaptiveK(beta=0.99)
     rng = np.random.default_rng(0)
     ema = adapt.init(slow, 1)
+    ref = np.asarray([[slow.prior, 1.0]])  # the same rounds through the formula in float64
     for _ in range(2000):
         n_acc = 0
         while n_acc < 4 and rng.random() < 0.5:
             n_acc += 1
         ema = adapt.update(slow, ema, one(n_acc), one(4), jnp.asarray([True]))
+        ref = 0.99 * ref + 0.01 * np.asarray([[n_acc, min(n_acc + 1, 4)]])
+    np.testing.assert_allclose(np.asarray(ema), ref, rtol=1e-4)
     assert abs(float(adapt.estimate(ema)[0]) - 0.5) < 0.05
     # A round that proposes drafts all K steps and verifies K + 1 positions whatever k a row keeps, so the cost of
     # any k >= 1 is 1 + K * (draft_cost + verify_cost) and the choice is K or 0. By hand, K = 4:

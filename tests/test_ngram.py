@@ -202,6 +202,17 @@ def test_drafter_is_static_and_validated():
     for args, message in (((3, 2, 1, 2), "min_ngram <= max_ngram"), ((0, 2), "branches >= 1"), ((2, 0), "depth >= 1")):
         with pytest.raises(ValueError, match=message):
             NgramTreeDrafter(*args, vocab_size=7)
+    # Counts are integers: True was read as 1, and 2.5 failed at trace time in range().
+    for make, message in (
+        (lambda: NgramDrafter(True, vocab_size=7), "max_ngram must be an integer, got True"),
+        (lambda: NgramDrafter(2.5, vocab_size=7), "max_ngram must be an integer, got 2.5"),
+        (lambda: NgramDrafter(vocab_size=7.0), "vocab_size must be an integer"),
+        (lambda: NgramTreeDrafter(2, 2.5, vocab_size=7), "depth must be an integer, got 2.5"),
+        (lambda: NgramTreeDrafter(np.bool_(True), vocab_size=7), "branches must be an integer"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            make()
+    assert NgramDrafter(np.int64(3), vocab_size=np.int32(7)) == a  # NumPy ints are ints
 
 
 # ---- greedy: speculative output == plain output ----

@@ -96,8 +96,12 @@ def test_per_row_keys_keep_the_target_distribution(name):
         assert stat < chi2_critical(df), (name, g, stat, df)
 
 
+# Request i samples with SETTINGS[i % 3] (top-k, top-p and min-p each reach the engine's own add()).
+SETTINGS = [dict(temperature=1.0, top_k=2), dict(temperature=1.3, top_p=0.8), dict(temperature=1.3, min_p=0.3)]
+
+
 def _serve(engine, order, seeds):
-    """Requests in ``order``, admitted as rows free up; request i samples at T 1.0 with seed seeds[i]."""
+    """Requests in ``order``, admitted as rows free up; request i samples with SETTINGS[i % 3] and seeds[i]."""
     out, queue, owner = {}, list(order), {}
     while queue or owner:
         for row in engine.free_rows():
@@ -105,7 +109,7 @@ def _serve(engine, order, seeds):
             while queue:
                 i = queue.pop(0)
                 owner[row] = i
-                out[i] = [engine.add(row, REQUESTS[i], BUDGETS[i], temperature=1.0, top_k=2, seed=seeds[i])]
+                out[i] = [engine.add(row, REQUESTS[i], BUDGETS[i], seed=seeds[i], **SETTINGS[i % 3])]
                 if engine.stop_reason(row) == dec.StopReason.RUNNING:
                     break
         owner = {r: i for r, i in owner.items() if engine.stop_reason(r) == dec.StopReason.RUNNING}
@@ -118,16 +122,19 @@ def _serve(engine, order, seeds):
 
 def test_engine_requests_follow_their_seed():
     """Served in a batch-2 engine in two admission orders (other rows, other start rounds), every sampled
-    request gives the tokens ``decode`` gives it alone with the same seed."""
+    request gives the tokens ``decode`` gives it alone with the same seed and sampling settings; also with
+    block verification."""
     seeds = [100 + i for i in range(len(REQUESTS))]
-    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3)
-    alone = [
-        dec.decode(TARGET, TARGET_PARAMS, [r], max_new_tokens=m, temperature=1.0, top_k=2, seed=[s], **kw).tokens[0]
-        for r, m, s in zip(REQUESTS, BUDGETS, seeds)
-    ]
-    engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, **kw)
-    assert _serve(engine, range(len(REQUESTS)), seeds) == alone
-    assert _serve(engine, reversed(range(len(REQUESTS))), seeds) == alone
+    for block in (False, True):
+        kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3, block_verify=block)
+        alone = [
+            dec.decode(TARGET, TARGET_PARAMS, [r], max_new_tokens=m, seed=[s], **SETTINGS[i % 3], **kw).tokens[0]
+            for i, (r, m, s) in enumerate(zip(REQUESTS, BUDGETS, seeds))
+        ]
+        engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, **kw)
+        assert _serve(engine, range(len(REQUESTS)), seeds) == alone
+        if not block:
+            assert _serve(engine, reversed(range(len(REQUESTS))), seeds) == alone
     with pytest.raises(ValueError, match="seed must be in"):
         engine.add(0, [1, 2], 3, temperature=1.0, seed=-1)
     assert 0 in engine.free_rows()  # the refused request left its row free

@@ -142,6 +142,21 @@ def test_abc_replay_through_verify_chain():
     assert not bool(res.bad_proposal[0])
 
 
+def test_a_proposal_count_past_k_reads_as_all_k():
+    """K = 2, both proposals accepted (p puts all its mass on them): the bonus token comes from p at position 2,
+    [0.5, 0, 0.5], where the final uniform 0.9 lands on token 2. A count of 5 proposals made the rows look
+    unfinished, and the bonus came from residual(p[2], q[1]) = [0.5, 0, 0] (token 0) instead."""
+    from jspec.verify import verify_block
+
+    p = jnp.asarray([[[1.0, 0, 0], [0, 1.0, 0], [0.5, 0, 0.5]]])
+    q = jnp.asarray([[[1.0, 0, 0], [0, 0.5, 0.5]]])
+    draft, u, uf = jnp.asarray([[0, 1]]), jnp.asarray([[0.5, 0.5]]), jnp.asarray([0.9])
+    for fn in (verify_chain, verify_block):
+        for n in (2, 5):
+            res = fn(p, q, draft, jnp.asarray([n]), u, uf)
+            assert (int(res.n_accepted[0]), int(res.next_token[0])) == (2, 2), (fn.__name__, n)
+
+
 # ---------------------------------------------------------------- properties on the simplex
 
 

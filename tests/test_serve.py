@@ -232,6 +232,15 @@ def test_cancel_frees_the_row_and_leaves_the_other_rows_alone():
     assert len(got_a) < a[1] and got_a == alone(*a)[: len(got_a)]  # cut short, its tokens until then its own
 
 
+def test_engine_eos_ends_requests_as_decode_does_with_several_rounds_per_sync():
+    """The engine's eos_ids, three rounds per host sync: every request is what decode(eos_ids=...) gives alone."""
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3, eos_ids=[2])
+    alone = [dec.decode(TARGET, TARGET_PARAMS, [r], max_new_tokens=m, **kw) for r, m in zip(REQUESTS, BUDGETS)]
+    engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, rounds_per_sync=3, **kw)
+    assert _serve(engine) == [a.tokens[0] for a in alone]
+    assert sum(a.stop_reason[0] == dec.StopReason.EOS for a in alone) >= 2  # EOS really ended requests
+
+
 def test_request_stop_token_ids_end_only_their_own_request():
     """add(..., stop_token_ids=[...]) (vLLM's per-request stop ids): that request is its unstopped greedy stream
     cut after the first of its ids, stop reason EOS; the request beside it, with none, runs to its budget."""

@@ -20,6 +20,7 @@ from toy_models import MisreportedQ, chi2_critical, chi_square, exact_sequence_d
 
 from jspec import decode as dec
 from jspec.ngram import NgramTreeDrafter
+from jspec.serve import engine_slots
 from jspec.tree import (
     DynamicTreeDrafter,
     TreeModelDrafter,
@@ -48,7 +49,7 @@ def test_tree_spec_shapes():
 
 def test_tree_settings_that_would_fail_far_away_or_lose_losslessness_are_refused():
     # An unknown rule drew children without replacement but verified them as iid draws (lossy); now refused.
-    for rule in ("without_replacement", 3):
+    for rule in ("without_replacement", 3, True, 1.0):
         with pytest.raises(ValueError, match="rule must be a jspec.tree.TreeRule"):
             TreeModelDrafter(DRAFT, SPEC, rule)
     assert TreeModelDrafter(DRAFT, SPEC, 2).rule is TreeRule.WITHOUT_REPLACEMENT
@@ -176,6 +177,22 @@ def test_dynamic_tree_greedy_equals_plain_and_shapes_differ_per_row():
         DynamicTreeDrafter(DRAFT, top_k=2, depth=2, budget=8)
     # Positional arguments are top_k, depth, budget as the README writes them (spec and rule are not arguments).
     assert DynamicTreeDrafter(DRAFT, 2, 3, 6) == DRAFTERS["dynamic"]
+
+
+def test_dynamic_tree_frontier_fits_the_reserved_cache():
+    """A dynamic tree runs all depth * top_k frontier slots (here 3 * 2 = 6) through the draft's cache, one more
+    than its budget - 1 = 5 verified nodes: with only 5 reserved, a row at the end of a 128-slot cache lost its
+    last frontier entry (a dropped write), so which nodes it kept depended on the cache size (on the other rows,
+    through the default max_len). The reserve now covers the frontier; a static tree's stays its nodes."""
+    d = DRAFTERS["dynamic"]
+    assert dec.tree_scratch(d) == 3 * 2 and dec.tree_scratch(DRAFTERS["static-iid"]) == SPEC.num_nodes - 1
+    assert dec.tree_scratch(DynamicTreeDrafter(DRAFT, top_k=2, depth=2, budget=6)) == 5  # budget - 1 > 2 * 2
+    p, n = len(PROMPT), 128 - len(PROMPT) - 6 + 1  # P + N - 1 + 6 = 128: no slack at all
+    slots = dec.prepare(TARGET, TARGET_PARAMS, [PROMPT], drafter=d, draft_params=DRAFT_PARAMS, max_new_tokens=n)
+    assert slots.config.slots == 128 and p + n - 1 + 6 <= slots.config.slots
+    bigger = dec.prepare(TARGET, TARGET_PARAMS, [PROMPT], drafter=d, draft_params=DRAFT_PARAMS, max_new_tokens=n + 1)
+    assert bigger.config.slots == 256  # one more token and the reserve no longer fits 128
+    assert engine_slots(TARGET, d, 64) == 64 + 6  # the serving engine reserves the same
 
 
 TREE_GROUPS = [GROUPS[0], GROUPS[3]]  # T 0.7 with top-k, T 1.3 with top-p
