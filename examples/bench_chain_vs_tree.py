@@ -16,7 +16,8 @@ by examples/train_draft.py); ``--layerskip NAME|exit:E`` compares LayerSkip's ow
 with the target) with trees drafted by the same exit as a stand-alone model; ``--ngram`` the n-gram drafter,
 whose trees are b continuations x depth: they verify 1 + b * depth <= N nodes, so at a budget b does not
 divide (N - 1) they verify FEWER positions than the chain (their labels give their own N and the budget).
-Writes <out>/chain_vs_tree.{json,md} and plots.
+--budgets (N >= 2), --widths (each root width at most N - 1), --rules and --concurrency (entries >= 2) are checked
+before the model loads, every tree built then. Writes <out>/chain_vs_tree.{json,md} and plots.
 
     python examples/bench_chain_vs_tree.py [--budgets 5,8] [--draft-layers 4 | --draft NAME | --layerskip NAME]
         [--widths 2,4] [--no-dynamic] [--n 2] [--concurrency 4,16]
@@ -30,12 +31,12 @@ import shlex
 import sys
 import time
 
-from bench_spec_vs_plain import distilled_draft, truncated_draft
+from bench_spec_vs_plain import check_draft_layers, distilled_draft, truncated_draft
 
 from jspec.bench import report, suite
 from jspec.bench.runner import Load, Spec
 from jspec.drafters import ModelDrafter
-from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec
+from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec, check_dynamic_tree
 
 
 def static_tree(budget: int, width: int = 2) -> TreeSpec:
@@ -63,10 +64,15 @@ def static_tree_specs(model, params, n: int, widths, rules=(TreeRule.DETERMINIST
     return specs
 
 
+def dynamic_shape(n: int) -> tuple[int, int]:
+    """(top_k, depth) of the dynamic tree at budget N."""
+    return min(4, n - 1), max(2, min(n - 1, 4))
+
+
 def specs_for_budget(model, params, n: int, widths=(2, 4), dynamic: bool = True, rules=(TreeRule.DETERMINISTIC,)):
     chain = Spec(f"chain K={n - 1} (N={n})", ModelDrafter(model), n - 1, params, peer="chain")
     trees = static_tree_specs(model, params, n, widths, rules)
-    depth, top_k = max(2, min(n - 1, 4)), min(4, n - 1)
+    top_k, depth = dynamic_shape(n)
     dyn = Spec(
         f"dynamic tree k={top_k} d={depth} (N={n})",
         DynamicTreeDrafter(model, top_k=top_k, depth=depth, budget=n),
@@ -116,11 +122,49 @@ def _budget_note(ngram: bool) -> str:
     return note
 
 
+def parse_rules(text: str) -> tuple[TreeRule, ...]:
+    """--rules: comma-separated rule names (deterministic, iid, without-replacement), refused (ValueError) where one
+    is unknown or given twice."""
+
+    def rule(name: str) -> TreeRule:
+        key = name.upper().replace("-", "_")
+        if key not in TreeRule.__members__:
+            raise ValueError(name)
+        return TreeRule[key]
+
+    names = ", ".join(r.name.lower().replace("_", "-") for r in TreeRule)
+    return tuple(suite.list_flag("--rules", text, rule, f"rule names ({names})"))
+
+
+def check_shapes(budgets, widths, dynamic: bool) -> None:
+    """Every tree the runs will build, built now (no model needed), so that a root width or a budget that does
+    not fit fails before the model loads: each static tree's root width (``static_tree``) and, with ``dynamic``,
+    the dynamic tree's budget (``check_dynamic_tree``)."""
+    for n in budgets:
+        for w in widths:
+            try:
+                static_tree(n, w)
+            except ValueError as e:
+                raise ValueError(f"--widths / --budgets: {e}") from None
+        if dynamic:
+            top_k, depth = dynamic_shape(n)
+            try:
+                check_dynamic_tree(TreeRule.DETERMINISTIC, top_k, depth, n)
+            except ValueError as e:
+                raise ValueError(
+                    f"--budgets: N={n} does not fit the dynamic tree: {e} (--no-dynamic skips it)"
+                ) from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     suite.add_common_args(ap)
     ap.add_argument("--budgets", default="5,8", help="verification budgets N (positions per round)")
-    ap.add_argument("--concurrency", default="4", help="comma-separated closed-loop batch sizes besides 1, e.g. 4,16")
+    ap.add_argument(
+        "--concurrency",
+        default="4",
+        help="comma-separated closed-loop batch sizes besides 1 (which always runs), e.g. 4,16; '' for 1 alone",
+    )
     ap.add_argument("--draft-layers", type=int, default=4)
     ap.add_argument("--draft", default=None, help="a distilled draft instead of the truncated target")
     ap.add_argument("--ngram", action="store_true", help="n-gram chain vs n-gram trees instead of a draft model")
@@ -154,27 +198,49 @@ def main(argv=None) -> int:
         ap.error(f"{flag} does not apply to {mode}")
     if given["--draft"] and given["--draft-layers"]:
         ap.error("--draft-layers (a truncated target) and --draft (a distilled draft) are exclusive")
-    try:
+    try:  # every list whole, and every tree's shape, before the model loads
+        budgets = suite.int_list(
+            "--budgets",
+            args.budgets,
+            least=2,
+            why=" (a budget N verifies the pending token and K = N - 1 >= 1 candidates)",
+        )
+        batches = suite.int_list(
+            "--concurrency",
+            args.concurrency,
+            least=2,
+            empty_ok=True,
+            why=" (concurrency 1 always runs; '' for it alone)",
+        )
+        widths = suite.int_list("--widths", args.widths)
+        rules = parse_rules(args.rules)
+        if mode is None and not args.draft:
+            check_draft_layers(args.draft_layers)
+        if mode != "--ngram":
+            check_shapes(budgets, widths, dynamic=mode is None and not args.no_dynamic)
         cfg = suite.config_from_args(args)
+        suite.make_out_dir(args.out)  # an unusable --out fails now, not after the runs
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)
+    if mode is None and not args.draft:
+        try:
+            check_draft_layers(args.draft_layers, target.config.num_layers)
+        except ValueError as e:
+            ap.error(str(e))
     jobs, desc = suite.prepare_jobs(target, cfg)
     specs = [suite.plain_spec()]
-    widths = tuple(int(w) for w in args.widths.split(",") if w)
-    rules = tuple(TreeRule[r.strip().upper().replace("-", "_")] for r in args.rules.split(",") if r.strip())
     if args.ngram:
-        for n in (int(x) for x in args.budgets.split(",")):
+        for n in budgets:
             specs += [s for s in ngram_specs_for_budget(target, n) if s.label not in {t.label for t in specs}]
     elif args.layerskip:
-        for n in (int(x) for x in args.budgets.split(",")):
+        for n in budgets:
             specs += layerskip_specs_for_budget(target, args.layerskip, n, widths, rules)
     else:
         draft = distilled_draft(target, args.draft) if args.draft else truncated_draft(target, args.draft_layers)
-        for n in (int(x) for x in args.budgets.split(",")):
+        for n in budgets:
             specs += specs_for_budget(*draft, n, widths, dynamic=not args.no_dynamic, rules=rules)
-    batches = [int(c) for c in str(args.concurrency).split(",") if c and int(c) > 1]
     loads = [Load.closed(1, cfg.timeout_s)] + [Load.closed(c, cfg.timeout_s) for c in batches]
     results = suite.run_specs(target, specs, loads, jobs, cfg)
     lines = suite.headline(results)

@@ -1,4 +1,4 @@
-"""Trained draft vs plain decoding on SmolLM2-135M (f32, batch 1, greedy), measured in one run.
+"""Trained draft vs plain decoding on --model (SmolLM2-135M by default; f32, batch 1, greedy), measured in one run.
 
 For every configuration (plain, then each draft at each K) and every open chat prompt below, one
 ``jspec.decode.prepare(...).run_timed()`` (compile and the program's first execution excluded: every
@@ -193,7 +193,7 @@ def main(argv=None):
 
     print()
     print(
-        f"SmolLM2-135M f32, batch 1, greedy, {len(prompts)} chat prompts x <= {args.max_new} tokens, "
+        f"{target.config.name} f32, batch 1, greedy, {len(prompts)} chat prompts x <= {args.max_new} tokens, "
         f"{args.repeats} interleaved repeats (medians)"
     )
     print(

@@ -18,7 +18,9 @@ token (the raw ms are printed too). The gap between the prediction and the measu
 overhead the model leaves out (acceptance, commit, loop control, and the prompt's prefill, which the measured
 seconds include, spread over the rounds), also printed per round.
 
-The exit adapter comes from ``examples/train_early_exit.py``'s cache (``--train`` trains it when missing).
+The exit adapter comes from ``examples/train_early_exit.py``'s cache (``--train`` trains it when missing). Every
+run has the cache slots of the longest prompt + --max-new-tokens (``cache_slots``), checked against the model's
+context, and --settings against its layers, before any adapter is trained.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.bench import metrics
+from jspec.bench import metrics, suite
 from jspec.bench.metrics import fresh
 from jspec.bench.runner import predict_k_rounds
 from jspec.cli import wants_unstacked
@@ -133,6 +135,34 @@ def tokens_per_round(total: dict) -> float:
     return total["emitted"] / total["rounds"] if total.get("rounds") else 0.0
 
 
+def parse_settings(text: str) -> list[tuple[int, int]]:
+    """--settings: comma-separated E:K pairs (exit layer E >= 1, K >= 1 draft tokens), each once, checked whole
+    before the model loads (ValueError naming the flag); E's upper bound needs the model (``main``)."""
+
+    def pair(item: str) -> tuple[int, int]:
+        e, sep, k = item.partition(":")
+        e, k = int(e), int(k)  # ValueError: not a number
+        if not sep or e < 1 or k < 1:
+            raise ValueError(item)
+        return e, k
+
+    return suite.list_flag("--settings", text, pair, "E:K pairs of integers >= 1")
+
+
+def cache_slots(prompts, max_new_tokens: int, max_positions: int | None) -> int:
+    """Cache slots per row for every run (and the cost pieces): the longest prompt + ``max_new_tokens`` - 1 (the
+    last token takes no slot), rounded up to a multiple of 128 as ``jspec.decode.prepare`` sizes its own, within
+    the model's context. ValueError naming --max-new-tokens where even that does not fit the context."""
+    need = max(len(p) for p in prompts) + max_new_tokens - 1
+    if max_positions is not None and need > max_positions:
+        raise ValueError(
+            f"--max-new-tokens {max_new_tokens}: the longest prompt ({need - max_new_tokens + 1} tokens) + "
+            f"{max_new_tokens} new tokens run past the model's context ({max_positions} positions)"
+        )
+    slots = -(-need // 128) * 128
+    return slots if max_positions is None else min(slots, max_positions)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -155,14 +185,29 @@ def main(argv=None) -> None:
         ap.error(f"--prompts must be in [1, {len(CHATS)}] (the built-in prompts), got {args.prompts}")
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: expected 1 or more (repeat 0 only warms up; the rates are medians)")
+    if args.max_new_tokens < 1:
+        ap.error(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    try:
+        settings = parse_settings(args.settings)
+    except ValueError as e:
+        ap.error(str(e))
 
     cfg, params, model, tok = load(args.model, dtype="float32", unstacked=wants_unstacked(args.layers))
     prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS[: args.prompts]]
-    kw = dict(max_new_tokens=args.max_new_tokens, eos_ids=cfg.eos_ids, max_len=256)
+    # Checked before any --train step below: the bounds that need the model.
+    beyond = [e for e, _ in settings if e >= cfg.num_layers]
+    if beyond:
+        ap.error(
+            f"--settings {args.settings}: exit layer E={beyond[0]} must be below the model's {cfg.num_layers} layers"
+        )
+    try:
+        max_len = cache_slots(prompts, args.max_new_tokens, cfg.max_positions)
+    except ValueError as e:
+        ap.error(str(e))
+    kw = dict(max_new_tokens=args.max_new_tokens, eos_ids=cfg.eos_ids, max_len=max_len)
 
     runs = {"plain": (None, None, 0)}  # name -> (drafter, draft params, K)
-    for item in args.settings.split(","):
-        e, k = (int(x) for x in item.split(":"))
+    for e, k in settings:
         ex, ids = exit_params_for(args, cfg, e, args.train and args.adapter != "off")
         choices = {"auto": [ex is not None], "on": [True], "off": [False], "both": [False, True]}[args.adapter]
         for use in choices:
@@ -208,7 +253,10 @@ def main(argv=None) -> None:
 
     plain_tps = [x["tokens"] / x["seconds"] for x in per_repeat["plain"]]
     base_ms = 1e3 / statistics.median(plain_tps)
-    print(f"\n{cfg.name}: f32, batch 1, greedy, {len(prompts)} chat prompts, <= {args.max_new_tokens} new tokens")
+    print(
+        f"\n{cfg.name}: f32, batch 1, greedy, {len(prompts)} chat prompts, <= {args.max_new_tokens} new tokens, "
+        f"{max_len} cache slots"
+    )
     print(f"plain: {statistics.median(plain_tps):.1f} tok/s ({base_ms:.1f} ms/token), repeats {plain_tps}")
     for name, (d, dp, k) in runs.items():
         if d is None:
@@ -219,7 +267,7 @@ def main(argv=None) -> None:
         acc, prop = stats[name]
         surv = survival_from_stats(acc, prop)
         rates = conditional_rates_from_stats(acc, prop)
-        costs = component_costs(cfg, params, model, d, dp, k, prompts[0], 256)
+        costs = component_costs(cfg, params, model, d, dp, k, prompts[0], max_len)
         # In plain steps timed beside them, then at the decode runs' speed (one plain token = base_ms).
         speed = base_ms / costs["plain_step"]
         draft_ms, verify_ms = speed * costs["draft"] / k, speed * costs["verify"]

@@ -33,15 +33,20 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=4)
     ap.set_defaults(out="results/serving", n=3)
     args = ap.parse_args(argv)
-    try:
+    try:  # both lists whole, before the model loads
+        closed = suite.int_list("--closed", args.closed, empty_ok=True)
+        rates = suite.rate_list("--rates", args.rates, empty_ok=True)
+        if not closed and not rates:
+            raise ValueError("--closed and --rates are both empty: no load to run")
         cfg = suite.config_from_args(args, gamma=args.gamma, rows=args.rows)
+        suite.make_out_dir(args.out)  # an unusable --out fails now, not after the runs
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite.prepare_jobs(target, cfg)
-    loads = [Load.closed(int(c), cfg.timeout_s) for c in args.closed.split(",") if c]
-    loads += [Load.open(float(r), args.rows, args.seed, cfg.timeout_s) for r in args.rates.split(",") if r]
+    loads = [Load.closed(c, cfg.timeout_s) for c in closed]
+    loads += [Load.open(r, args.rows, args.seed, cfg.timeout_s) for r in rates]
     specs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma)]
     results = suite.run_specs(target, specs, loads, jobs, cfg)
     lines = suite.headline(results)

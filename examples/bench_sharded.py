@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--gamma", type=int, default=None, help="K (default 4); not with --drafter plain")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--distributed", action="store_true", help="multi-process run (sharding.launch or a pod)")
@@ -105,6 +105,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: expected 1 or more (the rates are medians over the repeats)")
+    if args.drafter == "plain" and args.gamma is not None:
+        ap.error(f"--gamma {args.gamma} does not apply to --drafter plain (no draft: nothing to propose)")
+    if args.gamma is not None and args.gamma < 1:
+        ap.error(f"--gamma {args.gamma}: must be >= 1 (--drafter plain for no speculation)")
 
     if args.distributed:
         from sharding.distributed import initialize
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
     model = make_model(cfg)
     drafter = {"plain": None, "model": ModelDrafter(make_model(dcfg)), "ngram": NgramDrafter(vocab_size=cfg.vocab_size)}
     drafter = drafter[args.drafter]
-    gamma = 0 if drafter is None else args.gamma
+    gamma = 0 if drafter is None else args.gamma or 4
     mesh = make_mesh(parse_shape(args.mesh))
     plan = make_plan(
         mesh,

@@ -7,7 +7,8 @@ given to transformers' assisted generation), ``--draft NAME`` = a distilled draf
 ``examples/train_draft.py``. Each runs through the continuous-batching engine at closed-loop concurrency 1
 (low-load latency) and --concurrency (saturation throughput), in separate runs.
 
-Writes <out>/spec_vs_plain.{json,md} and plots (latency CDFs at concurrency 1, acceptance by position).
+Writes <out>/spec_vs_plain.{json,md} once jspec's runs are done (``peers_pending`` names the peers still to run),
+again with the peers' runs, then plots (latency CDFs at concurrency 1, acceptance by position).
 
     python examples/bench_spec_vs_plain.py [--n 4] [--gamma 4] [--draft-layers 4] [--peers transformers,llama_cpp]
         [--ngram-variants '12;8,4,2']   (more n-gram configurations, K[,MAX_NGRAM,MIN_NGRAM], in the same run)
@@ -27,11 +28,25 @@ from jspec.bench import report, suite
 from jspec.bench.runner import Load
 
 
+def check_draft_layers(layers: int, num_layers: int | None = None) -> None:
+    """--draft-layers L for a truncated-target draft: 1 <= L < the target's ``num_layers`` (all of them would be
+    the target itself). ValueError naming the flag; with ``num_layers`` None (the target not loaded yet) only L >= 1
+    is checked."""
+    if layers < 1:
+        raise ValueError(f"--draft-layers {layers}: must be >= 1 (the draft is the target's first L layers)")
+    if num_layers is not None and layers >= num_layers:
+        raise ValueError(
+            f"--draft-layers {layers}: the target has {num_layers} layers; a truncated draft takes 1 to "
+            f"{num_layers - 1} of them (all of them would be the target itself)"
+        )
+
+
 def truncated_draft(target: suite.Target, layers: int):
     """(Model, params) of the target's first ``layers`` decoder layers + final norm + LM head: a draft that
     needs no training and shares the tokenizer. Its params are views of the target's (no copy of the head)."""
     from models.llama import is_unstacked, make_model
 
+    check_draft_layers(layers, target.config.num_layers)
     cfg = target.config.replace(num_layers=layers, name=f"{target.config.name}-first{layers}")
     params = dict(target.params)
     first = target.params["layers"]
@@ -71,6 +86,22 @@ def ngram_variant(text: str) -> tuple[int, int, int]:
     return k, hi, lo
 
 
+def ngram_variants(text: str, gamma: int) -> list[tuple[int, int, int]]:
+    """--ngram-variants: ';'-separated ``ngram_variant``s, refused (ValueError) where one repeats another or the
+    main n-gram configuration (K = --gamma, n-grams 3..1): two runs of one configuration under one label."""
+    try:
+        variants = [ngram_variant(v) for v in filter(None, text.split(";"))]
+    except SystemExit as e:  # ngram_variant's own message, as a usage error
+        raise ValueError(str(e)) from None
+    seen = {(gamma, 3, 1)}
+    for k, hi, lo in variants:
+        if (k, hi, lo) in seen:
+            main = " (the main n-gram run: K = --gamma, n-grams 3..1)" if (k, hi, lo) == (gamma, 3, 1) else ""
+            raise ValueError(f"--ngram-variants {text!r}: K={k} n={hi}..{lo} is already in the run{main}")
+        seen.add((k, hi, lo))
+    return variants
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     suite.add_common_args(ap)
@@ -88,27 +119,39 @@ def main(argv=None) -> int:
     ap.set_defaults(out="results/spec_vs_plain")
     args = ap.parse_args(argv)
     try:
-        for v in filter(None, args.ngram_variants.split(";")):
-            ngram_variant(v)  # its format, before the model is loaded
+        variant_args = ngram_variants(args.ngram_variants, args.gamma)  # before the model is loaded
         names = suite.peer_names(args.peers)
+        if args.draft_layers:
+            check_draft_layers(args.draft_layers)
         cfg = suite.config_from_args(args, gamma=args.gamma, concurrency=args.concurrency)
+        suite.make_out_dir(args.out)  # an unusable --out fails now, not after the runs
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
     target = suite.load_target(args.model, args.dtype, args.layers)
+    if args.draft_layers:
+        try:
+            check_draft_layers(args.draft_layers, target.config.num_layers)
+        except ValueError as e:
+            ap.error(str(e))
     jobs, desc = suite.prepare_jobs(target, cfg)
     specs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma), *draft_specs(target, args, args.gamma)]
-    variants = [suite.ngram_spec(target, *ngram_variant(v)) for v in filter(None, args.ngram_variants.split(";"))]
+    variants = [suite.ngram_spec(target, *v) for v in variant_args]
     # A variant is compared with the peers' prompt lookup only at the peers' K (--gamma).
     specs[2:2] = [v if v.gamma == args.gamma else dataclasses.replace(v, peer=None) for v in variants]
     loads = [Load.closed(1, cfg.timeout_s)] + ([Load.closed(args.concurrency, cfg.timeout_s)] * (args.concurrency > 1))
     results = suite.run_specs(target, specs, loads, jobs, cfg)
+    cmd = " ".join(["python examples/bench_spec_vs_plain.py", *map(shlex.quote, argv or sys.argv[1:])])
+    meta = suite.meta(target, cfg, desc)
+    if names:  # jspec's runs first: the peers below are slow, and may fail or be stopped
+        pl = suite.payload("spec_vs_plain", None, meta, results, headline=suite.headline(results), command=cmd,
+                           peers_pending=names)  # fmt: skip
+        paths = suite.write_outputs(args.out, "spec_vs_plain", pl)
+        print(f"jspec's runs written to {paths['json']} (the peers' runs follow)")
     plain1 = results[0]
     peer_runs = suite.run_peer_set(target, names, jobs, cfg, args.gamma, plain1, assistant_layers=args.draft_layers)
     lines = suite.headline(results, peer_runs)
-    cmd = " ".join(["python examples/bench_spec_vs_plain.py", *map(shlex.quote, argv or sys.argv[1:])])
-    pl = suite.payload("spec_vs_plain", None, suite.meta(target, cfg, desc), results, peer_runs, headline=lines,
-                       command=cmd)  # fmt: skip
+    pl = suite.payload("spec_vs_plain", None, meta, results, peer_runs, headline=lines, command=cmd)
     plots = [
         ("spec_vs_plain_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
         ("spec_vs_plain_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),

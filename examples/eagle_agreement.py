@@ -52,10 +52,21 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heads", default=EG.DEFAULT_HEAD, help="comma-separated head names or directories")
     ap.add_argument("--maps-from", default="", help="train_eagle data directory to build a token map from")
-    ap.add_argument("--self-batches", type=int, default=24, help="its first N self-written batches make the map")
-    ap.add_argument("--head-tokens", type=int, default=8192)
+    ap.add_argument(
+        "--self-batches", type=int, default=None, help="its first N self-written batches make the map (default 24)"
+    )
+    ap.add_argument("--head-tokens", type=int, default=None, help="tokens in that map (default 8192)")
     ap.add_argument("--max-new", type=int, default=192)
     args = ap.parse_args(argv)
+    if not args.maps_from:  # both only shape the --maps-from map
+        for flag, value in (("--self-batches", args.self_batches), ("--head-tokens", args.head_tokens)):
+            if value is not None:
+                ap.error(f"{flag} {value} applies to the map built by --maps-from DIR, which is not given")
+    args.self_batches = 24 if args.self_batches is None else args.self_batches
+    args.head_tokens = 8192 if args.head_tokens is None else args.head_tokens
+    for flag, value in (("--self-batches", args.self_batches), ("--head-tokens", args.head_tokens)):
+        if value < 1:
+            ap.error(f"{flag} {value}: must be >= 1")
 
     target = registry.load("smollm2", dtype="float32")
     tok, cfg = target.tokenizer, target.config

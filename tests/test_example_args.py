@@ -231,3 +231,366 @@ def test_bench_eagle_writes_its_runs_before_the_cost_timing_and_refuses_an_ignor
     [run] = res["runs"]["eagle K=2 T=0"]
     assert run["tokens_per_s"] == 52.0 and run["same_as_plain"] and run["accepted_at"] == [1, 1]
     assert not os.path.exists(str(out) + ".tmp")
+
+
+# ---------------------------------------------------------------- the suite scripts: lists, layers, --out, writes
+
+
+# (script, its argument list, the flag the refusal names): refused when parsed, nothing loaded or written.
+BAD_SUITE = [
+    ("bench_sweeps", ["--ks", "1,2,"], "--ks"),  # a trailing comma crashed once the earlier groups had run
+    ("bench_sweeps", ["--ks", "0,2"], "--ks"),
+    ("bench_sweeps", ["--batches", "1,0"], "--batches"),
+    ("bench_sweeps", ["--batches", "4,x"], "--batches"),
+    ("bench_sweeps", ["--batches", "4,4"], "--batches"),
+    ("bench_sweeps", ["--draft-layers", "-1"], "--draft-layers"),
+    ("bench_sweeps", ["--skip-k", "--draft-layers", "2"], "--draft-layers"),
+    ("bench_spec_vs_plain", ["--draft-layers", "-2"], "--draft-layers"),
+    ("bench_spec_vs_plain", ["--gamma", "8", "--ngram-variants", "12;8"], "--ngram-variants"),
+    ("bench_spec_vs_plain", ["--gamma", "8", "--ngram-variants", "8,3,1"], "--ngram-variants"),
+    ("bench_spec_vs_plain", ["--ngram-variants", "12;12,3,1"], "--ngram-variants"),
+    ("bench_spec_vs_plain", ["--ngram-variants", "8,4"], "--ngram-variants"),
+    ("bench_chain_vs_tree", ["--rules", "deterministc"], "--rules"),
+    ("bench_chain_vs_tree", ["--rules", "iid,iid"], "--rules"),
+    ("bench_chain_vs_tree", ["--budgets", "5,1"], "--budgets"),  # K = 0
+    ("bench_chain_vs_tree", ["--budgets", "3", "--widths", "4"], "--widths"),  # a root wider than the budget
+    ("bench_chain_vs_tree", ["--budgets", "100"], "--budgets"),  # past the dynamic tree's pool
+    ("bench_chain_vs_tree", ["--concurrency", "1,4"], "--concurrency"),  # 1 was dropped silently
+    ("bench_chain_vs_tree", ["--concurrency", "0"], "--concurrency"),
+    ("bench_chain_vs_tree", ["--draft-layers", "0"], "--draft-layers"),
+    ("bench_serving", ["--closed", "1,x"], "--closed"),
+    ("bench_serving", ["--closed", "0"], "--closed"),
+    ("bench_serving", ["--rates", "0.5,-1"], "--rates"),
+    ("bench_serving", ["--rates", "nan"], "--rates"),
+    ("bench_serving", ["--closed", "", "--rates", ""], "--closed"),
+    ("bench_selfspec", ["--settings", "4:1,4"], "--settings"),
+    ("bench_selfspec", ["--settings", "4:0"], "--settings"),
+    ("bench_selfspec", ["--settings", "4:2,4:2"], "--settings"),
+    ("bench_sharded", ["--drafter", "plain", "--gamma", "4", "--devices", "0"], "--gamma"),  # was set to 0
+    ("bench_sharded", ["--gamma", "0", "--devices", "0"], "--gamma"),
+    ("eagle_agreement", ["--self-batches", "8"], "--self-batches"),  # ignored without --maps-from
+    ("eagle_agreement", ["--head-tokens", "4096"], "--head-tokens"),
+    ("eagle_agreement", ["--maps-from", "d", "--self-batches", "0"], "--self-batches"),
+]
+
+
+@pytest.mark.parametrize("script, argv, flag", BAD_SUITE, ids=[f"{s}{' '.join(['', *a])}" for s, a, _ in BAD_SUITE])
+def test_bench_lists_and_flags_are_refused_before_the_model_loads(script, argv, flag, tmp_path, monkeypatch, capsys):
+    from jspec.bench import suite
+
+    monkeypatch.setattr(suite, "load_target", _no_model)
+    test_bad_counts_are_refused_when_parsed(script, argv, flag, tmp_path, monkeypatch, capsys)
+
+
+def test_list_flags_parse_what_they_should():
+    from jspec.bench import suite
+
+    assert suite.int_list("--ks", " 1, 2,8") == [1, 2, 8]
+    assert suite.int_list("--concurrency", "", least=2, empty_ok=True) == []
+    assert suite.rate_list("--rates", "0.5,4") == [0.5, 4.0]
+    with pytest.raises(ValueError, match=r"--ks '': give at least one value"):
+        suite.int_list("--ks", "")
+    with pytest.raises(ValueError, match="--rates '1,1.0' gives 1.0 twice"):
+        suite.rate_list("--rates", "1,1.0")
+    with pytest.raises(ValueError, match="--rates 'inf': inf is not a rate"):
+        suite.rate_list("--rates", "inf")
+
+
+def _fake_target(num_layers=30):
+    cfg = SimpleNamespace(num_layers=num_layers, name="fake", vocab_size=100)
+    return SimpleNamespace(name="fake", config=cfg, model=SimpleNamespace(vocab_size=100), params={}, dtype="float32")
+
+
+def _jobs_prepared(*a, **kw):
+    raise AssertionError("jobs prepared: the check passed")
+
+
+@pytest.mark.parametrize("script", ["bench_spec_vs_plain", "bench_sweeps", "bench_chain_vs_tree"])
+def test_draft_layers_are_checked_against_the_target_as_soon_as_it_loads(script, tmp_path, monkeypatch, capsys):
+    """--draft-layers L >= the target's layers made a 'draft' of the whole target (or failed deep in the runs):
+    refused once the target is known, before anything runs; L = layers - 1 passes the check."""
+    from jspec.bench import suite
+
+    mod = importlib.import_module(script)
+    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target(30))
+    monkeypatch.setattr(suite, "prepare_jobs", _jobs_prepared)
+    argv = ["--compile-cache", "none", "--out", str(tmp_path / "out"), "--peers", "none"]
+    argv = argv if script == "bench_spec_vs_plain" else argv[:-2]
+    with pytest.raises(SystemExit) as e:
+        mod.main([*argv, "--draft-layers", "30"])
+    assert e.value.code == 2
+    assert "error: --draft-layers 30: the target has 30 layers" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="jobs prepared"):
+        mod.main([*argv, "--draft-layers", "29"])
+
+
+@pytest.mark.parametrize("script", ["bench_spec_vs_plain", "bench_sweeps", "bench_serving", "bench_chain_vs_tree"])
+def test_an_unusable_out_is_refused_before_the_model_loads(script, tmp_path, monkeypatch, capsys):
+    """--out was created only when the results were written, after every run: a file in its place lost them.
+    Now it is created (or refused) first, as python -m jspec bench does."""
+    from jspec.bench import suite
+
+    mod = importlib.import_module(script)
+    monkeypatch.setattr(suite, "load_target", _no_model)
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--compile-cache", "none", "--out", str(blocked / "out")])
+    assert e.value.code == 2 and f"error: --out {blocked / 'out'}" in capsys.readouterr().err
+
+    class Loaded(Exception):
+        pass
+
+    def load(*a, **kw):
+        assert (tmp_path / "fresh").is_dir()  # made before the model loads
+        raise Loaded
+
+    monkeypatch.setattr(suite, "load_target", load)
+    with pytest.raises(Loaded):
+        mod.main(["--compile-cache", "none", "--out", str(tmp_path / "fresh")])
+
+
+def _summary(out, dec):
+    from jspec.bench import metrics
+
+    return {**metrics.summarize_requests([], 1.0), "output_tokens_per_s": out, "decode_tokens_per_s": dec}
+
+
+_MEMORY = dict(params_bytes=0, draft_params_bytes=0, cache_bytes=0, draft_state_bytes=0, device_bytes=0,
+               max_rss_bytes=0, how="fake")  # fmt: skip
+
+
+def _run(spec, out, dec, load=None, temperature=0.0, passes=None, group=None):
+    """A finished run at canned rates (output, decode tok/s); ``passes``: [(output, decode)] per pass."""
+    from jspec.bench import runner
+
+    extra = {} if group is None else {"group": group}
+    if passes is not None:
+        extra["passes"] = [{"output_tokens_per_s": o, "decode_tokens_per_s": d} for o, d in passes]
+    stats = {"tokens_per_round": 2.0, "acceptance_rate": 0.5, "accepted_at": [1], "proposed_at": [2]}
+    return runner.RunResult(spec, load or runner.Load.closed(1), runner.Sampling(temperature), 8, [],
+                            _summary(out, dec), stats, dict(_MEMORY), {}, extra=extra)  # fmt: skip
+
+
+def _specs():
+    from jspec.bench.runner import Spec
+    from jspec.ngram import NgramDrafter
+
+    return Spec("plain", peer="plain"), Spec("ngram K=4", NgramDrafter(vocab_size=100), 4, peer="prompt_lookup")
+
+
+def test_spec_vs_plain_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch):
+    """The results were written only after the peers (slow, and they may fail): jspec's runs were lost with them.
+    Now they are written first (peers_pending names the peers still to run)."""
+    import bench_spec_vs_plain as bench
+
+    from jspec.bench import suite
+
+    plain, ngram = _specs()
+    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
+    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {}))
+    monkeypatch.setattr(suite, "meta", lambda *a: {})
+    monkeypatch.setattr(suite, "run_specs", lambda *a, **kw: [_run(plain, 10.0, 10.0), _run(ngram, 20.0, 30.0)])
+
+    def peers_fail(*a, **kw):
+        raise RuntimeError("the peers failed")
+
+    monkeypatch.setattr(suite, "run_peer_set", peers_fail)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="peers failed"):
+        bench.main(["--compile-cache", "none", "--out", str(out), "--peers", "transformers", "--concurrency", "1"])
+    res = json.loads((out / "spec_vs_plain.json").read_text())
+    assert [r["spec"]["label"] for r in res["runs"]] == ["plain", "ngram K=4"]
+    assert res["peers"] == [] and res["peers_pending"] == ["transformers"]
+    assert res["headline"][0].startswith("ngram K=4 @ closed c=1: 2.00x plain end-to-end, 3.00x decode")
+
+
+def test_sweeps_write_each_group_with_its_own_prompt_set_and_take_the_median_pass(tmp_path, monkeypatch):
+    """bench_sweeps wrote its results only at the end (a failing batch lost the K sweep), recorded the K sweep's
+    prompt set for every batch group (which serve more requests at a large batch), and its points took pass 1
+    where the headline gives the median: plain runs 10 tok/s in every pass, n-gram 30, 20 and 25 (ratios 3, 2,
+    2.5: median 2.5; pass 1 alone 3)."""
+    import bench_sweeps
+
+    from jspec.bench import suite
+
+    plain, ngram = _specs()
+    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
+    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {"n_per_workload": cfg.n_per_workload}))
+    monkeypatch.setattr(suite, "meta", lambda target, cfg, desc: {"workloads": desc})
+    groups = []
+
+    def run_specs(target, specs, loads, jobs, cfg, group=None):
+        groups.append(group)
+        if group == "batch sweep b=16":
+            raise RuntimeError("the b=16 group failed")
+        passes = [(30.0, 60.0), (20.0, 40.0), (25.0, 50.0)]
+        return [
+            _run(plain, 10.0, 20.0, loads[0], passes=[(10.0, 20.0)] * 3, group=group),
+            *[_run(s, 30.0, 60.0, loads[0], passes=passes, group=group) for s in specs[1:]],
+        ]
+
+    monkeypatch.setattr(suite, "run_specs", run_specs)
+    out = tmp_path / "out"
+    argv = ["--compile-cache", "none", "--out", str(out), "--ks", "2", "--batches", "1,16", "--passes", "3", "--n", "2"]
+    with pytest.raises(RuntimeError, match="b=16 group failed"):
+        bench_sweeps.main(argv)
+    assert groups == ["K sweep", "batch sweep b=1", "batch sweep b=16"]
+    res = json.loads((out / "sweeps.json").read_text())
+    assert [r["group"] for r in res["runs"]] == ["K sweep"] * 2 + ["batch sweep b=1"] * 2
+    by_group = res["meta"]["workloads_by_group"]
+    assert by_group == {"K sweep": {"n_per_workload": 2}, "batch sweep b=1": {"n_per_workload": 2}}
+    [k_point] = res["sweeps"]["k"]
+    assert k_point["speedup"] == pytest.approx(2.5) and k_point["speedup_end_to_end"] == pytest.approx(2.5)
+    assert k_point["tokens_per_s"] == pytest.approx(25.0) and k_point["passes"] == 3
+    assert "median 2.50x" in res["headline"][0]
+    assert "medians over the 3 passes" in (out / "sweeps.md").read_text()
+
+
+def test_sweeps_record_a_large_batch_groups_own_prompt_set(tmp_path, monkeypatch):
+    """At batch 16 with 4 workloads the batch sweep serves 8 requests per workload (2 x batch in all), not
+    --n 2: its group records that set, not the K sweep's."""
+    import bench_sweeps
+
+    from jspec.bench import suite
+
+    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
+    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {"n_per_workload": cfg.n_per_workload}))
+    monkeypatch.setattr(suite, "meta", lambda target, cfg, desc: {"workloads": desc})
+    monkeypatch.setattr(suite, "write_results", lambda out, name, pl, plots: ({"markdown": "-"}, []))  # no plots
+
+    def run_specs(target, specs, loads, jobs, cfg, group=None):
+        return [_run(s, 10.0, 10.0, loads[0], group=group) for s in specs]
+
+    monkeypatch.setattr(suite, "run_specs", run_specs)
+    out = tmp_path / "out"
+    assert (
+        bench_sweeps.main(["--compile-cache", "none", "--out", str(out), "--skip-k", "--batches", "16", "--n", "2"])
+        == 0
+    )
+    res = json.loads((out / "sweeps.json").read_text())
+    assert res["meta"]["workloads_by_group"] == {"batch sweep b=16": {"n_per_workload": 8}}
+    assert [p["n_per_workload"] for p in res["sweeps"]["batch"]] == [8, 8]
+
+
+def test_sampled_runs_give_no_end_to_end_ratio():
+    """At temperature > 0 the speculative and plain runs sample other outputs (other lengths, other stops), so
+    their end-to-end rates are not over the same work (python -m jspec generate --compare says 'not like for
+    like'): no end-to-end ratio in the headline, the results table, the cost table, against a peer, or in a
+    sweep point; the decode ratio stays. The same runs at temperature 0 keep both (the control)."""
+    import bench_sweeps
+
+    from jspec.bench import peers, report, suite
+
+    plain, ngram = _specs()
+    peer = peers.PeerRun("transformers", "prompt_lookup", "transformers prompt-lookup K=4", True,
+                         summary=_summary(15.0, 25.0),
+                         info={"weights_dtype": "float32", "kv_cache_dtype": "float32", "device": "cpu", "gamma": 4,
+                               "not_like_for_like": []})  # fmt: skip
+    for t in (0.0, 0.8):
+        p, s = _run(plain, 10.0, 20.0, temperature=t), _run(ngram, 30.0, 50.0, temperature=t)
+        s.cost_model = {"measured_output_speedup": 3.0, "measured_speedup": 2.5}
+        (line,) = suite.headline([p, s], [peer])
+        runs = [p.to_json(False), s.to_json(False)]
+        row = next(r for r in report.results_table(runs, "closed c=1").splitlines() if r.startswith("| ngram K=4"))
+        cost = report.cost_table(runs).splitlines()[2]
+        peer_row = report.peers_table(runs, [peer.to_json(False)]).splitlines()[2]
+        point = bench_sweeps._point("ngram", s, p, "batch", 1)
+        if t == 0:
+            assert line.startswith("ngram K=4 @ closed c=1: 3.00x plain end-to-end, 2.50x decode")
+            assert "vs transformers prompt-lookup K=4: 2.00x end-to-end, 2.00x decode" in line
+            assert "| 3.00x |" in row and "| 3.00x |" in cost and "| 2.00x | 2.00x |" in peer_row
+            assert point["speedup"] == pytest.approx(3.0) and point["end_to_end_note"] is None
+            continue
+        assert line.startswith("ngram K=4 @ closed c=1: 2.50x plain decode (end-to-end: not like for like at ")
+        assert "temperature 0.8: the sampled outputs differ" in line and "3.00x" not in line
+        assert "vs transformers prompt-lookup K=4: 2.00x decode (end-to-end: not like for like" in line
+        assert "| - (sampled: not like for like) |" in row and "| 2.50x |" in row and "3.00x" not in row
+        assert "| - (sampled: not like for like) |" in cost and "3.00x" not in cost
+        assert "| - (sampled: not like for like) | 2.00x |" in peer_row
+        assert point["speedup"] is None and point["speedup_end_to_end"] is None
+        assert point["speedup_decode"] == pytest.approx(2.5) and "not like for like" in point["end_to_end_note"]
+        table = bench_sweeps._sweep_tables([], [point])
+        assert "- (sampled: not like for like) | 2.50x |" in table
+
+
+def test_bench_selfspec_sizes_its_cache_from_the_prompts_before_any_training(monkeypatch):
+    """bench_selfspec decoded into a hidden 256-slot cache: a longer prompt + --max-new-tokens failed in prepare,
+    after --train had trained the adapters. The cache now holds the longest prompt + --max-new-tokens, and a
+    request past the model's context (or an exit layer past its layers) is refused before any training."""
+    import bench_selfspec
+
+    def trained(*a, **kw):
+        raise AssertionError("an adapter was looked up or trained")
+
+    long_prompt = [1] * 300
+    tok = SimpleNamespace(encode_chat=lambda messages: long_prompt)
+    cfg = SimpleNamespace(num_layers=30, eos_ids=(0,), name="fake", max_positions=None, vocab_size=1000)
+    monkeypatch.setattr(bench_selfspec, "load", lambda *a, **kw: (cfg, {}, None, tok))
+    monkeypatch.setattr(bench_selfspec, "exit_params_for", trained)
+    with pytest.raises(SystemExit) as e:
+        bench_selfspec.main(["--settings", "30:1"])  # E=30 of 30 layers
+    assert e.value.code == 2
+
+    seen = {}
+
+    class Prepared(Exception):
+        pass
+
+    def prepare(model, params, prompts, max_len=None, max_new_tokens=None, **kw):
+        seen.update(max_len=max_len, max_new_tokens=max_new_tokens)
+        raise Prepared
+
+    monkeypatch.setattr(bench_selfspec, "exit_params_for", lambda *a: (None, None))
+    monkeypatch.setattr(
+        bench_selfspec, "LayerSkipDrafter", lambda *a, **kw: SimpleNamespace(draft_params=lambda *a: {})
+    )
+    monkeypatch.setattr(bench_selfspec, "prepare", prepare)
+    with pytest.raises(Prepared):
+        bench_selfspec.main(["--max-new-tokens", "96", "--adapter", "off"])
+    assert seen["max_new_tokens"] == 96 and seen["max_len"] >= len(long_prompt) + 96 - 1
+
+
+def test_bench_selfspec_refusals_name_their_flags(monkeypatch, capsys):
+    import bench_selfspec
+
+    tok = SimpleNamespace(encode_chat=lambda messages: [1] * 300)
+    cfg = SimpleNamespace(num_layers=30, eos_ids=(0,), name="fake", max_positions=350, vocab_size=1000)
+    monkeypatch.setattr(bench_selfspec, "load", lambda *a, **kw: (cfg, {}, None, tok))
+    monkeypatch.setattr(bench_selfspec, "exit_params_for", _no_model)
+    for argv, message in (
+        (["--settings", "30:1", "--max-new-tokens", "8"], "error: --settings 30:1: exit layer E=30 must be below"),
+        (["--max-new-tokens", "96"], "error: --max-new-tokens 96: the longest prompt (300 tokens) + 96 new tokens"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            bench_selfspec.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_bench_draft_names_the_target_it_ran(tmp_path, monkeypatch, capsys):
+    """The summary header said 'SmolLM2-135M' whatever --model ran."""
+    import bench_draft
+
+    tok = SimpleNamespace(encode_chat=lambda messages: [1, 2, 3], eos_ids=(0,))
+    target = SimpleNamespace(tokenizer=tok, model=None, params=None, config=SimpleNamespace(name="other-model-7L"))
+    monkeypatch.setattr(bench_draft.registry, "load", lambda *a, **kw: target)
+    monkeypatch.setattr(bench_draft, "get_draft", lambda name, *a: SimpleNamespace(drafter=lambda: None, params=None))
+
+    class Prepared:
+        config = SimpleNamespace(slots=64)
+
+        def __init__(self, gamma=0):
+            self.gamma = gamma
+
+        def run_timed(self):
+            k = self.gamma
+            stats = {"seconds": 0.1 if k else 0.2, "accepted_at": [1] * k, "proposed_at": [2] * k, "rounds": [4]}
+            return SimpleNamespace(tokens=[[5, 6, 7]], lengths=[3], stats={**stats, "new_tokens": [3]})
+
+    monkeypatch.setattr(bench_draft.dec, "prepare", lambda *a, gamma=0, **kw: Prepared(gamma))
+    monkeypatch.setattr(bench_draft, "warm_up", lambda groups: 0)
+    costs = {"target_step_ms": 1.0, "verify_ms": {2: 1.5}, "draft_ms": {"d": 0.2}}
+    monkeypatch.setattr(bench_draft, "measure_costs", lambda *a: costs)
+    bench_draft.main(["--drafts", "d", "--gammas", "2", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "other-model-7L f32, batch 1, greedy" in out and "SmolLM2" not in out

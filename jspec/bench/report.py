@@ -111,6 +111,22 @@ def open_loop_note() -> str:
     return "arrival-bound: an open loop's wall time is set by its arrivals"
 
 
+def sampled_note(temperature: float | None) -> str | None:
+    """Why two runs at ``temperature`` > 0 give no end-to-end ratio (as ``python -m jspec generate --compare``
+    says), or None at temperature 0: each side sampled its own outputs (other lengths, other stops), and each
+    end-to-end rate includes its prefill, a larger share of a shorter output. Their decode ratio is kept."""
+    if not temperature:
+        return None
+    return f"not like for like at temperature {temperature:g}: the sampled outputs differ, each rate with its prefill"
+
+
+SAMPLED_CELL = "- (sampled: not like for like)"  # a table's end-to-end ratio at temperature > 0 (``sampled_note``)
+
+
+def _temperature(r: dict[str, Any]) -> float:
+    return (r.get("sampling") or {}).get("temperature") or 0.0
+
+
 def jspec_rates(run: dict[str, Any], peer_summary: dict[str, Any]) -> tuple[float | None, float | None, str]:
     """jspec's throughput to set against a peer's single run: the median over jspec's passes (``--passes``)
     of its output and decode rates, over the passes that served the peer's requests; with one pass, that
@@ -174,6 +190,8 @@ def results_table(runs: Sequence[dict], load_name: str, group: str | None = None
             out_ratio = dec_ratio = no_ratio_cell(why)
         elif r["load"].get("mode") == "open" and r is not plain:
             out_ratio = "- (arrival-bound)"
+        elif sampled_note(_temperature(r)) and r is not plain:
+            out_ratio = SAMPLED_CELL
         rows.append(
             [
                 r["spec"]["label"],
@@ -220,6 +238,8 @@ def cost_table(runs: Sequence[dict]) -> str:
         e2e = _f(cm.get("measured_output_speedup"), 2, "x")
         if cm.get("output_speedup_note"):
             e2e = f"- ({cm['output_speedup_note']})"
+        elif sampled_note(_temperature(r)):
+            e2e = SAMPLED_CELL
         rows.append(
             [
                 _run_label(r),
@@ -341,8 +361,9 @@ def ratio_blockers(peer_info: dict[str, Any], technique: str, spec: dict[str, An
 def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
     """Each peer next to the jspec run of the same technique at concurrency 1, measured in the same run. A
     pair that is not like for like (``ratio_blockers``), or that served other requests (``requests_differ``),
-    gets the reason instead of a ratio. The peer runs once; jspec's side is the median over its passes
-    (``jspec_rates``), as its cell says."""
+    gets the reason instead of a ratio; at temperature > 0 the end-to-end ratio is not given (``sampled_note``),
+    the decode ratio is. The peer runs once; jspec's side is the median over its passes (``jspec_rates``), as its
+    cell says."""
     c1 = [r for r in runs if r["load"]["mode"] == "closed" and r["load"]["concurrency"] == 1]
     rows = []
     for p in peers:
@@ -368,6 +389,8 @@ def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
             else:
                 ratio_out = _f(jt / tps, 2, "x") if jt and tps else "-"
                 ratio_dec = _f(jd / dps, 2, "x") if jd and dps else "-"
+                if mate and sampled_note(_temperature(mate)):  # both sampled, other outputs: decode ratio only
+                    ratio_out = SAMPLED_CELL
             if jt is None and mate:  # no ratio: its first pass's rate, said to be that
                 jt_cell = f"{_f(mate['summary']['output_tokens_per_s'])} (pass 1)"
             else:
@@ -467,7 +490,9 @@ def markdown(payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
         "gaps (bursts). acceptance = accepted / proposed candidates; tokens/round = emitted / rounds (the "
         "prefill's first token is no round's). A ratio is given only between runs that served the same "
         "requests (a wall limit or deadlines can cut two runs differently: 'no ratio: different requests'); an "
-        "open loop's end-to-end rate is set by its arrivals, so only its decode rate is compared.",
+        "open loop's end-to-end rate is set by its arrivals, so only its decode rate is compared; so is a run at "
+        "temperature > 0 ('sampled: not like for like'), whose sampled outputs differ from the other side's "
+        "(other lengths, other stops, each end-to-end rate with its prefill).",
         "",
     ]
     note = gc_note(runs, peers)

@@ -470,8 +470,10 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
     No ratio is printed between runs that served different requests (``report.requests_differ``: a wall limit
     or deadlines cut them differently) or where a side finished no request (``report.nothing_served``: every
     request failed, e.g. refused by the engine), and an open loop's end-to-end ratio is not printed (its wall
-    time is the arrivals' span, whatever the decoding speed): its decode ratio is. Against a peer (one run), jspec's
-    side is the median over its passes (``report.jspec_rates``), as the line says."""
+    time is the arrivals' span, whatever the decoding speed): its decode ratio is. Nor is one at temperature > 0
+    (``report.sampled_note``: the two sides sampled other outputs, as ``python -m jspec generate --compare`` says),
+    against plain or a peer: the decode ratio is. Against a peer (one run), jspec's side is the median over its
+    passes (``report.jspec_rates``), as the line says."""
     lines = []
     for r in results:
         if r.spec.kind == "plain":
@@ -488,19 +490,22 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
         # No decode ratio when a side decoded nothing after its first tokens (every request ended at its first).
         dsp = f"{rd / pd:.2f}x" if rd > 0 and pd > 0 else "no ratio (no tokens after the first)"
         where = f"{r.load.name}, {group}" if group else r.load.name
-        open_loop = r.load.mode == "open"
+        sampled = report.sampled_note(r.sampling.temperature)
+        # Why no end-to-end ratio is given though the two runs served the same requests: an open loop's wall time
+        # is its arrivals'; at temperature > 0 the two sides sampled other outputs.
+        no_e2e = "; ".join(filter(None, [report.open_loop_note() if r.load.mode == "open" else None, sampled]))
         why = report.no_ratio(r.summary, plain.summary)
         if why:
             line = f"{r.spec.label} @ {where}: no ratio to plain in pass 1 ({why})"
-        elif open_loop:
-            line = f"{r.spec.label} @ {where}: {dsp} plain decode (end-to-end: {report.open_loop_note()})"
+        elif no_e2e:
+            line = f"{r.spec.label} @ {where}: {dsp} plain decode (end-to-end: {no_e2e})"
         else:
             line = f"{r.spec.label} @ {where}: {sp:.2f}x plain end-to-end, {dsp} decode"
         per = pass_ratios(r, plain)
         if per is not None:
-            e2e = "" if open_loop else f"{_ratios_text(per['output'])} end-to-end, "
-            med = f"{_median_text(per['decode'])}" if open_loop else f"{_median_text(per['output'])} / "
-            med += "" if open_loop else _median_text(per["decode"])
+            e2e = "" if no_e2e else f"{_ratios_text(per['output'])} end-to-end, "
+            med = f"{_median_text(per['decode'])}" if no_e2e else f"{_median_text(per['output'])} / "
+            med += "" if no_e2e else _median_text(per["decode"])
             line += "; by pass (" if why else " in pass 1 ("
             line += f"passes: {e2e}{_ratios_text(per['decode'])} decode; median {med}"
             if None in per["decode"]:
@@ -525,9 +530,13 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
                     if jt is None:
                         line += f"; vs {p.label}: no ratio ({how})"
                         continue
-                    line += f"; vs {p.label}: {jt / max(ps['output_tokens_per_s'], 1e-9):.2f}x end-to-end"
-                    if jd:
-                        line += f", {jd / ps['decode_tokens_per_s']:.2f}x decode"
+                    if sampled:  # the peer sampled other outputs too: its decode ratio only
+                        dec = f"{jd / ps['decode_tokens_per_s']:.2f}x decode" if jd else "no decode ratio"
+                        line += f"; vs {p.label}: {dec} (end-to-end: {sampled})"
+                    else:
+                        line += f"; vs {p.label}: {jt / max(ps['output_tokens_per_s'], 1e-9):.2f}x end-to-end"
+                        if jd:
+                            line += f", {jd / ps['decode_tokens_per_s']:.2f}x decode"
                     if how != "one pass":
                         line += f" (jspec: {how}; the peer: its one run)"
         lines.append(line)
@@ -654,6 +663,61 @@ def check_args(args, **counts: int | None) -> None:
     check_greedy_filters(args.temperature, args.top_k, args.top_p, args.min_p)
 
 
+def list_flag(flag: str, text: str, parse: Callable[[str], Any], what: str, empty_ok: bool = False) -> list:
+    """A script's comma-separated flag, each entry parsed by ``parse`` (which raises ValueError on a bad one),
+    checked whole before the model loads. An empty entry (a stray comma), one that does not parse, or one given
+    twice (the same runs would repeat) is refused (ValueError naming ``flag``); so is an empty list unless
+    ``empty_ok``. ``what``: what an entry must be, for the message."""
+    if not text.strip():
+        if empty_ok:
+            return []
+        raise ValueError(f"{flag} {text!r}: give at least one value ({what})")
+    entries, values = [e.strip() for e in text.split(",")], []
+    for e in entries:
+        if not e:
+            raise ValueError(f"{flag} {text!r}: an empty entry (a stray comma?); expected {what}")
+        try:
+            values.append(parse(e))
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: cannot read {e!r}; expected {what}") from None
+    twice = [e for i, e in enumerate(entries) if values[i] in values[:i]]
+    if twice:
+        raise ValueError(f"{flag} {text!r} gives {twice[0]} twice (the same runs would repeat)")
+    return values
+
+
+def int_list(flag: str, text: str, least: int = 1, empty_ok: bool = False, why: str = "") -> list[int]:
+    """A script's comma-separated integer flag (--ks, --batches, --budgets, ...), every entry >= ``least``
+    (``why``: the reason, for the message), as ``list_flag``: refused whole before the model loads, not at the
+    entry that fails mid-run, after the runs before it."""
+    values = list_flag(flag, text, int, f"integers >= {least}", empty_ok)
+    low = [v for v in values if v < least]
+    if low:
+        raise ValueError(f"{flag} {text!r}: {low[0]} is below {least}; every entry must be >= {least}{why}")
+    return values
+
+
+def rate_list(flag: str, text: str, empty_ok: bool = False) -> list[float]:
+    """A comma-separated list of rates (requests/s), each a finite number > 0, as ``int_list``."""
+    values = list_flag(flag, text, float, "numbers > 0", empty_ok)
+    bad = [v for v in values if not (v > 0 and math.isfinite(v))]
+    if bad:
+        raise ValueError(f"{flag} {text!r}: {bad[0]} is not a rate; every entry must be a finite number > 0")
+    return values
+
+
+def make_out_dir(path: str) -> str:
+    """--out, created before the model loads, so that an unusable one (a file there, no permission) fails now
+    and not when the results are written after the runs."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"--out {path}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OSError(f"--out {path}: not writable")
+    return path
+
+
 def peer_names(text: str) -> list[str]:
     """--peers: comma-separated names of ``peers.PEER_NAMES``, or '' / 'none' for none."""
     if text in ("", "none"):
@@ -708,7 +772,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         names = peer_names(args.peers)
         cfg = config_from_args(args, gamma=args.gamma, concurrency=args.concurrency)
-        os.makedirs(args.out, exist_ok=True)  # an unusable --out fails now, not after the runs
+        make_out_dir(args.out)  # an unusable --out fails now, not after the runs
         print(f"loading {args.model} ({args.dtype}) ...")
         target = load_target(args.model, args.dtype, args.layers)
     except (ValueError, OSError) as e:
