@@ -167,14 +167,10 @@ def gguf_end_ids(get: Callable[[str], Any]) -> tuple[int, ...]:
     tokens = get("tokenizer.ggml.tokens") or []
     by_text = {i for i, t in enumerate(tokens) if t in GGUF_END_TEXTS}
     for role, texts in GGUF_FIM_END_TEXTS.items():
-        named = get(f"tokenizer.ggml.{role}_token_id")
-        if named is not None and not 0 <= named < len(tokens):
-            named = None  # llama.cpp ignores an id outside the vocabulary ("bad special token") and goes by text
+        named = gguf_special_id(get, role)  # None when outside the vocabulary: then found by its text
         found = [i for i, t in enumerate(tokens) if t in texts] if named is None else [named]
         by_text.update(found[:1])
-    named = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", *GGUF_END_KEYS)]
-    if tokens:  # llama.cpp ignores a special id outside the vocabulary ("bad special token")
-        named = [i for i in named if i is None or 0 <= i < len(tokens)]
+    named = [gguf_special_id(get, k) for k in ("eos", *GGUF_END_KEYS)]
     ids = end_token_ids([*named, *sorted(by_text)])
     texts = {tokens[i]: i for i in ids if 0 <= i < len(tokens)}
     calls = "<|call|>" in texts or "<|calls|>" in texts
@@ -183,12 +179,30 @@ def gguf_end_ids(get: Callable[[str], Any]) -> tuple[int, ...]:
     return ids
 
 
+def gguf_special_id(get: Callable[[str], Any], name: str) -> int | None:
+    """``tokenizer.ggml.{name}_token_id`` from GGUF metadata read by ``get(key)`` (None when absent), or None when
+    it lies outside the vocabulary ``tokenizer.ggml.tokens`` (not checked for a file without one). llama.cpp
+    (``llama_vocab::impl::load``) warns "bad special token" for such an id and ignores it, as for an absent key."""
+    tokens = get("tokenizer.ggml.tokens")
+    found = get(f"tokenizer.ggml.{name}_token_id")
+    if found is None or (tokens and not 0 <= found < len(tokens)):
+        return None
+    return found
+
+
 def read_json(path: str) -> dict | None:
-    """The JSON object in ``path``, or None when there is no such file."""
+    """The JSON object in ``path``, or None when there is no such file; malformed JSON or a value other than an
+    object is a ``CheckpointError`` naming the file."""
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def hf_id_list(config: dict | None, key: str, path) -> list[int]:

@@ -22,6 +22,7 @@ from models.checkpoint import (
     CheckpointError,
     check_tensors,
     gguf_end_ids,
+    gguf_special_id,
     hf_expected_shapes,
     params_from_hf_layout,
 )
@@ -131,6 +132,10 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
     if rot != head_dim:
         raise CheckpointError(f"{gf.path}: partial RoPE ({rot} of {head_dim} dims) is not supported")
     embd = next((t for t in gf.reader.tensors if t.name == "token_embd.weight"), None)
+
+    def meta(key):
+        return _field(gf, key, required=False)
+
     vocab = _field(gf, f"{arch}.vocab_size", required=False)
     if vocab is None:
         tokens = gf.reader.fields.get("tokenizer.ggml.tokens")
@@ -149,9 +154,10 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
         rms_eps=float(_field(gf, f"{arch}.attention.layer_norm_rms_epsilon")),
         tie_embeddings=not any(t.name == "output.weight" for t in gf.reader.tensors),
         qkv_bias=arch == "qwen2",
-        bos_id=_field(gf, "tokenizer.ggml.bos_token_id", required=False),
-        eos_id=_field(gf, "tokenizer.ggml.eos_token_id", required=False),
-        eos_ids=gguf_end_ids(lambda key: _field(gf, key, required=False)),  # as llama.cpp: by id and by text
+        # Ids outside the vocabulary are None, as llama.cpp ignores them (checkpoint.gguf_special_id).
+        bos_id=gguf_special_id(meta, "bos"),
+        eos_id=gguf_special_id(meta, "eos"),
+        eos_ids=gguf_end_ids(meta),  # as llama.cpp: by id and by text
         dtype=canonical_dtype(dtype),
         name=name or _field(gf, "general.name", "", required=False) or arch,
         max_positions=_optional_int(_field(gf, f"{arch}.context_length", required=False)),

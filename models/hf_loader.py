@@ -120,10 +120,13 @@ def _read_safetensors_header(path: str) -> dict[str, TensorRef]:
 
 
 def index_safetensors(path: str | os.PathLike) -> dict[str, TensorRef]:
-    """Read step: tensor name -> location, from model.safetensors or a sharded index."""
+    """Read step: tensor name -> location, from model.safetensors or else a sharded index (transformers'
+    ``from_pretrained`` order: a directory holding both loads model.safetensors and ignores the index)."""
     path = os.fspath(path)
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        return _read_safetensors_header(single)
     if os.path.isfile(index):
         try:
             with open(index) as f:
@@ -149,8 +152,6 @@ def index_safetensors(path: str | os.PathLike) -> dict[str, TensorRef]:
         if missing:
             raise CheckpointError(f"{path}: tensor '{missing[0]}' listed in the index is not in its shard")
         return refs
-    if os.path.isfile(single):
-        return _read_safetensors_header(single)
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
@@ -158,10 +159,9 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
     """Config step: config.json -> LlamaConfig, rejecting features this model does not implement."""
     path = os.fspath(path)
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
+    c = read_json(cfg_path)
+    if c is None:
         raise CheckpointError(f"{path}: no config.json")
-    with open(cfg_path) as f:
-        c = json.load(f)
     mtype = c.get("model_type")
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
@@ -274,7 +274,16 @@ def _qwen2_sliding_layers(c: dict, cfg_path: str) -> list[int]:
         other = [t for t in types if t not in ("full_attention", "attention", "sliding_attention")]
         if other:
             raise CheckpointError(f"{cfg_path}: unsupported layer type {other[0]!r} in layer_types")
-        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        if not sliding or (c.get("use_sliding_window", False) and c.get("sliding_window") is not None):
+            return sliding
+        # Qwen2Config then sets sliding_window to None and keeps layer_types; transformers' model cannot run that
+        # (its cache and its sliding-window mask both need the window), so it is no full-attention model either.
+        off = "sliding_window is null" if c.get("use_sliding_window", False) else "use_sliding_window is false"
+        raise CheckpointError(
+            f"{cfg_path}: layer_types makes layers {sliding} sliding_attention but {off}: sliding layers without a "
+            "window, which transformers cannot run either"
+        )
     if not c.get("use_sliding_window", False) or c.get("sliding_window", 4096) is None:
         return []
     first = c.get("max_window_layers", 28)

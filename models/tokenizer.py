@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -21,7 +21,15 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from models.checkpoint import GGUF_END_TEXTS, GGUF_FIM_END_TEXTS, CheckpointError, gguf_end_ids, hf_id_list, read_json
+from models.checkpoint import (
+    GGUF_END_TEXTS,
+    GGUF_FIM_END_TEXTS,
+    CheckpointError,
+    gguf_end_ids,
+    gguf_special_id,
+    hf_id_list,
+    read_json,
+)
 from models.llama import end_token_ids
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -65,6 +73,11 @@ _PRE_TOKENIZERS = {
 # llama.cpp's LLAMA3 pre-tokenizer type: a piece that is a whole vocabulary entry is that token, merges or not
 # (tokenizer.json's ``ignore_merges``), and BOS is added unless the file says otherwise.
 _LLAMA3_PRE = frozenset({"llama-bpe", "llama3", "llama-v3"})
+# transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES): a chat template sees each
+# one the checkpoint names as a variable.
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Names a message's reasoning goes by, the standard one first (transformers' chat_template_utils._REASONING_FIELDS).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -115,7 +128,9 @@ class Tokenizer:
     ``eos_id`` first, then ``extra_eos_ids`` (Llama-3's ``<|eot_id|>``, GGUF's end-of-turn tokens, the lists of
     config.json and generation_config.json): pass it to ``jspec.decode(eos_ids=...)``, as transformers and
     llama.cpp stop at any of them. template_error: what ``apply_chat_template`` says when there is no template to
-    use (e.g. named templates none of which is the default).
+    use (e.g. named templates none of which is the default). special_tokens: the texts of the other named special
+    tokens the checkpoint gives (``unk_token``, ``sep_token``, ``pad_token``, ``cls_token``, ``mask_token``; None:
+    ``pad_token`` from ``pad_id``), which chat templates see as variables beside ``bos_token`` and ``eos_token``.
     """
 
     def __init__(
@@ -129,6 +144,7 @@ class Tokenizer:
         extra_eos_ids: Sequence[int] = (),
         template_error: str | None = None,
         add_eos: bool = False,
+        special_tokens: Mapping[str, str] | None = None,
     ):
         self.backend = backend
         self.template_error = template_error  # why there is no chat template, when the checkpoint says
@@ -139,6 +155,14 @@ class Tokenizer:
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.chat_template = chat_template
+        if special_tokens is None:
+            special_tokens = {} if pad_id is None else {"pad_token": backend.id_to_token(pad_id)}
+        unknown = sorted(set(special_tokens) - set(_SPECIAL_TOKEN_NAMES[2:]))
+        if unknown:
+            raise ValueError(
+                f"special_tokens: unknown name {unknown[0]!r} (known: {', '.join(_SPECIAL_TOKEN_NAMES[2:])})"
+            )
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self._template = _render_env().from_string(chat_template) if chat_template else None
 
     @property
@@ -152,6 +176,12 @@ class Tokenizer:
     @property
     def eos_token(self) -> str | None:
         return None if self.eos_id is None else self.backend.id_to_token(self.eos_id)
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """Named special token -> its text, for those the checkpoint has (transformers' ``special_tokens_map``)."""
+        named = {"bos_token": self.bos_token, "eos_token": self.eos_token} | self.special_tokens
+        return {k: named[k] for k in _SPECIAL_TOKEN_NAMES if named.get(k) is not None}
 
     def encode(self, text: str, add_bos: bool | None = None, add_eos: bool | None = None) -> list[int]:
         """text -> token ids (special-token text such as ``<|im_end|>`` maps to its single id); BOS first and EOS
@@ -167,19 +197,31 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kw) -> str:
-        """Render the checkpoint's chat template (a string; tokenize with ``encode_chat`` or ``encode``)."""
+        """Render the checkpoint's chat template (a string; tokenize with ``encode_chat`` or ``encode``).
+
+        As transformers' ``apply_chat_template``: keys of a message whose value is None are left out, a message's
+        reasoning (``reasoning_content``, ``thinking`` or ``reasoning``) is given as ``reasoning_content`` and
+        ``thinking`` both, and the template sees every named special token (``special_tokens_map``; one the
+        checkpoint lacks is undefined), which ``kw`` may override (``bos_token=""``).
+        """
         if self._template is None:
             raise ValueError(self.template_error or "this checkpoint has no chat template")
+        if len(messages) == 0:
+            raise ValueError("cannot apply the chat template to an empty conversation: give at least one message")
+        chat = []
+        for message in messages:
+            if not isinstance(message, Mapping):
+                raise TypeError(f"chat messages must be dicts, got {message!r}")
+            # A fresh dict: the template never sees (or edits) the caller's.
+            message = {k: v for k, v in message.items() if v is not None}
+            reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+            chat.append(message)
         # tools and documents are always defined, None unless given, as transformers renders them: templates test
         # `tools is not none`, which an undefined variable passes.
-        kw = {"tools": None, "documents": None} | kw
-        return self._template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **kw,
-        )
+        kw = {"tools": None, "documents": None} | self.special_tokens_map | kw
+        return self._template.render(messages=chat, add_generation_prompt=add_generation_prompt, **kw)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template already contains any BOS it wants, and a prompt must not end the text (as transformers'
@@ -235,14 +277,18 @@ class Tokenizer:
         backend.add_special_tokens(special)
         if user:
             backend.add_tokens(user)
+        # An id outside the vocabulary is None: llama.cpp ignores it (checkpoint.gguf_special_id).
+        unk_id, pad_id = gguf_special_id(get, "unknown"), gguf_special_id(get, "padding")
         return cls(
             backend,
-            bos_id=get("tokenizer.ggml.bos_token_id"),
-            eos_id=get("tokenizer.ggml.eos_token_id"),
+            bos_id=gguf_special_id(get, "bos"),
+            eos_id=gguf_special_id(get, "eos"),
             chat_template=get("tokenizer.chat_template"),
             add_bos=bool(get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE)),
             add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
-            pad_id=get("tokenizer.ggml.padding_token_id"),
+            pad_id=pad_id,
+            # The named tokens transformers' GGUF tokenizer has besides BOS/EOS (integrations/gguf).
+            special_tokens={k: tokens[i] for k, i in (("unk_token", unk_id), ("pad_token", pad_id)) if i is not None},
             # llama.cpp ends generation at end-of-turn / end-of-message too (Llama-3's <|eot_id|>, <|eom_id|>), and
             # at every token spelled like one (checkpoint.GGUF_END_TEXTS), named in the metadata or not.
             extra_eos_ids=ends,
@@ -260,14 +306,11 @@ class Tokenizer:
         # "max_length": 8 cut each prompt to 8 tokens); transformers turns both off unless a call asks for them.
         backend.no_truncation()
         backend.no_padding()
-        tcfg = {}
-        if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-            with open(os.path.join(path, "tokenizer_config.json")) as f:
-                tcfg = json.load(f)
+        tcfg = read_json(os.path.join(path, "tokenizer_config.json")) or {}
         template = tcfg.get("chat_template")
         template_error = None
         if os.path.isfile(os.path.join(path, "chat_template.jinja")):
-            with open(os.path.join(path, "chat_template.jinja")) as f:
+            with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
                 template = f.read()
         if isinstance(template, list):
             # Several named templates: transformers uses the one named "default" and, without one, refuses to
@@ -290,18 +333,24 @@ class Tokenizer:
         # An explicit null in either is "no such token", not a missing entry.
         stm = {} if "added_tokens_decoder" in tcfg else read_json(os.path.join(path, "special_tokens_map.json")) or {}
 
+        def token_text(key):
+            """The text of special token ``key`` the tokenizer files name (None: null or not named)."""
+            where = "special_tokens_map.json" if key in stm else "tokenizer_config.json"
+            tok = stm[key] if key in stm else tcfg.get(key)
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            if tok is not None and not isinstance(tok, str):
+                raise CheckpointError(f"{path}: {key} of {where} must be a token string or null, got {tok!r}")
+            return tok
+
         def token_id(key):
             where = "special_tokens_map.json" if key in stm else "tokenizer_config.json"
             if key not in stm and key not in tcfg:  # older repositories name their special tokens in config.json
                 ids = hf_id_list(config, f"{key}_id", os.path.join(path, "config.json"))
                 return ids[0] if ids else None
-            tok = stm[key] if key in stm else tcfg[key]
-            if isinstance(tok, dict):
-                tok = tok.get("content")
+            tok = token_text(key)
             if tok is None:
                 return None
-            if not isinstance(tok, str):
-                raise CheckpointError(f"{path}: {key} of {where} must be a token string or null, got {tok!r}")
             found = backend.token_to_id(tok)
             if found is None:
                 raise CheckpointError(f"{path}: {key} {tok!r} of {where} is not in the vocabulary")
@@ -328,6 +377,8 @@ class Tokenizer:
             pad_id=token_id("pad_token"),
             extra_eos_ids=extra_eos_ids,
             template_error=template_error,
+            # What the template sees as these (transformers' special_tokens_map): the files' texts, no fallback.
+            special_tokens={k: token_text(k) for k in _SPECIAL_TOKEN_NAMES[2:]},
         )
 
 

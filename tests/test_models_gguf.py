@@ -599,6 +599,37 @@ def test_tokens_spelled_like_end_tokens_end_generation_like_llama_cpp(tmp_path):
     assert (cfg.eos_id, cfg.eos_ids) == (3, (3, 4, 5, 6))
 
 
+def test_special_ids_outside_the_vocabulary_are_ignored_like_llama_cpp(tmp_path):
+    """llama.cpp (llama-vocab.cpp, ``llama_vocab::impl::load``) warns "bad special token" for a special id outside
+    the vocabulary and ignores it. Only the EOT/EOM/FIM ids were filtered: an EOS id 99 in a 9-token vocabulary
+    became the canonical end id (tok.eos_ids (99, 4, 5, 6): every decode then refused the list, and config's eos_id
+    was 99 while its eos_ids left it out), a BOS 99 was prepended under add_bos_token, a pad id 99 kept. Each now
+    reads as if the key were absent (the same file without them is the expected value)."""
+    from models.tokenizer import Tokenizer
+
+    extra = ["<eos>", "<|eot_id|>", "<reponame>", "<|im_end|>", "eot_id", "<|im_end|> "]  # ids 3-8
+    path = tmp_path / "tok.gguf"
+    bad = {"tokenizer.ggml.bos_token_id": 99, "tokenizer.ggml.padding_token_id": 99}
+    _write_tiny_bpe(path, "llama-bpe", extra, eos=99, meta=bad | {"tokenizer.ggml.unknown_token_id": 99})
+    tok = Tokenizer.from_gguf(open_gguf(path))
+    _write_tiny_bpe(path, "llama-bpe", extra)  # llama-bpe: BOS is added unless the file says otherwise
+    absent = Tokenizer.from_gguf(open_gguf(path))
+    for t in (tok, absent):
+        assert (t.bos_id, t.eos_id, t.eos_ids, t.pad_id) == (None, 4, (4, 5, 6), None)
+        assert t.add_bos and t.encode("ab") == [2] and t.special_tokens_map == {"eos_token": "<|eot_id|>"}
+    # In range, each is kept (what the filter must not drop): BOS 3 is prepended, EOS 3 is the canonical end id.
+    _write_tiny_bpe(path, "llama-bpe", extra, eos=3, meta={"tokenizer.ggml.bos_token_id": 3})
+    tok = Tokenizer.from_gguf(open_gguf(path))
+    assert (tok.bos_id, tok.eos_ids, tok.encode("ab")) == (3, (3, 4, 5, 6), [3, 2])
+    # The model config reads the same ids the same way.
+    tokens = ["a", "b", "ab", *extra]
+    write_gguf(path, hf_state(seed=11), Q.F32, extra_meta=bad | {"tokenizer.ggml.eos_token_id": 99}, tokens=tokens)
+    cfg = config_from_gguf(open_gguf(path))
+    assert (cfg.bos_id, cfg.eos_id, cfg.eos_ids) == (None, 4, (4, 5, 6))  # eos_id: the first end id, as tok's
+    write_gguf(path, hf_state(seed=11), Q.F32, extra_meta={"tokenizer.ggml.bos_token_id": 8}, tokens=tokens)
+    assert config_from_gguf(open_gguf(path)).bos_id == 8
+
+
 def test_end_token_of_a_harmony_vocabulary_is_not_an_end_of_turn(tmp_path):
     """llama.cpp drops "<|end|>" from its end tokens when "<|return|>" and "<|call|>" are also there (gpt-oss's
     o200k_harmony, where <|end|> ends a message, not the turn; Solar-Open: "<|calls|>" and "<|flush|>")."""
@@ -629,6 +660,21 @@ def test_smollm2_ends_generation_where_llama_cpp_does(smollm2_path):
     tok = Tokenizer.from_gguf(gf)
     assert (tok.eos_id, tok.eos_ids) == (2, (2, 0, 4)) and config_from_gguf(gf).eos_ids == (2, 0, 4)
     assert not tok.add_eos  # the file has no tokenizer.ggml.add_eos_token
+
+
+@requires_torch
+def test_smollm2_special_tokens_reach_the_template_like_transformers(smollm2_path, hf_smollm2_tokenizer):
+    """transformers' GGUF tokenizer takes BOS, EOS, UNK and pad from tokenizer.ggml.*_token_id, and a chat template
+    sees each as a variable (its special_tokens_map); jspec gave the template BOS and EOS only."""
+    from models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(open_gguf(smollm2_path))
+    assert tok.special_tokens_map == hf_smollm2_tokenizer.special_tokens_map
+    template = "{{ bos_token }}|{{ eos_token }}|{{ unk_token }}|{{ pad_token }}|{{ messages[0].content }}"
+    chat = [{"role": "user", "content": "hi"}]
+    ours = Tokenizer(tok.backend, tok.bos_id, tok.eos_id, chat_template=template, special_tokens=tok.special_tokens)
+    theirs = hf_smollm2_tokenizer.apply_chat_template(chat, chat_template=template, tokenize=False)
+    assert ours.apply_chat_template(chat) == theirs == "<|im_start|>|<|im_end|>|<|endoftext|>|<|im_end|>|hi"
 
 
 def test_add_eos_token_appends_eos_like_llama_cpp(tmp_path):

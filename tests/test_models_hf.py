@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +85,25 @@ def test_logits_match_torch(tmp_path, kind, tied, sharded):
     assert ("lm_head" in params) == (not tied)
     diff = np.abs(our_logits(cfg, params) - torch_logits(model)).max()
     assert diff <= 1e-4, diff
+
+
+def test_single_file_wins_over_a_sharded_index_like_transformers(tmp_path):
+    """A directory holding both model.safetensors and model.safetensors.index.json (with its shards):
+    transformers' from_pretrained loads model.safetensors and never reads the index; jspec followed the index.
+    The two layouts hold different models' weights, and the expected logits are transformers' from the directory."""
+    import shutil
+
+    import transformers
+
+    single, sharded = tiny_model("llama", tied=False, seed=0), tiny_model("llama", tied=False, seed=1)
+    sharded.save_pretrained(tmp_path, max_shard_size="40KB")  # first: save_pretrained deletes other weight files
+    single.save_pretrained(tmp_path / "single")
+    shutil.copy(tmp_path / "single" / "model.safetensors", tmp_path / "model.safetensors")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    want = torch_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval())
+    assert np.abs(want - torch_logits(sharded)).max() > 0.1  # the layouts really differ
+    cfg, params = load_hf(tmp_path)
+    assert np.abs(our_logits(cfg, params) - want).max() <= 1e-4
 
 
 def test_bfloat16_checkpoint(tmp_path):
@@ -374,6 +394,7 @@ def test_bad_safetensors_offsets_and_index_are_named(tmp_path):
             index_safetensors(tmp_path)
     _safetensors(tmp_path / "model.safetensors", {"w": a, "x": b})
     np.testing.assert_array_equal(index_safetensors(tmp_path)["x"].load(), b)  # the unpatched file reads back
+    (tmp_path / "model.safetensors").unlink()  # else it is read and the index ignored, as transformers does
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
     with pytest.raises(CheckpointError, match="no weight_map"):
         index_safetensors(tmp_path)
@@ -412,6 +433,33 @@ def test_config_json_errors_are_named_and_bos_is_read_like_eos(tmp_path):
     assert cfg_with(bos_token_id=[1]).bos_id == 1
     with pytest.raises(CheckpointError, match=r"bos_token_id must be a token id or a list of token ids, got '1'"):
         cfg_with(bos_token_id="1")
+
+
+def test_malformed_json_files_are_named(tmp_path):
+    """A config.json, tokenizer_config.json, generation_config.json or special_tokens_map.json that is not valid
+    JSON failed with a bare JSONDecodeError naming no file, and one holding a list or a string with an
+    AttributeError (``.get`` on a list); each is a CheckpointError naming the file."""
+    from models.tokenizer import Tokenizer
+
+    conf = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96}
+    conf |= {"num_hidden_layers": 2, "num_attention_heads": 4}
+    path = _tiny_tokenizer_dir(tmp_path / "tok", {"eos_token": "</s>"}, {"eos_token": "</s>"}, conf)
+    assert config_from_hf(path).num_heads == 4 and Tokenizer.from_hf_dir(path).eos_id == 1  # the valid files load
+    good = {name: (path / name).read_text() for name in ("config.json", "tokenizer_config.json")}
+    cases = {
+        "config.json": lambda: config_from_hf(path),
+        "generation_config.json": lambda: config_from_hf(path),
+        "tokenizer_config.json": lambda: Tokenizer.from_hf_dir(path),
+        "special_tokens_map.json": lambda: Tokenizer.from_hf_dir(path),
+    }
+    bad = {'{"model_type": "llama",': "not valid JSON", "[1, 2]": "expected a JSON object, got list"}
+    bad['"llama"'] = "expected a JSON object, got str"
+    for name, read in cases.items():
+        for text, message in bad.items():
+            (path / name).write_text(text)
+            with pytest.raises(CheckpointError, match=re.escape(f"{path / name}: {message}")):
+                read()
+        (path / name).write_text(good.get(name, "{}"))
 
 
 def test_special_tokens_map_is_read_only_beside_a_legacy_tokenizer_config(tmp_path):
@@ -474,6 +522,62 @@ def test_chat_template_features_render_like_transformers(tmp_path):
                 assert want == ("T1da<b>&" if kw else "da<b>&")
 
 
+def test_chat_messages_and_special_tokens_reach_the_template_like_transformers(tmp_path):
+    """transformers' apply_chat_template drops the keys of a message whose value is None (OpenAI-style
+    ``"content": None`` rendered as "None" here), copies a message's reasoning (``reasoning_content``, ``thinking``
+    or ``reasoning``) to ``reasoning_content`` and ``thinking`` both, and gives the template every named special
+    token (a missing one undefined, not "") with the caller's keyword arguments overriding them:
+    ``apply_chat_template(chat, bos_token="")`` was a TypeError (bos_token given twice). Compared with transformers
+    on the same template, messages and arguments."""
+    import transformers
+
+    from models.tokenizer import Tokenizer
+
+    template = (
+        "{{ bos_token is defined }}[{{ bos_token }}][{{ eos_token }}][{{ pad_token }}][{{ unk_token }}]"
+        "{{ sep_token is defined }}{% for m in messages %}<{{ m.role }}>"
+        "{% if m.content is defined %}{{ m.content }}{% else %}-{% endif %}"
+        "{% if m.reasoning_content is defined %}(r={{ m.reasoning_content }},t={{ m.thinking }}){% endif %}"
+        "{{ m | tojson }}{% endfor %}"
+    )
+    chat = [
+        {"role": "user", "content": "a", "name": None},
+        {"role": "assistant", "content": None, "reasoning": "x", "tool_calls": None},
+        {"role": "assistant", "content": "b", "thinking": "y"},
+        {"role": "assistant", "content": "c", "reasoning_content": "r", "thinking": "t", "reasoning": None},
+    ]
+    files = {  # tokenizer_config.json entries; the second has no BOS (undefined for the template)
+        "named": {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<|im_end|>", "unk_token": "<|im_start|>"},
+        "no-bos": {"bos_token": None, "eos_token": "</s>"},
+    }
+    seen = set()
+    for name, tcfg in files.items():
+        path = _tiny_tokenizer_dir(tmp_path / name, tcfg | {"chat_template": template})
+        theirs = transformers.AutoTokenizer.from_pretrained(path)
+        ours = Tokenizer.from_hf_dir(path)
+        assert ours.special_tokens_map == theirs.special_tokens_map, name
+        for kw in ({}, {"bos_token": ""}, {"eos_token": "E", "pad_token": "P", "sep_token": "S"}):
+            want = theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=False, **kw)
+            assert ours.apply_chat_template(chat, add_generation_prompt=False, **kw) == want, (name, kw, want)
+            seen.add(want.split("<user>")[0])
+    assert chat[1] == {"role": "assistant", "content": None, "reasoning": "x", "tool_calls": None}  # not edited
+    # What the comparison covers: the named tokens, the caller's overrides, undefined ones (a null BOS, no sep).
+    assert seen == {
+        "True[<s>][</s>][<|im_end|>][<|im_start|>]False",
+        "True[][</s>][<|im_end|>][<|im_start|>]False",
+        "True[<s>][E][P][<|im_start|>]True",
+        "False[][</s>][][]False",
+        "True[][</s>][][]False",
+        "False[][E][P][]True",
+    }
+    assert (  # content None left out; reasoning copied, first to "thinking" and last to "reasoning_content"
+        '<assistant>-(r=x,t=x){"thinking": "x", "role": "assistant", "reasoning": "x", "reasoning_content": "x"}'
+        '<assistant>b(r=y,t=y){"thinking": "y", "role": "assistant", "content": "b", "reasoning_content": "y"}'
+    ) in want
+    with pytest.raises(ValueError, match="empty conversation"):
+        ours.apply_chat_template([])
+
+
 def test_rope_theta_is_read_where_transformers_reads_it(tmp_path):
     """transformers 5 takes the RoPE base from rope_scaling's (else rope_parameters') rope_theta, then the
     top-level rope_theta, then 10000; the loader ignored a rope_theta inside rope_scaling and used the
@@ -533,8 +637,9 @@ def test_qwen2_sliding_window_layers_like_transformers(tmp_path):
         {"use_sliding_window": True, "max_window_layers": 1, "sliding_window": 16},
         {"use_sliding_window": True, "max_window_layers": 0, "sliding_window": 16},
         {"use_sliding_window": True, "max_window_layers": 0, "layer_types": ["full_attention"] * 2},
-        {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]},
+        {"use_sliding_window": True, "sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]},
     ]
+    types_with_sliding = ["full_attention", "sliding_attention"]
     for case in cases:
         (tmp_path / "config.json").write_text(json.dumps(conf | case))
         types = transformers.AutoConfig.from_pretrained(tmp_path).layer_types
@@ -544,6 +649,22 @@ def test_qwen2_sliding_window_layers_like_transformers(tmp_path):
                 config_from_hf(tmp_path)
         else:
             assert config_from_hf(tmp_path) == want, case
+    # layer_types naming a sliding layer while the window is off: Qwen2Config sets sliding_window to None and keeps
+    # layer_types, and transformers' model then fails (it does not fall back to full attention); refused by name.
+    import torch
+
+    off = {"use_sliding_window": False, "sliding_window": 16}, {"use_sliding_window": True, "sliding_window": None}
+    for case, why in zip(off, ("use_sliding_window is false", "sliding_window is null")):
+        (tmp_path / "config.json").write_text(json.dumps(conf | case | {"layer_types": ["full_attention"] * 2}))
+        assert config_from_hf(tmp_path) == want  # all full: loads
+        (tmp_path / "config.json").write_text(json.dumps(conf | case | {"layer_types": types_with_sliding}))
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+        assert theirs.config.sliding_window is None and theirs.config.layer_types == types_with_sliding
+        for use_cache in (True, False):
+            with pytest.raises((TypeError, ValueError)), torch.no_grad():
+                theirs(torch.from_numpy(TOKENS).long(), use_cache=use_cache)
+        with pytest.raises(CheckpointError, match=rf"layers \[1\] sliding_attention but {why}: sliding layers without"):
+            config_from_hf(tmp_path)
     (tmp_path / "config.json").write_text(
         json.dumps(conf | {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": None})
     )
