@@ -27,6 +27,116 @@ DRAFTERS = {
 }
 
 
+def np_compressed_logits(tokens, block):
+    """Uncached NumPy (float64) reference of the compressed model over one causal sequence, written from the
+    definition in models/compressed.py: a pre-norm tied-embedding Llama (RMSNorm, rotate-half RoPE, GQA,
+    SwiGLU) whose attention at position i sees the per-token keys/values of positions 0..i AND, for every
+    block j of ``block`` tokens completed strictly before i ((j + 1) * block - 1 < i), one extra key/value: the
+    mean of that block's post-RoPE keys and of its values (per layer and KV head). block=None: no summaries
+    (plain Llama). tokens [T] -> logits [T, V]."""
+    prm = jax.tree.map(lambda w: np.asarray(w, np.float64), PARAMS)
+    t, hq, hkv, d = len(tokens), CFG.num_heads, CFG.num_kv_heads, CFG.head_dim
+    emb = prm["embed"]["embedding"]
+
+    def rms(z, scale):
+        return z / np.sqrt(np.mean(z * z, axis=-1, keepdims=True) + CFG.rms_eps) * scale
+
+    angles = np.arange(t)[:, None] * (1.0 / CFG.rope_theta ** (np.arange(0, d, 2) / d))[None]  # [T, D/2]
+    cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
+
+    def rope(z):  # [T, N, D]
+        z1, z2 = z[..., : d // 2], z[..., d // 2 :]
+        return np.concatenate([z1 * cos - z2 * sin, z2 * cos + z1 * sin], axis=-1)
+
+    x = emb[np.asarray(tokens)]
+    for layer in range(CFG.num_layers):
+        lp = jax.tree.map(lambda w, i=layer: w[i], prm["layers"])
+        a, m = lp["attn"], lp["mlp"]
+        n = rms(x, lp["attn_norm"]["scale"])
+        q = rope(np.einsum("te,ehd->thd", n, a["wq"]))
+        k = rope(np.einsum("te,ehd->thd", n, a["wk"]))
+        v = np.einsum("te,ehd->thd", n, a["wv"])
+        out = np.zeros((t, hq, d))
+        for i in range(t):
+            done = 0 if block is None else i // block  # blocks whose last position is < i
+            for head in range(hq):
+                kv = head // (hq // hkv)
+                keys = [k[: i + 1, kv]] + [k[j * block : (j + 1) * block, kv].mean(0)[None] for j in range(done)]
+                vals = [v[: i + 1, kv]] + [v[j * block : (j + 1) * block, kv].mean(0)[None] for j in range(done)]
+                scores = np.concatenate(keys) @ q[i, head] / np.sqrt(d)
+                w = np.exp(scores - scores.max())
+                out[i, head] = (w / w.sum()) @ np.concatenate(vals)
+        x = x + out.reshape(t, hq * d) @ a["wo"].reshape(hq * d, CFG.hidden)
+        n = rms(x, lp["mlp_norm"]["scale"])
+        gate = n @ m["w_gate"]
+        x = x + (gate / (1.0 + np.exp(-gate)) * (n @ m["w_up"])) @ m["w_down"]
+    return rms(x, prm["final_norm"]["scale"]) @ emb.T
+
+
+# Logits here are of size up to ~11 (std 0.5 weights); float32 against float64 through 2 layers agrees to
+# ~3e-5 (measured), so 2e-4 leaves a margin of ~6x.
+TOL = dict(atol=2e-4, rtol=0)
+
+
+def test_logits_equal_an_uncached_numpy_reference():
+    """The model's logits against ``np_compressed_logits``: one uncached call, the same rows fed in cached
+    pieces of ragged lengths (committed block summaries, summaries completed inside a call), and the nodes of
+    a tree (each node against the reference over its own path: a sibling's summary must not leak)."""
+    seqs = [[5, 6, 7, 8, 9, 1, 2, 3, 4, 10, 11], [3, 3, 3, 9, 9, 9, 1, 2, 17, 20, 0]]
+    refs = [np_compressed_logits(x, BLOCK) for x in seqs]
+    # The reference itself: without summaries it is the plain Llama of models/llama.py (an implementation
+    # sharing no code with it); with them it differs by far more than the tolerance, so the comparisons below
+    # see the summaries.
+    plain, _ = jax.jit(DRAFT.apply)(PARAMS, jnp.asarray(seqs), jnp.arange(11)[None], DRAFT.init_cache(2, 11))
+    plain = np.asarray(plain)
+    for r, x in enumerate(seqs):
+        np.testing.assert_allclose(plain[r], np_compressed_logits(x, None), **TOL)
+        diff = np.abs(refs[r] - np_compressed_logits(x, None)).max(axis=-1)  # [T]
+        assert np.all(diff[:BLOCK] == 0), diff  # nothing to pool before the first block completes
+        assert diff.max() > 0.2 and np.mean(diff[BLOCK:] > 10 * TOL["atol"]) >= 0.5, diff
+
+    # Whole rows, one call from an empty cache.
+    apply, commit = jax.jit(TARGET.apply), jax.jit(lambda cache, n: cache.commit(n))
+    logits, _ = apply(PARAMS, jnp.asarray(seqs), jnp.arange(11)[None], TARGET.init_cache(2, 16))
+    for r in range(2):
+        np.testing.assert_allclose(np.asarray(logits[r]), refs[r], **TOL)
+
+    # Cached pieces: row 0 commits 4 then 3 then 3 tokens, row 1 commits 3 then 4 then 3 (right-padded calls of
+    # width 4; the padding is never committed). Blocks complete at positions 2, 5 and 8: inside calls (row 0)
+    # and as a call's last committed token (row 1).
+    cache = TARGET.init_cache(2, 16)
+    lengths = np.zeros(2, np.int64)
+    for counts in ([4, 3], [3, 4], [3, 3]):
+        toks = np.zeros((2, 4), np.int32)
+        for r in range(2):
+            toks[r, : counts[r]] = seqs[r][lengths[r] : lengths[r] + counts[r]]
+        pos = jnp.asarray(lengths[:, None] + np.arange(4)[None], jnp.int32)
+        logits, cache = apply(PARAMS, jnp.asarray(toks), pos, cache)
+        for r in range(2):
+            got = np.asarray(logits[r, : counts[r]])
+            np.testing.assert_allclose(got, refs[r][lengths[r] : lengths[r] + counts[r]], **TOL)
+        cache = commit(cache, jnp.asarray(counts, jnp.int32))
+        lengths += counts
+    assert np.array_equal(np.asarray(cache.lengths), [10, 10])
+
+    # Then a tree on those 10 committed tokens: root at position 10, two siblings at 11 (each completes block
+    # [9, 11] with itself, so their summaries differ), one child each at 12, which must attend to its own
+    # path's summary only. Each node against the reference over the committed row plus its path.
+    parent = np.asarray([-1, 0, 0, 1, 2])
+    depth = np.asarray([0, 1, 1, 2, 2])
+    nodes = [[11, 1, 2, 3, 4], [0, 1, 11, 3, 13]]
+    mask = jax.jit(ancestor_mask)(jnp.asarray(np.stack([parent, parent])))
+    logits, _ = apply(PARAMS, jnp.asarray(nodes), jnp.asarray(10 + np.stack([depth, depth])), cache, mask)
+    for r in range(2):
+        for i in range(5):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, nodes[r][j])
+                j = int(parent[j])
+            want = np_compressed_logits(seqs[r][:10] + path, BLOCK)[-1]
+            np.testing.assert_allclose(np.asarray(logits[r, i]), want, **TOL, err_msg=f"row {r} node {i}")
+
+
 def test_compressed_state_changes_the_model():
     plain = dec.decode(TARGET, PARAMS, PROMPTS, max_new_tokens=20)
     uncompressed = dec.decode(DRAFT, PARAMS, PROMPTS, max_new_tokens=20)

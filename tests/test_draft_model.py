@@ -69,10 +69,49 @@ def distilled(tiny_target):
     return dcfg, params0, params, batch, loss0, loss(dcfg, params, *batch)
 
 
+def np_distill_loss(draft_logits, mask, t_logp, t_ids, renormalise=True):
+    """``distill_loss`` from its docstring, NumPy float64. draft_logits [B, T, V] (-inf outside the draft's
+    tokens), mask [B, T], teacher top-k t_logp / t_ids [B, T, k]. p~ = the teacher's top-k probabilities kept
+    where the draft has the token, renormalised; kl = sum p~ (log p~ - log q), q = softmax(draft_logits),
+    averaged over masked positions with at least one kept token. agree (draft argmax == teacher top-1) and
+    support (teacher mass on kept tokens) are averaged over all masked positions. renormalise=False: p~ is the
+    kept top-k probabilities as they are (only to show that the renormalisation matters)."""
+    logits = np.asarray(draft_logits, np.float64)
+    finite = np.isfinite(logits)
+    z = np.where(finite, logits, -np.inf)
+    logq = z - z.max(-1, keepdims=True)
+    logq = logq - np.log(np.exp(logq).sum(-1, keepdims=True))
+    t_logp, t_ids, mask = np.asarray(t_logp, np.float64), np.asarray(t_ids), np.asarray(mask, bool)
+    kept = np.take_along_axis(finite, t_ids, -1)  # [B, T, k]
+    p = np.where(kept, np.exp(t_logp), 0.0)
+    support = p.sum(-1)
+    norm = np.log(np.maximum(support, 1e-300))[..., None] if renormalise else 0.0
+    log_pt = np.where(kept, t_logp - norm, 0.0)  # log p~
+    logq_t = np.where(kept, np.take_along_axis(logq, t_ids, -1), 0.0)
+    kl = np.sum(np.where(kept, np.exp(log_pt) * (log_pt - logq_t), 0.0), -1)
+    m = mask & kept.any(-1)
+    agree = np.argmax(logits, -1) == t_ids[..., 0]
+    return {"kl": kl[m].mean(), "agree": agree[mask].mean(), "support": support[mask].mean()}
+
+
 def test_distillation_steps_reduce_kl(distilled):
     dcfg, params0, params, batch, (kl0, m0), (kl1, m1) = distilled
     assert np.isfinite(float(kl0)) and float(kl1) < 0.6 * float(kl0), (float(kl0), float(kl1))
     assert float(m1["agree"]) > float(m0["agree"])
+    # The loss and metrics before and after training against the NumPy formula over the draft model's own
+    # full-vocabulary logits (its forward, -inf outside the 40 tokens): KL(p~ || q), not KL(q || p~), and p~
+    # renormalised over the teacher's top-16 tokens the draft has. 8 of 48 tokens are outside the head, so
+    # the renormalisation changes the value (checked below: by far more than the tolerance, rtol 1e-4 for
+    # float32 against float64).
+    tokens, mask, t_logp, t_ids = batch
+    for p, loss, m in ((params0, kl0, m0), (params, kl1, m1)):
+        ref = np_distill_loss(_logits(dcfg, p, tokens), mask, t_logp, t_ids)
+        np.testing.assert_allclose(float(loss), ref["kl"], rtol=1e-4, atol=0)
+        for name in ("kl", "agree", "support"):
+            np.testing.assert_allclose(float(m[name]), ref[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    assert ref["support"] < 0.99  # teacher mass outside the head: p~ is a restriction, not the top-k as is
+    unnormalised = np_distill_loss(_logits(dcfg, params, tokens), mask, t_logp, t_ids, renormalise=False)["kl"]
+    assert abs(unnormalised - ref["kl"]) > 1e-2 * ref["kl"], (unnormalised, ref["kl"])
     # Only float leaves train; the embedding and the head's integer maps are frozen.
     np.testing.assert_array_equal(params["embed"]["embedding"], params0["embed"]["embedding"])
     np.testing.assert_array_equal(params["head"]["ids"], params0["head"]["ids"])

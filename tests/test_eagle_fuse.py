@@ -278,6 +278,7 @@ def test_trainer_loss_weighs_the_feature_regression_by_reg_weight():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import train_eagle
 
+    from models import eagle as EG
     from models.eagle import split_trainable
 
     ecfg = EagleConfig(TINY, head_tokens=40)
@@ -287,17 +288,48 @@ def test_trainer_loss_weighs_the_feature_regression_by_reg_weight():
     rows = EagleDrafter(ecfg).draft_params(TINY_PARAMS, hp)[1]["rows"]
     feats = jnp.asarray(rng.normal(size=(2, 9, TINY.hidden)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, (2, 9)), jnp.int32)
-    mask = jnp.ones((2, 8), bool)
+    mask = np.ones((2, 8), bool)
+    mask[0, 5:] = mask[1, :2] = False  # holes: the means are over the masked positions only
+
+    # The expected terms from the test's inputs in NumPy (float64). Only the head's rollout f^ [U, B, w, E] comes
+    # from the library (``head_unrolled``, checked against drafting in tests/test_eagle.py), fed as its
+    # docstring says: true f_i = feats[:, :-1], tokens x_{i+1} = tokens[:, 1:]. Per pass u: reg = masked mean
+    # over positions of mean_E smooth-L1(f^ - f_{i+1}) (Huber, delta 1: 0.5 d^2 where |d| <= 1, |d| - 0.5
+    # beyond); kl = masked mean of KL(p || q) over the head's N tokens, p = softmax(f_{i+1} . rows^T) (the
+    # target on the subset), q = softmax(f^ . rows^T); agree = argmax q == argmax p; loss = sum_u decay_u
+    # (reg_weight reg_u + ce_weight kl_u) / sum_u decay_u, decay_u = pass_decay^u.
+    f_hat = EG.head_unrolled(ecfg, hp, {"embed": TINY_PARAMS["embed"]}, feats[:, :-1], tokens[:, 1:], 2)
+    f_hat = np.asarray(f_hat, np.float64)
+    target = np.asarray(feats, np.float64)[:, 1:]
+    d = np.abs(f_hat - target[None])
+    reg = np.mean(np.where(d <= 1.0, 0.5 * d * d, d - 0.5), axis=-1)  # [U, B, w]
+    w_rows = np.asarray(rows, np.float64)
+
+    def log_softmax(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    logp = log_softmax(target @ w_rows.T)[None]  # [1, B, w, N]
+    logq = log_softmax(f_hat @ w_rows.T)  # [U, B, w, N]
+    kl = np.sum(np.exp(logp) * (logp - logq), axis=-1)  # [U, B, w]
+    agree = (np.argmax(logq, -1) == np.argmax(logp, -1)).astype(np.float64)
+    per_pass = lambda x: (x * mask).sum(axis=(1, 2)) / mask.sum()  # noqa: E731
+    assert np.all(per_pass(reg) > 0.05) and np.all(per_pass(kl) > 0.05)  # both terms far from 0: they count
+    decay = np.array([1.0, 0.5])
     out = {}
     for rw in (0.0, 1.0):
         args = SimpleNamespace(pass_decay=0.5, unroll=2, noise=0.0, ce_weight=0.3, reg_weight=rw)
         fn = train_eagle.make_loss(ecfg, args)
-        loss, m = fn(trainable, ids, {"embed": TINY_PARAMS["embed"]}, rows, feats, tokens, mask, mask, None)
-        decay = np.array([1.0, 0.5])
-        want = np.sum(decay * (rw * np.asarray(m["reg"]) + 0.3 * np.asarray(m["kl"]))) / decay.sum()
-        np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-        out[rw] = (float(loss), m)
-    assert float(np.min(out[1.0][1]["reg"])) > 0 and out[1.0][0] > out[0.0][0]
+        hm = jnp.asarray(mask)
+        loss, m = fn(trainable, ids, {"embed": TINY_PARAMS["embed"]}, rows, feats, tokens, hm, hm, None)
+        # float32 sums of ~16 positions x 64 features against float64: rtol 1e-5 (reg), 1e-4 (kl's log-softmax).
+        np.testing.assert_allclose(np.asarray(m["reg"]), per_pass(reg), rtol=1e-5, atol=0)
+        np.testing.assert_allclose(np.asarray(m["kl"]), per_pass(kl), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(m["agree"]), per_pass(agree), rtol=0, atol=1e-6)
+        want = np.sum(decay * (rw * per_pass(reg) + 0.3 * per_pass(kl))) / decay.sum()
+        np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=0)
+        out[rw] = float(loss)
+    assert out[1.0] > out[0.0]
 
 
 def test_trainer_refuses_a_cached_head_or_checkpoint_made_with_other_settings(tmp_path, monkeypatch):

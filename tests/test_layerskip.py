@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TEST_XLA_FLAGS
-from toy_models import chi2_critical, chi_square, exact_causal_distribution, grouped_rows
+from toy_models import chi2_critical, chi_square, exact_causal_distribution, grouped_rows, ref_transform
 
 from jspec.adaptive import AdaptiveK
 from jspec.decode import decode
@@ -66,9 +66,9 @@ def prefilled(cfg, params, prompts, slots):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def early_exit_q(exit_layer, ex, rows, sampling):
-    """Independent draft reference: layers [0, E) of ``llama.run_layers`` over whole rows [B, T] from an
-    empty cache, then the exit head and the sampling transform: [B, T, V]."""
+def early_exit_hidden(exit_layer, rows):
+    """Independent draft reference, first half: layers [0, E) of ``llama.run_layers`` over whole rows [B, T]
+    from an empty cache (no reuse of the target's cache): layer E's hidden states [B, T, Dm]."""
     b, t = rows.shape
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
     h, _ = llama.run_layers(
@@ -80,7 +80,50 @@ def early_exit_q(exit_layer, ex, rows, sampling):
         start=0,
         stop=exit_layer,
     )
-    return distribution(exit_logits(TINY, TINY_PARAMS, ex, h), sampling)
+    return h
+
+
+def _np_rms(x, scale, eps):
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(scale, np.float64)
+
+
+def np_exit_logits(cfg, params, ex, h):
+    """The exit head written from its definition (models/layerskip.py), NumPy float64, tied head only:
+    h [..., Dm] -> logits [..., V]. With an adapter, h <- h + W_down(silu(W_gate n) * (W_up n)), n = RMSNorm(h)
+    with the adapter's norm_scale; then the target's final RMSNorm (the model's eps, both norms) and
+    hn @ embedding^T read from the target's embedding (not the drafter's gathered ``ex["head"]``); a restricted
+    head keeps only the ``token_ids`` columns and is -inf elsewhere."""
+    h = np.asarray(h, np.float64)
+    ex = ex or {}
+    if "adapter" in ex:
+        a = {name: np.asarray(w, np.float64) for name, w in ex["adapter"].items()}
+        n = _np_rms(h, a["norm_scale"], cfg.rms_eps)
+        gate = n @ a["w_gate"]
+        h = h + (gate / (1.0 + np.exp(-gate)) * (n @ a["w_up"])) @ a["w_down"]
+    hn = _np_rms(h, params["final_norm"]["scale"], cfg.rms_eps)
+    logits = hn @ np.asarray(params["embed"]["embedding"], np.float64).T
+    if "token_ids" in ex:
+        keep = np.zeros(cfg.vocab_size, bool)
+        keep[np.asarray(ex["token_ids"])] = True
+        logits = np.where(keep, logits, -np.inf)
+    return logits
+
+
+def np_exit_q(ex, h, temperature):
+    """q of the NumPy exit head under the NumPy reference sampling transform: [..., V] float64."""
+    logits = np_exit_logits(TINY, TINY_PARAMS, ex, h)
+    return np.apply_along_axis(lambda row: ref_transform(row, temperature), -1, logits)
+
+
+def assert_exit_logits_match(cfg, params, ex, h):
+    """The library's ``exit_logits`` against ``np_exit_logits`` on the same hidden states: inside the head
+    within 1e-4 (float32 against float64 over Dm = 64 terms of size ~1), outside it a logit softmax maps to 0."""
+    got = np.asarray(exit_logits(cfg, params, ex, jnp.asarray(h)), np.float64)
+    want = np_exit_logits(cfg, params, ex, h)
+    inside = np.isfinite(want)
+    np.testing.assert_allclose(got[inside], want[inside], atol=1e-4, rtol=0)
+    assert np.all(got[~inside] <= -1e29), got[~inside].max(initial=-np.inf)
 
 
 def test_layer_range_equals_llama_run_layers():
@@ -100,6 +143,21 @@ def test_layer_range_equals_llama_run_layers():
     for mine, lib in jax.device_get(both(h, pos, cache)):
         for x, y in zip(mine, lib):
             np.testing.assert_allclose(x, y, atol=1e-6, rtol=0)
+
+
+def test_exit_logits_equal_a_numpy_head():
+    """``exit_logits`` against the NumPy exit head (``np_exit_logits``): plain, adapter, restricted head, both.
+    rms_eps 0.05 and hidden states of RMS ~0.2 make the eps of both norms visible (a norm with another eps, or
+    the adapter's norm skipped, moves the logits by far more than the 1e-4 tolerance)."""
+    cfg = TINY.replace(rms_eps=0.05)
+    h = np.random.default_rng(2).normal(size=(2, 3, cfg.hidden)) * 0.2
+    for adapter, head_tokens in [(False, 0), (True, 0), (False, 20), (True, 20)]:
+        drafter = LayerSkipDrafter(cfg, 2, adapter=adapter, head_tokens=head_tokens)
+        ex = drafter.draft_params(TINY_PARAMS, random_exit(cfg, drafter, 4))[1]
+        assert_exit_logits_match(cfg, TINY_PARAMS, ex, h)
+        other_eps, want = np_exit_logits(TINY, TINY_PARAMS, ex, h), np_exit_logits(cfg, TINY_PARAMS, ex, h)
+        inside = np.isfinite(want)
+        assert np.abs(other_eps[inside] - want[inside]).max() > 1e-2  # the eps matters at this scale
 
 
 @pytest.mark.parametrize(
@@ -156,10 +214,14 @@ def test_verify_hook_equals_full_target_pass(exit_layer, adapter, head_tokens, t
     for r in range(b):
         c = int(committed[r])
         rows_np[r, : c + k + 1] = np.concatenate([toks[r, :c], np.asarray(tokens[r])])
-    all_q = early_exit_q(exit_layer, ex, jnp.asarray(rows_np), sampling)
+    # The exit head and the sampling transform are NumPy references written from their definitions; only the
+    # layers [0, E) come from the library (llama.run_layers, whole rows, no cache reuse).
+    all_h = np.asarray(early_exit_hidden(exit_layer, jnp.asarray(rows_np)))
+    assert_exit_logits_match(TINY, TINY_PARAMS, ex, all_h)
     for r in range(b):
         c = int(committed[r])
-        np.testing.assert_allclose(np.asarray(prop.q[r]), np.asarray(all_q[r, c : c + k]), atol=1e-5)
+        want_q = np_exit_q(ex, all_h[r, c : c + k], temperature)
+        np.testing.assert_allclose(np.asarray(prop.q[r]), want_q, atol=1e-5, rtol=0)
     if head_tokens:  # a restricted head never proposes, and gives no mass to, tokens outside its rows
         outside = np.setdiff1d(np.arange(TINY.vocab_size), np.asarray(ex["token_ids"]))
         assert np.all(np.asarray(prop.q)[:, :, outside] == 0)
@@ -219,10 +281,11 @@ def test_exit_model_matches_the_exit_and_builds_greedy_trees():
     logits, _ = model.apply(mparams, rows[:, 4:], jnp.full((2, 2), 4), cache.with_lengths(jnp.full((2,), 4)), siblings)
     sampling = SamplingParams.make(2, 1.0)
     got = distribution(logits, sampling)
-    want0 = early_exit_q(2, dparams[1], rows[:, :5], sampling)[:, -1]
-    want1 = early_exit_q(2, dparams[1], jnp.concatenate([rows[:, :4], rows[:, 5:]], 1), sampling)[:, -1]
-    np.testing.assert_allclose(got[:, 0], want0, atol=1e-5)
-    np.testing.assert_allclose(got[:, 1], want1, atol=1e-5)
+    # Reference: layers [0, 2) over each sibling's own whole row, then the NumPy exit head and transform.
+    h0 = np.asarray(early_exit_hidden(2, rows[:, :5]))[:, -1]
+    h1 = np.asarray(early_exit_hidden(2, jnp.concatenate([rows[:, :4], rows[:, 5:]], 1)))[:, -1]
+    np.testing.assert_allclose(got[:, 0], np_exit_q(dparams[1], h0, 1.0), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got[:, 1], np_exit_q(dparams[1], h1, 1.0), atol=1e-5, rtol=0)
 
     plain = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=[24, 30, 17])
     tree = DynamicTreeDrafter(model, top_k=2, depth=3, budget=6)

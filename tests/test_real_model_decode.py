@@ -8,6 +8,7 @@ import sys
 
 import jax
 import pytest
+from conftest import requires_torch
 
 from jspec import decode as dec
 from jspec.ngram import NgramDrafter, NgramTreeDrafter
@@ -39,6 +40,27 @@ def plain(smollm2, chat_prompts):
             eos_ids=[smollm2.tokenizer.eos_id],
         ).tokens
     return out
+
+
+@requires_torch
+def test_plain_decode_equals_transformers_greedy_generate(smollm2, chat_prompts, plain, hf_smollm2):
+    """``jspec.decode`` itself (ragged batches of 2, prompt padding, EOS) against transformers' greedy generate on
+    each prompt alone: the reference every speculative run below is held to."""
+    import torch
+
+    eos = smollm2.tokenizer.eos_id
+    for ids, ours in zip(chat_prompts, plain):
+        with torch.no_grad():
+            gen = hf_smollm2.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=40,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+        assert ours == gen[0, len(ids) :].tolist()
+    assert any(row[-1] == eos for row in plain) and any(len(row) == 40 for row in plain)  # both stops ran
 
 
 # The CLI's default target layout on CPU (per-layer arrays): its logits are compared with transformers'
