@@ -65,9 +65,12 @@ class TreeSpec:
     budget: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.branching, str) or not isinstance(self.branching, Sequence):
+        branching = self.branching
+        if isinstance(branching, np.ndarray) and branching.ndim == 1:  # np.array([3, 1]): its entries, as ints
+            branching = branching.tolist()
+        if isinstance(branching, str) or not isinstance(branching, Sequence):
             raise ValueError(f"branching must be a non-empty tuple of counts >= 1, got {self.branching!r}")
-        object.__setattr__(self, "branching", tuple(_count("a branching count", c) for c in self.branching))
+        object.__setattr__(self, "branching", tuple(_count("a branching count", c) for c in branching))
         if self.budget is not None:
             object.__setattr__(self, "budget", _count("a tree budget", self.budget))
         if not self.branching or any(c < 1 for c in self.branching):

@@ -194,6 +194,23 @@ def test_eos_stops_row_and_nothing_follows(gamma):
     assert any(r == dec.StopReason.EOS for r in out.stop_reason)
 
 
+def test_an_end_token_inside_an_accepted_burst_cuts_the_burst():
+    """A draft equal to the target is always accepted at greedy: every round emits K + 1 = 4 tokens, so an end
+    token (EOS or a row's stop id) mostly lands inside a burst, and what follows it in the burst must go."""
+    ref = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=30)
+    twin = ModelDrafter(TARGET)
+    kw = dict(drafter=twin, draft_params=TARGET_PARAMS, gamma=3, max_new_tokens=30)
+    for stops in (dict(eos_ids=[2]), dict(stop_token_ids=[[0], [2], [0], [0]])):
+        out = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, **kw, **stops)
+        ends = stops.get("stop_token_ids") or [[2]] * len(PROMPTS)
+        cut_inside = 0
+        for full, got, end, rounds in zip(ref.tokens, out.tokens, ends, out.stats["rounds"]):
+            n = next(i for i, t in enumerate(full) if t in end) + 1  # each row meets its end token in 30
+            assert got == full[:n]
+            cut_inside += (n - 1) % 4 != 0 and rounds == -(-(n - 1) // 4)  # a burst of 4 cut short
+        assert cut_inside >= 1 and out.stats["acceptance_rate"] == 1.0
+
+
 @pytest.mark.parametrize("gamma", [0, 3])
 def test_per_row_stop_token_ids_cut_each_row_after_its_own(gamma):
     """vLLM's stop_token_ids, per row: each row is the unstopped greedy stream cut after the first of ITS ids

@@ -63,6 +63,11 @@ def test_tree_settings_that_would_fail_far_away_or_lose_losslessness_are_refused
     with pytest.raises(ValueError, match="branching must be a non-empty tuple"):
         TreeSpec(3)
     assert TreeSpec([2, np.int64(1)]) == TreeSpec((2, 1))  # stored as a tuple of ints: hashable
+    assert TreeSpec(np.asarray([2, 1])) == TreeSpec((2, 1))
+    with pytest.raises(ValueError, match="a branching count must be an integer, got 2.5"):
+        TreeSpec(np.asarray([2.5, 1]))
+    with pytest.raises(ValueError, match="branching must be a non-empty tuple"):
+        TreeSpec(np.asarray([[2, 1]]))
     hash(TreeSpec([2, 1]))
     with pytest.raises(ValueError, match="top_k must be an integer"):
         DynamicTreeDrafter(DRAFT, 2.0, 2, 4)
