@@ -140,7 +140,7 @@ def stop_id_rows(stop_token_ids, batch: int, vocab_size: int | None = None, widt
     if any(nested):
         if len(ids) != batch:
             raise ValueError(f"stop_token_ids has {len(ids)} per-row sequences for {batch} rows")
-        rows = [int_array(list(np.asarray(r).tolist()), f"stop_token_ids[{i}]") for i, r in enumerate(ids)]
+        rows = [int_array(r.tolist() if hasattr(r, "tolist") else r, f"stop_token_ids[{i}]") for i, r in enumerate(ids)]
     else:
         rows = [int_array(ids, "stop_token_ids")] * batch
     for i, r in enumerate(rows):
