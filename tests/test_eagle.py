@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from toy_models import chi2_critical, chi_square, exact_causal_distribution, grouped_rows
+from toy_models import MisreportedQ, chi2_critical, chi_square, exact_causal_distribution, grouped_rows
 
 from jspec import decode as dec
 from jspec.adaptive import AdaptiveK
@@ -611,12 +611,12 @@ def test_draft_params_refuse_token_ids_that_would_break_q():
             EagleDrafter(ecfg).draft_params(DIST_PARAMS, {**hp, "token_ids": jnp.asarray(ids, jnp.int32)})
 
 
-def _sample_and_check(drafter, hp, seed: int, group: dict, params=DIST_PARAMS, **decode_kw):
-    """100k sequences at one sampling setting against the exact distribution; chi-square at a 1e-5
+def _sample_and_check(drafter, hp, seed: int, group: dict, params=DIST_PARAMS, n=100_000, lossy=False, **decode_kw):
+    """n (100k) sequences at one sampling setting against the exact distribution; chi-square at a 1e-5
     false-alarm level; 5 new tokens (the first from prefill). The chain runs one of DIST_GROUPS and the tree the
     other, so top-k and top-p both meet the reduced vocabulary (q comes from ``jspec.sampling.distribution``
-    for every drafter: the filters' own code is the same for both)."""
-    n, n_new = 100_000, 5
+    for every drafter: the filters' own code is the same for both). ``lossy``: the statistic must REJECT."""
+    n_new = 5
     prompts, cols = grouped_rows(DIST_PROMPT, [group], n)
     out = decode(
         DIST_MODEL,
@@ -636,7 +636,7 @@ def _sample_and_check(drafter, hp, seed: int, group: dict, params=DIST_PARAMS, *
     outside = np.isin(tokens, [3, 5])
     assert outside.mean() > 0.05  # tokens the head cannot propose still come out (through the residual)
     stat, df = chi_square(tokens, exact_target_distribution(DIST_PROMPT, n_new, **group))
-    assert stat < chi2_critical(df), (group, stat, df)
+    assert (stat > chi2_critical(df)) if lossy else (stat < chi2_critical(df)), (group, stat, df)
     return out
 
 
@@ -650,6 +650,14 @@ def test_whole_sequence_distribution_equals_target():
         assert EagleDrafter(ecfg).draft_params(params, hp)[1]["rows"].dtype == jnp.bfloat16
     out = _sample_and_check(EagleDrafter(ecfg, max_draft=3), hp, 5, DIST_GROUPS[1], params=params, gamma=3)
     assert 0.2 < out.stats["acceptance_rate"] < 0.95, out.stats  # both branches of the acceptance rule
+
+
+def test_distribution_check_has_power():
+    """The same statistic rejects the head's chain reporting a q 10% off what it samples (mixed with the
+    uniform: ``toy_models.MisreportedQ``) at a quarter of the samples, so passing above means something."""
+    ecfg, hp = _dist_head()
+    bad = MisreportedQ(EagleDrafter(ecfg, max_draft=3), 0.9)
+    _sample_and_check(bad, hp, 5, DIST_GROUPS[1], n=25_000, lossy=True, gamma=3)
 
 
 def test_tree_whole_sequence_distribution_equals_target():

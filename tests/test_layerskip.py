@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TEST_XLA_FLAGS
-from toy_models import chi2_critical, chi_square, exact_causal_distribution, grouped_rows, ref_transform
+from toy_models import MisreportedQ, chi2_critical, chi_square, exact_causal_distribution, grouped_rows, ref_transform
 
 from jspec.adaptive import AdaptiveK
 from jspec.decode import decode
@@ -373,6 +373,20 @@ def test_whole_sequence_distribution_equals_target():
             draft = exact_exit_distribution(drafter, ex, n_new, **g)
             div = sum((draft.get(s, 0.0) - p) ** 2 / p for s, p in exact.items())
             assert n * div > 10 * chi2_critical(df), n * div
+
+
+def test_distribution_check_has_power_against_a_misreported_q():
+    """Empirically too: the exit's chain reporting a q 10% off what it samples (``toy_models.MisreportedQ``) is
+    rejected by the same statistic at a quarter of the samples, at the first group's setting."""
+    k, n, n_new, g = 3, 25_000, 5, DIST_GROUPS[0]
+    inner = LayerSkipDrafter(DIST, 1, adapter=True, head_tokens=4, max_draft=k)
+    ex = {"adapter": random_exit(DIST, inner, 2, scale=0.1)["adapter"], "token_ids": jnp.asarray([0, 1, 2, 4])}
+    prompts, cols = grouped_rows(DIST_PROMPT, [g], n)
+    bad = MisreportedQ(inner, 0.9)
+    kw = dict(gamma=k, max_new_tokens=n_new, seed=5, max_len=16, **cols)
+    out = decode(DIST_MODEL, DIST_PARAMS, prompts, drafter=bad, draft_params=inner.draft_params(DIST_PARAMS, ex), **kw)
+    stat, df = chi_square(np.asarray(out.tokens), exact_llama_distribution(DIST, DIST_PARAMS, DIST_PROMPT, n_new, **g))
+    assert stat > chi2_critical(df), (stat, df)
 
 
 def exact_exit_distribution(drafter, ex, n_new, **sampling) -> dict:
