@@ -44,6 +44,18 @@ class TreeRule(enum.IntEnum):
     WITHOUT_REPLACEMENT = 2
 
 
+def check_rule(rule) -> TreeRule:
+    """A tree drafter's rule as a TreeRule. The drafter and the verifier branch on the rule differently (an
+    unknown value would draw children without replacement and verify them as iid draws: lossy), so only
+    TreeRule's values are taken, and only as TreeRules or ints: True is not IID, nor 1.0."""
+    if isinstance(rule, bool | np.bool_) or not isinstance(rule, int | np.integer):
+        raise ValueError(f"rule must be a jspec.tree.TreeRule, got {rule!r}")
+    try:
+        return TreeRule(rule)
+    except ValueError:
+        raise ValueError(f"rule must be a jspec.tree.TreeRule, got {rule!r}") from None
+
+
 def _count(name: str, value) -> int:
     """An integer count given as an int (NumPy's included, bool not): a float or a list would pass the range checks
     here and fail far away, at trace time or in the compile cache's hashing."""
@@ -420,14 +432,7 @@ class TreeModelDrafter:
     def __post_init__(self):
         if not isinstance(self.spec, TreeSpec):
             raise TypeError(f"TreeModelDrafter needs spec=jspec.tree.TreeSpec, got {type(self.spec).__name__}")
-        # The drafter and the verifier branch on the rule differently (an unknown value would draw children
-        # without replacement and verify them as iid draws: lossy), so only TreeRule's values are taken.
-        try:
-            if isinstance(self.rule, bool | np.bool_) or not isinstance(self.rule, int | np.integer):
-                raise ValueError  # True is not IID, nor 1.0
-            object.__setattr__(self, "rule", TreeRule(self.rule))
-        except ValueError:
-            raise ValueError(f"rule must be a jspec.tree.TreeRule, got {self.rule!r}") from None
+        object.__setattr__(self, "rule", check_rule(self.rule))
 
     @property
     def vocab_size(self) -> int:

@@ -154,6 +154,8 @@ def forward(cfg: LlamaConfig, block: int, params, tokens, positions, cache: Comp
 @functools.cache
 def make_compressed_model(cfg: LlamaConfig, block: int = 4) -> Model:
     """A ``jspec.model.Model`` over a (tied-embedding) Llama parameter tree with block-compressed state."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block (tokens per summary) must be an int >= 1, got {block!r}")
     if not cfg.tie_embeddings:
         raise ValueError("the compressed-state stand-in uses tied embeddings")
     if cfg.qkv_bias:  # its projections have no bias terms: a Qwen2 model's logits would silently differ
@@ -167,4 +169,5 @@ def make_compressed_model(cfg: LlamaConfig, block: int = 4) -> Model:
         init_cache=lambda batch, slots: init_cache(cfg, block, batch, slots),
         vocab_size=cfg.vocab_size,
         name=f"{cfg.name}-compressed{block}",
+        max_positions=cfg.max_positions,
     )

@@ -250,7 +250,14 @@ def make_draft_model(dcfg: DraftConfig) -> Model:
     def make_cache(batch: int, slots: int):
         return init_cache(dcfg.llama, batch, slots)
 
-    return Model(apply=apply, init_cache=make_cache, vocab_size=dcfg.vocab_size, name=dcfg.name)
+    # max_positions: decode refuses rows past the draft's context, where it would draft garbage.
+    return Model(
+        apply=apply,
+        init_cache=make_cache,
+        vocab_size=dcfg.vocab_size,
+        name=dcfg.name,
+        max_positions=dcfg.llama.max_positions,
+    )
 
 
 # --------------------------------------------------------------------------------------------------------

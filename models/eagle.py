@@ -58,6 +58,7 @@ from jspec.tree import (
     TreeSpec,
     ancestor_mask,
     check_dynamic_tree,
+    check_rule,
     choose_children,
     frontier_mask,
     grow_dynamic_tree,
@@ -427,6 +428,14 @@ class EagleDrafter:
         packed_dtype: next to a packed target (the CPU kernel), the head's packed matrices are stored in this
         dtype. "bfloat16" (default) halves the bytes a draft step reads; the kernel widens them to f32 and
         multiplies in f32. Lossless either way: q is what the head samples, whatever its weights' rounding."""
+        # A head of another shape than the config drafted from unfused features (a fused head under fuse=())
+        # or failed at trace time (a missing fusion, another layer count).
+        if ("fuse" in head_params) != bool(self.ecfg.fuse):
+            has = "has" if "fuse" in head_params else "has no"
+            raise ValueError(f"the head {has} fusion weights but its config says fuse={self.ecfg.fuse}")
+        depth = {int(np.shape(x)[0]) for x in jax.tree.leaves(head_params["layers"])}
+        if depth != {self.ecfg.layers}:
+            raise ValueError(f"the head's layers stack {sorted(depth)} layers, its config says {self.ecfg.layers}")
         ids = jnp.asarray(head_params["token_ids"], jnp.int32)
         if ids.shape != (self.ecfg.n,):
             raise ValueError(f"head has {ids.shape[0]} token ids, config says N={self.ecfg.n}")
@@ -596,7 +605,7 @@ class EagleTreeDrafter(EagleDrafter):
     def __post_init__(self):
         if not isinstance(self.spec, TreeSpec):
             raise TypeError(f"EagleTreeDrafter needs spec=jspec.tree.TreeSpec, got {type(self.spec).__name__}")
-        object.__setattr__(self, "rule", TreeRule.DETERMINISTIC if self.rule is None else TreeRule(self.rule))
+        object.__setattr__(self, "rule", TreeRule.DETERMINISTIC if self.rule is None else check_rule(self.rule))
         # The feature block holds the accepted path: the root and at most max_depth accepted nodes.
         object.__setattr__(self, "max_draft", self.spec.max_depth)
         super().__post_init__()
@@ -703,7 +712,7 @@ class EagleDynamicTreeDrafter(DynamicTreeShape, EagleTreeDrafter):
     budget: int = 9
 
     def __post_init__(self):
-        object.__setattr__(self, "rule", TreeRule.DETERMINISTIC if self.rule is None else TreeRule(self.rule))
+        object.__setattr__(self, "rule", TreeRule.DETERMINISTIC if self.rule is None else check_rule(self.rule))
         check_dynamic_tree(self.rule, self.top_k, self.depth, self.budget)
         object.__setattr__(self, "max_draft", self.depth)
         EagleDrafter.__post_init__(self)

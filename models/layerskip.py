@@ -229,6 +229,11 @@ class LayerSkipDrafter:
         (either key as this drafter needs). The restricted head's rows are gathered here, once, not per step.
         """
         exit_params = dict(exit_params or {})
+        unknown = sorted(set(exit_params) - {"adapter", "token_ids"})
+        if unknown:
+            raise ValueError(f"exit params hold {unknown[0]!r}: only 'adapter' and 'token_ids' are read")
+        if not self.head_tokens and "token_ids" in exit_params:
+            raise ValueError("exit params give token_ids but the drafter has head_tokens=0 (the full head)")
         if self.adapter != ("adapter" in exit_params):
             raise ValueError(f"drafter adapter={self.adapter} but exit params have keys {sorted(exit_params)}")
         out = {}
@@ -238,9 +243,12 @@ class LayerSkipDrafter:
             ids = jnp.asarray(exit_params.get("token_ids", np.zeros((0,), np.int32)), jnp.int32)
             if ids.shape != (self.head_tokens,):
                 raise ValueError(f"head_tokens={self.head_tokens} needs token_ids of shape ({self.head_tokens},)")
-            host = np.asarray(ids)
             v = self.cfg.vocab_size
-            if host.min() < 0 or host.max() >= v or np.unique(host).size != host.size:
+            try:  # checked on the host when the ids are concrete (not under a trace), as EAGLE's
+                host = np.asarray(ids)
+            except jax.errors.TracerArrayConversionError:
+                host = None
+            if host is not None and (host.min() < 0 or host.max() >= v or np.unique(host).size != host.size):
                 # An id out of range was read from another row (or dropped on write); a repeat split q's mass.
                 raise ValueError(f"token_ids must be {self.head_tokens} distinct ids in [0, {v}), got {host.tolist()}")
             out["token_ids"] = ids

@@ -216,3 +216,8 @@ def test_configs_it_does_not_implement_are_refused():
         make_compressed_model(CFG.replace(qkv_bias=True))
     with pytest.raises(ValueError, match="uses tied embeddings"):
         make_compressed_model(CFG.replace(tie_embeddings=False))
+    for block in (0, 2.0, True):  # 0 divided by zero deep in init_cache
+        with pytest.raises(ValueError, match="block \\(tokens per summary\\) must be an int >= 1"):
+            make_compressed_model(CFG, block)
+    # Its context is the config's: decode refuses rows past it, as for the uncompressed model.
+    assert make_compressed_model(CFG.replace(max_positions=16), BLOCK).max_positions == 16

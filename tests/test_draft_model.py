@@ -146,6 +146,8 @@ def test_checkpoint_round_trip_identical_logits(distilled, tmp_path):
     want = np.asarray(_logits(dcfg, params, tokens))
     loaded = D.load_draft(tmp_path / "d", target_config=TARGET_CFG)
     assert loaded.config == dcfg and loaded.model is D.make_draft_model(dcfg)
+    # The draft's context travels with it: decode refuses rows past it (it drafted garbage there).
+    assert loaded.model.max_positions == dcfg.llama.max_positions
     np.testing.assert_array_equal(np.asarray(_logits(loaded.config, loaded.params, tokens)), want)
     # Onto an explicit device sharding (how a checkpoint moves between layouts).
     dev = jax.devices()[-1]

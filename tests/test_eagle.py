@@ -32,6 +32,7 @@ from models.eagle import (
     EagleTreeDrafter,
     bundled_heads,
     frequent_tokens,
+    graft_fusion,
     head_features,
     head_unrolled,
     init_head,
@@ -70,6 +71,23 @@ def tiny_drafter(head_tokens=40, k=3, seed=3, scale=0.1):
     hp = random_head(ecfg, TINY_PARAMS, seed, scale, ids)
     drafter = EagleDrafter(ecfg, max_draft=k)
     return drafter, drafter.draft_params(TINY_PARAMS, hp), hp
+
+
+def test_heads_and_rules_that_do_not_match_their_config_are_refused():
+    """A fused head under an unfused config drafted from unfused features silently (and the reverse, or another
+    layer count, failed at trace time); a tree rule of True or 1.0 was read as IID."""
+    drafter, _, hp = tiny_drafter()
+    fused = EagleConfig(TINY, head_tokens=40, name="tiny-eagle", fuse=(0,))
+    with pytest.raises(ValueError, match=r"the head has no fusion weights but its config says fuse=\(0,\)"):
+        EagleDrafter(fused).draft_params(TINY_PARAMS, hp)
+    with pytest.raises(ValueError, match=r"the head has fusion weights but its config says fuse=\(\)"):
+        drafter.draft_params(TINY_PARAMS, graft_fusion(fused, hp))
+    deeper = EagleConfig(TINY, head_tokens=40, name="tiny-eagle", layers=2)
+    with pytest.raises(ValueError, match=r"the head's layers stack \[1\] layers, its config says 2"):
+        EagleDrafter(deeper).draft_params(TINY_PARAMS, hp)
+    for rule in (True, 1.0):
+        with pytest.raises(ValueError, match="rule must be a jspec.tree.TreeRule"):
+            EagleTreeDrafter(drafter.ecfg, spec=TreeSpec((2, 1)), rule=rule)
 
 
 def test_frequent_tokens():

@@ -389,6 +389,16 @@ def test_distribution_check_has_power_against_a_misreported_q():
     assert stat > chi2_critical(df), (stat, df)
 
 
+def test_exit_params_the_drafter_would_not_read_are_refused():
+    """A misspelt key, or token_ids for a drafter with the full head, were ignored silently."""
+    full = LayerSkipDrafter(TINY, 1, adapter=False, head_tokens=0)
+    with pytest.raises(ValueError, match="exit params hold 'adaptor': only 'adapter' and 'token_ids' are read"):
+        full.draft_params(TINY_PARAMS, {"adaptor": {}})
+    with pytest.raises(ValueError, match="give token_ids but the drafter has head_tokens=0"):
+        full.draft_params(TINY_PARAMS, {"token_ids": jnp.arange(4)})
+    assert full.draft_params(TINY_PARAMS, None)[1] is None
+
+
 def exact_exit_distribution(drafter, ex, n_new, **sampling) -> dict:
     """Like ``exact_llama_distribution`` for the early exit itself (what a broken verifier would emit); the
     tokens outside the exit's head (logit -inf) get -1e9 so the reference transform gives them 0."""
