@@ -26,8 +26,13 @@ For the head it also reports:
   as "rest"), plain decode-only ms per token, the measured conditional acceptance), next to the measured
   decode-only speedup, with the ratio predicted / measured. Propose and verify are timed after the decode
   runs, and these VMs' speed drifts by 20-40% within minutes, so they enter the model as multiples of a
-  plain target step timed interleaved with them, scaled by the plain decode's ms per token: every input
-  then comes from the same moment as the decode it predicts (the raw ms are printed too).
+  whole plain decode round (``decode_round`` without a drafter: the target step, sampling, the cache write and
+  the loop's bookkeeping) timed interleaved with them, scaled by the plain decode's ms per token (one plain round
+  per token): both sides of every ratio are in the same unit and from the same moment as the decode it predicts
+  (``cost_at_decode_speed``; the raw ms, and the bare target step for reference, are printed too). "round" is the
+  head config's measured decode round, "propose" / "verify" its pieces at the decode's speed, "rest" = round -
+  propose - verify, "% of the round" = propose / round, and the prediction is plain round x E[N] / (propose +
+  verify): the seed formula with a whole plain round as its baseline.
 
 The default head is the one bundled in models/heads/ (``models.eagle.DEFAULT_HEAD``); examples/train_eagle.py
 trains others into the cache, named by ``--name``.
@@ -85,10 +90,13 @@ def tokens_per_round(rs) -> float:
 
 def round_parts(target, drafter, dparams, tparams, prompt_ids, k: int, eos: tuple) -> dict:
     """name -> (jitted piece, maker of its arguments) on a live state after a few rounds: a propose (catch-up +
-    K head steps), a verify (K+1 target positions with features) and a plain 1-token target step. Each piece
-    takes what the fused round updates in place donated (the target's KV cache; propose and verify the head's
-    state too): returned undonated, every call would copy the whole cache into its output, a cost the decode
-    loop never pays. The maker hands each call fresh copies, to be made outside the timed region."""
+    K head steps), a verify (K+1 target positions with features), a bare 1-token target step (``target.apply``)
+    and a whole plain decode round (``decode_round`` without a drafter, on a plain decode's state after as many
+    rounds: the step plus sampling, the cache write and the loop's bookkeeping; the unit ``cost_at_decode_speed``
+    converts with). Each piece takes what the fused round updates in place donated (the target's KV cache;
+    propose and verify the head's state too; the plain round its whole state): returned undonated, every call
+    would copy the whole cache into its output, a cost the decode loop never pays. The maker hands each call
+    fresh copies, to be made outside the timed region."""
     prepared = dec.prepare(
         target, tparams, [prompt_ids], drafter=drafter, draft_params=dparams, gamma=k, max_new_tokens=64, eos_ids=eos
     )
@@ -107,6 +115,11 @@ def round_parts(target, drafter, dparams, tparams, prompt_ids, k: int, eos: tupl
     pending = jnp.take_along_axis(st.seq, committed[:, None], axis=1)
     tokens = jnp.concatenate([pending, prop.tokens], axis=1)
     positions = committed[:, None] + jnp.arange(k + 1)[None, :]
+    plain_prep = dec.prepare(target, tparams, [prompt_ids], max_new_tokens=64, eos_ids=eos)
+    plain_pre, plain_round = dec._stream_fns(target, None, plain_prep.config)
+    plain_st = plain_pre(*plain_prep.args)
+    for _ in range(3):
+        plain_st, _, _ = plain_round(tparams, None, plain_st)
     return {
         "propose_ms": (propose, lambda: (dparams, fresh(st.draft_state), ctx, key, k)),
         "verify_ms": (
@@ -114,6 +127,7 @@ def round_parts(target, drafter, dparams, tparams, prompt_ids, k: int, eos: tupl
             lambda: (target, tparams, dparams, fresh(prop.state), tokens, positions, fresh(st.cache)),
         ),
         "plain_step_ms": (plain, lambda: (tparams, pending, committed[:, None], fresh(st.cache))),
+        "plain_round_ms": (plain_round, lambda: (tparams, None, fresh(plain_st))),
     }
 
 
@@ -130,6 +144,36 @@ def time_round_parts(target, drafter, dparams, tparams, prompt_ids, k: int, eos:
             jax.block_until_ready(fn(*a))
             times[name].append(time.perf_counter() - t0)
     return {name: 1e3 * median(t) for name, t in times.items()}
+
+
+def cost_at_decode_speed(p: dict, k: int, round_ms: float, plain_ms: float, cond, measured: float) -> dict:
+    """One head config's cost model in the decode runs' units. ``p``: ``time_round_parts``' medians (propose,
+    verify, the bare target step and the whole plain round, timed together after the decode runs); ``round_ms``:
+    the config's measured decode round (decode-only seconds / rounds); ``plain_ms``: plain decoding's decode-only
+    ms per token, i.e. per plain round; ``cond``: the measured conditional acceptance; ``measured``: the measured
+    decode-only speedup.
+
+    Propose and verify enter as multiples of the whole plain round timed with them, times ``plain_ms``: one unit
+    on both sides. (As multiples of the bare target step, times a whole round, they took on the plain round's own
+    overhead, sampling, the cache write and loop control, in proportion: "rest" came out too small and the draft's
+    share of the round too large.) The prediction is the seed formula with the plain round as baseline:
+    plain_ms x E[N] / (propose + verify); the rest of the round is not modelled (``unmodelled_ms``)."""
+    scale = plain_ms / p["plain_round_ms"]
+    propose_ms, verify_ms = p["propose_ms"] * scale, p["verify_ms"] * scale
+    pred = predict_k_rounds(plain_ms, propose_ms / k, verify_ms, cond, k)
+    return {
+        "round_ms": round_ms,
+        "plain_round_ms_at_decode_speed": plain_ms,
+        "propose_in_plain_rounds": p["propose_ms"] / p["plain_round_ms"],
+        "verify_in_plain_rounds": p["verify_ms"] / p["plain_round_ms"],
+        "plain_round_in_bare_steps": p["plain_round_ms"] / p["plain_step_ms"],
+        "propose_ms_at_decode_speed": propose_ms,
+        "verify_ms_at_decode_speed": verify_ms,
+        "unmodelled_ms": round_ms - propose_ms - verify_ms,
+        "draft_share": propose_ms / round_ms,
+        "predicted_speedup": pred.speedup,
+        "predicted_over_measured": pred.ratio_to(measured),
+    }
 
 
 def program_key(p) -> tuple:
@@ -419,37 +463,23 @@ def main(argv=None) -> dict:
                     f"{x:.2f}" for x in surv
                 )
             if name in parts:
-                k = configs[name][2]
                 p = parts[name]
-                # Decode only on both sides: the model describes the rounds, not the prefill.
+                # Decode only on both sides: the model describes the rounds, not the prefill. The model's cycle
+                # is propose + verify only: the rest of the round (acceptance, commit, loop control) is what it
+                # leaves out, printed beside it (taking it from the measured round would make the prediction
+                # agree with the measurement by construction).
                 round_ms = 1e3 * median([r["decode_seconds"] / r["rounds"] for r in rs if r["rounds"]])
-                plain_ms = 1e3 / plain_dec
-                # In units of the plain step timed next to them, then at the decode runs' speed. The model's
-                # cycle is propose + verify only: the rest of the round (acceptance, commit, loop control) is
-                # what it leaves out, printed beside it (taking it from the measured round would make the
-                # prediction agree with the measurement by construction).
-                propose_ms = p["propose_ms"] / p["plain_step_ms"] * plain_ms
-                verify_ms = p["verify_ms"] / p["plain_step_ms"] * plain_ms
-                rest_ms = round_ms - propose_ms - verify_ms
-                pred = predict_k_rounds(plain_ms, propose_ms / k, verify_ms, cond, k)
-                row.update(
-                    parts=p,
-                    round_ms=round_ms,
-                    propose_ms_at_decode_speed=propose_ms,
-                    verify_ms_at_decode_speed=verify_ms,
-                    unmodelled_ms=rest_ms,
-                    draft_share=propose_ms / round_ms,
-                    predicted_speedup=pred.speedup,
-                    predicted_over_measured=pred.ratio_to(dratio),
-                )
+                c = cost_at_decode_speed(p, configs[name][2], round_ms, 1e3 / plain_dec, cond, dratio)
+                row.update(parts=p, **c)
                 line += (
-                    f"\n{'':{width}s} round {round_ms:.1f} ms (decode only): propose {propose_ms:.1f} ms "
-                    f"({100 * propose_ms / round_ms:.0f}% of the round), verify {verify_ms:.1f} ms, rest "
-                    f"{rest_ms:.1f} ms, not modelled (propose {p['propose_ms'] / p['plain_step_ms']:.2f} and verify "
-                    f"{p['verify_ms'] / p['plain_step_ms']:.2f} plain steps, timed apart at T=0: "
-                    f"{p['propose_ms']:.1f}, {p['verify_ms']:.1f} and {p['plain_step_ms']:.1f} ms); cost model "
-                    f"x{pred.speedup:.2f} predicted vs x{dratio:.2f} measured decode only (ratio "
-                    f"{pred.ratio_to(dratio):.2f})"
+                    f"\n{'':{width}s} round {round_ms:.1f} ms (decode only): propose "
+                    f"{c['propose_ms_at_decode_speed']:.1f} ms ({100 * c['draft_share']:.0f}% of the round), verify "
+                    f"{c['verify_ms_at_decode_speed']:.1f} ms, rest {c['unmodelled_ms']:.1f} ms, not modelled "
+                    f"(propose {c['propose_in_plain_rounds']:.2f} and verify {c['verify_in_plain_rounds']:.2f} whole "
+                    f"plain rounds, timed apart at T=0: {p['propose_ms']:.1f}, {p['verify_ms']:.1f} and "
+                    f"{p['plain_round_ms']:.1f} ms; the bare target step {p['plain_step_ms']:.1f} ms); cost model "
+                    f"x{c['predicted_speedup']:.2f} predicted (plain round x E[N] / (propose + verify)) vs "
+                    f"x{dratio:.2f} measured decode only (ratio {c['predicted_over_measured']:.2f})"
                 )
             print(line)
             report["results"][f"{name} T={t:g}"] = row

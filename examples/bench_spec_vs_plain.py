@@ -8,7 +8,9 @@ given to transformers' assisted generation), ``--draft NAME`` = a distilled draf
 (low-load latency) and --concurrency (saturation throughput), in separate runs.
 
 Writes <out>/spec_vs_plain.{json,md} once jspec's runs are done (``peers_pending`` names the peers still to run),
-again with the peers' runs, then plots (latency CDFs at concurrency 1, acceptance by position).
+again with the peers' runs, then plots (latency CDFs at concurrency 1, acceptance by position). The peers run after
+jspec's runs (not interleaved: the time between is recorded), on one thread count (``--peer-threads``, default
+jspec's XLA pool size).
 
     python examples/bench_spec_vs_plain.py [--n 4] [--gamma 4] [--draft-layers 4] [--peers transformers,llama_cpp]
         [--ngram-variants '12;8,4,2']   (more n-gram configurations, K[,MAX_NGRAM,MIN_NGRAM], in the same run)
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="saturation run; 1 = latency run only")
     ap.add_argument("--draft-layers", type=int, default=0, help="add a truncated-target draft model of L layers")
     ap.add_argument("--draft", default=None, help="add a distilled draft (name or directory)")
-    ap.add_argument("--peers", default="transformers,llama_cpp", help="comma-separated; 'none' to skip")
+    suite.add_peer_args(ap)
     ap.add_argument(
         "--ngram-variants",
         default="",
@@ -123,7 +125,9 @@ def main(argv=None) -> int:
         names = suite.peer_names(args.peers)
         if args.draft_layers:
             check_draft_layers(args.draft_layers)
-        cfg = suite.config_from_args(args, gamma=args.gamma, concurrency=args.concurrency)
+        cfg = suite.config_from_args(
+            args, gamma=args.gamma, concurrency=args.concurrency, peer_threads=args.peer_threads
+        )
         suite.make_out_dir(args.out)  # an unusable --out fails now, not after the runs
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
@@ -149,7 +153,8 @@ def main(argv=None) -> int:
         paths = suite.write_outputs(args.out, "spec_vs_plain", pl)
         print(f"jspec's runs written to {paths['json']} (the peers' runs follow)")
     plain1 = results[0]
-    peer_runs = suite.run_peer_set(target, names, jobs, cfg, args.gamma, plain1, assistant_layers=args.draft_layers)
+    peer_runs = suite.run_peer_set(target, names, jobs, cfg, args.gamma, plain1, assistant_layers=args.draft_layers,
+                                   jspec_runs=results)  # fmt: skip
     lines = suite.headline(results, peer_runs)
     pl = suite.payload("spec_vs_plain", None, meta, results, peer_runs, headline=lines, command=cmd)
     plots = [

@@ -1,8 +1,9 @@
 """Distil a small draft from the target (DistillSpec-style, on-policy) and evaluate its acceptance.
 
 1. On-policy data: the TARGET answers prompts (chat questions written below, and requests about Python
-   standard-library docstrings, i.e. real text that ships with Python) with ``jspec.decode``, batched, at
-   temperature ``--temperature``. Each batch's target log-probabilities are computed once (one teacher
+   standard-library docstrings, i.e. real text that ships with Python, less the passages the benchmark's
+   grounded workload uses and any docstring sharing text with them: ``bench_passages``) with ``jspec.decode``,
+   batched, at temperature ``--temperature``. Each batch's target log-probabilities are computed once (one teacher
    forward over prompt + answer), and their top ``--teacher-k`` are cached next to the tokens.
 2. The frequent-token head's map (``--head-size`` tokens) is counted on the generated answers.
 3. The draft (``--layers`` layers copied from the target, plus the target's embedding and head rows) is
@@ -105,8 +106,40 @@ def chat_prompts() -> list[str]:
     return [tpl.format(t=t) for t in TOPICS for tpl in TEMPLATES]
 
 
+# Docstrings sharing a run of this many words with a benchmark passage are not trained on (``bench_passages``).
+OVERLAP_WORDS = 8
+
+
+def bench_passages() -> dict[str, tuple[object, str]]:
+    """The standard-library objects whose docstrings are the benchmark's grounded passages (``jspec.bench.
+    workloads``' passage sources, "module:name" -> (object, whole docstring)). The grounded workload asks the target
+    to copy, edit, summarise and rewrite them: a draft trained on answers about the same text would be measured on
+    its training data."""
+    from jspec.bench import workloads
+
+    out = {}
+    for source in workloads._PASSAGE_SOURCES:
+        mod_name, qual = source.split(":")
+        obj: object = importlib.import_module(mod_name)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+        out[source] = (obj, inspect.getdoc(obj) or "")
+    return out
+
+
+def _word_runs(text: str, n: int = OVERLAP_WORDS) -> set[tuple[str, ...]]:
+    words = text.split()
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
 def docstring_prompts(max_chars: int = 700) -> list[str]:
-    """Requests about stdlib docstrings: real English text shipped with Python, no download."""
+    """Requests about stdlib docstrings: real English text shipped with Python, no download. The benchmark's
+    grounded passages are left out (``bench_passages``): the object itself under any name (``statistics.Fraction``
+    is ``fractions.Fraction``) and any docstring sharing ``OVERLAP_WORDS`` consecutive words with one
+    (``textwrap.fill``'s with ``textwrap.wrap``'s, ``statistics.median_low``'s with ``statistics.median``'s)."""
+    bench = bench_passages()
+    bench_objs = [obj for obj, _ in bench.values()]
+    bench_runs = set().union(*(_word_runs(doc) for _, doc in bench.values()))
     out = []
     for mod_name in DOC_MODULES:
         try:
@@ -118,6 +151,8 @@ def docstring_prompts(max_chars: int = 700) -> list[str]:
                 continue
             doc = inspect.getdoc(obj)
             if doc and 150 <= len(doc) <= max_chars:
+                if any(obj is b for b in bench_objs) or _word_runs(doc) & bench_runs:  # a benchmark passage
+                    continue
                 kind = "class" if inspect.isclass(obj) else "function"
                 tpl = DOC_TEMPLATES[len(out) % len(DOC_TEMPLATES)]
                 out.append(tpl.format(kind=kind, name=f"{mod_name}.{name}", doc=doc))
@@ -244,6 +279,8 @@ def data_dir(args) -> str:
         f"{args.model}-T{args.temperature}-p{args.max_prompt}-n{args.max_new}-b{args.gen_batch}"
         f"-d{args.doc_fraction:g}-k{args.teacher_k}-s{args.seed}"
     )
+    # "-xb": docstrings without the benchmark's passages (``docstring_prompts``); data cached before held them.
+    key += "-xb" if args.doc_fraction else ""
     return os.path.join(D.cache_root(), "_data", key)
 
 

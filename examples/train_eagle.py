@@ -95,6 +95,10 @@ tokens, greedy K=4: first position 0.45, teacher-forced 0.47, 1.76 tokens per ro
 held out 1.90 tokens per round, per position 0.46 0.26 0.13 0.07 (st3: 1.76), T=1 the same as st3; it reads
 14.2M parameters per draft step against 8.9M and was as fast as st3 within noise (docs/results.md).
 
+The exported meta.json says what the held-out evaluation computed with next to the export's ``stored_dtype``:
+``evaluated_dtype`` and ``evaluated_layout`` (the f32 head on the stacked, unpacked f32 target), not the bf16
+export.
+
     python examples/train_eagle.py [--name smollm2-8k] [--head-tokens 8192] [--gen-batches 3] [--force]
         [--export models/heads/NAME]
 """
@@ -924,12 +928,26 @@ def teacher_forced_agreement(
     return (hits.sum(axis=1) / max(hits.shape[1], 1)).tolist()
 
 
+def eval_numerics(target_params, head_params) -> dict:
+    """What an evaluation computed with: ``evaluated_dtype``, the float dtypes of the head's own weights as the
+    drafter read them (the LM-head rows it gathers from the target are the target's), and ``target_layout``:
+    "stacked", "unstacked", or "packed" (the CPU kernel's layout, next to which the head's matrices are packed in
+    bfloat16 by default)."""
+    own = [x for k, v in head_params.items() if k not in ("token_ids", "rows") for x in jax.tree.leaves(v)]
+    dtypes = sorted({jnp.dtype(x.dtype).name for x in own if jnp.issubdtype(x.dtype, jnp.floating)})
+    tp = target_params
+    layout = "packed" if llama.is_packed(tp) else "unstacked" if llama.is_unstacked(tp) else "stacked"
+    return {"evaluated_dtype": "+".join(dtypes), "target_layout": layout}
+
+
 def evaluate(target, path: str, gamma: int, max_new: int, seed: int = 0, unroll: int = 3) -> dict:
     """Acceptance per draft position on the held-out prompts, greedy and T = 1 (one decode each), and the
     teacher-forced agreement of the ``unroll`` training passes on the greedy answers
-    (``teacher_forced_agreement``)."""
+    (``teacher_forced_agreement``). Each row records what it computed with (``eval_numerics``): the saved head
+    restored in the target's dtype (float32 here) on the target as loaded, not the bf16 ``--export``."""
     tok = target.tokenizer
     drafter, dparams = EG.load_eagle(path, target.config, target.params, max_draft=gamma)
+    numerics = eval_numerics(dparams[0], dparams[1])
     ids = [encode(tok, p, 512) for p in EVAL_PROMPTS]
     res = {}
     for label, temp in (("greedy", 0.0), ("T=1", 1.0)):
@@ -956,6 +974,7 @@ def evaluate(target, path: str, gamma: int, max_new: int, seed: int = 0, unroll:
             "new_tokens": sum(st["new_tokens"]),
             # Share of held-out output inside the draft vocabulary (the rest can only come from the residual).
             "coverage": float(np.isin(np.concatenate(out.tokens), np.asarray(dparams[1]["token_ids"])).mean()),
+            **numerics,
         }
         if temp == 0.0:
             res[label]["teacher_forced"] = teacher_forced_agreement(target, drafter, dparams, ids, out.tokens, unroll)
@@ -1272,15 +1291,30 @@ def main(argv=None) -> dict:
     return report
 
 
+EXPORT_DTYPE = "bfloat16"
+
+
 def export(args, final: str, report: dict) -> None:
     """``--export DIR``: the head in bf16 with its held-out evaluation and the settings it ran with
-    (``eval_settings``) in meta.json (``models.eagle.export_head``)."""
+    (``eval_settings``) in meta.json (``models.eagle.export_head``), and what that evaluation computed with next to
+    the export's ``stored_dtype``: ``evaluated_dtype`` and ``evaluated_layout`` (``eval_numerics``; "not
+    recorded" for an evaluation made before they were), with ``eval_note`` saying the bf16 rounding was not what
+    was evaluated when the two differ."""
     if not args.export:
         return
     extra = {"eval": report.get("eval", {})}
     if extra["eval"]:
         extra["eval_settings"] = recorded_eval_settings(report)
-    out = EG.export_head(final, args.export, extra_meta=extra)
+        row = next(iter(extra["eval"].values()))
+        dtype = row.get("evaluated_dtype", "not recorded")
+        extra.update(evaluated_dtype=dtype, evaluated_layout=row.get("target_layout", "not recorded"))
+        if dtype != EXPORT_DTYPE:
+            extra["eval_note"] = (
+                f"the held-out metrics were measured with the head's weights in {dtype} on a "
+                f"{extra['evaluated_layout']} target, before the export stored them in {EXPORT_DTYPE}: the exported "
+                "head's rounding was not evaluated"
+            )
+    out = EG.export_head(final, args.export, dtype=EXPORT_DTYPE, extra_meta=extra)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     print(f"exported (bf16) to {out}: {size / 1e6:.1f} MB")
 

@@ -827,24 +827,37 @@ def test_peer_ratios_only_like_for_like_in_headline_and_table():
 
 
 def test_run_peer_set_records_what_is_not_like_for_like(monkeypatch):
+    """Both peers are given one thread count, jspec's (2 here) unless the suite names another, and a peer that
+    ran on another count (llama.cpp's prompts on 4 threads; transformers on 3 when told 3) is not like for like."""
     from types import SimpleNamespace
 
     from jspec.bench import suite
 
     fake = [
-        _fake_peer("llama-cpp-python plain", "plain", 20.0, 20.0, _LLAMA_INFO, None),
-        _fake_peer("transformers plain", "plain", 20.0, 20.0, _TORCH_INFO, None),
-    ]
-    monkeypatch.setattr(peers, "run_peers", lambda *a, **k: fake)
+        _fake_peer("llama-cpp-python plain", "plain", 20.0, 20.0, {**_LLAMA_INFO, "threads": 2, "threads_batch": 4},
+                   None),
+        _fake_peer("transformers plain", "plain", 20.0, 20.0, {**_TORCH_INFO, "threads": 2}, None),
+    ]  # fmt: skip
+    given = {}
+    monkeypatch.setattr(peers, "run_peers", lambda *a, **k: given.update(k) or fake)
+    monkeypatch.setattr(metrics, "jspec_threads", lambda: {"threads": 2, "how": "two CPUs"})
     target = SimpleNamespace(dtype="float32", eos_ids=(2,), path="x.gguf", decode_text=None)
     logged = []
     out = suite.run_peer_set(target, ["llama_cpp", "transformers"], [], suite.SuiteConfig(), 4, None, log=logged.append)
     backend = jax.default_backend()
-    assert out[0].info["jspec"] == {"dtype": "float32", "backend": backend}
+    assert given["threads"] == 2
+    assert out[0].info["jspec"] == {"dtype": "float32", "backend": backend, "threads": 2, "threads_how": "two CPUs"}
     assert out[0].info["not_like_for_like"][:2] == ["native Q4_1+F32+Q8_0 weights", "float16 KV cache"]
+    if backend == "cpu":
+        assert out[0].info["not_like_for_like"][2] == "peer on 2 (4 for prompts) threads, jspec on 2"
     assert out[1].info["not_like_for_like"] == ([] if backend == "cpu" else [f"peer on cpu, jspec on {backend}",
                                                                              "jspec runs float32"])  # fmt: skip
     assert "not like for like: native Q4_1" in logged[0]
+    fake[1].info.update(threads=3)  # what torch reports after set_num_threads(3)
+    out = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(peer_threads=3), 4, None, log=print)
+    assert given["threads"] == 3
+    if backend == "cpu":
+        assert out[1].info["not_like_for_like"] == ["peer on 3 threads, jspec on 2", "jspec runs float32"]
 
 
 def test_decode_rate_counts_tokens_after_the_first_emission():
@@ -1161,6 +1174,32 @@ def test_bench_eagle_checks_greedy_output_and_rates_decode_alone():
     assert eagle.paired(rs, [{"x": 2.0}, {"x": 1.0}, {"x": 3.0}], "x") == [2.0, 3.0]
 
 
+def test_bench_eagle_cost_model_takes_propose_and_verify_in_whole_plain_rounds():
+    """bench_eagle timed propose and verify as multiples of a bare target step (target.apply) and multiplied them
+    by a whole plain decode round per token, which also samples, writes the cache and runs the loop: propose and
+    verify took on the round's overhead, 'rest' came out too small and the draft's share too large. Now they are
+    multiples of a whole plain round timed with them.
+
+    Timed apart: propose 2 ms, verify 6 ms, bare step 4 ms, whole plain round 5 ms; at the decode's speed the plain
+    round took 10 ms per token, so the scale is 10 / 5 = 2: propose 4 ms, verify 12 ms. The head's round took
+    20 ms: rest 20 - 4 - 12 = 4 ms, propose 4 / 20 = 20% of the round (the old units: 5 and 15 ms, rest 0, 25%).
+    K = 2 at conditional rates [0.5, 0.5]: E[N] = 1 + 0.5 + 0.25 = 1.75; cycle 2 x (4 / 2) + 12 = 16 ms;
+    predicted 10 x 1.75 / 16 = 1.09375 (a plain round x E[N] / (propose + verify), 5 x 1.75 / 8), against a
+    measured 1.25: ratio 0.875."""
+    eagle = _examples_module("bench_eagle")
+    p = {"propose_ms": 2.0, "verify_ms": 6.0, "plain_step_ms": 4.0, "plain_round_ms": 5.0}
+    c = eagle.cost_at_decode_speed(p, 2, 20.0, 10.0, [0.5, 0.5], 1.25)
+    assert c["propose_ms_at_decode_speed"] == pytest.approx(4.0) and c["verify_ms_at_decode_speed"] == pytest.approx(
+        12.0
+    )
+    assert c["unmodelled_ms"] == pytest.approx(4.0) and c["draft_share"] == pytest.approx(0.2)
+    assert c["propose_in_plain_rounds"] == pytest.approx(0.4) and c["verify_in_plain_rounds"] == pytest.approx(1.2)
+    assert c["plain_round_in_bare_steps"] == pytest.approx(1.25)
+    assert c["predicted_speedup"] == pytest.approx(1.09375) and c["predicted_over_measured"] == pytest.approx(0.875)
+    doc = " ".join(eagle.__doc__.split())
+    assert "multiples of a whole plain decode round" in doc and "plain round x E[N] / (propose + verify)" in doc
+
+
 def test_bench_eagle_times_each_program_after_one_untimed_run():
     """The first time a configuration meets a program (its decode and prompt width) both the decode and its
     prefill are compiled and run once untimed; later runs of the same program reuse them. Every run also
@@ -1203,6 +1242,7 @@ def test_bench_scripts_cost_pieces_take_the_cache_donated():
         "propose_ms": lambda a: [a[1]],
         "verify_ms": lambda a: [a[3].cache, a[6]],
         "plain_step_ms": lambda a: [a[3]],
+        "plain_round_ms": lambda a: [a[2].cache, a[2].seq],  # a plain decode round's whole state
     }
     for name, (fn, args) in parts.items():
         a = args()
@@ -1338,6 +1378,7 @@ def test_bench_scripts_refuse_bad_settings_before_loading_a_model(monkeypatch, c
         ("bench_sweeps", ["--k-concurrency", "0"], "--k-concurrency 0: must be >= 1"),
         ("bench_spec_vs_plain", ["--max-new-tokens", "700"], "--max-new-tokens 700 > --max-len 640"),
         ("bench_spec_vs_plain", ["--peers", "vllm"], "--peers: unknown vllm"),
+        ("bench_spec_vs_plain", ["--peer-threads", "0"], "--peer-threads 0: must be >= 1"),
         ("bench_chain_vs_tree", ["--workloads", ","], "--workloads ',': name at least one"),
     ):
         with pytest.raises(SystemExit) as e:
@@ -1359,3 +1400,325 @@ def test_a_pass_that_decoded_nothing_after_the_first_tokens_has_no_decode_ratio(
     spec = _fake_result(CHAIN, {}, passes=passes(10.0, 3.0))
     plain = _fake_result(PLAIN, {}, passes=passes(5.0, 1.5))
     assert suite.pass_ratios(spec, plain) == {"output": [2.0, 2.0], "decode": [2.0, 2.0]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurement honesty: results before the peers, outputs that differ, threads, lookup policies, the peers' gap
+
+
+def _ngram_spec():
+    from jspec.ngram import NgramDrafter
+
+    return Spec("ngram K=4", NgramDrafter(vocab_size=100), 4, peer="prompt_lookup")
+
+
+def _tabled(run, tokens_per_round=2.0):
+    """A ``_fake_run`` with what the Markdown's tables read (decode counters, memory)."""
+    run.decode_stats = {"tokens_per_round": tokens_per_round, "acceptance_rate": 0.5}
+    run.memory = dict(params_bytes=0, draft_params_bytes=0, cache_bytes=0, draft_state_bytes=0, device_bytes=0,
+                      max_rss_bytes=0, how="fake")  # fmt: skip
+    return run
+
+
+def test_suite_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch):
+    """python -m jspec bench wrote nothing until the peers finished: a peer that crashed (or a Ctrl-C) lost every
+    jspec run. jspec's runs are now written first (peers_pending names the peers still to run), then again with
+    the peers'. Canned rates: plain 10 / 10 tok/s, n-gram 20 / 30 (2.00x end to end, 3.00x decode)."""
+    from types import SimpleNamespace
+
+    from jspec.bench import suite
+
+    runs = [_tabled(_fake_run(PLAIN, 10.0, 10.0)), _tabled(_fake_run(_ngram_spec(), 20.0, 30.0))]
+    monkeypatch.setattr(suite, "load_target", lambda *a: SimpleNamespace(model=TARGET))
+    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {"input_len": {"median": 2.0}}))
+    monkeypatch.setattr(suite, "meta", lambda *a: {})
+    monkeypatch.setattr(suite, "run_specs", lambda *a, **k: runs)
+    monkeypatch.setattr(suite, "write_results", lambda out, name, pl, plots: (suite.write_outputs(out, name, pl), []))
+
+    def peers_fail(*a, **kw):
+        raise KeyboardInterrupt  # stopped while the peers ran
+
+    monkeypatch.setattr(suite, "run_peer_set", peers_fail)
+    out = tmp_path / "out"
+    argv = [
+        "--out",
+        str(out),
+        "--name",
+        "s",
+        "--peers",
+        "transformers",
+        "--compile-cache",
+        "none",
+        "--concurrency",
+        "1",
+    ]
+    with pytest.raises(KeyboardInterrupt):
+        suite.main(argv)
+    res = json.loads((out / "s.json").read_text())
+    assert [r["spec"]["label"] for r in res["runs"]] == ["plain", "ngram K=4"]
+    assert res["peers"] == [] and res["peers_pending"] == ["transformers"]
+    assert res["headline"][0].startswith("ngram K=4 @ closed c=1: 2.00x plain end-to-end, 3.00x decode")
+    assert "| ngram K=4 |" in (out / "s.md").read_text()
+    peer = _fake_peer("transformers plain", "plain", 5.0, 5.0, _TORCH_INFO, [])
+    given = {}
+    monkeypatch.setattr(suite, "run_peer_set", lambda *a, **kw: given.update(kw, cfg=a[3]) or [peer])
+    assert suite.main([*argv, "--peer-threads", "3"]) == 0
+    res = json.loads((out / "s.json").read_text())
+    assert [p["label"] for p in res["peers"]] == ["transformers plain"] and "peers_pending" not in res
+    assert given["jspec_runs"] == runs  # for the time from jspec's runs to each peer's
+    assert given["cfg"].peer_threads == 3 and res["meta"] == {}
+    assert suite.main([*argv, "--peer-threads", "0"]) == 2  # refused before anything runs
+
+
+def _with_records(run, tokens_by_id):
+    """``run`` (a RunResult or PeerRun) serving finished requests with these tokens."""
+    from jspec.bench.metrics import RequestRecord
+
+    run.records = [RequestRecord(i, "a", 2, 0.0, admitted=0.0, emissions=[(0.5, len(t))], tokens=list(t), finished=1.0,
+                                 stop_reason="eos") for i, t in tokens_by_id.items()]  # fmt: skip
+    return run
+
+
+def test_greedy_outputs_that_differ_from_plain_are_flagged():
+    """At temperature 0 greedy speculation reproduces plain decoding, and a ratio between runs with other outputs
+    compares other work: the exact match was computed and never used. Plain emitted r0 = [1, 2, 3] and
+    r1 = [4, 5]; the speculative run r0 the same and r1 = [4, 6]: 1 of 2 requests differ (exact match 50%). Its
+    ratios (3.00x end to end, 2.50x decode) are flagged in the headline, the results table and the cost table. So
+    is a run with every finished request equal but other totals of output tokens (40 vs 36: a timed-out request's
+    tokens count too). The control (the same tokens) and a sampled run (T = 0.8) are not flagged."""
+    from jspec.bench import suite
+
+    plain = _with_records(_tabled(_fake_run(PLAIN, 10.0, 20.0)), {"r0": [1, 2, 3], "r1": [4, 5]})
+    spec = _with_records(_tabled(_fake_run(_ngram_spec(), 30.0, 50.0)), {"r0": [1, 2, 3], "r1": [4, 6]})
+    same = _with_records(_tabled(_fake_run(_ngram_spec(), 30.0, 50.0)), {"r0": [1, 2, 3], "r1": [4, 5]})
+    q = runner.quality_summary(spec, plain)
+    assert (q["exact_match_vs_plain"], q["exact_match_n"], q["differ_from_plain_n"]) == (0.5, 2, 1)
+    assert runner.quality_summary(same, plain)["differ_from_plain_n"] == 0
+    for r in (spec, same):
+        r.quality = runner.quality_summary(r, plain)
+        r.cost_model = {"measured_output_speedup": 3.0, "measured_speedup": 2.5}
+    (line,) = suite.headline([plain, spec])
+    assert line.startswith("ngram K=4 @ closed c=1: 3.00x plain end-to-end, 2.50x decode [outputs differ from plain: "
+                           "1 of 2 requests: the ratios compare other outputs]")  # fmt: skip
+    runs = [plain.to_json(False), spec.to_json(False)]
+    row = next(r for r in report.results_table(runs, "closed c=1").splitlines() if r.startswith("| ngram K=4"))
+    assert "| 3.00x (outputs differ) |" in row and "| 2.50x (outputs differ) |" in row
+    assert "| 50% (outputs differ from plain: 1 of 2 requests) |" in row
+    cost = report.cost_table(runs).splitlines()[2]
+    assert "| 3.00x (outputs differ) | 2.50x (outputs differ) |" in cost
+    # The same tokens: nothing flagged.
+    (line,) = suite.headline([plain, same])
+    assert "differ" not in line
+    runs = [plain.to_json(False), same.to_json(False)]
+    assert "differ" not in report.results_table(runs, "closed c=1") and "differ" not in report.cost_table(runs)
+    # Every finished request the same, other totals of output tokens.
+    same.summary = {**same.summary, "output_tokens": 40}
+    plain.summary = {**plain.summary, "output_tokens": 36}
+    (line,) = suite.headline([plain, same])
+    assert "[outputs differ from plain: 40 vs 36 output tokens: the ratios compare other outputs]" in line
+    # Sampled: other outputs are expected (sampled_note says so instead).
+    assert report.outputs_differ(q, spec.summary, plain.summary, 0.8) is None
+    assert report.outputs_differ({"exact_match_vs_plain": 0.75, "exact_match_n": 4}, {}, {}) == (
+        "outputs differ from plain: 1 of 4 requests"  # a result written before the count was recorded
+    )
+
+
+def test_a_peer_whose_greedy_outputs_differ_gets_no_ratio(monkeypatch):
+    """A like-for-like transformers plain run (f32, CPU, jspec's thread count) whose greedy outputs differ from
+    jspec's plain run in 1 of 2 requests compared other work: no ratio, the reason named as ratio_blockers names
+    others. The same peer with plain's tokens keeps its ratio (2.00x: 20 / 10 tok/s)."""
+    from types import SimpleNamespace
+
+    from jspec.bench import suite
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the fake peer runs on the CPU")
+    plain = _with_records(_fake_run(PLAIN, 20.0, 20.0), {"r0": [1, 2, 3], "r1": [4, 5]})
+    plain.summary.update(metrics.summarize_requests(plain.records, 1.0), output_tokens_per_s=20.0,
+                         decode_tokens_per_s=20.0)  # fmt: skip
+    monkeypatch.setattr(metrics, "jspec_threads", lambda: {"threads": 2, "how": "two CPUs"})
+    target = SimpleNamespace(dtype="float32", eos_ids=(2,), path="x.gguf", decode_text=None)
+    for tokens, expect in (({"r0": [1, 2, 3], "r1": [4, 6]}, "differ"), ({"r0": [1, 2, 3], "r1": [4, 5]}, "same")):
+        peer = _with_records(_fake_peer("transformers plain", "plain", 10.0, 10.0, {**_TORCH_INFO, "threads": 2},
+                                        None), tokens)  # fmt: skip
+        peer.summary.update(metrics.summarize_requests(peer.records, 1.0), output_tokens_per_s=10.0,
+                            decode_tokens_per_s=10.0)  # fmt: skip
+        monkeypatch.setattr(peers, "run_peers", lambda *a, peer=peer, **k: [peer])
+        (p,) = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, plain, log=lambda *a: None)
+        row = report.peers_table([plain.to_json(False)], [p.to_json(False)]).splitlines()[2]
+        if expect == "differ":
+            assert p.info["not_like_for_like"] == ["outputs differ from jspec's plain: 1 of 2 requests"]
+            assert "no ratio: outputs differ from jspec's plain: 1 of 2 requests (not like for like)" in row
+            assert "2.00x" not in row
+        else:
+            assert p.info["not_like_for_like"] == []
+            assert "| 2.00x | 2.00x |" in row
+
+
+def test_peer_thread_counts_are_compared_with_jspecs():
+    """transformers ran at torch's default and llama.cpp on os.cpu_count() threads (prompts too), and nothing
+    recorded or compared them. A peer on another count than jspec's (both on the CPU) is not like for like; an
+    unrecorded count counts as another; on another device only the device is named."""
+    two = {**_TORCH_INFO, "threads": 2}
+    assert peers.like_for_like_problems(two, dtype="float32", backend="cpu", threads=2) == []
+    assert peers.like_for_like_problems(two, dtype="float32", backend="cpu", threads=4) == [
+        "peer on 2 threads, jspec on 4",
+        "jspec runs float32",
+    ]
+    assert peers.like_for_like_problems(_TORCH_INFO, dtype="float32", backend="cpu", threads=2) == [
+        "the peer's thread count not recorded, jspec on 2 threads",
+        "jspec runs float32",
+    ]
+    llama = {**two, "threads_batch": 16}  # llama.cpp's prompt threads, left at every CPU
+    assert peers.like_for_like_problems(llama, dtype="float32", backend="cpu", threads=2)[0] == (
+        "peer on 2 (16 for prompts) threads, jspec on 2"
+    )
+    assert peers.like_for_like_problems(two, dtype="float32", backend="cpu") == []  # jspec's count unknown
+    assert peers.like_for_like_problems(two, dtype="float32", backend="gpu", threads=2) == [
+        "peer on cpu, jspec on gpu",
+        "jspec runs float32",
+    ]
+
+
+def test_jspec_thread_count_is_xlas_pool(monkeypatch):
+    """jspec's side of the check: XLA:CPU's pool takes one thread per CPU of the affinity mask, one with the
+    multi-threaded Eigen kernels off; on an accelerator no host count is compared."""
+    import os
+
+    if jax.default_backend() != "cpu":
+        assert metrics.jspec_threads()["threads"] is None
+        return
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    assert metrics.jspec_threads()["threads"] == 3
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+    assert metrics.jspec_threads()["threads"] == 1
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert metrics.jspec_threads()["threads"] is None
+
+
+def test_llama_cpp_gets_one_thread_count_for_generation_and_prompts(monkeypatch):
+    """llama-cpp-python took n_threads = os.cpu_count() and left n_threads_batch (its prompt threads) at its own
+    default. Both are now the count given, and recorded; its rounds are not observable (it yields one token at a
+    time), which its info says."""
+    import importlib.machinery
+    import sys
+    import types
+
+    made = []
+
+    class Llama:
+        def __init__(self, **kw):
+            made.append(kw)
+            self.n_threads, self.n_threads_batch = kw["n_threads"], kw["n_threads_batch"]
+
+        def reset(self):
+            pass
+
+        def generate(self, prompt, **kw):
+            yield from (5, 2)
+
+    fake = types.ModuleType("llama_cpp")
+    fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    fake.Llama = Llama
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    (run,) = peers.run_llama_cpp("/x/m.gguf", [Job("p", "a", (1, 2))], techniques=("plain",), max_new_tokens=4,
+                                 max_len=32, eos_ids=(2,), threads=3)  # fmt: skip
+    assert run.available, run.reason
+    assert (made[0]["n_threads"], made[0]["n_threads_batch"]) == (3, 3)
+    assert (run.info["threads"], run.info["threads_batch"]) == (3, 3) and run.info["tokens_per_round"] is None
+    assert run.records[0].tokens == [5, 2]
+
+
+def test_peer_tokens_per_round_come_from_the_streamers_pushes():
+    """transformers pushes each verify round's tokens to the streamer once (the prompt first): pushes of 3, 1 and
+    2 tokens are 3 rounds; the first (the prefill, which verified a first draft too) is left out as jspec's
+    tokens/round leaves out its prefill: 3 tokens in 2 rounds, 1.5. A second request pushing 1 then 4 adds 4
+    tokens in 1 round: (3 + 4) / (2 + 1) = 7/3. A request with one push has no round after its first."""
+    from jspec.bench.metrics import RequestRecord
+
+    rec = RequestRecord("p", "a", 2, 0.0, admitted=0.0)
+    s = peers._TimingStreamer(rec, time.perf_counter())
+    for push in ([[9, 9]], [[1, 2, 3]], [[4]], [[5, 6]]):  # the prompt, then three rounds
+        s.put(np.asarray(push))
+    rec.finished = 1.0
+    assert [k for _, k in rec.emissions] == [3, 1, 2] and rec.tokens == [1, 2, 3, 4, 5, 6]
+    assert peers.tokens_per_round([rec]) == pytest.approx(1.5)
+    other = RequestRecord("q", "a", 2, 0.0, admitted=0.0, emissions=[(0.1, 1), (0.2, 4)], tokens=[1] * 5, finished=1.0)
+    once = RequestRecord("r", "a", 2, 0.0, admitted=0.0, emissions=[(0.1, 3)], tokens=[1] * 3, finished=1.0)
+    assert peers.tokens_per_round([rec, other, once]) == pytest.approx(7 / 3)
+    assert peers.tokens_per_round([once]) is None
+
+
+def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_between():
+    """jspec's n-gram drafter takes the most recent match and fills K; transformers' prompt lookup takes the first
+    match and stops at the history's end: their ratio (2.00x: 20 / 10 tok/s) compares lookup policies too, and
+    says so with both sides' tokens per round (jspec 2.00, the peer 1.50). jspec's two passes ended at t = 110 and
+    130 s, the peer's timed run began at 430 s: 300 s later, not interleaved as jspec's passes are. A plain peer
+    gets no lookup label."""
+    from types import SimpleNamespace
+
+    from jspec.bench import suite
+
+    spec = _ngram_spec()
+    passes = [{"output_tokens_per_s": 20.0, "decode_tokens_per_s": 20.0, "wall_clock": [100.0, 110.0]},
+              {"output_tokens_per_s": 20.0, "decode_tokens_per_s": 20.0, "wall_clock": [120.0, 130.0]}]  # fmt: skip
+    plain = _tabled(_fake_run(PLAIN, 20.0, 20.0), 1.0)
+    plain.extra["passes"] = [dict(p) for p in passes]
+    ng = _tabled(_fake_run(spec, 20.0, 20.0))
+    ng.extra["passes"] = passes
+    info = {**_TORCH_INFO, "gamma": 4, "lookup_policy": peers.LOOKUP_POLICY["transformers"], "tokens_per_round": 1.5,
+            "wall_clock": [430.0, 500.0]}  # fmt: skip
+    pl = _fake_peer("transformers prompt-lookup K=4", "prompt_lookup", 10.0, 10.0, info, [])
+    pp = _fake_peer("transformers plain", "plain", 10.0, 10.0, {**_TORCH_INFO, "wall_clock": [330.0, 400.0]}, [])
+    lines = suite.headline([plain, ng], [pl, pp])
+    (line,) = lines
+    assert "vs transformers prompt-lookup K=4: 2.00x end-to-end, 2.00x decode" in line
+    assert (
+        "[different lookup policy (jspec: most recent match, its continuation repeated up to K; the peer: first "
+        "(leftmost) match, up to K tokens, stopping at the history's end); tokens/round jspec 2.00, the peer 1.50; "
+        "not interleaved: the peer ran 300 s after jspec's run]" in line
+    )
+    runs = [plain.to_json(False), ng.to_json(False)]
+    table = report.peers_table(runs, [pl.to_json(False), pp.to_json(False)])
+    rows = {r.split(" | ")[0].lstrip("| "): r for r in table.splitlines()[2:]}
+    assert "| 2.00 / 1.50 | different lookup policy (jspec: most recent match" in rows["transformers prompt-lookup K=4"]
+    assert "not interleaved: the peer ran 300 s after jspec's run |" in rows["transformers prompt-lookup K=4"]
+    assert rows["transformers plain"].endswith("| 1.00 / - | not interleaved: the peer ran 200 s after jspec's run |")
+    assert "after all of jspec's runs" in report.markdown({"runs": runs, "peers": [pl.to_json(False)]})
+    # run_peer_set records the gap per jspec run the peer is compared with.
+    target = SimpleNamespace(dtype="float32", eos_ids=(2,), path="x.gguf", decode_text=None)
+    import unittest.mock
+
+    with unittest.mock.patch.object(peers, "run_peers", lambda *a, **k: [pl]):
+        (p,) = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, None, log=lambda *a: None,
+                                  jspec_runs=[plain, ng])  # fmt: skip
+    assert p.info["after_jspec_s"] == {"ngram K=4": 300.0}
+
+
+def test_runs_and_peers_record_their_wall_clock():
+    """Every jspec pass records its wall-clock start and end; a peer's timed part too: the peers run after jspec's
+    runs, and the report gives the time between."""
+    from jspec.bench import suite
+
+    def fake_run_one(target, spec, load, jobs, cfg, log):
+        return _fake_run(spec, 10.0, 10.0)
+
+    import unittest.mock
+
+    before = time.time()
+    with unittest.mock.patch.object(suite, "run_one", fake_run_one), \
+            unittest.mock.patch.object(suite, "free_compiled", lambda: None):  # fmt: skip
+        res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), suite.SuiteConfig(measure_phases=False,
+                              passes=2), log=lambda *a: None)  # fmt: skip
+    clocks = [p["wall_clock"] for r in res for p in r.extra["passes"]]
+    assert len(clocks) == 4 and all(before <= a <= b <= time.time() for a, b in clocks)
+    run = peers.PeerRun("fake", "plain", "fake plain", True)
+
+    def generate_one(prompt, rec, t0):
+        rec.emissions, rec.tokens, rec.finished = [(0.0, 1)], [1], 0.0
+
+    before = time.time()
+    peers._serve_sequentially([Job("p", "a", (0,))], generate_one, None, run)
+    start, end = run.info["wall_clock"]
+    assert before <= start <= end <= time.time()

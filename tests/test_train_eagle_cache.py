@@ -270,3 +270,45 @@ def test_cut_docstring_passages_are_reported(tmp_path, monkeypatch, capsys):
         "35 of the passages' 95 tokens are not trained on"
     )
     assert sorted(np.load(path)["lengths"].tolist()) == [8, 12, 20, 20]
+
+
+def test_an_export_records_what_its_evaluation_computed_with(tmp_path):
+    """The exported head's meta.json kept held-out metrics measured with the f32 head on the stacked, unpacked
+    target next to ``stored_dtype`` bfloat16, saying nothing of the difference. Each evaluation row now records
+    its head's dtype and the target's layout, and the export writes them next to ``stored_dtype``, with a note
+    that the bf16 rounding was not evaluated; an evaluation made before they were recorded says "not recorded"."""
+    from models import eagle as EG
+    from models import llama
+
+    ecfg = EagleConfig(TINY, head_tokens=40, name="tiny-eagle")
+    hp = random_head(ecfg, TINY_PARAMS, 0)
+    drafter = EagleDrafter(ecfg, 2)
+    _, dp = drafter.draft_params(TINY_PARAMS, hp)
+    assert train_eagle.eval_numerics(TINY_PARAMS, dp) == {"evaluated_dtype": "float32", "target_layout": "stacked"}
+    unstacked = llama.unstack_layers(TINY_PARAMS, packed=False)
+    assert train_eagle.eval_numerics(unstacked, drafter.draft_params(unstacked, hp)[1])["target_layout"] == "unstacked"
+    packed = llama.unstack_layers(TINY_PARAMS, packed=True)
+    if llama.is_packed(packed):  # the CPU kernel's layout: the head's matrices packed in bfloat16 next to it
+        got = train_eagle.eval_numerics(packed, drafter.draft_params(packed, hp)[1])
+        assert got["target_layout"] == "packed" and "bfloat16" in got["evaluated_dtype"].split("+")
+
+    final = EG.save_head(tmp_path / "head", ecfg, hp, {"name": "run"})
+    row = {**_fake_eval(2)["T=1"], "evaluated_dtype": "float32", "target_layout": "stacked"}
+    report = {"gamma": 2, "eval": {"greedy": row, "T=1": row}, "eval_settings": {"gamma": 2}}
+    args = SimpleNamespace(export=str(tmp_path / "export"))
+    train_eagle.export(args, final, report)
+    meta = json.loads((tmp_path / "export" / "meta.json").read_text())
+    assert (meta["stored_dtype"], meta["evaluated_dtype"], meta["evaluated_layout"]) == (
+        "bfloat16",
+        "float32",
+        "stacked",
+    )
+    assert "measured with the head's weights in float32 on a stacked target" in meta["eval_note"]
+    assert "rounding was not evaluated" in meta["eval_note"]
+    old = {"gamma": 2, "eval": _fake_eval(2), "eval_settings": {"gamma": 2}}  # made before they were recorded
+    train_eagle.export(SimpleNamespace(export=str(tmp_path / "old")), final, old)
+    meta = json.loads((tmp_path / "old" / "meta.json").read_text())
+    assert (meta["evaluated_dtype"], meta["evaluated_layout"]) == ("not recorded", "not recorded")
+    train_eagle.export(SimpleNamespace(export=str(tmp_path / "none")), final, {"eval": {}})  # --no-eval
+    meta = json.loads((tmp_path / "none" / "meta.json").read_text())
+    assert meta["stored_dtype"] == "bfloat16" and "evaluated_dtype" not in meta

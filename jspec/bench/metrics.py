@@ -40,6 +40,7 @@ import gc
 import hashlib
 import os
 import platform
+import re
 import resource
 import statistics
 import sys
@@ -305,6 +306,27 @@ def environment() -> dict[str, Any]:
         "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
         "device_count": jax.device_count(),
+        "threads": jspec_threads(),  # jspec's side of the peers' thread-count check (``peers.like_for_like_problems``)
+    }
+
+
+def jspec_threads() -> dict[str, Any]:
+    """The host threads jspec's runs compute with, as far as knowable from outside XLA: {"threads", "how"}.
+    jspec sets no thread count. On the CPU, XLA's intra-op pool takes one thread per CPU this process may run on
+    (its affinity mask, which ``os.cpu_count()`` ignores), unless XLA_FLAGS turns the multi-threaded Eigen
+    kernels off; on an accelerator the device computes and no host thread count is compared (None)."""
+    backend = jax.default_backend()
+    if backend != "cpu":
+        return {"threads": None, "how": f"backend {backend}: the device computes (no host thread count compared)"}
+    flags = os.environ.get("XLA_FLAGS", "")
+    if re.search(r"--xla_cpu_multi_thread_eigen=(false|0)\b", flags):
+        how = "XLA_FLAGS --xla_cpu_multi_thread_eigen=false: matmuls on one thread (other loops may use XLA's pool)"
+        return {"threads": 1, "how": how}
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "threads": n,
+        "how": "XLA:CPU's default intra-op pool, one thread per CPU this process may run on (not set by jspec; "
+        "read from the affinity mask, as XLA sizes it)",
     }
 
 

@@ -9,10 +9,20 @@
   given unless the file's weights and the cache are in jspec's dtype; see ``like_for_like_problems``).
 
 Every run records what it computed with in its ``info``: ``weights_dtype`` and ``kv_cache_dtype`` ("float32",
-or the GGUF types a runner kept, e.g. "Q4_1+F32+Q8_0"), ``device`` and, for speculative techniques, ``gamma``
-(K). ``suite.run_peer_set`` compares them with jspec's run and records the differences as
-``not_like_for_like``; ``report.ratio_blockers`` adds the K check, and the headline and the peers table print
-no ratio where either finds one.
+or the GGUF types a runner kept, e.g. "Q4_1+F32+Q8_0"), ``device``, ``threads`` (torch's intra-op threads,
+llama.cpp's ``n_threads`` and ``n_threads_batch``) and, for speculative techniques, ``gamma`` (K).
+``suite.run_peer_set`` gives both peers one thread count (jspec's XLA pool size unless told another), compares
+what they recorded with jspec's run and records the differences as ``not_like_for_like`` (a greedy run whose
+outputs are not jspec plain's too); ``report.ratio_blockers`` adds the K check, and the headline and the peers
+table print no ratio where either finds one.
+
+Prompt lookup is not the same policy on both sides (``LOOKUP_POLICY``; jspec's: ``report.LOOKUP_POLICY_JSPEC``):
+jspec's n-gram drafter takes the most recent earlier match and repeats its continuation up to K, transformers and
+llama-cpp-python take the first (leftmost) match and stop at the history's end. The ratio is labelled "different
+lookup policy", next to each side's tokens per verify round where the peer's is observable (``tokens_per_round``:
+transformers' streamer gets one push per verify round; llama-cpp-python yields one token at a time). Each run's
+timed part records its wall-clock start and end (``info["wall_clock"]``, Unix seconds): peers run after all of
+jspec's runs, not interleaved with them.
 
 Everything is imported lazily; a peer that is not installed (or fails to load) is skipped with the reason
 recorded in the result. Peers decode one request at a time (batch 1, the only batch their speculative paths
@@ -113,11 +123,12 @@ def device_kind(device: str | None) -> str | None:
     return "gpu" if d in ("cuda", "rocm", "hip", "gpu") else d
 
 
-def like_for_like_problems(info: dict[str, Any], *, dtype: str, backend: str) -> list[str]:
+def like_for_like_problems(info: dict[str, Any], *, dtype: str, backend: str, threads: int | None = None) -> list[str]:
     """What makes a peer run (its ``info``) another computation than jspec's run in ``dtype`` on JAX's
     ``backend``: weights or KV cache in another precision (llama.cpp keeps the GGUF's quantised weights and an
-    f16 cache), or another device (transformers falls back to the CPU when torch sees no GPU). Empty when the
-    two are like for like; what was not recorded counts as different."""
+    f16 cache), another device (transformers falls back to the CPU when torch sees no GPU), or, both on the CPU,
+    another number of threads than jspec's ``threads`` (``metrics.jspec_threads``; None: not compared). Empty
+    when the two are like for like; what was not recorded counts as different."""
     out = []
     weights, kv = info.get("weights_dtype"), info.get("kv_cache_dtype")
     if weights != dtype:
@@ -127,6 +138,14 @@ def like_for_like_problems(info: dict[str, Any], *, dtype: str, backend: str) ->
     peer_dev, ours = device_kind(info.get("device")), device_kind(backend)
     if peer_dev != ours:
         out.append(f"peer on {peer_dev or 'an unrecorded device'}, jspec on {ours}")
+    elif threads is not None and ours == "cpu":
+        # llama.cpp has a second count for prompts (n_threads_batch); transformers one for both.
+        counts = (info.get("threads"), info.get("threads_batch", info.get("threads")))
+        if None in counts:
+            out.append(f"the peer's thread count not recorded, jspec on {threads} threads")
+        elif counts != (threads, threads):
+            many = str(counts[0]) if counts[0] == counts[1] else f"{counts[0]} ({counts[1]} for prompts)"
+            out.append(f"peer on {many} threads, jspec on {threads}")
     if out:
         out.append(f"jspec runs {dtype}")
     return out
@@ -142,10 +161,13 @@ def _serve_sequentially(
     """Closed loop at concurrency 1: each request arrives when the previous one ends. ``generate_one`` fills
     the record's emissions and tokens (times relative to the run start via ``rec.arrival``). The Python heap
     is frozen for the timed part as for jspec's runs (``metrics.timed_region_gc``; stats in
-    ``run.info["gc"]``)."""
+    ``run.info["gc"]``); the timed part's wall-clock start and end (Unix seconds) go to ``run.info["wall_clock"]``
+    (how long after jspec's runs the peer ran: ``report.peer_gap_s``)."""
+    start = time.time()
     with metrics.timed_region_gc(freeze_gc) as gc_stats:
         out = _serve_jobs(jobs, generate_one, max_wall_s)
     run.info["gc"] = gc_stats
+    run.info["wall_clock"] = [start, time.time()]
     return out
 
 
@@ -182,6 +204,29 @@ def _finalize(run: PeerRun, records, wall, jobs, decode_text, scorer):
                 rec.quality = {"check_error": f"{type(e).__name__}: {e}"}
     run.records = records
     run.summary = metrics.summarize_requests(records, wall)
+
+
+# Prompt lookup as each peer implements it; jspec's n-gram drafter is ``report.LOOKUP_POLICY_JSPEC`` (the most
+# recent match, its continuation repeated up to K). ``report.peer_caveats`` labels a ratio between the two.
+LOOKUP_POLICY = {
+    "transformers": "first (leftmost) match, up to K tokens, stopping at the history's end",
+    "llama-cpp-python": "first (leftmost) match, up to K tokens, stopping at the history's end",
+}
+
+TOKENS_PER_ROUND_HOW = (
+    "tokens after each request's first streamer push / the pushes after it: transformers pushes once per target "
+    "forward (one verify round) in its assisted and prompt-lookup loops; the first forward (the prefill, which "
+    "verifies a first draft too) is left out, as jspec's tokens/round leaves out its prefill"
+)
+
+
+def tokens_per_round(records: Sequence[RequestRecord]) -> float | None:
+    """Tokens per verify round of a peer whose every emission is one round (transformers' streamer pushes): over
+    the finished requests, the tokens after each one's first emission / its emissions after the first (as
+    ``TOKENS_PER_ROUND_HOW``). None when no request had a round after its first."""
+    rounds = sum(len(r.emissions) - 1 for r in records if r.ok and r.emissions)
+    tokens = sum(r.decode_tokens for r in records if r.ok and r.emissions)
+    return tokens / rounds if rounds > 0 else None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -305,6 +350,7 @@ def run_transformers(
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "threads_how": f"torch.set_num_threads({threads})" if threads else "torch's default (not set)",
         "device": device,
         "dtype": "float32",
         "weights": "transformers' GGUF converter, dequantised to f32 (same file as jspec)",
@@ -323,6 +369,7 @@ def run_transformers(
         k_info = {} if tech == "plain" else {"gamma": gamma}
         if tech == "prompt_lookup":
             kw = {"prompt_lookup_num_tokens": gamma, "max_matching_ngram_size": max_ngram}
+            k_info["lookup_policy"] = LOOKUP_POLICY["transformers"]
         elif tech == "assisted":
             if not assistant_layers:
                 out.append(PeerRun(lib, tech, f"{lib} assisted", False, "no assistant (assistant_layers not set)"))
@@ -374,6 +421,7 @@ def run_transformers(
             continue
         records, wall = _serve_sequentially(jobs, generate_one, max_wall_s, run, freeze_gc)
         _finalize(run, records, wall, jobs, decode_text, scorer)
+        run.info.update(tokens_per_round=tokens_per_round(run.records), tokens_per_round_how=TOKENS_PER_ROUND_HOW)
         out.append(run)
     return out
 
@@ -445,10 +493,13 @@ def run_llama_cpp(
 
             # On the GPU where jspec runs (a CPU-only llama.cpp build ignores the setting and says so below).
             gpu_layers = -1 if jax.default_backend() == "gpu" else 0
+            # One count for generation and prompts: left unset, n_threads_batch takes every CPU.
+            n_threads = threads or os.cpu_count()
             llm = Llama(
                 model_path=gguf_path,
                 n_ctx=max_len,
-                n_threads=threads or os.cpu_count(),
+                n_threads=n_threads,
+                n_threads_batch=n_threads,
                 n_gpu_layers=gpu_layers,
                 draft_model=draft,
                 verbose=False,
@@ -459,8 +510,15 @@ def run_llama_cpp(
         offload = bool(getattr(llama_cpp, "llama_supports_gpu_offload", lambda: False)())
         info = llama_cpp_info(gguf_path, llm, gpu_layers and offload)
         info["llama_cpp"] = getattr(llama_cpp, "__version__", None)
+        info["threads"] = getattr(llm, "n_threads", n_threads)
+        info["threads_batch"] = getattr(llm, "n_threads_batch", n_threads)
+        info["threads_how"] = f"n_threads = n_threads_batch = {n_threads}" + ("" if threads else " (os.cpu_count())")
         if tech != "plain":
             info["gamma"] = gamma
+            info["lookup_policy"] = LOOKUP_POLICY["llama-cpp-python"]
+        # Its generate yields one token at a time, speculative or not: no verify round is observable.
+        info["tokens_per_round"] = None
+        info["tokens_per_round_how"] = "not observable: llama-cpp-python yields one token at a time"
 
         def generate_one(prompt, rec, t0, llm=llm):
             llm.reset()  # no prefix reuse between requests: every request pays its prefill, as in jspec

@@ -123,6 +123,78 @@ def sampled_note(temperature: float | None) -> str | None:
 SAMPLED_CELL = "- (sampled: not like for like)"  # a table's end-to-end ratio at temperature > 0 (``sampled_note``)
 
 
+def outputs_differ(
+    quality: dict[str, Any] | None,
+    summary: dict[str, Any],
+    ref_summary: dict[str, Any],
+    temperature: float | None = 0.0,
+    ref: str = "plain",
+) -> str | None:
+    """At temperature 0, why a run's greedy outputs are not its reference's (jspec's plain run on the same jobs),
+    or None when they are the same (or not compared: at temperature > 0 ``sampled_note`` applies). Greedy
+    speculation reproduces plain decoding token for token, so a difference is a bug or another numerical target,
+    and a throughput ratio then compares other outputs: 'outputs differ from plain: N of M requests' (from the
+    exact match ``runner.quality_summary`` records), else, every finished request the same, the totals of
+    output tokens when they differ (requests that timed out or failed count their tokens too)."""
+    if temperature:
+        return None
+    q = quality or {}
+    n, em = q.get("exact_match_n"), q.get("exact_match_vs_plain")
+    differ = q.get("differ_from_plain_n")
+    if differ is None and em is not None and n:  # a result written before the count was recorded
+        differ = round((1 - em) * n)
+    if differ:
+        return f"outputs differ from {ref}: {differ} of {n} requests"
+    a, b = summary.get("output_tokens"), ref_summary.get("output_tokens")
+    if a is not None and b is not None and a != b:
+        return f"outputs differ from {ref}: {a} vs {b} output tokens"
+    return None
+
+
+DIFFER_SUFFIX = " (outputs differ)"  # a table's ratio between runs whose greedy outputs differ (``outputs_differ``)
+
+
+def peer_gap_s(run: dict[str, Any], peer_info: dict[str, Any]) -> float | None:
+    """Seconds from the end of jspec's last pass of ``run`` (its ``passes``' wall clocks, recorded by
+    ``suite.run_specs``) to the start of the peer's timed run (``peer_info["wall_clock"]``), or None when either
+    was not recorded. The peers run after all of jspec's runs, not interleaved with them as jspec's passes are:
+    the machine's speed can drift over that gap."""
+    ends = [p["wall_clock"][1] for p in run.get("passes") or () if p.get("wall_clock")]
+    start = (peer_info.get("wall_clock") or (None,))[0]
+    return start - max(ends) if ends and start is not None else None
+
+
+def _gap_text(gap: float) -> str:
+    return f"not interleaved: the peer ran {gap:.0f} s after jspec's run"
+
+
+# jspec's n-gram drafter (``jspec.ngram``); the peers' prompt lookup is ``peers.LOOKUP_POLICY``.
+LOOKUP_POLICY_JSPEC = "most recent match, its continuation repeated up to K"
+
+
+def peer_caveats(run: dict[str, Any], technique: str, peer_info: dict[str, Any]) -> list[str]:
+    """What a ratio between jspec's ``run`` (its JSON, or the same keys) and a like-for-like peer run still
+    compares besides the two implementations: another prompt-lookup policy (``peers.LOOKUP_POLICY``: jspec's
+    n-gram drafter takes the most recent match and fills K, the peers the first match up to the history's end),
+    and the time between the two runs (``peer_gap_s``)."""
+    out = []
+    if technique == "prompt_lookup":
+        spec = run.get("spec") or {}
+        ours = LOOKUP_POLICY_JSPEC if spec.get("drafter") == "NgramDrafter" else f"a {spec.get('drafter')}"
+        theirs = peer_info.get("lookup_policy") or "not recorded"
+        out.append(f"different lookup policy (jspec: {ours}; the peer: {theirs})")
+    gap = peer_gap_s(run, peer_info)
+    if gap is not None:
+        out.append(_gap_text(gap))
+    return out
+
+
+def tokens_per_round_text(run: dict[str, Any], peer_info: dict[str, Any]) -> str:
+    """jspec's tokens per verify round and the peer's (where observable: ``peers.tokens_per_round``)."""
+    ours = (run.get("decode_stats") or {}).get("tokens_per_round")
+    return f"{_f(ours, 2)} / {_f(peer_info.get('tokens_per_round'), 2)}"
+
+
 def _temperature(r: dict[str, Any]) -> float:
     return (r.get("sampling") or {}).get("temperature") or 0.0
 
@@ -186,12 +258,21 @@ def results_table(runs: Sequence[dict], load_name: str, group: str | None = None
         out_ratio = _f(tps / base, 2, "x") if base else "-"
         dec_ratio = _f(dps / dbase, 2, "x") if dbase and dps else "-"
         why = no_ratio(s, plain["summary"]) if plain is not None and r is not plain else None
+        differ = (
+            outputs_differ(q, s, plain["summary"], _temperature(r)) if plain is not None and r is not plain else None
+        )
         if why:  # not the same work on both sides, or none: no ratio (the finished column says what each served)
             out_ratio = dec_ratio = no_ratio_cell(why)
         elif r["load"].get("mode") == "open" and r is not plain:
             out_ratio = "- (arrival-bound)"
         elif sampled_note(_temperature(r)) and r is not plain:
             out_ratio = SAMPLED_CELL
+        if differ and not why:  # greedy outputs that are not plain's: the ratios compare other outputs
+            out_ratio += DIFFER_SUFFIX if out_ratio.endswith("x") else ""
+            dec_ratio += DIFFER_SUFFIX if dec_ratio.endswith("x") else ""
+        same = _pct(q.get("exact_match_vs_plain")) if r["spec"]["kind"] != "plain" else "ref"
+        if differ:
+            same += f" ({differ})"
         rows.append(
             [
                 r["spec"]["label"],
@@ -207,7 +288,7 @@ def results_table(runs: Sequence[dict], load_name: str, group: str | None = None
                 _f(d["tokens_per_round"], 2),
                 _pct(d["acceptance_rate"]) if r["spec"]["kind"] != "plain" else "-",
                 f"{s['finished']}/{s['submitted']} ({s['errors']} err, {s['timeouts']} t/o)",
-                _pct(q.get("exact_match_vs_plain")) if r["spec"]["kind"] != "plain" else "ref",
+                same,
             ]
         )
     header = [
@@ -240,11 +321,16 @@ def cost_table(runs: Sequence[dict]) -> str:
             e2e = f"- ({cm['output_speedup_note']})"
         elif sampled_note(_temperature(r)):
             e2e = SAMPLED_CELL
+        dec = _f(cm.get("measured_speedup"), 2, "x")
+        plain = _plain_of(runs, r["load_name"], r.get("group"))
+        if plain is not None and outputs_differ(r.get("quality"), r["summary"], plain["summary"], _temperature(r)):
+            e2e += DIFFER_SUFFIX if e2e.endswith("x") else ""
+            dec += DIFFER_SUFFIX if dec.endswith("x") else ""
         rows.append(
             [
                 _run_label(r),
                 no_ratio_cell(cm["different_requests"]) if cm.get("different_requests") else e2e,
-                _f(cm.get("measured_speedup"), 2, "x"),
+                dec,
                 _f(seed.get("speedup"), 2, "x"),
                 _f(seed.get("ratio_to_measured"), 2),
                 _f(men.get("speedup"), 2, "x"),
@@ -363,12 +449,14 @@ def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
     pair that is not like for like (``ratio_blockers``), or that served other requests (``requests_differ``),
     gets the reason instead of a ratio; at temperature > 0 the end-to-end ratio is not given (``sampled_note``),
     the decode ratio is. The peer runs once; jspec's side is the median over its passes (``jspec_rates``), as its
-    cell says."""
+    cell says. Next to each ratio: both sides' tokens per verify round (the peer's where observable) and what it
+    still compares besides the implementations (``peer_caveats``: another prompt-lookup policy, the time between
+    the two runs, which are not interleaved)."""
     c1 = [r for r in runs if r["load"]["mode"] == "closed" and r["load"]["concurrency"] == 1]
     rows = []
     for p in peers:
         if not p.get("available"):
-            rows.append([p["label"], "skipped: " + str(p.get("reason")), *[""] * 8])
+            rows.append([p["label"], "skipped: " + str(p.get("reason")), *[""] * 10])
             continue
         s = p["summary"]
         tps, dps = s["output_tokens_per_s"], s.get("decode_tokens_per_s")
@@ -395,6 +483,7 @@ def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
                 jt_cell = f"{_f(mate['summary']['output_tokens_per_s'])} (pass 1)"
             else:
                 jt_cell = _f(jt) + (f" ({how})" if jt is not None and how != "one pass" else "")
+            caveats = peer_caveats(mate, p["technique"], p.get("info") or {}) if mate and not why and jt else []
             rows.append(
                 [
                     p["label"],
@@ -407,6 +496,8 @@ def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
                     ratio_dec,
                     _pct(q.get("exact_match_vs_plain")),
                     f"{s['finished']}/{s['submitted']}",
+                    tokens_per_round_text(mate, p.get("info") or {}) if mate else "-",
+                    "; ".join(caveats) or "-",
                 ]
             )
     header = [
@@ -420,6 +511,8 @@ def peers_table(runs: Sequence[dict], peers: Sequence[dict]) -> str:
         "jspec / peer (decode)",
         "= jspec plain",
         "finished",
+        "tokens/round jspec / peer",
+        "the ratio also compares",
     ]
     return _table(header, rows) if rows else "(no peers requested)"
 
@@ -437,6 +530,9 @@ def meta_block(meta: dict[str, Any]) -> str:
         f"{'on' if meta.get('chat_template') else 'off'}",
         f"- Sampling: {meta.get('sampling')}; stop: {meta.get('stop_rules')}; cache slots {meta.get('max_len')}",
     ]
+    threads = env.get("threads") or {}
+    if threads:
+        lines.append(f"- jspec's threads: {_f(threads.get('threads'))} ({threads.get('how')})")
     for w, d in (meta.get("workloads") or {}).get("per_workload", {}).items():
         lines.append(
             f"- Workload {w}: {d['n']} requests, input tokens median {_f(d['input_len'].get('median'), 0)} "
@@ -492,7 +588,9 @@ def markdown(payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
         "requests (a wall limit or deadlines can cut two runs differently: 'no ratio: different requests'); an "
         "open loop's end-to-end rate is set by its arrivals, so only its decode rate is compared; so is a run at "
         "temperature > 0 ('sampled: not like for like'), whose sampled outputs differ from the other side's "
-        "(other lengths, other stops, each end-to-end rate with its prefill).",
+        "(other lengths, other stops, each end-to-end rate with its prefill). At temperature 0 greedy speculation "
+        "reproduces plain decoding token for token: a ratio marked '(outputs differ)' is between runs whose "
+        "outputs differ (the '= plain' column says how many requests), so it compares other outputs.",
         "",
     ]
     note = gc_note(runs, peers)
@@ -513,6 +611,19 @@ def markdown(payload: dict[str, Any], plots: Sequence[str] = ()) -> str:
     if peers:
         parts += ["## Peers (same checkpoint file, same prompt ids, measured in the same run)", ""]
         parts += [peers_table(runs, peers), ""]
+        parts += [
+            "Each peer runs once, after all of jspec's runs: its ratios are not interleaved as jspec's A/B passes "
+            "are, and the machine's speed can drift between the two (the last column gives how long after jspec's "
+            "last pass of that configuration the peer's timed run began). Both peers get one thread count (jspec's "
+            "XLA pool size unless --peer-threads gives another; another count is not like for like). Prompt lookup "
+            "is another policy on each side (jspec: the most recent match, its continuation repeated up to K; "
+            "transformers and llama-cpp-python: the first match, stopping at the history's end), so its ratio "
+            "compares policies too: the tokens per verify round of both sides are given (transformers': tokens "
+            "after the first streamer push / the pushes after it, one push per verify round; llama-cpp-python "
+            "yields one token at a time, so its rounds are not observable). A peer whose greedy (temperature 0) "
+            "outputs differ from jspec's plain run gets no ratio ('outputs differ from jspec's plain').",
+            "",
+        ]
     parts += ["## Quality on the same tasks", "", quality_table(runs, peers), ""]
     parts += ["## Memory", "", memory_table(runs), ""]
     if runs:

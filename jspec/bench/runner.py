@@ -584,7 +584,9 @@ def run(
 
 
 def quality_summary(result: RunResult, reference: RunResult | None = None) -> dict[str, Any]:
-    """Task quality of a run; with ``reference`` (plain greedy on the same jobs) also the exact-match rate.
+    """Task quality of a run; with ``reference`` (plain greedy on the same jobs) also the exact-match rate
+    (``exact_match_vs_plain`` over the ``exact_match_n`` requests both finished, ``differ_from_plain_n`` of them
+    with other tokens).
 
     math: answer accuracy; code: ``ast.parse`` validity, defines the function, property check; grounded:
     exact copy/edit rate, mean similarity to the expected text, grounding; all: completion rate (EOS)."""
@@ -613,8 +615,10 @@ def quality_summary(result: RunResult, reference: RunResult | None = None) -> di
         ref = reference.tokens_by_id()
         mine = result.tokens_by_id()
         both = [i for i in mine if i in ref]
-        out["exact_match_vs_plain"] = sum(mine[i] == ref[i] for i in both) / len(both) if both else None
+        same = sum(mine[i] == ref[i] for i in both)
+        out["exact_match_vs_plain"] = same / len(both) if both else None
         out["exact_match_n"] = len(both)
+        out["differ_from_plain_n"] = len(both) - same  # ``report.outputs_differ`` flags the ratios of such a run
     return out
 
 

@@ -8,8 +8,11 @@ Default suite (a few minutes on a 2-core CPU with the default model):
 3. per-phase costs and the cost-model check next to each measured speedup, quality on the same tasks and
    exact match with plain greedy;
 4. peers on the same checkpoint file and prompt ids when installed (transformers plain and prompt lookup;
-   llama-cpp-python plain and prompt lookup), at batch 1;
-5. ``<out>/<suite>.json`` (everything), ``<out>/<suite>.md`` (tables) and PNG plots.
+   llama-cpp-python plain and prompt lookup), at batch 1, after jspec's runs (not interleaved with them: the
+   time between is recorded), on one thread count (jspec's XLA pool size unless ``--peer-threads`` gives one);
+5. ``<out>/<suite>.json`` (everything), ``<out>/<suite>.md`` (tables) and PNG plots: the JSON and Markdown are
+   written once jspec's runs are done (``peers_pending`` names the peers still to run), again with the peers'
+   runs, then the plots.
 """
 
 from __future__ import annotations
@@ -157,6 +160,7 @@ class SuiteConfig:
     rounds_per_sync: int = 1  # decode rounds per engine step (one host sync each)
     passes: int = 1  # runs of every configuration, in alternating order (see ``run_specs``)
     freeze_gc: bool = True  # Python heap frozen in timed runs (``metrics.timed_region_gc``), peers' too
+    peer_threads: int | None = None  # both peers' thread count; None: jspec's (``metrics.jspec_threads``)
 
 
 def prepare_jobs(target: Target, cfg: SuiteConfig) -> tuple[list[runner.Job], dict[str, Any]]:
@@ -284,7 +288,8 @@ def run_specs(
     whichever configuration ran in the fast spell. The tables report the first pass; each result keeps every
     pass's throughput in ``extra["passes"]`` (with whether its tokens equal the first pass's), from which
     ``headline`` gives each pass's ratio and their median. A peer runs once: its ratio takes the median of
-    jspec's passes (``report.jspec_rates``)."""
+    jspec's passes (``report.jspec_rates``). Each pass records its wall clock (start and end of the run, warm-up
+    included, Unix seconds), from which ``report.peer_gap_s`` gives how long after it a peer ran."""
     results: list[RunResult] = []
     ctx = int(np.median([len(j.prompt) for j in jobs if j.prompt is not None]) + cfg.max_new_tokens // 2)
     if cfg.passes < 1:
@@ -296,11 +301,14 @@ def run_specs(
             if cfg.passes > 1:
                 log(f"  pass {i + 1}/{cfg.passes}")
             for j in order:
+                start = time.time()
                 r = run_one(target, specs[j], load, jobs, cfg, log)
+                end = time.time()
                 free_compiled()
                 if slots[j] is None:
                     slots[j] = r
-                slots[j].extra.setdefault("passes", []).append(_pass_summary(r, slots[j]))
+                summary = {**_pass_summary(r, slots[j]), "wall_clock": [start, end]}
+                slots[j].extra.setdefault("passes", []).append(summary)
         done = [r for r in slots if r is not None]
         if group is not None:
             for r in done:
@@ -365,10 +373,18 @@ def run_peer_set(
     plain: RunResult | None,
     assistant_layers: int | None = None,
     log=print,
+    jspec_runs: Sequence[RunResult] = (),
 ) -> list[peers.PeerRun]:
     """The named peers on the same checkpoint file and jobs; each available run records how it differs from
-    jspec's run (weights' and KV cache's precision, device: ``peers.like_for_like_problems``) as
-    ``info["not_like_for_like"]``, where ``headline`` and the report look before printing a ratio."""
+    jspec's run (weights' and KV cache's precision, device, thread count: ``peers.like_for_like_problems``; at
+    temperature 0 greedy outputs other than ``plain``'s: ``report.outputs_differ``) as
+    ``info["not_like_for_like"]``, where ``headline`` and the report look before printing a ratio.
+
+    Both peers get one thread count: ``cfg.peer_threads``, else jspec's (``metrics.jspec_threads``: XLA's pool),
+    recorded in ``info["jspec"]``. ``jspec_runs``: jspec's runs, for ``info["after_jspec_s"]``: per jspec run the
+    peer is compared with (its technique, closed loop at concurrency 1), the seconds from the end of its last pass
+    to the start of the peer's timed run (``report.peer_gap_s``): the peers run after jspec's runs, not
+    interleaved with them."""
     if not names:
         return []
     if target.dtype != "float32":  # no peer runs jspec's bfloat16: every ratio would compare precisions too
@@ -377,6 +393,8 @@ def run_peer_set(
             "no like-for-like ratio"
         )
         return [peers.PeerRun(n, "plain", n, False, why) for n in names]
+    ours = metrics.jspec_threads()
+    threads = cfg.peer_threads or ours["threads"]
     runs = peers.run_peers(
         names,
         target.path,
@@ -394,21 +412,39 @@ def run_peer_set(
         scorer=_scorer,
         max_wall_s=cfg.max_wall_s,
         freeze_gc=cfg.freeze_gc,
+        threads=threads,
     )
     backend = jax.default_backend()
     for p in runs:
         if not p.available:
             log(f"  {p.label:<28} skipped: {p.reason}")
             continue
-        p.info["jspec"] = {"dtype": target.dtype, "backend": backend}
-        p.info["not_like_for_like"] = peers.like_for_like_problems(p.info, dtype=target.dtype, backend=backend)
+        p.info["jspec"] = {"dtype": target.dtype, "backend": backend, "threads": ours["threads"],
+                           "threads_how": ours["how"]}  # fmt: skip
+        p.info["not_like_for_like"] = peers.like_for_like_problems(
+            p.info, dtype=target.dtype, backend=backend, threads=ours["threads"]
+        )
         as_run = RunResult(
             plain_spec(), Load.closed(1), cfg.sampling, cfg.max_new_tokens, p.records, p.summary, {}, {}, {}
         )
         p.quality = runner.quality_summary(as_run, plain)
+        differ = None
+        if plain is not None:
+            differ = report.outputs_differ(p.quality, p.summary, plain.summary, cfg.sampling.temperature,
+                                           ref="jspec's plain")  # fmt: skip
+        if differ:  # not the same outputs: a ratio would compare other work
+            p.info["not_like_for_like"].append(differ)
+        mates = [r for r in jspec_runs if _peer_mate(r, p.technique)]
+        gaps = {r.spec.label: report.peer_gap_s({"passes": r.extra.get("passes")}, p.info) for r in mates}
+        p.info["after_jspec_s"] = {k: v for k, v in gaps.items() if v is not None}
         note = f"  (not like for like: {'; '.join(p.info['not_like_for_like'])})" if p.info["not_like_for_like"] else ""
         log(f"  {p.label:<28} {'closed c=1':<18} {p.summary['output_tokens_per_s']:7.1f} tok/s{note}")
     return runs
+
+
+def _peer_mate(r: RunResult, technique: str) -> bool:
+    """Whether jspec's run ``r`` is the one a peer of ``technique`` is compared with (closed loop, concurrency 1)."""
+    return r.load.mode == "closed" and r.load.concurrency == 1 and (r.spec.peer or r.spec.kind) == technique
 
 
 def payload(
@@ -472,8 +508,11 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
     request failed, e.g. refused by the engine), and an open loop's end-to-end ratio is not printed (its wall
     time is the arrivals' span, whatever the decoding speed): its decode ratio is. Nor is one at temperature > 0
     (``report.sampled_note``: the two sides sampled other outputs, as ``python -m jspec generate --compare`` says),
-    against plain or a peer: the decode ratio is. Against a peer (one run), jspec's side is the median over its
-    passes (``report.jspec_rates``), as the line says."""
+    against plain or a peer: the decode ratio is. At temperature 0 a run whose outputs differ from plain's is
+    flagged (``report.outputs_differ``): its ratios compare other outputs. Against a peer (one run), jspec's side
+    is the median over its passes (``report.jspec_rates``), as the line says, and what the ratio still compares
+    besides the implementations follows it (``report.peer_caveats``: another prompt-lookup policy, with each
+    side's tokens per verify round; the time between the two runs, which are not interleaved)."""
     lines = []
     for r in results:
         if r.spec.kind == "plain":
@@ -501,6 +540,9 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
             line = f"{r.spec.label} @ {where}: {dsp} plain decode (end-to-end: {no_e2e})"
         else:
             line = f"{r.spec.label} @ {where}: {sp:.2f}x plain end-to-end, {dsp} decode"
+        differ = None if why else report.outputs_differ(r.quality, r.summary, plain.summary, r.sampling.temperature)
+        if differ:  # greedy speculation reproduces plain decoding: these ratios compare other outputs
+            line += f" [{differ}: the ratios compare other outputs]"
         per = pass_ratios(r, plain)
         if per is not None:
             e2e = "" if no_e2e else f"{_ratios_text(per['output'])} end-to-end, "
@@ -539,6 +581,15 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
                             line += f", {jd / ps['decode_tokens_per_s']:.2f}x decode"
                     if how != "one pass":
                         line += f" (jspec: {how}; the peer: its one run)"
+                    caveats = report.peer_caveats({"spec": r.spec.describe(), "passes": r.extra.get("passes")},
+                                                  p.technique, p.info)  # fmt: skip
+                    if p.technique != "plain":  # next to the lookup policy, when there is one
+                        ptr = p.info.get("tokens_per_round")
+                        caveats.insert(p.technique == "prompt_lookup",
+                                       f"tokens/round jspec {r.decode_stats.get('tokens_per_round', 0):.2f}, the "
+                                       f"peer {'-' if ptr is None else f'{ptr:.2f}'}")  # fmt: skip
+                    if caveats:
+                        line += f" [{'; '.join(caveats)}]"
         lines.append(line)
     return lines
 
@@ -755,6 +806,20 @@ def config_from_args(args, **counts: int | None) -> SuiteConfig:
         passes=args.passes,
         bucket=args.bucket,
         freeze_gc=not args.no_gc_freeze,
+        peer_threads=getattr(args, "peer_threads", None),
+    )
+
+
+def add_peer_args(ap: argparse.ArgumentParser) -> None:
+    """--peers and --peer-threads, for the scripts that run peers."""
+    ap.add_argument("--peers", default="transformers,llama_cpp", help="comma-separated; 'none' to skip")
+    ap.add_argument(
+        "--peer-threads",
+        type=int,
+        default=None,
+        help="threads for both peers (torch.set_num_threads; llama.cpp n_threads and n_threads_batch); default: "
+        "jspec's (XLA's CPU pool: one per CPU the process may use). jspec's own count is not set by this flag: "
+        "another count is reported as not like for like",
     )
 
 
@@ -763,7 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_common_args(ap)
     ap.add_argument("--gamma", type=int, default=4, help="K for the n-gram drafter")
     ap.add_argument("--concurrency", type=int, default=8, help="saturation run's closed-loop concurrency")
-    ap.add_argument("--peers", default="transformers,llama_cpp", help="comma-separated; 'none' to skip")
+    add_peer_args(ap)
     ap.add_argument("--name", default="default_suite")
     args = ap.parse_args(argv)
     # Bad input (a missing or unreadable path too) is a message, not a traceback, as `jspec generate` does; only
@@ -771,7 +836,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         names = peer_names(args.peers)
-        cfg = config_from_args(args, gamma=args.gamma, concurrency=args.concurrency)
+        cfg = config_from_args(args, gamma=args.gamma, concurrency=args.concurrency, peer_threads=args.peer_threads)
         make_out_dir(args.out)  # an unusable --out fails now, not after the runs
         print(f"loading {args.model} ({args.dtype}) ...")
         target = load_target(args.model, args.dtype, args.layers)
@@ -789,11 +854,17 @@ def _run_suite(args, argv: Sequence[str] | None, names, cfg, target, t0: float) 
     if args.concurrency > 1:
         loads.append(Load.closed(args.concurrency, cfg.timeout_s))
     results = run_specs(target, specs, loads, jobs, cfg)
-    plain1 = next(r for r in results if r.spec.kind == "plain" and r.load.concurrency == 1)
-    peer_runs = run_peer_set(target, names, jobs, cfg, args.gamma, plain1)
-    lines = headline(results, peer_runs)
     cmd = "python -m jspec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    pl = payload(args.name, None, meta(target, cfg, desc), results, peer_runs, headline=lines, command=cmd.strip())
+    meta_d = meta(target, cfg, desc)
+    if names:  # jspec's runs first: the peers below are slow, and may fail or be stopped
+        pl = payload(args.name, None, meta_d, results, headline=headline(results), command=cmd.strip(),
+                     peers_pending=names)  # fmt: skip
+        paths = write_outputs(args.out, args.name, pl)
+        print(f"jspec's runs written to {paths['json']} (the peers' runs follow)")
+    plain1 = next(r for r in results if r.spec.kind == "plain" and r.load.concurrency == 1)
+    peer_runs = run_peer_set(target, names, jobs, cfg, args.gamma, plain1, jspec_runs=results)
+    lines = headline(results, peer_runs)
+    pl = payload(args.name, None, meta_d, results, peer_runs, headline=lines, command=cmd.strip())
     plots = [
         (f"{args.name}_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
         (f"{args.name}_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
