@@ -187,13 +187,13 @@ def _cost_timing_fails(*a, **kw):
     raise RuntimeError("the cost timing failed")
 
 
-def test_bench_draft_writes_its_runs_before_the_cost_timing(tmp_path, monkeypatch):
-    """--json was written only after the cost timing that follows the decode runs: when that failed or was
-    stopped, every measured run was lost. Now the runs' results are written first, the cost model's fields after."""
+def _fake_bench_draft(monkeypatch, target_name: str):
+    """examples/bench_draft with a stand-in target (named ``target_name``), draft and decode: each run emits 3
+    tokens in 4 rounds, the speculative ones twice as fast as plain."""
     import bench_draft
 
     tok = SimpleNamespace(encode_chat=lambda messages: [1, 2, 3], eos_ids=(0,))
-    target = SimpleNamespace(tokenizer=tok, model=None, params=None)
+    target = SimpleNamespace(tokenizer=tok, model=None, params=None, config=SimpleNamespace(name=target_name))
     monkeypatch.setattr(bench_draft.registry, "load", lambda *a, **kw: target)
     monkeypatch.setattr(bench_draft, "get_draft", lambda name, *a: SimpleNamespace(drafter=lambda: None, params=None))
 
@@ -210,6 +210,13 @@ def test_bench_draft_writes_its_runs_before_the_cost_timing(tmp_path, monkeypatc
 
     monkeypatch.setattr(bench_draft.dec, "prepare", lambda *a, gamma=0, **kw: Prepared(gamma))
     monkeypatch.setattr(bench_draft, "warm_up", lambda groups: 0)
+    return bench_draft
+
+
+def test_bench_draft_writes_its_runs_before_the_cost_timing(tmp_path, monkeypatch):
+    """--json was written only after the cost timing that follows the decode runs: when that failed or was
+    stopped, every measured run was lost. Now the runs' results are written first, the cost model's fields after."""
+    bench_draft = _fake_bench_draft(monkeypatch, "fake")
     monkeypatch.setattr(bench_draft, "measure_costs", _cost_timing_fails)
     out = tmp_path / "runs.json"
     with pytest.raises(RuntimeError, match="cost timing"):
@@ -597,26 +604,7 @@ def test_bench_selfspec_refusals_name_their_flags(monkeypatch, capsys):
 
 def test_bench_draft_names_the_target_it_ran(tmp_path, monkeypatch, capsys):
     """The summary header said 'SmolLM2-135M' whatever --model ran."""
-    import bench_draft
-
-    tok = SimpleNamespace(encode_chat=lambda messages: [1, 2, 3], eos_ids=(0,))
-    target = SimpleNamespace(tokenizer=tok, model=None, params=None, config=SimpleNamespace(name="other-model-7L"))
-    monkeypatch.setattr(bench_draft.registry, "load", lambda *a, **kw: target)
-    monkeypatch.setattr(bench_draft, "get_draft", lambda name, *a: SimpleNamespace(drafter=lambda: None, params=None))
-
-    class Prepared:
-        config = SimpleNamespace(slots=64)
-
-        def __init__(self, gamma=0):
-            self.gamma = gamma
-
-        def run_timed(self):
-            k = self.gamma
-            stats = {"seconds": 0.1 if k else 0.2, "accepted_at": [1] * k, "proposed_at": [2] * k, "rounds": [4]}
-            return SimpleNamespace(tokens=[[5, 6, 7]], lengths=[3], stats={**stats, "new_tokens": [3]})
-
-    monkeypatch.setattr(bench_draft.dec, "prepare", lambda *a, gamma=0, **kw: Prepared(gamma))
-    monkeypatch.setattr(bench_draft, "warm_up", lambda groups: 0)
+    bench_draft = _fake_bench_draft(monkeypatch, "other-model-7L")
     costs = {"target_step_ms": 1.0, "verify_ms": {2: 1.5}, "draft_ms": {"d": 0.2}}
     monkeypatch.setattr(bench_draft, "measure_costs", lambda *a: costs)
     bench_draft.main(["--drafts", "d", "--gammas", "2", "--repeats", "1"])
