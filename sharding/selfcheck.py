@@ -4,7 +4,9 @@ Scenarios (each prints one JSON document, or writes it to --out):
   decode       8 fake CPU devices; meshes 2x4, 4x2, 8x1, 1x8 (data x model, preset data_tensor); plain,
                draft-model and n-gram speculative decoding; greedy and seeded sampling; a ragged batch.
                Reports the tokens, the single-device reference tokens, the collectives per round and any
-               collective that moves KV-cache data (there must be none).
+               collective that moves KV-cache data (there must be none). On one mesh each, against
+               single-device decode: logprobs=True with eos_ids and per-row stop_token_ids (STOPS_MESH), and a
+               draft-model tree in a cache sized by cache_need (TREE_MESH).
   checkpoint   params saved from a 2x4 mesh, restored onto 4x2 and onto one device; logits compared.
   multiprocess run under ``python -m sharding.launch -n 2 --cpu-devices 4 -- python -m sharding.selfcheck
                multiprocess``: the same speculative decode over jax.distributed, inputs built per process.
@@ -52,6 +54,20 @@ SAMPLING: dict[str, dict[str, Any]] = {
 # two-process run, where each process passes its own rows' seeds.
 ROW_SEEDS = dict(SAMPLING["sampled"], seed=[101, 102, 103, 104, 105, 106, 107, 108])
 ROW_SEEDS_MESH = "2x4"
+# End tokens and log-probabilities (the draft model, seeded sampling, logprobs=True, eos_ids and per-row
+# stop_token_ids) on STOPS_MESH, one row per device (a stop id given to another row would show). Compared with
+# single-device decode: tokens and stop reasons exactly, log-probabilities within LOGPROB_ATOL (float32 sums in
+# another order). On 8x1, with job B of tests/test_sharding_devices.py, which finishes before the other job.
+STOPS_MESH = "8x1"
+LOGPROB_ATOL = 1e-4
+# A draft-model tree (sampled children, per-row seeds; all-greedy and mixed greedy / sampled rows) on TREE_MESH,
+# where the draft and the target are both split over the model axis: the ancestor mask runs on split KV heads.
+TREE_MESH = "2x4"
+TREE_SPEC = (2, 2, 1)  # 1 + 2 + 4 + 4 = 11 nodes: 10 scratch slots past the pending token
+# The mixed run's temperatures (the greedy run's are all 0). Row 6, the longest (P + N - 1 = 25), is sampled: its
+# last rounds verify nodes in the scratch slots, so a cache without the tree's scratch (25 to 28 slots instead of
+# 35) gives it other tokens (measured on one device and on 2x4), so the tokens check the cache_need sizing below.
+TREE_TEMPERATURE = [0.0, 1.0, 0.8, 0.0, 1.2, 1.0, 0.9, 0.0]
 
 
 def tiny_models(seed: int = 0):
@@ -198,9 +214,113 @@ def decode_scenario(meshes=MESHES, with_reference: bool = True) -> dict:
             }
             if mesh_name == STREAM_MESH and name == "model":
                 entry[name].update(_stream_check(builds["greedy"]))
+        if mesh_name == STOPS_MESH:
+            base = entry["model"]["tokens"]["sampled"]  # the single-device tokens (checked by the tests)
+            entry["stops"] = _stops_check(model, tp, dp, stp, sdp, plan, drafters["model"], base)
+        if mesh_name == TREE_MESH:
+            entry["tree"] = _tree_check(model, tp, dp, stp, sdp, plan, dcfg)
         result["meshes"][mesh_name] = entry
     result["seconds"] = time.perf_counter() - t0
     return result
+
+
+def stop_choice(tokens: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """(eos_ids, stop_token_ids per row) picked from the rows' tokens decoded without end tokens, so that several
+    rows really end early and each row's ids matter: row 0's middle token is the EOS id (it ends any row that
+    emits it); rows 2, 4 and 6 stop at a middle token of their own (row 4 also holds row 6's id, which it never
+    emits); rows 1, 3, 5 and 7 hold a token that the next row (in the next block of rows on a 4- or 8-way data axis)
+    emits early and they never emit: ids that reached another row than their own would end it early, or not end
+    the row that owns them."""
+    eos = [tokens[0][len(tokens[0]) // 2]]
+    own = {i: tokens[i][len(tokens[i]) // 2] for i in (2, 4, 6)}
+    stops: list[list[int]] = []
+    for i, row in enumerate(tokens):
+        if i == 0:
+            ids = []
+        elif i in own:
+            ids = [own[i]] + ([own[6]] if i == 4 and own[6] not in row else [])
+        else:
+            ids = [x for x in tokens[(i + 1) % len(tokens)][1:] if x not in row and x not in eos][:1]
+        stops.append(ids)
+    return eos, stops
+
+
+def _stops_check(model, tp, dp, stp, sdp, plan, drafter, base) -> dict:
+    """Draft-model decoding with seeded sampling, logprobs=True, eos_ids and per-row stop_token_ids
+    (``stop_choice`` of ``base``, the rows' tokens decoded without end tokens) on ``plan``'s mesh and on one
+    device: tokens, stop reasons and log-probabilities of both (the latter gathered by ``gather_output``'s
+    log-probability branch)."""
+    from jspec.decode import decode
+    from sharding.rules import spec_str
+    from sharding.sharded_decode import gather_output, prepare_sharded
+
+    t0 = time.perf_counter()
+    eos, stops = stop_choice(base)
+    kw = dict(_kw("sampled", drafter=drafter), eos_ids=eos, stop_token_ids=stops, logprobs=True)
+    ref = decode(model, tp, prompts(), drafter=drafter, draft_params=dp, **kw)
+    sd = prepare_sharded(model, stp, prompts(), plan=plan, drafter=drafter, draft_params=sdp, **kw)
+    st = sd.run_state()
+    got = gather_output(st)
+    diffs = [abs(a - b) for x, y in zip(got.logprobs, ref.logprobs) for a, b in zip(x, y)]
+    return {
+        "base_tokens": base,
+        "eos_ids": eos,
+        "stop_token_ids": stops,
+        "stop_ids_spec": spec_str(st.sampling.stop_ids.sharding.spec),
+        "tokens": got.tokens,
+        "stop": [r.name for r in got.stop_reason],
+        "logprobs": got.logprobs,
+        "reference_tokens": ref.tokens,
+        "reference_stop": [r.name for r in ref.stop_reason],
+        "reference_logprobs": ref.logprobs,
+        "logprob_shapes_equal": [len(x) for x in got.logprobs] == [len(y) for y in ref.logprobs],
+        "max_abs_logprob_diff": max(diffs) if diffs else None,
+        "logprob_atol": LOGPROB_ATOL,
+        "accepted": got.stats["accepted"],
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _tree_check(model, tp, dp, stp, sdp, plan, dcfg) -> dict:
+    """A draft-model tree (``TREE_SPEC``, children sampled without replacement, per-row seeds), all-greedy and
+    mixed greedy / sampled rows (one compilation serves both), on ``plan``'s mesh with a cache of exactly
+    ``cache_need`` slots (the rows' P + N - 1 and the tree's scratch, ``jspec.decode.tree_scratch``) and on one
+    device with decode's default cache (rounded up to 128 slots): the tokens must be equal, which they would not
+    be if the mesh's cache lacked the scratch (row 6's last rounds would verify fewer nodes: other draws)."""
+    from jspec.decode import prepare, tree_scratch
+    from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
+    from models.llama import make_model
+    from sharding import hlo
+    from sharding.sharded_decode import cache_need, gather_output, prepare_sharded
+
+    t0 = time.perf_counter()
+    tree = TreeModelDrafter(make_model(dcfg), TreeSpec(TREE_SPEC), TreeRule.WITHOUT_REPLACEMENT)
+    need = cache_need(model, tree, prompts(), list(MAX_NEW))
+    settings = {"greedy": dict(ROW_SEEDS, temperature=0.0), "mixed": dict(ROW_SEEDS, temperature=TREE_TEMPERATURE)}
+    common = dict(drafter=tree, max_new_tokens=list(MAX_NEW))
+    refs = {s: prepare(model, tp, prompts(), draft_params=dp, **common, **kw) for s, kw in settings.items()}
+    builds = {
+        s: prepare_sharded(model, stp, prompts(), plan=plan, draft_params=sdp, max_len=need, **common, **kw)
+        for s, kw in settings.items()
+    }
+    compiled = builds["greedy"].compile()
+    text = compiled.as_text()
+    outs = {s: gather_output(sd.run_state(compiled)) for s, sd in builds.items()}
+    ref_outs = {s: pd.run() for s, pd in refs.items()}
+    return {
+        "mixed_temperature": TREE_TEMPERATURE,
+        "nodes": TreeSpec(TREE_SPEC).num_nodes,
+        "scratch": tree_scratch(tree),
+        "cache_need": need,
+        "slots": builds["greedy"].config.slots,
+        "reference_slots": refs["greedy"].config.slots,
+        "tokens": {s: o.tokens for s, o in outs.items()},
+        "stop": {s: [r.name for r in o.stop_reason] for s, o in outs.items()},
+        "reference_tokens": {s: o.tokens for s, o in ref_outs.items()},
+        "accepted": {s: o.stats["accepted"] for s, o in outs.items()},
+        "cache_collectives": [f"{c.op} {c.shape}" for c in hlo.cache_collectives(text, need, TARGET_KW["head_dim"])],
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _stream_check(sd) -> dict:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import TEST_XLA_FLAGS
 
@@ -146,6 +147,68 @@ def test_per_row_seeds_split_with_their_rows(runs):
     ref = _reference(runs)["model"]
     assert _decode(runs, "2x4")["model"]["tokens"]["row_seeds"] == ref["row_seeds"]
     assert ref["row_seeds"] != ref["sampled"]  # the same sampling settings under other keys: the seeds are used
+
+
+def _cut_at_end_tokens(rows: list[list[int]], eos: list[int], stops: list[list[int]]) -> tuple[list, list]:
+    """What decoding with end tokens must give, from the rows decoded without them: each row up to and including
+    its first EOS id or own stop id (stop reason EOS), else whole (its budget)."""
+    tokens, reasons = [], []
+    for row, ids in zip(rows, stops):
+        cut = next((j for j, t in enumerate(row) if t in {*eos, *ids}), None)
+        tokens.append(row if cut is None else row[: cut + 1])
+        reasons.append("MAX_NEW_TOKENS" if cut is None else "EOS")
+    return tokens, reasons
+
+
+LOGPROB_ATOL = 1e-4  # float32 logits of another batch layout
+
+
+def test_eos_stop_ids_and_logprobs_match_single_device(runs):
+    """8x1, draft model, seeded sampling, logprobs=True, eos_ids and per-row stop_token_ids ([B, E], split over
+    the data axis with their rows, one per device): the tokens end where the rows' own ids say, as on one device."""
+    s = _decode(runs, "8x1")["stops"]
+    base = _reference(runs)["model"]["sampled"]  # the same decode without end tokens, on one device
+    assert s["base_tokens"] == base  # the ids were picked from these rows
+    eos, stops = s["eos_ids"], s["stop_token_ids"]
+    want, reasons = _cut_at_end_tokens(base, eos, stops)
+    assert (s["reference_tokens"], s["reference_stop"]) == (want, reasons)  # single-device decode's semantics
+    assert (s["tokens"], s["stop"]) == (want, reasons)
+    assert s["stop_ids_spec"] == "P('data')"
+    # Several rows really ended early: by the EOS id, and by ids of their own (not EOS).
+    early = [i for i in range(8) if reasons[i] == "EOS" and len(want[i]) < len(base[i])]
+    by_own = [i for i in early if want[i][-1] in stops[i] and want[i][-1] not in eos]
+    assert any(want[i][-1] in eos for i in early) and len(by_own) >= 2, (eos, stops, want)
+    # The ids differ per row, and ids given to other rows (one or two rows on) would end other rows.
+    assert len({tuple(x) for x in stops}) >= 6, stops
+    for shift in (1, 2):
+        moved = stops[-shift:] + stops[:-shift]
+        assert _cut_at_end_tokens(base, eos, moved)[0] != want, shift
+    assert s["accepted"] > 0  # multi-token rounds, each scattering several log-probabilities
+    # Log-probabilities: one per token, finite, negative, as on one device within LOGPROB_ATOL.
+    got, ref = s["logprobs"], s["reference_logprobs"]
+    assert [len(x) for x in got] == [len(t) for t in want] == [len(x) for x in ref]
+    flat_got, flat_ref = np.concatenate(got), np.concatenate(ref)
+    assert np.all(np.isfinite(flat_got)) and np.all(flat_got < -1e-3)  # never an unfilled slot's 0
+    np.testing.assert_allclose(flat_got, flat_ref, rtol=0, atol=LOGPROB_ATOL)
+
+
+def test_tree_drafter_matches_single_device(runs):
+    """2x4, a draft-model tree (11 nodes, children sampled without replacement, per-row seeds): the ancestor mask
+    on split KV heads, and a cache of exactly cache_need slots (the tree's scratch reserved), as on one device."""
+    t = _decode(runs, "2x4")["tree"]
+    plain = _reference(runs)["plain"]["greedy"]
+    assert t["tokens"] == t["reference_tokens"]
+    assert t["tokens"]["greedy"] == plain  # lossless
+    mixed, temps = t["tokens"]["mixed"], t["mixed_temperature"]
+    assert [mixed[i] for i, x in enumerate(temps) if x == 0] == [plain[i] for i, x in enumerate(temps) if x == 0]
+    assert [mixed[i] for i, x in enumerate(temps) if x > 0] != [plain[i] for i, x in enumerate(temps) if x > 0]
+    assert [len(r) for r in mixed] == [10, 14, 8, 12, 16, 9, 11, 13]
+    assert t["stop"] == {"greedy": ["MAX_NEW_TOKENS"] * 8, "mixed": ["MAX_NEW_TOKENS"] * 8}
+    assert t["accepted"]["greedy"] > 0 and t["accepted"]["mixed"] > 0
+    # The cache: the longest row's P + N - 1 (15 + 11 - 1) and the tree's nodes but the root, no rounding.
+    assert (t["nodes"], t["scratch"]) == (11, 10)
+    assert t["cache_need"] == t["slots"] == 25 + 10 and t["reference_slots"] == 128
+    assert t["cache_collectives"] == []
 
 
 @pytest.mark.parametrize("mesh", MESHES)
