@@ -73,22 +73,23 @@ def choose_k(policy: AdaptiveK, ema, k_max: int, always_wide: bool = False):
     """ema [B, 2] (accepted, tested) moving sums -> [B] int32 draft lengths: K, or 0 where K does not pay (never
     below ``policy.min_k``). ``always_wide``: the drafter verifies K + 1 positions even in a round without
     proposals (EAGLE reads the verification's features), so a round at 0 costs 1 + K * verify_cost, not 1."""
-    a = jnp.clip(estimate(ema), 0.0, 0.999)
+    on = _k_pays(policy, jnp.clip(estimate(ema), 0.0, 0.999), k_max, always_wide) | (policy.min_k > 0)
+    return jnp.where(on, k_max, 0).astype(jnp.int32)
+
+
+def _k_pays(policy: AdaptiveK, a, k_max: int, always_wide: bool):
+    """Estimates ``a`` in [0, 0.999] (an array on device, or a float on the host) -> does K beat proposing
+    nothing: tokens per unit of round cost, E[N] / cost(K) against 1 / cost(0)."""
     expected = (1.0 - a ** (k_max + 1.0)) / (1.0 - a)  # 1 + a + ... + a^K
     # Any k >= 1 runs the whole K-step draft and the K+1-wide verification (see the module doc).
     cost_k = 1.0 + k_max * (policy.draft_cost + policy.verify_cost)
     cost_0 = 1.0 + k_max * policy.verify_cost if always_wide else 1.0
-    on = (expected / cost_k > 1.0 / cost_0) | (policy.min_k > 0)
-    return jnp.where(on, k_max, 0).astype(jnp.int32)
+    return expected / cost_k > 1.0 / cost_0
 
 
 def pays(policy: AdaptiveK, a: float, k_max: int, always_wide: bool = False) -> bool:
     """Host-side ``choose_k`` for one estimate ``a``: does K beat proposing nothing?"""
-    a = min(max(float(a), 0.0), 0.999)
-    expected = (1.0 - a ** (k_max + 1.0)) / (1.0 - a)
-    cost_k = 1.0 + k_max * (policy.draft_cost + policy.verify_cost)
-    cost_0 = 1.0 + k_max * policy.verify_cost if always_wide else 1.0
-    return expected / cost_k > 1.0 / cost_0
+    return bool(_k_pays(policy, min(max(float(a), 0.0), 0.999), k_max, always_wide))
 
 
 def check_prior(policy: AdaptiveK, k_max: int, always_wide: bool = False) -> None:
