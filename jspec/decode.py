@@ -735,9 +735,9 @@ def tree_scratch(drafter) -> int:
     own cache, which can be more than ``budget - 1``: reserved too, so that no frontier entry falls off the end
     of the cache, where its logits (and so which nodes a row keeps) would depend on the cache's size."""
     n = (tree_nodes(drafter) or 1) - 1
-    top_k, depth = getattr(drafter, "top_k", None), getattr(drafter, "depth", None)
-    if n and isinstance(getattr(drafter, "budget", None), int) and isinstance(top_k, int) and isinstance(depth, int):
-        n = max(n, top_k * depth)
+    shape = [getattr(drafter, f, None) for f in ("budget", "top_k", "depth")]  # a dynamic tree's
+    if n and all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in shape):
+        n = max(n, int(shape[1]) * int(shape[2]))
     return n
 
 
