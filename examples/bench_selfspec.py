@@ -40,7 +40,7 @@ from jspec.bench.metrics import fresh
 from jspec.bench.runner import predict_k_rounds
 from jspec.cli import wants_unstacked
 from jspec.cost_model import conditional_rates_from_stats, survival_from_stats
-from jspec.decode import prepare
+from jspec.decode import default_slots, prepare
 from jspec.drafters import DraftContext
 from jspec.sampling import SamplingParams
 from models.layerskip import LayerSkipDrafter, default_cache_dir, exit_cache_path, restore_exit_params
@@ -159,8 +159,7 @@ def cache_slots(prompts, max_new_tokens: int, max_positions: int | None) -> int:
             f"--max-new-tokens {max_new_tokens}: the longest prompt ({need - max_new_tokens + 1} tokens) + "
             f"{max_new_tokens} new tokens run past the model's context ({max_positions} positions)"
         )
-    slots = -(-need // 128) * 128
-    return slots if max_positions is None else min(slots, max_positions)
+    return default_slots(need, max_positions)
 
 
 def main(argv=None) -> None:

@@ -741,6 +741,13 @@ def tree_scratch(drafter) -> int:
     return n
 
 
+def default_slots(need: int, ctx: int | None) -> int:
+    """The default max_len for ``need`` slots: rounded up to a multiple of 128 so nearby request sizes share one
+    compilation, capped at the model's context ``ctx``."""
+    slots = -(-need // 128) * 128
+    return slots if ctx is None else min(slots, ctx)
+
+
 def _prepare(target: Model, prompts, max_new_tokens, max_len, reserve: int = 0):
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 1):
         raise ValueError(f"max_len (cache slots per row) must be an int >= 1, got {max_len!r}")  # as Engine's
@@ -792,10 +799,7 @@ def _prepare(target: Model, prompts, max_new_tokens, max_len, reserve: int = 0):
             raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
         # The last token takes no slot (P + N <= S + 1, below); ``reserve``: a tree's scratch past it, so that the
         # last rounds verify whole trees in every row.
-        need = int((plen + mnew - 1).max()) + reserve
-        max_len = -(-need // 128) * 128  # round up so nearby request sizes share one compilation
-        if ctx is not None:
-            max_len = min(max_len, ctx)  # still >= every P + N - 1 (checked above)
+        max_len = default_slots(int((plen + mnew - 1).max()) + reserve, ctx)  # still >= every P + N - 1
     elif ctx is not None and max_new_tokens is None and max_len > ctx:
         raise ValueError(
             f"max_len={max_len} with max_new_tokens=None decodes up to position {max_len - 1}, past "

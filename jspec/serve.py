@@ -150,9 +150,9 @@ class Engine:
             ("rounds_per_sync", "rounds_per_sync"),
             ("max_stop_ids", "max_stop_ids"),
         ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < (0 if name == "max_stop_ids" else 1):
-                raise ValueError(f"{what} must be an int >= {0 if name == 'max_stop_ids' else 1}, got {v!r}")
+            v, least = getattr(self, name), 0 if name == "max_stop_ids" else 1  # 0: no per-request stop ids
+            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < least:
+                raise ValueError(f"{what} must be an int >= {least}, got {v!r}")
         self.adaptive = adaptive_policy(self.adaptive)
         gamma = check_drafter(
             self.target,
