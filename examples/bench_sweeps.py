@@ -62,7 +62,10 @@ def _point(series, r, plain, key, value):
 
     With --passes N each ratio is the median of the per-pass ratios (``suite.pass_ratios``, over the passes in
     which both runs served the same requests, as the headline's median) and ``tokens_per_s`` the median of the
-    passes' rates; ``passes`` says how many. Acceptance and tokens per round are the first pass's."""
+    passes' rates; ``passes`` says how many. Acceptance and tokens per round are the first pass's.
+
+    At temperature 0 a run whose greedy outputs are not plain decoding's (``report.outputs_differ``) keeps its
+    ratios, flagged: ``outputs_differ`` says why, and the tables mark them as the suite's do."""
     per = suite.pass_ratios(r, plain)
     dec = e2e = None
     if per is None:
@@ -78,6 +81,7 @@ def _point(series, r, plain, key, value):
     sampled = report.sampled_note(r.sampling.temperature)
     if sampled:
         e2e = None
+    differ = None if why else report.outputs_differ(r.quality, r.summary, plain.summary, r.sampling.temperature)
     sp = dec if key == "k" else e2e
     cm = (r.cost_model or {}).get("measured_rounds") or {}
     seed = (r.cost_model or {}).get("seed") or {}
@@ -88,6 +92,7 @@ def _point(series, r, plain, key, value):
         "speedup_decode": dec,
         "speedup_end_to_end": e2e,
         "different_requests": why,
+        "outputs_differ": differ,
         "end_to_end_note": sampled,
         "passes": len(r.extra.get("passes") or []) or 1,
         "tokens_per_s": _rate(r),
@@ -219,6 +224,8 @@ def _x(v, point=None, no_ratio_note=None) -> str:
         return report.no_ratio_cell(point["different_requests"])
     if v is None and no_ratio_note:
         return report.SAMPLED_CELL
+    if v is not None and point is not None and point.get("outputs_differ"):
+        return f"{v:.2f}x (outputs differ)"
     return "-" if v is None else f"{v:.2f}x"
 
 

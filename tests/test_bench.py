@@ -1506,6 +1506,11 @@ def test_greedy_outputs_that_differ_from_plain_are_flagged():
     assert "| 50% (outputs differ from plain: 1 of 2 requests) |" in row
     cost = report.cost_table(runs).splitlines()[2]
     assert "| 3.00x (outputs differ) | 2.50x (outputs differ) |" in cost
+    sweeps = _examples_module("bench_sweeps")  # the sweeps' points and tables too
+    point = sweeps._point("ngram", spec, plain, "k", 4)
+    assert point["outputs_differ"] == "outputs differ from plain: 1 of 2 requests"
+    assert "x (outputs differ)" in sweeps._sweep_tables([point], [])
+    assert sweeps._point("ngram", same, plain, "k", 4)["outputs_differ"] is None
     # The same tokens: nothing flagged.
     (line,) = suite.headline([plain, same])
     assert "differ" not in line
