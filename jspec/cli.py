@@ -14,12 +14,13 @@ import argparse
 import inspect
 import io
 import json
+import math
 import os
 import sys
 import time
 from importlib.metadata import entry_points
 
-from jspec.decode import DEFAULT_GAMMA, prepare
+from jspec.decode import DEFAULT_GAMMA, MAX_TOP_LOGPROBS, prepare
 from jspec.model import Model
 
 # The last four come from the ``jspec.drafter_loaders`` entry points (this repository's ``models``).
@@ -159,6 +160,19 @@ def check_flags(args) -> None:
     if args.dynamic_tree is not None:
         _dynamic_tree_args(args)  # its format, before any model is loaded
     stop_token_ids(args)
+    logit_bias(args)
+    if not 0 <= args.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"--top-logprobs {args.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
+    if args.top_logprobs and not args.logprobs:
+        raise ValueError("--top-logprobs needs --logprobs (the chosen tokens' log-probabilities come with them)")
+    # The penalties' ranges (checked again by decode), before a model loads.
+    if not math.isfinite(args.repetition_penalty) or args.repetition_penalty <= 0:
+        raise ValueError(f"--repetition-penalty {args.repetition_penalty} must be finite and > 0 (1 = off)")
+    for flag, value in (("--presence-penalty", args.presence_penalty), ("--frequency-penalty", args.frequency_penalty)):
+        if not math.isfinite(value) or abs(value) > 2:
+            raise ValueError(f"{flag} {value} must be in [-2, 2] (0 = off)")
+    if args.min_tokens < 0 or args.min_tokens > args.max_new_tokens:
+        raise ValueError(f"--min-tokens {args.min_tokens} must be in [0, --max-new-tokens ({args.max_new_tokens})]")
     check_greedy_filters(args.temperature, args.top_k, args.top_p, args.min_p)
 
 
@@ -171,6 +185,31 @@ def stop_token_ids(args) -> list[int]:
     if not all(p.isdigit() for p in parts):
         raise ValueError(f"--stop-token-ids wants comma-separated token ids (e.g. 2,7), got '{args.stop_token_ids}'")
     return [int(p) for p in parts]
+
+
+def logit_bias(args) -> dict[int, float] | None:
+    """--logit-bias ID:BIAS,... as a dict (None without it); ids and values are checked by
+    ``jspec.sampling.SamplingParams.make`` against the model's vocabulary."""
+    if args.logit_bias is None:
+        return None
+    out: dict[int, float] = {}
+    for part in args.logit_bias.split(","):
+        tid, sep, val = part.partition(":")
+        try:
+            if not sep or not tid.strip().isdigit():
+                raise ValueError
+            tid, bias = int(tid), float(val)
+        except ValueError:
+            raise ValueError(
+                f"--logit-bias wants comma-separated TOKEN_ID:BIAS pairs (e.g. 2:-100,7:1.5 or 2:-inf), got "
+                f"'{args.logit_bias}'"
+            ) from None
+        if tid in out:
+            raise ValueError(f"--logit-bias names token {tid} twice")
+        if math.isnan(bias) or bias == math.inf:
+            raise ValueError(f"--logit-bias {tid}:{val.strip()}: a bias must be finite, or -inf to ban the token")
+        out[tid] = bias
+    return out
 
 
 def check_greedy_filters(temperature, top_k, top_p, min_p) -> None:
@@ -270,15 +309,22 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, 
         min_p=args.min_p,
         eos_ids=eos,
         stop_token_ids=stop_token_ids(args),
+        min_tokens=args.min_tokens,
+        logit_bias=logit_bias(args),
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
         seed=args.seed,
         adaptive=args.adaptive and drafter is not None,  # --compare's plain run has no draft to adapt
         block_verify=args.block_verify and drafter is not None,
         logprobs=args.logprobs,  # on both sides of --compare, so that they time the same work
+        top_logprobs=args.top_logprobs,
     )
     out = prepared.run_timed() if stream is None else _stream_timed(prepared, *stream)
     st = out.stats
     return out.tokens[0], {
         "logprobs": out.logprobs[0] if out.logprobs is not None else None,
+        "top_logprobs": out.top_logprobs[0] if out.top_logprobs is not None else None,
         "new_tokens": st["new_tokens"][0],
         "gamma": prepared.config.gamma,  # the K the loop ran: a tree's depth for tree drafters
         "cache_slots": prepared.config.slots,
@@ -318,6 +364,7 @@ def generate(args) -> int:
     )
     stats.update(drafter=args.drafter)
     logprobs = stats.pop("logprobs")
+    tops = stats.pop("top_logprobs")
     result = {
         "text": tok.decode(ids, skip_special_tokens=True),
         "token_ids": ids,
@@ -326,6 +373,8 @@ def generate(args) -> int:
     }
     if logprobs is not None:
         result["logprobs"] = logprobs
+    if tops is not None:
+        result["top_logprobs"] = [[[i, tok.decode([i]), lp] for i, lp in pos] for pos in tops]
     if args.compare and drafter is not None:
         # The same cache as the speculative run (a tree's default reserves its scratch): attention reads every slot.
         # Streamed too under --stream (into nothing): both sides pay a host sync per round.
@@ -334,6 +383,7 @@ def generate(args) -> int:
             target, params, prompt_ids, None, None, args, eos, max_len=stats["cache_slots"], stream=quiet
         )
         plain.pop("logprobs")
+        plain.pop("top_logprobs")
         result["plain"] = {"token_ids": plain_ids, "stats": plain}
         result["identical_to_plain"] = plain_ids == ids
         ratio = stats["tokens_per_s"] / plain["tokens_per_s"]
@@ -356,6 +406,9 @@ def generate(args) -> int:
     print(_stats_line(args.drafter if drafter is not None else "none", stats), file=sys.stderr)
     if logprobs is not None:
         print(f"[log-probability of the {len(logprobs)} generated tokens: {sum(logprobs):.4f}]", file=sys.stderr)
+    for i, alts in enumerate(result.get("top_logprobs", [])):
+        shown = "  ".join(f"{text!r} {lp:.3f}" for _, text, lp in alts)
+        print(f"[{i}] {tok.decode([ids[i]])!r} {logprobs[i]:.3f} | {shown}", file=sys.stderr)
     if "plain" in result:
         print(_stats_line("plain", result["plain"]["stats"]), file=sys.stderr)
         if result["speedup"] is None:  # sampling, other outputs: the two rates are not over the same work
@@ -479,6 +532,29 @@ def main(argv=None) -> int:
         default=None,
         help="comma-separated token ids that also end the answer, emitted as an end token is (vLLM's stop_token_ids)",
     )
+    g.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="end tokens (EOS, --stop-token-ids) cannot come before this many tokens (vLLM's min_tokens)",
+    )
+    g.add_argument(
+        "--logit-bias",
+        default=None,
+        help="TOKEN_ID:BIAS,... added to the target's logits before sampling (OpenAI's logit_bias; -inf bans a token)",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide (multiply, when not positive) the logits of tokens in the prompt or the answer by it; 1 = off",
+    )
+    g.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtracted once per token already in the answer"
+    )
+    g.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence of a token in the answer"
+    )
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     g.add_argument(
         "--layers",
@@ -511,6 +587,13 @@ def main(argv=None) -> int:
         "--logprobs",
         action="store_true",
         help="the target's log-probability of each generated token (in --json output; else their sum on stderr)",
+    )
+    g.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=0,
+        help="with --logprobs: the N (<= 20) most likely tokens at each generated position, with their "
+        "log-probabilities (in --json output as [id, text, logprob]; else each token's on stderr)",
     )
     args = ap.parse_args(argv)
     try:

@@ -36,7 +36,18 @@ from jspec.adaptive import AdaptiveK
 from jspec.cache import set_rows, take_rows
 from jspec.drafters import DraftContext, Proposal
 from jspec.model import Model
-from jspec.sampling import SamplingParams, argmax, distribution, int_array, is_stop, sample, split_keys
+from jspec.sampling import (
+    SamplingParams,
+    argmax,
+    distribution,
+    int_array,
+    is_stop,
+    penalized_logits,
+    processed_logits,
+    sample,
+    split_keys,
+    top_k,
+)
 from jspec.tree import TreeProposal, TreeRule, ancestor_mask, verify_tree_greedy, verify_tree_key
 from jspec.verify import verify_chain_greedy, verify_chain_key
 
@@ -61,6 +72,11 @@ class DecodeConfig:
     adaptive: per-row draft length policy (``jspec.adaptive.AdaptiveK``); None = always K.
     block_verify: verify chains jointly (``jspec.verify.verify_block``) instead of token by token.
     logprobs: keep the target's log-probability of every generated token (``DecodeOutput.logprobs``).
+    top_logprobs: N, also keep the N most likely tokens and their log-probabilities at every generated position
+      (``DecodeOutput.top_logprobs``; OpenAI's ``top_logprobs``, vLLM's ``logprobs=N``); needs ``logprobs``.
+    penalties: keep per-row token counts ([B, V]) so that the rows' repetition / presence / frequency penalties
+      apply; without it they are not applied (``prepare`` sets it when a row asks for one, ``Engine.add`` refuses
+      a penalty without it).
     constrain: optional ``DecodeState -> DecodeState`` applied after prefill and after every round, e.g. to pin
       shardings of the loop state with ``jax.lax.with_sharding_constraint`` (see ``sharding``).
     """
@@ -73,6 +89,12 @@ class DecodeConfig:
     block_verify: bool = False
     constrain: Any = None
     logprobs: bool = False
+    top_logprobs: int = 0
+    penalties: bool = False
+
+    def __post_init__(self):
+        if self.top_logprobs and not self.logprobs:  # the alternatives are read from the logprobs' logits
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
 
 
 @jax.tree_util.register_dataclass
@@ -109,6 +131,22 @@ class DecodeState:
     # [B, S+1] float32: the target's log-probability of the token at each slot of ``seq`` (generated slots only;
     # [B, 0] unless ``DecodeConfig.logprobs``)
     logprob: jax.Array
+    # [B, S+1, N] int32 / float32: the N most likely tokens at each generated slot of ``seq`` and their
+    # log-probabilities, most likely first ([B, 0, 0] unless ``DecodeConfig.top_logprobs``)
+    top_ids: jax.Array
+    top_logprob: jax.Array
+    # [B, V] int32: how often each token occurs among the generated tokens (the pending one included); [B, V] bool:
+    # the token occurs in the prompt ([B, 0] both unless ``DecodeConfig.penalties``)
+    out_counts: jax.Array
+    prompt_seen: jax.Array
+
+
+def top_token_logprobs(logits: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """logits [B, T, V] -> (ids [B, T, N] int32, log-probabilities [B, T, N] float32) of the N most likely tokens
+    under the raw logits at temperature 1, most likely first (the lower id first among equal values)."""
+    logits = logits.astype(jnp.float32)
+    vals, ids = top_k(logits, n)
+    return ids, vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -120,7 +158,8 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def _scatter_rows(buf: jax.Array, start: jax.Array, vals: jax.Array, n: jax.Array) -> jax.Array:
-    """buf [B, W]; write vals[b, :n[b]] at buf[b, start[b]:]; anything else (or past W) is dropped."""
+    """buf [B, W, ...]; write vals[b, :n[b]] ([B, T, ...]) at buf[b, start[b]:]; anything else (or past W) is
+    dropped."""
     w = buf.shape[1]
     j = jnp.arange(vals.shape[1], dtype=jnp.int32)[None, :]
     idx = jnp.where(j < n[:, None], start[:, None] + j, w)
@@ -159,12 +198,29 @@ def prefill(
         draft_state = drafter.init(draft_params, prompt, prompt_len, s)
     cache = cache.commit(prompt_len)  # a commit, not a length change: caches with more state must keep it
     key, k0 = split_keys(key, 2)
-    first = sample(k0, distribution(last, sampling))
+    first_logits = processed_logits(last[:, None], sampling, jnp.zeros((b, 1), jnp.int32), config.eos_ids)
+    v = last.shape[-1]
+    out_counts = jnp.zeros((b, v if config.penalties else 0), jnp.int32)
+    prompt_seen = jnp.zeros((b, v if config.penalties else 0), bool)
+    if config.penalties:
+        in_prompt = jnp.arange(p)[None, :] < prompt_len[:, None]
+        ids = jnp.where(in_prompt, prompt, v)  # padding: dropped
+        prompt_seen = jax.vmap(lambda row, i: row.at[i].set(True, mode="drop"))(prompt_seen, ids)
+        first_logits = penalized_logits(first_logits, sampling, jnp.zeros_like(first_logits), prompt_seen[:, None])
+    first = sample(k0, distribution(first_logits[:, 0], sampling))
+    if config.penalties:
+        out_counts = out_counts.at[jnp.arange(b), first].add(1)
     seq = jnp.zeros((b, s + 1), jnp.int32).at[:, :p].set(prompt)
     seq = set_rows(seq, prompt_len, first)
     logprob = jnp.zeros((b, s + 1 if config.logprobs else 0), jnp.float32)
     if config.logprobs:
         logprob = set_rows(logprob, prompt_len, token_logprobs(last[:, None], first[:, None])[:, 0])
+    n_top = config.top_logprobs
+    top_ids = jnp.zeros((b, s + 1 if n_top else 0, n_top), jnp.int32)
+    top_lp = jnp.zeros(top_ids.shape, jnp.float32)
+    if n_top:
+        ids, lps = top_token_logprobs(last[:, None], n_top)
+        top_ids, top_lp = set_rows(top_ids, prompt_len, ids[:, 0]), set_rows(top_lp, prompt_len, lps[:, 0])
     k = config.gamma
     stats = DecodeStats(
         rounds=jnp.zeros((b,), jnp.int32),
@@ -200,6 +256,10 @@ def prefill(
         jnp.zeros((), bool),
         adapt.init(config.adaptive, b),
         logprob,
+        top_ids,
+        top_lp,
+        out_counts,
+        prompt_seen,
     )
 
 
@@ -234,13 +294,14 @@ def _chain_step(
     """Draft a chain, verify its K+1 positions in one target call, accept. See ``decode_round``."""
     k = config.gamma
     b = pending.shape[0]
+    proc = _processor(config, st)
     if k == 0:
         logits, cache = target.apply(target_params, pending[:, None], committed[:, None], st.cache)
         n_draft = jnp.zeros((b,), jnp.int32)
         draft_tokens = jnp.zeros((b, 0), jnp.int32)
         q = jnp.zeros((b, 0, 1), jnp.float32)
         draft_state = st.draft_state
-        best = _greedy_ids(target, logits, st.sampling)
+        best = _greedy_ids(target, logits, st.sampling, proc)
     else:
         shares = getattr(drafter, "shares_target_cache", False)
         ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling, st.cache if shares else None)
@@ -299,7 +360,7 @@ def _chain_step(
                 )
             else:
                 logits, cache = target.apply(target_params, tokens, positions, cache)
-            return logits.astype(jnp.float32), _greedy_ids(target, logits, st.sampling), cache, state
+            return logits.astype(jnp.float32), _greedy_ids(target, logits, st.sampling, proc_wide), cache, state
 
         def verify_narrow(c):
             # Nothing was proposed anywhere (e.g. every n-gram lookup missed): a plain 1-token step, so a miss
@@ -307,8 +368,14 @@ def _chain_step(
             # initial zeros: with nothing proposed, only position 0 is read.
             logits, cache = target.apply(target_params, pending[:, None], committed[:, None], c[2])
             wide = c[0].at[:, :1].set(logits.astype(jnp.float32))
-            return wide, c[1].at[:, :1].set(_greedy_ids(target, logits, st.sampling)), cache, c[3]
+            return wide, c[1].at[:, :1].set(_greedy_ids(target, logits, st.sampling, proc)), cache, c[3]
 
+        # Position j follows the pending token and drafts 1..j (what the penalties count besides the output).
+        block = (
+            jnp.concatenate([pending[:, None], draft_tokens], axis=1),
+            jnp.broadcast_to(jnp.tril(jnp.ones((k + 1, k + 1), bool)), (b, k + 1, k + 1)),
+        )
+        proc_wide = functools.partial(proc, block=block)
         # A drafter that reads the verification's by-products (e.g. the target features an EAGLE head needs)
         # sets ``verify_updates_state``; its verify returns the new drafter state and always runs.
         updates_state = getattr(drafter, "verify_updates_state", False)
@@ -325,7 +392,7 @@ def _chain_step(
         return verify_chain_greedy(best, draft_tokens, n_draft, q_x)
 
     def sampled(_):
-        p = distribution(logits, st.sampling)
+        p = distribution(proc_wide(logits) if k else proc(logits), st.sampling)
         return verify_chain_key(k_verify, p, q, draft_tokens, n_draft, block=config.block_verify)
 
     res = jax.lax.cond(jnp.all(st.sampling.temperature == 0), greedy, sampled, None)
@@ -344,6 +411,38 @@ def _chain_step(
     )
 
 
+def _processor(config: DecodeConfig, st: DecodeState):
+    """logits [B, T, V] of T positions from the pending token's on (a chain's; a tree's take ``depth``) ->
+    ``processed_logits`` then ``penalized_logits``: the rows' logit bias, min_tokens and penalties, which act on
+    what is sampled and on greedy argmaxes, never on the raw logits that logprobs report.
+
+    block: (tokens [B, T], history [B, T, T] bool) of a verification block whose position t follows tokens[t]
+    (tokens[0] is the pending token): history[b, t, s], token s precedes position t's prediction (a chain's
+    s <= t, a tree node's ancestors and itself). The penalties count the block tokens 1.. of a position's history
+    besides the committed output; without a block every position sees the committed output only."""
+    n_gen = st.seq_len - st.prompt_len  # generated so far, the pending token included: position 0 predicts #n_gen
+
+    def proc(logits, depth=None, block=None):
+        t = logits.shape[1]
+        if depth is None:
+            depth = jnp.arange(t, dtype=jnp.int32)[None, :]
+        out = processed_logits(logits, st.sampling, n_gen[:, None] + depth, config.eos_ids)
+        if not config.penalties:
+            return out
+        b, _, v = out.shape
+        counts = jnp.broadcast_to(st.out_counts[:, None, :], out.shape)
+        if block is not None:  # [B, T, T] sparse additions, not a [B, T, V] one-hot product
+            tokens, history = block
+            history = history & (jnp.arange(t) > 0)[None, None, :]  # the pending token is counted already
+            ids = jnp.where(history, tokens[:, None, :], v)  # [B, T, T]; past V: dropped
+            rows, cols = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
+            counts = counts.at[rows, cols, ids].add(1, mode="drop")
+        seen = st.prompt_seen[:, None, :] | (counts > 0)
+        return penalized_logits(out, st.sampling, counts, seen)
+
+    return proc
+
+
 def _always_wide(drafter) -> bool:
     """Whether every round verifies wide, proposals or not: a tree verifies its N nodes, and a drafter that reads
     the verification's by-products (EAGLE) always runs its own verify; other chains fall back to a 1-token step
@@ -356,12 +455,14 @@ def _target_argmax(target: Model):
     return target.argmax or argmax
 
 
-def _greedy_ids(target: Model, logits: jax.Array, sampling: SamplingParams) -> jax.Array:
-    """[B, T, V] -> [B, T] int32: the argmax when every row is greedy (all greedy verification reads), zeros
-    otherwise (a sampling batch builds its distributions instead)."""
+def _greedy_ids(target: Model, logits: jax.Array, sampling: SamplingParams, proc) -> jax.Array:
+    """[B, T, V] -> [B, T] int32: the argmax of the processed logits (``proc``, see ``_processor``) when every
+    row is greedy (all greedy verification reads), zeros otherwise (a sampling batch builds its distributions
+    instead)."""
     zeros = jnp.zeros(logits.shape[:2], jnp.int32)
     am = _target_argmax(target)
-    return jax.lax.cond(jnp.all(sampling.temperature == 0), am, lambda _: zeros, logits).astype(jnp.int32)
+    greedy = jnp.all(sampling.temperature == 0)
+    return jax.lax.cond(greedy, lambda x: am(proc(x)), lambda _: zeros, logits).astype(jnp.int32)
 
 
 AT_MOST_ONCE = "at_most_once"
@@ -420,13 +521,15 @@ def _tree_step(
     else:
         logits, cache = target.apply(target_params, tokens, positions, st.cache, mask)
 
+    proc = _processor(config, st)
+
     def sampled(logits):
-        p = distribution(logits, st.sampling)
+        p = distribution(proc(logits, prop.depth, (tokens, mask)), st.sampling)
         d, c = drafter.max_depth, drafter.max_children
         return verify_tree_key(k_verify, p, prop.q, tokens, prop.parent, valid, drafter.rule, d, c)
 
     def greedy(logits):  # the same result without the [B, N, V] distributions (1-1.5 ms of a SmolLM2 round)
-        ids = _target_argmax(target)(logits)
+        ids = _target_argmax(target)(proc(logits, prop.depth, (tokens, mask)))
         return verify_tree_greedy(ids, tokens, prop.parent, valid, drafter.max_depth, drafter.max_children)
 
     res = jax.lax.cond(jnp.all(st.sampling.temperature == 0), greedy, sampled, logits)
@@ -496,6 +599,15 @@ def decode_round(
     logprob = st.logprob
     if config.logprobs:
         logprob = _scatter_rows(logprob, st.seq_len, token_logprobs(emitted_logits, emitted), n_emit)
+    out_counts = st.out_counts
+    if config.penalties:  # the emitted tokens join the output the penalties count
+        ids = jnp.where(j < n_emit[:, None], emitted, out_counts.shape[1])  # past V: dropped
+        out_counts = jax.vmap(lambda c, i: c.at[i].add(1, mode="drop"))(out_counts, ids)
+    top_ids, top_lp = st.top_ids, st.top_logprob
+    if config.top_logprobs:
+        ids, lps = top_token_logprobs(emitted_logits, config.top_logprobs)
+        top_ids = _scatter_rows(top_ids, st.seq_len, ids, n_emit)
+        top_lp = _scatter_rows(top_lp, st.seq_len, lps, n_emit)
     # The pending token and the accepted proposals now have their state in the cache; the correction/bonus
     # token becomes the new pending token, computed next round (never reused from a rejected candidate).
     # For a tree, the accepted path's entries move from their scratch slots to consecutive committed slots.
@@ -529,6 +641,9 @@ def decode_round(
         seq=seq,
         seq_len=seq_len,
         logprob=logprob,
+        top_ids=top_ids,
+        top_logprob=top_lp,
+        out_counts=out_counts,
         cache=cache,
         draft_state=draft_state,
         key=key,
@@ -613,6 +728,9 @@ class DecodeOutput:
     stats: dict[str, Any]
     # logprobs[b][i]: the target's log-probability of tokens[b][i] (raw logits, temperature 1); with logprobs=True
     logprobs: list[list[float]] | None = None
+    # top_logprobs[b][i]: the N most likely (token id, log-probability) pairs where tokens[b][i] was generated,
+    # most likely first (the same raw distribution); with top_logprobs=N
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
     @property
     def lengths(self) -> list[int]:
@@ -831,6 +949,7 @@ def _prepare(target: Model, prompts, max_new_tokens, max_len, reserve: int = 0):
 def to_output(st: DecodeState) -> DecodeOutput:
     """Host-side tokens, stop reasons and statistics from a final ``DecodeState`` (blocks until ready)."""
     seq, seq_len, plen, stop, lp = jax.device_get((st.seq, st.seq_len, st.prompt_len, st.stop, st.logprob))
+    top = jax.device_get((st.top_ids, st.top_logprob)) if st.top_ids.shape[1] else None
     stats = jax.device_get(st.stats)
     tokens = [seq[i, plen[i] : seq_len[i]].tolist() for i in range(seq.shape[0])]
     logprobs = [lp[i, plen[i] : seq_len[i]].tolist() for i in range(seq.shape[0])] if lp.shape[1] else None
@@ -849,7 +968,23 @@ def to_output(st: DecodeState) -> DecodeOutput:
         "accepted_at": stats.accepted_at.tolist(),
         "proposed_at": stats.proposed_at.tolist(),
     }
-    return DecodeOutput(tokens, [StopReason(int(r)) for r in stop], out_stats, logprobs)
+    tops = None
+    if top is not None:
+        tops = [top_pairs(top[0][i, plen[i] : seq_len[i]], top[1][i, plen[i] : seq_len[i]]) for i in range(len(tokens))]
+    return DecodeOutput(tokens, [StopReason(int(r)) for r in stop], out_stats, logprobs, tops)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def tail_rows(x: jax.Array, end: jax.Array, width: int) -> jax.Array:
+    """x [B, W, ...], end [B] -> [B, width, ...]: row b's entries end[b] - width .. end[b] - 1 (clamped at 0), on
+    device, so that a step's few new log-probabilities travel to the host instead of every row's whole history."""
+    idx = jnp.maximum(end[:, None] - width + jnp.arange(width, dtype=jnp.int32)[None, :], 0)
+    return jax.vmap(lambda row, i: row[i])(x, idx)
+
+
+def top_pairs(ids: np.ndarray, lps: np.ndarray) -> list[list[tuple[int, float]]]:
+    """[T, N] ids and log-probabilities -> T lists of N (id, log-probability) pairs."""
+    return [list(zip(i.tolist(), p.tolist())) for i, p in zip(ids, lps)]
 
 
 @dataclasses.dataclass
@@ -865,7 +1000,7 @@ class PreparedDecode:
         """The round-by-round ``DecodeStream`` of this call (see ``decode_stream``); ``fns``: the pair
         ``compile_stream`` returns, else they compile at the first steps."""
         pre, step = fns or self.stream_fns()
-        return DecodeStream(pre, step, self.args, self.config.logprobs)
+        return DecodeStream(pre, step, self.args, self.config.logprobs, top=bool(self.config.top_logprobs))
 
     def compile_stream(self):
         """Compile the stream's (prefill, round) ahead of time (no execution), so that a timed stream runs
@@ -914,6 +1049,11 @@ def prepare(
     min_p: float | Sequence[float] = 0.0,
     eos_ids: Sequence[int] = (),
     stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    min_tokens: int | Sequence[int] = 0,
+    logit_bias: dict | Sequence[dict | None] | None = None,
+    repetition_penalty: float | Sequence[float] = 1.0,
+    presence_penalty: float | Sequence[float] = 0.0,
+    frequency_penalty: float | Sequence[float] = 0.0,
     seed: int | Sequence[int] | None = None,
     key: jax.Array | None = None,
     max_len: int | None = None,
@@ -921,20 +1061,51 @@ def prepare(
     adaptive: AdaptiveK | bool | None = None,
     block_verify: bool = False,
     logprobs: bool = False,
+    top_logprobs: int = 0,
+    penalties: bool | None = None,
 ) -> PreparedDecode:
-    """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call."""
+    """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call.
+    penalties: None (the default) keeps token counts when some row has a penalty; True keeps them anyway (a
+    sharded decode whose other processes' rows have penalties compiles the same program)."""
     logprobs = check_flag("logprobs", logprobs)
+    top_logprobs = check_top_logprobs(top_logprobs, logprobs, target.vocab_size)
     block_verify = check_flag("block_verify", block_verify)
     debug_checks = check_flag("debug_checks", debug_checks)
     gamma = check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params, target_params)
     prompt, plen, mnew, slots = _prepare(target, prompts, max_new_tokens, max_len, tree_scratch(drafter))
     check_draft_context(drafter, plen + mnew - 1 if max_new_tokens is not None else np.full_like(plen, slots))
     sampling = SamplingParams.make(
-        len(plen), temperature, top_k, top_p, min_p, stop_token_ids, vocab_size=target.vocab_size
+        len(plen),
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        stop_token_ids,
+        vocab_size=target.vocab_size,
+        min_tokens=min_tokens,
+        logit_bias=logit_bias,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
     )
     key = _decode_key(seed, key, len(plen))
     eos = check_eos(eos_ids, target.vocab_size)
-    config = DecodeConfig(gamma, slots, eos, debug_checks, adaptive_policy(adaptive), block_verify, logprobs=logprobs)
+    # Without a budget a row runs until its cache is full: P + N <= S + 1.
+    check_min_tokens(sampling, mnew if max_new_tokens is not None else slots + 1 - plen, eos, target.vocab_size)
+    counts = sampling.has_penalties()  # their [B, V] counts only where a row asks for a penalty (or the caller)
+    if penalties is not None:
+        counts = check_flag("penalties", penalties) or counts
+    config = DecodeConfig(
+        gamma,
+        slots,
+        eos,
+        debug_checks,
+        adaptive_policy(adaptive),
+        block_verify,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        penalties=counts,
+    )
     arrays = (jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
     return PreparedDecode(
         _compiled(target, drafter, config),
@@ -942,6 +1113,38 @@ def prepare(
         config,
         functools.partial(_stream_fns, target, drafter, config),
     )
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; each one is a max/min pass over V per generated position
+
+
+def check_top_logprobs(n, logprobs: bool, vocab_size: int) -> int:
+    """top_logprobs as the static N of ``DecodeConfig``: an int in [0, 20] (and at most V), with logprobs=True
+    (as OpenAI's API asks; the chosen token's own log-probability comes with its alternatives)."""
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {n!r}")
+    if n > vocab_size:
+        raise ValueError(f"top_logprobs={n} is more than the vocabulary ({vocab_size} tokens)")
+    if n and not logprobs:
+        raise ValueError(f"top_logprobs={n} needs logprobs=True (the chosen tokens' log-probabilities come with them)")
+    return int(n)
+
+
+def check_min_tokens(sampling: SamplingParams, max_new: np.ndarray, eos_ids, vocab_size: int) -> None:
+    """min_tokens above the tokens a row may generate (``max_new``: its budget, or what its cache holds) is
+    refused (vLLM's rule: no end token could ever come, which is surely not what was meant), as is a row whose
+    banned tokens (logit_bias -inf) and end tokens, masked while min_tokens holds, leave nothing to sample."""
+    n_min, ids, bias, stops = jax.device_get((sampling.min_tokens, sampling.bias_ids, sampling.bias, sampling.stop_ids))
+    if np.any(n_min > max_new):
+        i = int(np.argmax(n_min > max_new))
+        raise ValueError(
+            f"row {i}: min_tokens ({int(n_min[i])}) is more than the {int(max_new[i])} tokens it may generate "
+            "(max_new_tokens, or what the cache holds)"
+        )
+    for i in np.nonzero(n_min > 0)[0]:
+        gone = set(ids[i][bias[i] == -np.inf].tolist()) | set(eos_ids) | set(stops[i][stops[i] >= 0].tolist())
+        if len(gone) >= vocab_size:
+            raise ValueError(f"row {i}: logit_bias bans every token but the end tokens, which min_tokens masks")
 
 
 def check_draft_context(drafter, last: np.ndarray) -> None:
@@ -1016,17 +1219,25 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature / top_k / top_p / min_p
     (scalars or per-row lists; temperature 0 is greedy), eos_ids (the model's end tokens, every row),
     stop_token_ids (vLLM's: ids that end a row as EOS does, emitted; one list for every row or one list per row;
-    stop reason EOS), seed or key (not both; seed 0 by default, in
+    stop reason EOS), min_tokens (vLLM's: end tokens, EOS and stop ids, are masked until a row has generated that
+    many; per row or one for all), logit_bias (a ``{token_id: bias}`` dict, or one per row: added to the target's
+    logits before temperature and the filters, -inf bans a token; both change what rows sample and greedy rows'
+    argmax, not the raw log-probabilities that ``logprobs`` reports), repetition_penalty / presence_penalty /
+    frequency_penalty (vLLM's, per row or one for all, applied after the bias: see ``SamplingParams``; any of them
+    set compiles a loop that keeps [B, V] token counts), seed or key (not both; seed 0 by default, in
     [0, 2**32) without 64-bit mode; one for the batch, or B seeds / [B] keys for a stream per row), max_len (cache
     slots S; default the largest P + N - 1 (the slots the rows need; plus a tree's nodes but the root, its
     scratch) rounded up to a multiple of 128, capped at the model's context length), adaptive, block_verify,
-    debug_checks, logprobs (``DecodeOutput.logprobs``: the target's log-probability of each generated token).
+    debug_checks, logprobs (``DecodeOutput.logprobs``: the target's log-probability of each generated token),
+    top_logprobs (N <= 20, with logprobs=True: ``DecodeOutput.top_logprobs``, the N most likely (id,
+    log-probability) pairs at each generated position, most likely first).
     Returns generated tokens per row, the stop reason per row and statistics (defined in the module doc). Sampling
-    parameters, stop token ids, the seed or key and the budgets are arrays: new values reuse the compiled loop as
-    long as the batch, the padded prompt width (a multiple of 16), max_len, the longest row's stop-id count rounded
-    up to a multiple of 4 and the kind of seed (one, or one per row) stay the same (a default max_len follows the
-    budget); drafter, gamma, eos_ids, adaptive, block_verify, debug_checks and logprobs
-    are static and compile a loop of their own.
+    parameters, stop token ids, min_tokens, logit biases, the seed or key and the budgets are arrays: new values
+    reuse the compiled loop as long as the batch, the padded prompt width (a multiple of 16), max_len, the longest
+    row's stop-id count and logit_bias size (each rounded up to a multiple of 4) and the kind of seed (one, or one
+    per row) stay the same (a default max_len follows the budget); drafter, gamma, eos_ids, adaptive,
+    block_verify, debug_checks, logprobs, top_logprobs and whether any row has a penalty are static and compile a
+    loop of their own.
     """
     return prepare(target, target_params, prompts, **kwargs).run()
 
@@ -1048,16 +1259,19 @@ class DecodeStream(Iterator[list[list[int]]]):
 
     After a step: ``stop_reasons[b]`` is row b's ``StopReason`` (RUNNING while it decodes; the finish reason a
     server reports when a row's last tokens arrive), ``logprobs[b]`` the target's log-probabilities of the tokens
-    the step gave row b (with ``logprobs=True``, else None), and ``output()`` the ``DecodeOutput`` of the state so
-    far, equal to ``decode``'s once the stream is exhausted.
+    the step gave row b (with ``logprobs=True``, else None), ``top_logprobs[b]`` their alternatives (with
+    ``top_logprobs=N``, else None), and ``output()`` the ``DecodeOutput`` of the state so far, equal to ``decode``'s
+    once the stream is exhausted.
 
     ``to_host`` fetches (small per-row) device arrays to numpy and ``gather`` turns a state into a
     ``DecodeOutput``: multi-process callers pass collectives, so every process must step the stream alike."""
 
-    def __init__(self, pre, step, args, logprobs: bool, to_host=jax.device_get, gather=None):
+    def __init__(self, pre, step, args, logprobs: bool, to_host=jax.device_get, gather=None, top: bool = False):
         self._pre, self._step, self._args = pre, step, args
         self._to_host, self._gather = to_host, gather or to_output
         self._want_logprobs = bool(logprobs)
+        self._want_top = bool(top)
+        self.top_logprobs: list[list[list[tuple[int, float]]]] | None = None
         self._st = None  # the latest state; the round donates it, so only the newest one is ever read
         self._done = False
         self._failed = False
@@ -1079,9 +1293,14 @@ class DecodeStream(Iterator[list[list[int]]]):
             emitted, n_emit = st.seq, None  # the first token: at seq_len - 1
         else:
             st, emitted, n_emit = self._step(target_params, draft_params, self._st)
-        lp = st.logprob if self._want_logprobs else None
+        # Only the step's window of log-probabilities travels (its tokens end at seq_len), not every row's history.
+        w = 1 if n_emit is None else emitted.shape[1]
+        lp = tail_rows(st.logprob, st.seq_len, w) if self._want_logprobs else None
+        top = (
+            (tail_rows(st.top_ids, st.seq_len, w), tail_rows(st.top_logprob, st.seq_len, w)) if self._want_top else None
+        )
         # One transfer per step (a collective across processes): tokens, lengths, stops and logprobs together.
-        emitted, n_emit, seq_len, stop, lp = self._to_host((emitted, n_emit, st.seq_len, st.stop, lp))
+        emitted, n_emit, seq_len, stop, lp, top = self._to_host((emitted, n_emit, st.seq_len, st.stop, lp, top))
         if n_emit is None:
             chunk = [[int(emitted[i, seq_len[i] - 1])] for i in range(seq_len.shape[0])]
             n_emit = np.ones_like(seq_len)
@@ -1089,8 +1308,12 @@ class DecodeStream(Iterator[list[list[int]]]):
             chunk = [emitted[i, : n_emit[i]].tolist() for i in range(seq_len.shape[0])]
         self._st, self._failed = st, False
         self.stop_reasons = [StopReason(int(r)) for r in stop]
-        if lp is not None:  # the step's tokens sit at seq_len - n_emit .. seq_len - 1
-            self.logprobs = [lp[i, seq_len[i] - n_emit[i] : seq_len[i]].tolist() for i in range(lp.shape[0])]
+        if lp is not None:  # the step's tokens are the window's last n_emit
+            self.logprobs = [lp[i, w - n_emit[i] :].tolist() for i in range(lp.shape[0])]
+        if top is not None:
+            self.top_logprobs = [
+                top_pairs(top[0][i, w - n_emit[i] :], top[1][i, w - n_emit[i] :]) for i in range(len(top[0]))
+            ]
         self._done = not np.any(np.asarray(stop) == StopReason.RUNNING)
         return chunk
 

@@ -39,7 +39,7 @@ def int_array(x, name: str) -> np.ndarray:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-row sampling parameters, all arrays of shape [B] so changing them never recompiles.
+    """Per-row sampling parameters, all arrays with a leading [B] axis, so changing them never recompiles.
 
     temperature: 0 means greedy (a one-hot distribution on the argmax, lowest index on ties).
     top_k: keep the k most likely tokens (ties at the k-th value are kept); 0 disables.
@@ -49,6 +49,18 @@ class SamplingParams:
     stop_ids: [B, E] the row's own stop token ids (vLLM's ``stop_token_ids``), -1 where unused: the first of
       them a row emits ends it, emitted, as an EOS does. Not part of the distribution (speculation may propose
       a stop token; what the row keeps is cut after it, as for EOS).
+    min_tokens: [B] the row's end tokens (the loop's EOS ids and its own stop ids) get probability 0 while it has
+      generated fewer tokens than this (vLLM's ``min_tokens``; transformers' ``min_new_tokens``); 0 disables.
+    bias_ids, bias: [B, M] the row's logit bias (OpenAI's and vLLM's ``logit_bias``): ``bias[b, j]`` is added to
+      the logit of token ``bias_ids[b, j]`` (-1: unused slot); -inf bans the token.
+    repetition_penalty: [B] (vLLM's and transformers'; 1 disables): the logit of every token already in the prompt
+      or the output is divided by it when positive, multiplied by it when not.
+    presence_penalty, frequency_penalty: [B] (OpenAI's and vLLM's; 0 disables): subtracted from the logit of every
+      token the output already holds, once / once per occurrence.
+    The bias and min_tokens, then the penalties, act on the target's raw logits before the transforms above (as
+    vLLM's logits processors and penalties do), so they change the distribution sampled and the argmax of greedy
+    rows (see ``processed_logits``, ``penalized_logits``); drafters propose from their own unprocessed q, which
+    stays lossless.
     """
 
     temperature: jax.Array
@@ -56,6 +68,12 @@ class SamplingParams:
     top_p: jax.Array
     min_p: jax.Array
     stop_ids: jax.Array
+    min_tokens: jax.Array
+    bias_ids: jax.Array
+    bias: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
 
     @classmethod
     def make(
@@ -68,6 +86,13 @@ class SamplingParams:
         stop_token_ids=None,
         vocab_size: int | None = None,
         stop_width: int | None = None,
+        *,
+        min_tokens=0,
+        logit_bias=None,
+        bias_width: int | None = None,
+        repetition_penalty=1.0,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
     ) -> SamplingParams:
         """Broadcast scalars or per-row sequences to [B] arrays, validating them on the host.
 
@@ -75,7 +100,11 @@ class SamplingParams:
         any lengths); each id must lie in [0, vocab_size) when ``vocab_size`` is given. stop_width: E, the
         fixed number of id slots per row (a serving engine's state keeps one shape; more ids are refused);
         unset, the longest row's count rounded up to a multiple of 4, so a few more or fewer ids reuse the
-        compiled loop."""
+        compiled loop.
+        min_tokens: a scalar or [B] ints >= 0. logit_bias: None, one ``{token_id: bias}`` dict for every row, or B
+        of them (None for a row without); biases are finite floats or -inf (a ban). bias_width: M, slots per row
+        (as stop_width; unset, the largest dict's size rounded up to a multiple of 4). repetition_penalty: finite,
+        > 0; presence_penalty, frequency_penalty: in [-2, 2] (vLLM's and OpenAI's range)."""
 
         def col(x, dtype, name):
             if dtype == np.int32:
@@ -118,7 +147,26 @@ class SamplingParams:
         if not np.all(np.isfinite(m)) or np.any(m < 0) or np.any(m > 1):
             raise ValueError(f"min_p must be in [0, 1] (0 = disabled), got {m.tolist()}")
         stops = stop_id_rows(stop_token_ids, batch, vocab_size, stop_width)
-        return cls(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p), jnp.asarray(m), jnp.asarray(stops))
+        n_min = col(min_tokens, np.int32, "min_tokens")
+        if np.any(n_min < 0):
+            raise ValueError(f"min_tokens must be >= 0 (0 = disabled), got {n_min.tolist()}")
+        ids, vals = logit_bias_rows(logit_bias, batch, vocab_size, bias_width)
+        rep = col(repetition_penalty, np.float32, "repetition_penalty")
+        if not np.all(np.isfinite(rep)) or np.any(rep <= 0):
+            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = disabled), got {rep.tolist()}")
+        pres = col(presence_penalty, np.float32, "presence_penalty")
+        freq = col(frequency_penalty, np.float32, "frequency_penalty")
+        for name, a in (("presence_penalty", pres), ("frequency_penalty", freq)):
+            if not np.all(np.isfinite(a)) or np.any(np.abs(a) > 2):
+                raise ValueError(f"{name} must be in [-2, 2] (0 = disabled), got {a.tolist()}")
+        return cls(*(jnp.asarray(x) for x in (t, k, p, m, stops, n_min, ids, vals, rep, pres, freq)))
+
+    def has_penalties(self) -> bool:
+        """Whether any row asks for a penalty (host-side: reads the arrays)."""
+        rep, pres, freq = (
+            np.asarray(x) for x in (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        )
+        return bool(np.any(rep != 1) or np.any(pres != 0) or np.any(freq != 0))
 
     @property
     def batch(self) -> int:
@@ -159,6 +207,98 @@ def stop_id_rows(stop_token_ids, batch: int, vocab_size: int | None = None, widt
     for i, r in enumerate(rows):
         out[i, : r.size] = r
     return out
+
+
+def logit_bias_rows(
+    logit_bias, batch: int, vocab_size: int | None = None, width: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``SamplingParams.make``'s logit_bias -> (ids [B, M] int32, -1 padded; biases [B, M] float32), see there."""
+    if logit_bias is None:
+        rows = [{}] * batch
+    elif isinstance(logit_bias, dict):
+        rows = [logit_bias] * batch
+    elif isinstance(logit_bias, list | tuple) and all(r is None or isinstance(r, dict) for r in logit_bias):
+        if len(logit_bias) != batch:
+            raise ValueError(f"logit_bias has {len(logit_bias)} per-row dicts for {batch} rows")
+        rows = [r or {} for r in logit_bias]
+    else:
+        raise ValueError(
+            f"logit_bias must be a {{token_id: bias}} dict, or one such dict (or None) per row, got {logit_bias!r:.80}"
+        )
+    top = vocab_size if vocab_size is not None else np.iinfo(np.int32).max
+    checked = []
+    for i, r in enumerate(rows):
+        where = "logit_bias" if isinstance(logit_bias, dict) else f"logit_bias[{i}]"
+        ids = int_array(list(r.keys()), f"{where}'s token ids")
+        if ids.size and (ids.min() < 0 or ids.max() >= top):
+            raise ValueError(f"{where} must have token ids in [0, {top}), got {ids[(ids < 0) | (ids >= top)].tolist()}")
+        vals = list(r.values())
+        number = (int, float, np.integer, np.floating)
+        if any(isinstance(v, bool | np.bool_) or not isinstance(v, number) for v in vals):
+            raise ValueError(f"{where}'s biases must be numbers, got {vals!r:.80}")
+        try:
+            vals = np.asarray([float(v) for v in vals], np.float64)
+        except OverflowError:  # an int past float64
+            raise ValueError(f"{where}'s biases must be finite (or -inf, a ban), got {vals!r:.80}") from None
+        bad = np.isnan(vals) | (vals == np.inf) | (np.isfinite(vals) & (np.abs(vals) > np.finfo(np.float32).max))
+        if np.any(bad):
+            raise ValueError(f"{where}'s biases must be finite (or -inf, a ban), got {vals[bad].tolist()}")
+        if vocab_size is not None and np.sum(vals == -np.inf) >= vocab_size:
+            raise ValueError(f"{where} bans every token of the vocabulary: nothing could be sampled")
+        checked.append((ids, vals))
+    longest = max((ids.size for ids, _ in checked), default=0)
+    if width is None:
+        width = -(-longest // 4) * 4
+    elif longest > width:
+        raise ValueError(f"{longest} logit_bias entries for one row, more than the {width} this state holds")
+    out_ids = np.full((batch, width), -1, np.int32)
+    out_vals = np.zeros((batch, width), np.float32)
+    for i, (ids, vals) in enumerate(checked):
+        out_ids[i, : ids.size] = ids
+        out_vals[i, : ids.size] = vals
+    return out_ids, out_vals
+
+
+def processed_logits(
+    logits: jax.Array, params: SamplingParams, index: jax.Array, eos_ids: tuple[int, ...] = ()
+) -> jax.Array:
+    """The target's logits as its rows sample from them: logits [B, T, V]; index [B, T], which generated token
+    (0: the first) each position predicts; eos_ids: the loop's end tokens. Adds each row's logit bias and, where
+    ``index < min_tokens``, sets the end tokens (eos_ids and the row's stop ids) to -inf. -> [B, T, V] float32.
+
+    Sparse writes of [B, T, M] and [B, T, E] entries (not a [B, T, V] mask), the latter whenever there are end
+    tokens, even with every min_tokens 0 (a scatter of dropped entries, ~0.02 ms for SmolLM2's logits); nothing
+    at all when the state holds no bias slots and there are no end tokens (static shapes)."""
+    m, e = params.bias_ids.shape[1], params.stop_ids.shape[1] + len(eos_ids)
+    if m == 0 and e == 0:
+        return logits
+    logits = logits.astype(jnp.float32)
+    b, t, v = logits.shape
+    rows = jnp.arange(b)[:, None, None]
+    cols = jnp.arange(t)[None, :, None]
+    if m:
+        ids = jnp.where(params.bias_ids >= 0, params.bias_ids, v)[:, None, :]  # past V: dropped
+        logits = logits.at[rows, cols, ids].add(jnp.broadcast_to(params.bias[:, None, :], (b, t, m)), mode="drop")
+    if e:
+        ends = params.stop_ids
+        if eos_ids:
+            ends = jnp.concatenate([ends, jnp.broadcast_to(jnp.asarray(eos_ids, jnp.int32), (b, len(eos_ids)))], 1)
+        early = (index < params.min_tokens[:, None])[:, :, None]  # [B, T, 1]
+        ids = jnp.where(early & (ends >= 0)[:, None, :], ends[:, None, :], v)
+        logits = logits.at[rows, cols, ids].set(-jnp.inf, mode="drop")
+    return logits
+
+
+def penalized_logits(logits: jax.Array, params: SamplingParams, counts: jax.Array, seen: jax.Array) -> jax.Array:
+    """logits [B, T, V]; counts [B, T, V]: how often each token occurs in the output before the token each
+    position predicts; seen [B, T, V] bool: the token occurs in the prompt or there. -> [B, T, V] float32 with
+    the rows' repetition, presence and frequency penalties applied (vLLM's formulas)."""
+    logits = logits.astype(jnp.float32)
+    rep = _expand(params.repetition_penalty, 3)
+    hit = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, hit, logits)
+    counts = counts.astype(jnp.float32)
+    return logits - _expand(params.frequency_penalty, 3) * counts - _expand(params.presence_penalty, 3) * (counts > 0)
 
 
 def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:

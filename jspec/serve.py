@@ -26,9 +26,13 @@ from jspec.decode import (
     check_drafter,
     check_eos,
     check_flag,
+    check_min_tokens,
     check_seed,
+    check_top_logprobs,
     decode_round,
     prefill,
+    tail_rows,
+    top_pairs,
     tree_scratch,
 )
 from jspec.model import Model
@@ -77,6 +81,10 @@ def _insert_state(big: DecodeState, row: jax.Array, one: DecodeState) -> DecodeS
         accept_ema=put(big.accept_ema, one.accept_ema),
         key=big.key.at[row].set(one.key[0]),
         logprob=big.logprob.at[row].set(one.logprob[0]),
+        top_ids=big.top_ids.at[row].set(one.top_ids[0]),
+        top_logprob=big.top_logprob.at[row].set(one.top_logprob[0]),
+        out_counts=big.out_counts.at[row].set(one.out_counts[0]),
+        prompt_seen=big.prompt_seen.at[row].set(one.prompt_seen[0]),
     )
 
 
@@ -114,14 +122,18 @@ class Engine:
 
     logprobs: with True, ``last_logprobs[row]`` holds the target's log-probabilities of the tokens last returned
     for ``row`` (as ``decode(logprobs=True)`` reports them): ``step()`` replaces the dict with its rows',
-    ``add()`` sets its own row's (its first token) and keeps the others'.
+    ``add()`` sets its own row's (its first token) and keeps the others'. top_logprobs=N (with logprobs=True):
+    ``last_top_logprobs[row]`` holds those tokens' N most likely (id, log-probability) pairs, kept alike.
     rounds_per_sync: rounds one ``step()`` runs on the device before returning to the host (multi-step
     scheduling). Each return is a host sync; on a GPU at small batch it costs about as much as a round. A
     step still returns right after the round in which some running row stops, so its row is refilled as
     soon as with one round per step. Tokens then reach the caller up to R rounds at a time.
     eos_ids end every request; ``add(..., stop_token_ids=[...])`` gives one request its own (vLLM's
     stop_token_ids), at most ``max_stop_ids`` of them (the state holds that many per row, so adding them never
-    recompiles).
+    recompiles). ``add(..., min_tokens=n)`` masks a request's end tokens until it has n tokens, and
+    ``add(..., logit_bias={id: bias})`` biases its target logits, with up to ``max_logit_bias`` entries (as
+    ``decode``'s; 0, the default, holds none). ``add(..., repetition_penalty=, presence_penalty=,
+    frequency_penalty=)`` need ``Engine(penalties=True)``, whose state keeps [B, V] token counts.
     """
 
     target: Model
@@ -139,18 +151,27 @@ class Engine:
     rounds_per_sync: int = 1
     logprobs: bool = False
     max_stop_ids: int = 4
+    max_logit_bias: int = 0
+    top_logprobs: int = 0
+    penalties: bool = False
 
     def __post_init__(self):
         self.logprobs = check_flag("logprobs", self.logprobs)
+        self.top_logprobs = check_top_logprobs(self.top_logprobs, self.logprobs, self.target.vocab_size)
         self.block_verify = check_flag("block_verify", self.block_verify)
+        self.penalties = check_flag("penalties", self.penalties)
         for name, what in (
             ("batch", "batch"),
             ("max_len", "max_len"),
             ("bucket", "bucket (the prompt-width padding multiple)"),
             ("rounds_per_sync", "rounds_per_sync"),
             ("max_stop_ids", "max_stop_ids"),
+            ("max_logit_bias", "max_logit_bias"),
         ):
-            v, least = getattr(self, name), 0 if name == "max_stop_ids" else 1  # 0: no per-request stop ids
+            v, least = (
+                getattr(self, name),
+                0 if name in ("max_stop_ids", "max_logit_bias") else 1,
+            )  # 0: no per-request ids / biases
             if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < least:
                 raise ValueError(f"{what} must be an int >= {least}, got {v!r}")
         self.adaptive = adaptive_policy(self.adaptive)
@@ -171,12 +192,15 @@ class Engine:
             self.adaptive,
             self.block_verify,
             logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs,
+            penalties=self.penalties,
         )
         self._prefill, self._insert, self._step = _engine_fns(
             self.target, self.drafter, self.config, self.rounds_per_sync
         )
         self.last_rounds = 0  # rounds the last step() ran
         self.last_logprobs: dict[int, list[float]] = {}
+        self.last_top_logprobs: dict[int, list[list[tuple[int, float]]]] = {}
         # Every row starts idle: a 1-token dummy prefill gives the state its shapes.
         b = self.batch
         dummy = jnp.zeros((b, 1), jnp.int32)
@@ -186,7 +210,7 @@ class Engine:
             dummy,
             jnp.ones((b,), jnp.int32),
             jnp.ones((b,), jnp.int32),
-            SamplingParams.make(b, stop_width=self.max_stop_ids),
+            SamplingParams.make(b, stop_width=self.max_stop_ids, bias_width=self.max_logit_bias),
             jax.random.split(jax.random.key(check_seed(self.seed)), b),  # per-row keys; replaced by each add()
         )
         if not hasattr(st.cache, "insert"):
@@ -220,6 +244,7 @@ class Engine:
         stop = self.state.stop
         self.state = dataclasses.replace(self.state, stop=jax.device_put(self._stop.astype(stop.dtype), stop.sharding))
         self.last_logprobs.pop(int(row), None)
+        self.last_top_logprobs.pop(int(row), None)
 
     def add(
         self,
@@ -232,6 +257,11 @@ class Engine:
         min_p=0.0,
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
+        logit_bias: dict | None = None,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> int:
         """Prefill ``prompt`` and start it in ``row`` (which must be free). Returns its first token.
 
@@ -239,7 +269,9 @@ class Engine:
         one the engine's ``seed`` folded with the request's admission number. With a seed, a request's tokens
         do not depend on its row, on when it was admitted or on the other requests (up to the float
         reassociation of batched matmuls, as in any server). stop_token_ids: this request's own end tokens (up
-        to ``max_stop_ids``), besides the engine's eos_ids; stop reason EOS."""
+        to ``max_stop_ids``), besides the engine's eos_ids; stop reason EOS. min_tokens, logit_bias: as ``decode``'s
+        for one row (a dict of up to ``max_logit_bias`` entries). repetition_penalty, presence_penalty,
+        frequency_penalty: as ``decode``'s (an engine built with ``penalties=True``)."""
         self._check_row(row)
         if self._stop[row] == StopReason.RUNNING:
             raise ValueError(f"row {row} is still decoding a request")
@@ -272,15 +304,38 @@ class Engine:
         padded[0, : prompt.size] = prompt
         if isinstance(stop_token_ids, Sequence) and any(isinstance(x, Sequence) for x in stop_token_ids):
             raise ValueError(f"stop_token_ids must be one flat sequence of token ids, got {stop_token_ids!r:.80}")
+        if logit_bias is not None and not isinstance(logit_bias, dict):
+            raise ValueError(f"logit_bias must be one {{token_id: bias}} dict, got {logit_bias!r:.80}")
+        if logit_bias and len(logit_bias) > self.max_logit_bias:
+            raise ValueError(
+                f"{len(logit_bias)} logit_bias entries, more than this engine holds per request: build it with "
+                f"Engine(..., max_logit_bias={len(logit_bias)}) or more (now {self.max_logit_bias})"
+            )
         sampling = SamplingParams.make(
-            1, temperature, top_k, top_p, min_p, stop_token_ids, self.target.vocab_size, self.max_stop_ids
+            1,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            stop_token_ids,
+            self.target.vocab_size,
+            self.max_stop_ids,
+            min_tokens=min_tokens,
+            logit_bias=logit_bias,
+            bias_width=self.max_logit_bias,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
         )
+        if not self.penalties and sampling.has_penalties():
+            raise ValueError("penalties need an engine that counts tokens: build it with Engine(..., penalties=True)")
+        check_min_tokens(sampling, np.asarray([max_new_tokens]), self.config.eos_ids, self.target.vocab_size)
         if seed is None:
             key = jax.random.fold_in(jax.random.key(self.seed), self._n_added)
         else:
             key = jax.random.key(check_seed(seed))
         self._n_added += 1
-        self.state, first, first_lp, stop = self._insert(
+        self.state, first, first_lp, first_top, stop = self._insert(
             self.target_params,
             self.draft_params,
             self.state,
@@ -291,10 +346,12 @@ class Engine:
             sampling,
             key[None],
         )
-        first, first_lp, stop = jax.device_get((first, first_lp, stop))
+        first, first_lp, first_top, stop = jax.device_get((first, first_lp, first_top, stop))
         self._stop[row] = int(stop)
         if self.logprobs:  # the other rows keep the tokens they were last given (a step's, before the refill)
             self.last_logprobs[int(row)] = [float(first_lp)]
+        if self.top_logprobs:
+            self.last_top_logprobs[int(row)] = top_pairs(first_top[0][None], first_top[1][None])
         return int(first)
 
     def step(self) -> dict[int, list[int]]:
@@ -304,10 +361,18 @@ class Engine:
         if not running.any():
             self.last_rounds = 0
             self.last_logprobs = {}
+            self.last_top_logprobs = {}
             return {}
         self.state, emitted, n_emit, n_rounds = self._step(self.target_params, self.draft_params, self.state)
-        lp = (self.state.logprob, self.state.seq_len) if self.logprobs else None  # fetched with the tokens
-        emitted, n_emit, n_rounds, stop, lp = jax.device_get((emitted, n_emit, n_rounds, self.state.stop, lp))
+        # Fetched with the tokens: the window of the step's tokens (R rounds of up to K+1 each end at seq_len).
+        st, w = self.state, emitted.shape[0] * emitted.shape[2]
+        lp = tail_rows(st.logprob, st.seq_len, w) if self.logprobs else None
+        top = (
+            (tail_rows(st.top_ids, st.seq_len, w), tail_rows(st.top_logprob, st.seq_len, w))
+            if self.top_logprobs
+            else None
+        )
+        emitted, n_emit, n_rounds, stop, lp, top = jax.device_get((emitted, n_emit, n_rounds, st.stop, lp, top))
         self._stop = np.asarray(stop).copy()
         self.last_rounds = int(n_rounds)
         out = {
@@ -315,9 +380,13 @@ class Engine:
             for r in np.nonzero(running)[0]
         }
         self.last_logprobs = {}
-        if lp is not None:  # a row's tokens of this step are the last ones in its sequence
-            lp, seq_len = lp
-            self.last_logprobs = {r: lp[r, seq_len[r] - len(t) : seq_len[r]].tolist() for r, t in out.items()}
+        self.last_top_logprobs = {}
+        if lp is not None:  # a row's tokens of this step are the last ones of its window
+            self.last_logprobs = {r: lp[r, w - len(t) :].tolist() for r, t in out.items()}
+        if top is not None:
+            self.last_top_logprobs = {
+                r: top_pairs(top[0][r, w - len(t) :], top[1][r, w - len(t) :]) for r, t in out.items()
+            }
         return out
 
     def stop_reason(self, row: int) -> StopReason:
@@ -359,7 +428,8 @@ def _engine_fns(target, drafter, config, rounds: int):
         one = prefill(target, drafter, config, target_params, draft_params, prompt, plen, max_new, sampling, key)
         first = one.seq[0, plen[0]]
         first_lp = one.logprob[0, plen[0]] if config.logprobs else jnp.float32(0)
-        return _insert_state(state, row, one), first, first_lp, one.stop[0]
+        first_top = (one.top_ids[0, plen[0]], one.top_logprob[0, plen[0]]) if config.top_logprobs else None
+        return _insert_state(state, row, one), first, first_lp, first_top, one.stop[0]
 
     step = functools.partial(_step_rounds, target, drafter, config, rounds)
     return pre, jax.jit(insert, donate_argnums=(2,)), jax.jit(step, donate_argnums=(2,))

@@ -262,7 +262,34 @@ def _stops_check(model, tp, dp, stp, sdp, plan, drafter, base) -> dict:
     st = sd.run_state()
     got = gather_output(st)
     diffs = [abs(a - b) for x, y in zip(got.logprobs, ref.logprobs) for a, b in zip(x, y)]
+    # The same decode with per-row request options on top: even rows ban their base's first token, odd rows
+    # hold their end tokens back for 4 tokens; [B, M] biases and [B] min_tokens split with their rows; every
+    # third row a repetition and a frequency penalty ([B, V] counts in the state); and the 3 most likely tokens
+    # at each position ([B, S+1, 3] state).
+    bias = [{row[0]: float("-inf")} if i % 2 == 0 else None for i, row in enumerate(base)]
+    n_min = [0 if i % 2 == 0 else 4 for i in range(len(base))]
+    rep = [1.5 if i % 3 == 0 else 1.0 for i in range(len(base))]
+    freq = [0.5 if i % 3 == 0 else 0.0 for i in range(len(base))]
+    okw = dict(kw, logit_bias=bias, min_tokens=n_min, top_logprobs=3, repetition_penalty=rep, frequency_penalty=freq)
+    oref = decode(model, tp, prompts(), drafter=drafter, draft_params=dp, **okw)
+    osd = prepare_sharded(model, stp, prompts(), plan=plan, drafter=drafter, draft_params=sdp, **okw)
+    ost = osd.run_state()
+    ogot = gather_output(ost)
     return {
+        "options": {
+            "logit_bias": [None if b is None else {str(k): str(v) for k, v in b.items()} for b in bias],
+            "min_tokens": n_min,
+            "bias_ids_spec": spec_str(ost.sampling.bias_ids.sharding.spec),
+            "min_tokens_spec": spec_str(ost.sampling.min_tokens.sharding.spec),
+            "tokens": ogot.tokens,
+            "stop": [r.name for r in ogot.stop_reason],
+            "reference_tokens": oref.tokens,
+            "reference_stop": [r.name for r in oref.stop_reason],
+            "top_logprobs": ogot.top_logprobs,
+            "reference_top_logprobs": oref.top_logprobs,
+            "top_ids_spec": spec_str(ost.top_ids.sharding.spec),
+            "out_counts_spec": spec_str(ost.out_counts.sharding.spec),
+        },
         "base_tokens": base,
         "eos_ids": eos,
         "stop_token_ids": stops,
@@ -433,6 +460,31 @@ def multiprocess_scenario() -> dict:
             **_kw(s, rows, drafter),
         )
         out["tokens"][s] = sd.run().tokens
+    # Request options in one process's rows only: process 1's rows ban their greedy first token (logit_bias
+    # width 4 there, 0 in process 0) with a repetition penalty (token counts kept in both processes); process 0's
+    # rows stop at a token they never emit (stop-id width 4 there, 0 in process 1). The processes pad to the
+    # widest and agree on the counts, so both compile one program.
+    greedy = out["tokens"]["greedy"]
+    opts = _kw("greedy", rows, drafter)
+    if jax.process_index() == 1:  # a repetition penalty too: only process 1's rows ask for token counts
+        opts["logit_bias"] = [{greedy[r][0]: float("-inf")} for r in rows]
+        opts["repetition_penalty"] = 1.3
+    else:
+        opts["stop_token_ids"] = [[min(set(range(cfg.vocab_size)) - set(greedy[r]))] for r in rows]
+    try:
+        sd = prepare_sharded(
+            make_model(cfg),
+            stp,
+            local_prompts,
+            plan=plan,
+            drafter=drafter,
+            draft_params=sdp,
+            process_local=True,
+            **opts,
+        )
+        out["options"] = {"tokens": sd.run().tokens, "logit_bias_rows": rows if jax.process_index() == 1 else []}
+    except Exception as e:  # reported, not raised: the other scenarios' results still come back
+        out["options"] = {"error": f"{type(e).__name__}: {e}"[:300]}
 
     def greedy_on(mesh) -> dict:  # this process's rows of the batch on another mesh, and the decoded batch
         plan_m = _plan(mesh, "data", cfg, tp, dcfg, dp)

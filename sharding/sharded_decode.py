@@ -306,9 +306,9 @@ class ShardedDecode:
 
     def args(self) -> tuple:
         """(target_params, draft_params, prompt [B, P] int32 right-padded, prompt_len [B], max_new [B],
-        sampling (fields [B]), key_data: [W] uint32 replicated or [B, W] per-row keys), placed; the [B] arrays
-        (per-row keys too) are split over the data axis, and in multi-process runs each process supplies only its
-        own rows of them."""
+        sampling (fields [B, ...]), key_data: [W] uint32 replicated or [B, W] per-row keys), placed; the per-row
+        arrays (per-row keys too) are split over the data axis, and in multi-process runs each process supplies
+        only its own rows of them."""
         prompt, plen, mnew, samp, key_data = self.host_inputs
         sh_prompt, sh_plen, sh_mnew, sh_samp, sh_key = self.input_shardings
         b = self.global_batch
@@ -350,7 +350,8 @@ class ShardedDecode:
         (XLA:CPU deadlocks on long queues of programs with collectives). With several processes, every process
         must step the stream (and call ``output()``) alike: the fetches are collectives."""
         pre, step = self.step_fns()
-        return jdecode.DecodeStream(pre, step, self.args(), self.config.logprobs, _to_host, gather_output)
+        top = bool(self.config.top_logprobs)
+        return jdecode.DecodeStream(pre, step, self.args(), self.config.logprobs, _to_host, gather_output, top)
 
     def run_timed(self) -> DecodeOutput:
         """Like ``PreparedDecode.run_timed``: compile, then time execution + gathering the tokens alone."""
@@ -380,8 +381,23 @@ def gather_output(st: DecodeState) -> DecodeOutput:
     lp = st.logprob
     seq, seq_len, plen, stop, stats = _to_host((st.seq, st.seq_len, st.prompt_len, st.stop, st.stats))
     lp = _to_host(lp) if lp.shape[1] else np.zeros(lp.shape, np.float32)  # [B, 0] without logprobs
+    top_ids, top_lp = st.top_ids, st.top_logprob
+    if top_ids.shape[1]:  # [B, 0, 0] without top_logprobs
+        top_ids, top_lp = _to_host((top_ids, top_lp))
+    else:
+        top_ids, top_lp = np.zeros(top_ids.shape, np.int32), np.zeros(top_lp.shape, np.float32)
     host = dataclasses.replace(
-        st, seq=seq, seq_len=seq_len, prompt_len=plen, stop=stop, stats=stats, logprob=lp, cache=None, draft_state=None
+        st,
+        seq=seq,
+        seq_len=seq_len,
+        prompt_len=plen,
+        stop=stop,
+        stats=stats,
+        logprob=lp,
+        top_ids=top_ids,
+        top_logprob=top_lp,
+        cache=None,
+        draft_state=None,
     )
     return jdecode.to_output(host)
 
@@ -478,16 +494,17 @@ def static_digest(config: DecodeConfig, drafter: Any, target: Model, key: jax.Ar
 
 def _agree_on_inputs(
     pd: Any, error: Exception | None, target: Model, drafter, plan: DecodePlan, process_local: bool, global_b: int
-) -> int:
+) -> tuple[int, int, int]:
     """A collective after ``jspec.decode.prepare`` in every process (``pd``: its result, None where ``error``
     says why it failed): refuses, in every process and in this order, rows a process refused; with
     process_local=False, inputs that are not the same everywhere; decode settings, drafters or kinds of seed
     that differ (the program's static parts); with process_local=True, one key for the whole batch that differs
     between processes, and rows held by several processes (a data axis smaller than the process count, or row
     blocks that span processes) whose inputs differ between them (their devices would take different copies).
-    Returns the widest prompt width (every process must compile the same shapes)."""
+    Returns the widest prompt width, stop-id width and logit-bias width (every process must compile the same
+    shapes; process-local rows with more ids in one process than another are padded to the widest)."""
     n_rows = global_b if process_local else 0  # global_b and process_local are agreed on by now
-    values = [0] * (4 + n_rows)
+    values = [0] * (6 + n_rows)
     if error is None:
         _, _, prompt, plen, mnew, sampling, key = pd.args
         prompt, plen, mnew = np.asarray(prompt), np.asarray(plen), np.asarray(mnew)
@@ -502,11 +519,13 @@ def _agree_on_inputs(
         if process_local and key.ndim == 0:  # one key for the batch: the same in every process
             values[2] = _digest(key_data)
         values[3] = prompt.shape[1]
+        values[4], values[5] = sampling.stop_ids.shape[1], sampling.bias_ids.shape[1]
         if process_local:  # per global row, among the processes that hold it (0: a row this process lacks)
             held = local_rows(plan.rows((global_b,), global_b), (global_b,))
             for j, r in enumerate(held.tolist()):
                 own_key = key_data[j] if key.ndim == 1 else key_data[:0]
-                values[4 + r] = _digest(prompt[j, : plen[j]], plen[j], mnew[j], *(s[j] for s in samp), own_key)
+                fields = _row_fields(sampling, j)  # without padding: processes may pad a row to other widths
+                values[6 + r] = _digest(prompt[j, : plen[j]], plen[j], mnew[j], *fields, own_key)
     table = _gather([error is not None, *values])
     _raise_failed(table[:, 0], error, "their rows' inputs or decode options")
     if not process_local:
@@ -527,7 +546,7 @@ def _agree_on_inputs(
             "the processes passed different seeds or keys for the whole batch",
             "one seed (or key) for the batch must be the same in every process; per-row seeds go with their rows",
         )
-        rows = table[:, 5:]
+        rows = table[:, 7:]
         bad = [r for r in range(n_rows) if len(set(rows[:, r][rows[:, r] != 0].tolist())) > 1]
         if bad:
             raise ValueError(
@@ -536,7 +555,37 @@ def _agree_on_inputs(
                 "pass the same prompt, budget, sampling parameters and seed for it, or its devices would decode "
                 "different copies of it"
             )
-    return int(table[:, 4].max())
+    return int(table[:, 4].max()), int(table[:, 5].max()), int(table[:, 6].max())
+
+
+def _row_fields(sampling: SamplingParams, j: int) -> list[np.ndarray]:
+    """Row j's sampling fields with the unused (-1) id slots left out."""
+    out = []
+    for f in dataclasses.fields(SamplingParams):
+        a = np.asarray(getattr(sampling, f.name))[j]
+        if f.name in ("stop_ids", "bias_ids"):
+            a = a[a >= 0]
+        elif f.name == "bias":
+            a = a[np.asarray(sampling.bias_ids)[j] >= 0]
+        out.append(a)
+    return out
+
+
+def _pad_width(a: np.ndarray, width: int, fill) -> np.ndarray:
+    """[B, W] -> [B, width] (width >= W), the new slots ``fill``."""
+    return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
+
+
+def _asks_penalties(kwargs: dict) -> bool:
+    """Whether decode keyword arguments ask for a repetition / presence / frequency penalty in some row (a value
+    that is not a number counts as asking: ``jspec.decode.prepare`` then names the problem)."""
+    for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        try:
+            if np.any(np.asarray(kwargs.get(name, off), dtype=np.float64) != off):
+                return True
+        except (TypeError, ValueError):
+            return True
+    return bool(kwargs.get("penalties"))
 
 
 MAX_SLOTS = 2**31 - 1  # a cache size must fit the int32 the agreement gathers carry (and the positions)
@@ -641,13 +690,15 @@ def prepare_sharded(
                 global_b = global_batch(len(prompts), held, d)
             except ValueError as e:
                 global_b, error = -1, e
-        table = _gather([error is not None, setup, len(prompts), global_b])
+        table = _gather([error is not None, setup, len(prompts), global_b, _asks_penalties(kwargs)])
         _refuse_unequal(
             table[:, 1],
             "the processes passed different plans (mesh, rules), parameter layouts, process_local or max_len",
             "every process must pass the same, or they compile different programs whose collectives never meet",
         )
         _raise_failed(table[:, 0], error, "their parameters or rows")
+        if table[:, 4].any():  # one process's rows with penalties: every process keeps the token counts
+            kwargs = {**kwargs, "penalties": True}
         if process_local and np.any(table[:, 3] != global_b):
             raise ValueError(
                 f"the processes' rows ({table[:, 2].tolist()}) make batches of {table[:, 3].tolist()}, not one "
@@ -680,7 +731,7 @@ def prepare_sharded(
         if not cross:
             raise
         error = e
-    pw = _agree_on_inputs(pd, error, target, drafter, plan, process_local, global_b) if cross else None
+    widths = _agree_on_inputs(pd, error, target, drafter, plan, process_local, global_b) if cross else None
     if global_b % plan.data_size:
         raise ValueError(
             f"batch {global_b} is not divisible by the data axis ({plan.batch_axis}={plan.data_size}); "
@@ -690,9 +741,13 @@ def prepare_sharded(
     target, drafter = pinned_model(target, plan, plan.target), pinned_drafter(drafter, plan)
     _, _, prompt, plen, mnew, sampling, key = pd.args
     prompt, plen, mnew = np.asarray(prompt), np.asarray(plen), np.asarray(mnew)
-    pw = prompt.shape[1] if pw is None else pw
+    pw = prompt.shape[1] if widths is None else widths[0]
     prompt = np.pad(prompt, ((0, 0), (0, pw - prompt.shape[1])))
     samp = {f.name: np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingParams)}
+    if widths is not None:  # as wide as the widest process's rows (-1: an unused slot)
+        samp["stop_ids"] = _pad_width(samp["stop_ids"], widths[1], -1)
+        samp["bias_ids"] = _pad_width(samp["bias_ids"], widths[2], -1)
+        samp["bias"] = _pad_width(samp["bias"], widths[2], 0.0)
     key_data = np.asarray(jax.random.key_data(key))  # [W] or [B, W] (W: the key's words, 2 for threefry)
     per_row_keys = key.ndim == 1
     key_impl = jax.random.key_impl(key)  # a str or a PRNGSpec depending on the JAX version; both hashable

@@ -35,6 +35,21 @@ from jspec import cli
         (["--stream", "--json"], "--stream prints the text as it is generated; --json prints one object"),
         (["--stop-token-ids", "2,-1"], "--stop-token-ids wants comma-separated token ids (e.g. 2,7), got '2,-1'"),
         (["--stop-token-ids", "2,,7"], "--stop-token-ids wants comma-separated token ids"),
+        (["--logit-bias", "2"], "--logit-bias wants comma-separated TOKEN_ID:BIAS pairs (e.g. 2:-100,7:1.5 or"),
+        (["--logit-bias", "x:1"], "--logit-bias wants comma-separated TOKEN_ID:BIAS pairs"),
+        (["--logit-bias", "2:high"], "--logit-bias wants comma-separated TOKEN_ID:BIAS pairs"),
+        (["--logit-bias", "2:1,2:-1"], "--logit-bias names token 2 twice"),
+        (["--logit-bias", "\u00b2:1"], "--logit-bias wants comma-separated TOKEN_ID:BIAS pairs"),
+        (["--logit-bias", "2:nan"], "--logit-bias 2:nan: a bias must be finite, or -inf to ban the token"),
+        (["--logit-bias", "2:inf"], "--logit-bias 2:inf: a bias must be finite"),
+        (["--min-tokens", "-1"], "--min-tokens -1 must be in [0, --max-new-tokens (128)]"),
+        (["--top-logprobs", "3"], "--top-logprobs needs --logprobs"),
+        (["--repetition-penalty", "0"], "--repetition-penalty 0.0 must be finite and > 0"),
+        (["--presence-penalty", "3"], "--presence-penalty 3.0 must be in [-2, 2]"),
+        (["--frequency-penalty", "nan"], "--frequency-penalty nan must be in [-2, 2]"),
+        (["--top-logprobs", "21", "--logprobs"], "--top-logprobs 21 must be in [0, 20]"),
+        (["--top-logprobs", "-1"], "--top-logprobs -1 must be in [0, 20]"),
+        (["--min-tokens", "9", "--max-new-tokens", "8"], "--min-tokens 9 must be in [0, --max-new-tokens (8)]"),
     ],
 )
 def test_ignored_flags_are_refused(flags, message, monkeypatch, capsys):
@@ -105,10 +120,10 @@ def _fake_decodes(monkeypatch, spec_ids, plain_ids):
 
     def run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, stream=None):
         ids, tps = (spec_ids, 30.0) if drafter is not None else (plain_ids, 10.0)
-        stats = {"logprobs": None, "new_tokens": len(ids), "gamma": 4, "cache_slots": 64, "rounds": 2,
-                 "tokens_per_round": 1.5, "acceptance_rate": 0.5, "proposed": 4, "accepted": 2, "accepted_at": [2],
-                 "proposed_at": [4], "stop_reason": "eos", "seconds": len(ids) / tps, "tokens_per_s": tps,
-                 "compile_seconds": 0.0}  # fmt: skip
+        stats = {"logprobs": None, "top_logprobs": None, "new_tokens": len(ids), "gamma": 4, "cache_slots": 64,
+                 "rounds": 2, "tokens_per_round": 1.5, "acceptance_rate": 0.5, "proposed": 4, "accepted": 2,
+                 "accepted_at": [2], "proposed_at": [4], "stop_reason": "eos", "seconds": len(ids) / tps,
+                 "tokens_per_s": tps, "compile_seconds": 0.0}  # fmt: skip
         return list(ids), stats
 
     monkeypatch.setattr(cli, "_run", run)
@@ -130,6 +145,26 @@ def test_stop_token_ids_reach_the_decode_call_beside_ignore_eos(monkeypatch):
     with pytest.raises(_Loaded):
         cli.main(["generate", "--prompt", "hi", "--compile-cache", "none", "--stop-token-ids", "2, 0", "--ignore-eos"])
     assert seen["stop_token_ids"] == [2, 0] and seen["eos_ids"] == []
+
+
+def test_logit_bias_and_min_tokens_reach_the_decode_call(monkeypatch):
+    from types import SimpleNamespace
+
+    target = SimpleNamespace(vocab_size=3)
+    monkeypatch.setattr(cli, "model_loader", lambda *a, **k: lambda name, dtype: (None, None, target, _Tok()))
+    seen = {}
+
+    def prepare(*_, **kw):
+        seen.update(kw)
+        raise _Loaded
+
+    monkeypatch.setattr(cli, "prepare", prepare)
+    flags = ["--logit-bias", "2:-inf, 0:1.5", "--min-tokens", "3", "--repetition-penalty", "1.2"]
+    flags += ["--presence-penalty", "0.5", "--frequency-penalty", "-0.25"]
+    with pytest.raises(_Loaded):
+        cli.main(["generate", "--prompt", "hi", "--compile-cache", "none", *flags])
+    assert seen["logit_bias"] == {2: float("-inf"), 0: 1.5} and seen["min_tokens"] == 3
+    assert (seen["repetition_penalty"], seen["presence_penalty"], seen["frequency_penalty"]) == (1.2, 0.5, -0.25)
 
 
 def test_compare_when_sampling_gives_no_speedup_between_different_outputs(monkeypatch, capsys):

@@ -29,6 +29,24 @@ def reference_logprobs(prompt: list[int], generated: list[int]) -> np.ndarray:
     return lp[np.arange(p - 1, t - 1), generated]  # position i predicts token i + 1
 
 
+def reference_top(prompt: list[int], generated: list[int], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [T, n], log-probabilities [T, n]) of the n most likely tokens where each generated token was chosen,
+    from an uncached forward pass; the lower id first among equal values."""
+    seq = jnp.asarray([prompt + generated], jnp.int32)
+    t = seq.shape[1]
+    logits, _ = llama.forward(TINY, TINY_PARAMS, seq, jnp.arange(t)[None], llama.init_cache(TINY, 1, t))
+    lp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))[len(prompt) - 1 : t - 1]
+    ids = np.stack([np.lexsort((np.arange(lp.shape[1]), -row))[:n] for row in lp])
+    return ids, np.take_along_axis(lp, ids, axis=1)
+
+
+def check_top(prompt, toks, tops, n):
+    assert len(tops) == len(toks) and all(len(alts) == n for alts in tops)
+    ids, lps = reference_top(prompt, toks, n)
+    assert [[i for i, _ in alts] for alts in tops] == ids.tolist()
+    np.testing.assert_allclose([[lp for _, lp in alts] for alts in tops], lps, atol=2e-5, rtol=1e-5)
+
+
 def _drafters():
     from test_eagle import _rollout_head
 
@@ -51,11 +69,12 @@ def test_logprobs_are_the_targets_own(name):
     # filter), whatever transform the row sampled from.
     out = decode(
         TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, max_new_tokens=[10, 12, 9],
-        temperature=[0.0, 1.3, 0.0], top_k=[0, 5, 0], seed=[1, 2, 3], logprobs=True, **kw,
+        temperature=[0.0, 1.3, 0.0], top_k=[0, 5, 0], seed=[1, 2, 3], logprobs=True, top_logprobs=4, **kw,
     )  # fmt: skip
     assert out.logprobs is not None and [len(x) for x in out.logprobs] == out.lengths
-    for prompt, toks, lps in zip(PROMPTS, out.tokens, out.logprobs):
+    for prompt, toks, lps, tops in zip(PROMPTS, out.tokens, out.logprobs, out.top_logprobs):
         np.testing.assert_allclose(lps, reference_logprobs(prompt, toks), atol=2e-5, rtol=1e-5)
+        check_top(prompt, toks, tops, 4)  # the N most likely where each token was chosen, most likely first
     if drafter is not None:
         assert out.stats["accepted"] > 0  # multi-token rounds were exercised
     # Asking for them changes nothing else, and without them there are none.
@@ -63,12 +82,23 @@ def test_logprobs_are_the_targets_own(name):
         TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, max_new_tokens=[10, 12, 9],
         temperature=[0.0, 1.3, 0.0], top_k=[0, 5, 0], seed=[1, 2, 3], **kw,
     )  # fmt: skip
-    assert plain.tokens == out.tokens and plain.logprobs is None
+    assert plain.tokens == out.tokens and plain.logprobs is None and plain.top_logprobs is None
 
 
-def test_logprobs_flag_is_checked():
-    with pytest.raises(ValueError, match="logprobs must be True or False"):
-        decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=2, logprobs="yes")
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(logprobs="yes"), "logprobs must be True or False"),
+        (dict(top_logprobs=3), "top_logprobs=3 needs logprobs=True"),
+        (dict(logprobs=True, top_logprobs=21), r"top_logprobs must be an int in \[0, 20\], got 21"),
+        (dict(logprobs=True, top_logprobs=-1), r"top_logprobs must be an int in \[0, 20\]"),
+        (dict(logprobs=True, top_logprobs=True), "top_logprobs must be an int"),
+        (dict(logprobs=True, top_logprobs=2.0), "top_logprobs must be an int"),
+    ],
+)
+def test_logprobs_flags_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=2, **kwargs)
 
 
 @pytest.mark.parametrize("name", ["tree"])  # a chain streams in test_decode_core and the sharded checks
@@ -82,19 +112,21 @@ def test_stream_reports_stop_reasons_and_logprobs(name):
     )  # fmt: skip
     first = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, **kw)
     eos = first.tokens[0][4]  # row 0 then stops on EOS by its fifth token, the others may too or run to budget
-    fused = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, eos_ids=[eos], logprobs=True, **kw)
+    # N = 17: past sampling.top_k's max/min passes (k <= 16), on lax.top_k.
+    fused = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, eos_ids=[eos], logprobs=True, top_logprobs=17, **kw)
     assert StopReason.EOS in fused.stop_reason
     # The pair compiled ahead of time, as the CLI times a stream (decode_stream compiles at the first steps).
-    prepared = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, eos_ids=[eos], logprobs=True, **kw)
+    prepared = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, eos_ids=[eos], logprobs=True, top_logprobs=17, **kw)
     stream = prepared.stream(prepared.compile_stream())
     with pytest.raises(ValueError, match="not run a step"):
         stream.output()
-    toks, lps = [[] for _ in PROMPTS], [[] for _ in PROMPTS]
+    toks, lps, tops = [[] for _ in PROMPTS], [[] for _ in PROMPTS], [[] for _ in PROMPTS]
     for chunk in stream:
         for b, row in enumerate(chunk):
-            assert len(stream.logprobs[b]) == len(row)
+            assert len(stream.logprobs[b]) == len(row) == len(stream.top_logprobs[b])
             toks[b] += row
             lps[b] += stream.logprobs[b]
+            tops[b] += stream.top_logprobs[b]
             done = len(toks[b]) == len(fused.tokens[b])
             assert (stream.stop_reasons[b] == StopReason.RUNNING) != done
             if done:
@@ -104,4 +136,8 @@ def test_stream_reports_stop_reasons_and_logprobs(name):
         np.testing.assert_allclose(lp, reference_logprobs(prompt, t), atol=2e-5, rtol=1e-5)
     out = stream.output()
     assert out.tokens == fused.tokens and out.stop_reason == fused.stop_reason and out.logprobs == lps
+    assert out.top_logprobs == tops  # the stream's pieces are its state's
+    for prompt, t, top, fused_top in zip(PROMPTS, toks, tops, fused.top_logprobs):
+        check_top(prompt, t, top, 17)
+        check_top(prompt, t, fused_top, 17)
     assert out.stats["rounds"] == fused.stats["rounds"]

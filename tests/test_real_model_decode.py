@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from conftest import requires_torch
 
@@ -61,6 +62,64 @@ def test_plain_decode_equals_transformers_greedy_generate(smollm2, chat_prompts,
             )
         assert ours == gen[0, len(ids) :].tolist()
     assert any(row[-1] == eos for row in plain) and any(len(row) == 40 for row in plain)  # both stops ran
+
+
+@requires_torch
+def test_request_options_match_transformers(smollm2, chat_prompts, plain, hf_smollm2):
+    """Per-row logit_bias, min_tokens and repetition_penalty in one batch of 2, plain and n-gram speculative,
+    against transformers' greedy generate with ``sequence_bias`` (SequenceBiasLogitsProcessor), ``min_new_tokens``
+    (MinNewTokensLengthLogitsProcessor) and ``repetition_penalty`` (RepetitionPenaltyLogitsProcessor) on each
+    prompt alone; with the top 5 log-probabilities at every position
+    against those of the raw logits transformers reports (``output_logits``)."""
+    import torch
+
+    eos = smollm2.tokenizer.eos_id
+    # Row 1: a prompt whose plain answer ends (EOS) before 40 tokens, a repetition penalty, and no end token
+    # allowed before 5 more tokens than that answer had; row 0: another prompt, its plain answer's first token
+    # banned by a large negative bias and another token pushed up. (transformers applies a repetition penalty
+    # before sequence_bias, vLLM and jspec after: no row takes both.)
+    ended = [i for i, row in enumerate(plain) if row[-1] == eos and len(row) < 35]
+    assert ended, [len(r) for r in plain]  # min_tokens needs an end token to hold back
+    pick = [next(i for i in range(len(plain)) if i != ended[0]), ended[0]]
+    prompts, bare = [chat_prompts[i] for i in pick], [plain[i] for i in pick]
+    biases = [{bare[0][0]: -50.0, bare[0][2]: 2.5}, None]
+    min_tokens = [0, len(bare[1]) + 5]
+    penalties = [1.0, 1.3]
+    kw = dict(max_new_tokens=40, eos_ids=[eos], logit_bias=biases, min_tokens=min_tokens, logprobs=True, top_logprobs=5)
+    kw["repetition_penalty"] = penalties
+    out = dec.decode(smollm2.model, smollm2.params, prompts, **kw)
+    ours = out.tokens
+    v = smollm2.model.vocab_size
+    spec = dec.decode(smollm2.model, smollm2.params, prompts, drafter=NgramDrafter(3, 1, vocab_size=v), gamma=4, **kw)
+    assert spec.tokens == ours
+    # Drafts were accepted (multi-token rounds read processed logits at every block position). The penalized row's
+    # n-gram drafts are all rejected here (the penalty steers it off repeats); counting drafts inside a block is
+    # pinned exactly by the toy tests (test_logit_processors).
+    assert spec.stats["accepted"] > 0
+    for ids, got, bias, n_min, rep, tops, spec_tops in zip(
+        prompts, ours, biases, min_tokens, penalties, out.top_logprobs, spec.top_logprobs
+    ):
+        with torch.no_grad():
+            gen = hf_smollm2.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=40,
+                eos_token_id=eos,
+                pad_token_id=eos,
+                sequence_bias=[[[t], b] for t, b in bias.items()] if bias else None,
+                min_new_tokens=n_min,
+                repetition_penalty=rep,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        assert got == gen.sequences[0, len(ids) :].tolist()
+        raw = torch.log_softmax(torch.cat(gen.logits).double(), dim=-1)  # [T, V], before the processors
+        theirs = torch.topk(raw, 5, dim=-1)
+        for mine in (tops, spec_tops):  # verification rounds (n-gram) report them as plain steps do
+            assert [[t for t, _ in alts] for alts in mine] == theirs.indices.tolist()
+            np.testing.assert_allclose([[x for _, x in alts] for alts in mine], theirs.values.numpy(), atol=2e-4)
+    assert ours[0] != bare[0] and ours[0][0] != bare[0][0] and len(ours[1]) >= min_tokens[1]
 
 
 # The CLI's default target layout on CPU (per-layer arrays): its logits are compared with transformers'

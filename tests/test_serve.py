@@ -11,8 +11,9 @@ REQUESTS = [[0, 1, 2, 0, 1], [2], [1, 1, 0, 2, 2, 1, 0, 0, 1], [0, 2], [1, 2, 1,
 BUDGETS = [8, 5, 12, 1, 9, 6]
 
 
-def _serve(engine, logprobs=None):
-    """Serves every request; with a ``logprobs`` dict, also collects each request's ``last_logprobs``."""
+def _serve(engine, logprobs=None, tops=None):
+    """Serves every request; with a ``logprobs`` dict, also collects each request's ``last_logprobs`` (and with a
+    ``tops`` dict its ``last_top_logprobs``)."""
     out, queue, owner = {}, list(range(len(REQUESTS))), {}
     while queue or owner:
         for row in engine.free_rows():
@@ -23,6 +24,8 @@ def _serve(engine, logprobs=None):
                 out[i] = [engine.add(row, REQUESTS[i], BUDGETS[i])]
                 if logprobs is not None:
                     logprobs[i] = list(engine.last_logprobs[row])
+                if tops is not None:
+                    tops[i] = list(engine.last_top_logprobs[row])
                 if engine.stop_reason(row) == dec.StopReason.RUNNING:
                     break
         if not any(engine.stop_reason(r) == dec.StopReason.RUNNING for r in owner):
@@ -35,6 +38,9 @@ def _serve(engine, logprobs=None):
             if logprobs is not None:
                 assert len(engine.last_logprobs[row]) == len(toks)
                 logprobs[owner[row]] += engine.last_logprobs[row]
+            if tops is not None:
+                assert len(engine.last_top_logprobs[row]) == len(toks)
+                tops[owner[row]] += engine.last_top_logprobs[row]
     return [out[i] for i in range(len(REQUESTS))]
 
 
@@ -154,14 +160,18 @@ def test_engine_reports_logprobs_of_every_token():
     """With logprobs=True, add() and step() leave each returned token's target log-probability in
     last_logprobs: the values decode(logprobs=True) gives each request alone, several rounds per sync included."""
     kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3)
-    alone = [
-        dec.decode(TARGET, TARGET_PARAMS, [r], max_new_tokens=m, logprobs=True, **kw) for r, m in zip(REQUESTS, BUDGETS)
-    ]
-    got = {}
-    engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, rounds_per_sync=3, logprobs=True, **kw)
-    assert _serve(engine, got) == [o.tokens[0] for o in alone]
+    lp = dict(logprobs=True, top_logprobs=2)
+    alone = [dec.decode(TARGET, TARGET_PARAMS, [r], max_new_tokens=m, **lp, **kw) for r, m in zip(REQUESTS, BUDGETS)]
+    got, tops = {}, {}
+    engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, rounds_per_sync=3, **lp, **kw)
+    assert _serve(engine, got, tops) == [o.tokens[0] for o in alone]
     for i, o in enumerate(alone):
         np.testing.assert_allclose(got[i], o.logprobs[0], atol=1e-5, rtol=1e-5)
+        assert [[t for t, _ in alts] for alts in tops[i]] == [[t for t, _ in alts] for alts in o.top_logprobs[0]]
+        want = [[v for _, v in alts] for alts in o.top_logprobs[0]]
+        np.testing.assert_allclose([[v for _, v in alts] for alts in tops[i]], want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="top_logprobs=2 needs logprobs=True"):
+        Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16, top_logprobs=2)
     assert not Engine(TARGET, TARGET_PARAMS, batch=1, max_len=16).last_logprobs  # off by default
     with pytest.raises(ValueError, match="block_verify must be True or False"):
         Engine(TARGET, TARGET_PARAMS, batch=2, max_len=32, block_verify="no", **kw)

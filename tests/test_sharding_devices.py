@@ -192,6 +192,31 @@ def test_eos_stop_ids_and_logprobs_match_single_device(runs):
     np.testing.assert_allclose(flat_got, flat_ref, rtol=0, atol=LOGPROB_ATOL)
 
 
+def test_request_options_split_with_their_rows(runs):
+    """8x1: per-row logit_bias ([B, M]), min_tokens ([B]), penalties ([B] with [B, V] counts) and top-3
+    log-probabilities on top of the stop-ids decode, split over the data axis with their rows: the tokens are the
+    single-device decode's, and every row keeps its own options (even rows never emit the token they ban, odd rows
+    no end token in their first 4)."""
+    s = _decode(runs, "8x1")["stops"]
+    o, base = s["options"], s["base_tokens"]
+    assert (o["tokens"], o["stop"]) == (o["reference_tokens"], o["reference_stop"])
+    assert o["bias_ids_spec"] == "P('data')" and o["min_tokens_spec"] == "P('data')"
+    eos, stops = s["eos_ids"], s["stop_token_ids"]
+    for i, row in enumerate(o["tokens"]):
+        if i % 2 == 0:
+            assert base[i][0] not in row, i
+        else:
+            assert not any(t in eos or t in stops[i] for t in row[:4]), i
+    assert o["tokens"] != s["tokens"]  # the options changed what was decoded
+    # The 3 most likely tokens at every position: the same ids as on one device, log-probabilities within atol.
+    got, ref = o["top_logprobs"], o["reference_top_logprobs"]
+    assert o["top_ids_spec"] == o["out_counts_spec"] == "P('data')"
+    assert [[[t for t, _ in alts] for alts in row] for row in got] == [[[t for t, _ in a] for a in r] for r in ref]
+    assert [len(row) for row in got] == [len(t) for t in o["tokens"]]
+    flat = lambda rows: np.array([x for row in rows for alts in row for _, x in alts])  # noqa: E731
+    np.testing.assert_allclose(flat(got), flat(ref), rtol=0, atol=LOGPROB_ATOL)
+
+
 def test_tree_drafter_matches_single_device(runs):
     """2x4, a draft-model tree (11 nodes, children sampled without replacement, per-row seeds): the ancestor mask
     on split KV heads, and a cache of exactly cache_need slots (the tree's scratch reserved), as on one device."""
@@ -280,6 +305,27 @@ def test_two_processes_match_single_process(runs):
     for p in (0, 1):  # each process's own rows without process_local=True: refused, not mixed
         assert "process_local=False, but the processes passed different inputs" in procs[p]["mixed_batches"]
     assert "process(es) [1] refused their rows' inputs" in procs[0]["bad_row"], procs[0]["bad_row"]
+
+
+def test_two_processes_pad_request_options_to_one_width(runs):
+    """Process 1's rows ban their greedy first token (logit_bias) under a repetition penalty, process 0's rows
+    hold a stop id they never emit: different [B, M] / [B, E] widths per process, padded to one program, and token
+    counts kept in both processes although only process 1's rows ask for a penalty. The banned rows change, the others
+    decode their plain greedy tokens, and both processes see the same batch."""
+    mp = runs["mp"]
+    assert mp["codes"] == [0, 0], "\n".join(mp["outputs"])
+    procs = mp["processes"]
+    ref = _reference(runs)["model"]["greedy"]
+    opts = [procs[p]["options"] for p in (0, 1)]
+    assert "error" not in opts[0] and "error" not in opts[1], opts
+    assert opts[0]["tokens"] == opts[1]["tokens"]
+    banned = opts[1]["logit_bias_rows"]
+    assert banned == [4, 5, 6, 7]
+    for r, row in enumerate(opts[0]["tokens"]):
+        if r in banned:
+            assert ref[r][0] not in row and row != ref[r], r
+        else:
+            assert row == ref[r], r
 
 
 def test_two_processes_refuse_what_they_disagree_on_and_decode_alone_on_local_meshes(runs):
