@@ -20,8 +20,9 @@ import sys
 import time
 from importlib.metadata import entry_points
 
-from jspec.decode import DEFAULT_GAMMA, MAX_TOP_LOGPROBS, prepare
+from jspec.decode import DEFAULT_GAMMA, MAX_TOP_LOGPROBS, StopReason, prepare
 from jspec.model import Model
+from jspec.stop import StopStrings, check_stop_strings
 
 # The last four come from the ``jspec.drafter_loaders`` entry points (this repository's ``models``).
 DRAFTERS = ("none", "ngram", "ngram-tree", "model", "draft", "layerskip", "eagle")
@@ -161,6 +162,11 @@ def check_flags(args) -> None:
         _dynamic_tree_args(args)  # its format, before any model is loaded
     stop_token_ids(args)
     logit_bias(args)
+    if args.stop is not None:
+        try:
+            check_stop_strings(args.stop)
+        except ValueError as e:
+            raise ValueError(f"--stop: {e}") from None
     if not 0 <= args.top_logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"--top-logprobs {args.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
     if args.top_logprobs and not args.logprobs:
@@ -260,22 +266,31 @@ def end_ids(tok) -> list[int]:
     return [int(i) for i in ends]
 
 
-def _stream_timed(prepared, tok, out):
+def _stream_timed(prepared, tok, out, stops=()):
     """Decode round by round, writing the text to ``out`` as it grows; the statistics of ``run_timed``.
     ``seconds`` time the steps alone (each with its host sync), not the detokenizing and printing between them,
-    whose cost grows with the rounds and the text: plain decoding, with more rounds, would pay more of it."""
+    whose cost grows with the rounds and the text: plain decoding, with more rounds, would pay more of it.
+    stops: stop strings (``jspec.stop``): the decode ends at the round that completes one, the tokens after it
+    are dropped and the stop reason is STOP_STRING."""
     t0 = time.perf_counter()
     fns = prepared.compile_stream()
     compile_s = time.perf_counter() - t0
     stream = prepared.stream(fns)
     ids, shown, seconds = [], "", 0.0
+    checker = StopStrings(stops, lambda x: tok.decode(x, skip_special_tokens=True)) if stops else None
     while True:
         t = time.perf_counter()
         chunk = next(stream, None)
         seconds += time.perf_counter() - t
         if chunk is None:
             break
-        ids += chunk[0]
+        keep = checker.feed(chunk[0]) if checker is not None else None
+        ids += chunk[0][:keep] if keep is not None else chunk[0]
+        if keep is not None:  # the text ends before the string
+            text = checker.text
+            out.write(text[len(shown) :] if text.startswith(shown) else "")
+            shown = text
+            break
         text = tok.decode(ids, skip_special_tokens=True)
         # A token can end inside a UTF-8 character (U+FFFD until the rest arrives), and a tokenizer may rewrite
         # earlier text as more arrives: only a stable extension of what is on the screen is written.
@@ -284,7 +299,19 @@ def _stream_timed(prepared, tok, out):
             out.flush()
             shown = text
     result = stream.output()
-    text = tok.decode(ids, skip_special_tokens=True)
+    if checker is not None and checker.matched is not None:  # the state ran the stopping round to its end
+        n = len(ids)
+        result.tokens[0], result.stop_reason[0] = ids, StopReason.STOP_STRING
+        result.stats["new_tokens"] = [n]
+        if result.logprobs is not None:
+            result.logprobs[0] = result.logprobs[0][:n]
+        if result.top_logprobs is not None:
+            result.top_logprobs[0] = result.top_logprobs[0][:n]
+    text = (
+        checker.text
+        if checker is not None and checker.matched is not None
+        else tok.decode(ids, skip_special_tokens=True)
+    )
     rest = text[len(shown) :] if text.startswith(shown) else f"\n[the text above changed as it grew; in full:]\n{text}"
     print(rest, file=out)
     total = sum(result.stats["new_tokens"])
@@ -320,7 +347,7 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, 
         logprobs=args.logprobs,  # on both sides of --compare, so that they time the same work
         top_logprobs=args.top_logprobs,
     )
-    out = prepared.run_timed() if stream is None else _stream_timed(prepared, *stream)
+    out = prepared.run_timed() if stream is None else _stream_timed(prepared, *stream, stops=args.stop or ())
     st = out.stats
     return out.tokens[0], {
         "logprobs": out.logprobs[0] if out.logprobs is not None else None,
@@ -359,18 +386,21 @@ def generate(args) -> int:
         prompt_ids = tok.encode_chat(msgs)
     eos = [] if args.ignore_eos else end_ids(tok)
     drafter, dparams = build_drafter(args, target, loaded)
-    ids, stats = _run(
-        target, params, prompt_ids, drafter, dparams, args, eos, stream=(tok, sys.stdout) if args.stream else None
-    )
+    # Stop strings need the text between rounds: the decode steps round by round (into nothing without --stream).
+    stream = (tok, sys.stdout) if args.stream else ((tok, io.StringIO()) if args.stop else None)
+    ids, stats = _run(target, params, prompt_ids, drafter, dparams, args, eos, stream=stream)
     stats.update(drafter=args.drafter)
     logprobs = stats.pop("logprobs")
     tops = stats.pop("top_logprobs")
+    text, matched = StopStrings.cut(tok.decode(ids, skip_special_tokens=True), args.stop or ())
     result = {
-        "text": tok.decode(ids, skip_special_tokens=True),
+        "text": text,
         "token_ids": ids,
         "prompt_tokens": len(prompt_ids),
         "stats": stats,
     }
+    if args.stop:
+        result["stop"] = matched  # the stop string that ended the answer, or None
     if logprobs is not None:
         result["logprobs"] = logprobs
     if tops is not None:
@@ -378,7 +408,7 @@ def generate(args) -> int:
     if args.compare and drafter is not None:
         # The same cache as the speculative run (a tree's default reserves its scratch): attention reads every slot.
         # Streamed too under --stream (into nothing): both sides pay a host sync per round.
-        quiet = (tok, io.StringIO()) if args.stream else None
+        quiet = (tok, io.StringIO()) if args.stream or args.stop else None
         plain_ids, plain = _run(
             target, params, prompt_ids, None, None, args, eos, max_len=stats["cache_slots"], stream=quiet
         )
@@ -554,6 +584,13 @@ def main(argv=None) -> int:
     )
     g.add_argument(
         "--frequency-penalty", type=float, default=0.0, help="subtracted per occurrence of a token in the answer"
+    )
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="end the answer before this text (repeatable; vLLM's stop): decoded round by round to find it",
     )
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     g.add_argument(

@@ -58,6 +58,7 @@ class StopReason(enum.IntEnum):
     MAX_NEW_TOKENS = 2
     CACHE_FULL = 3
     IDLE = 4  # no request in this row (the serving engine's free rows)
+    STOP_STRING = 5  # one of the request's stop strings (host-side: ``jspec.stop``, the engine and the CLI)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,7 @@ from jspec.decode import (
 )
 from jspec.model import Model
 from jspec.sampling import SamplingParams, int_array
+from jspec.stop import StopStrings, check_stop_strings
 
 
 def _insert_state(big: DecodeState, row: jax.Array, one: DecodeState) -> DecodeState:
@@ -154,6 +155,7 @@ class Engine:
     max_logit_bias: int = 0
     top_logprobs: int = 0
     penalties: bool = False
+    detokenize: Callable[[list[int]], str] | None = None
 
     def __post_init__(self):
         self.logprobs = check_flag("logprobs", self.logprobs)
@@ -221,6 +223,7 @@ class Engine:
         self.state = dataclasses.replace(st, stop=jnp.full((b,), StopReason.IDLE, jnp.int32))
         self._stop = np.full((b,), int(StopReason.IDLE))
         self._n_added = 0
+        self._stops: dict[int, StopStrings] = {}  # rows whose request has stop strings
 
     def free_rows(self) -> list[int]:
         return [int(i) for i in np.nonzero(self._stop != StopReason.RUNNING)[0]]
@@ -238,13 +241,24 @@ class Engine:
         if self._stop[row] != StopReason.RUNNING:
             reason = StopReason(int(self._stop[row])).name
             raise ValueError(f"row {row} has no running request to cancel (its stop reason is {reason})")
-        self._stop[row] = int(StopReason.IDLE)
+        self._end(row, StopReason.IDLE)
+        self.last_logprobs.pop(int(row), None)
+        self.last_top_logprobs.pop(int(row), None)
+        self._stops.pop(int(row), None)
+
+    def _end(self, row: int, reason: StopReason) -> None:
+        """Stop ``row`` on the device with ``reason`` (cancel, a stop string)."""
+        self._stop[row] = int(reason)
         # The host's copy (every row's stop reason as of the last add/step) put back whole: a transfer, where an
         # eager scatter would compile a program the first time a request is cancelled (inside a timed run).
         stop = self.state.stop
         self.state = dataclasses.replace(self.state, stop=jax.device_put(self._stop.astype(stop.dtype), stop.sharding))
-        self.last_logprobs.pop(int(row), None)
-        self.last_top_logprobs.pop(int(row), None)
+
+    def matched_stop(self, row: int) -> str | None:
+        """The stop string that ended ``row``'s last request (stop reason STOP_STRING), else None."""
+        self._check_row(row)
+        checker = self._stops.get(int(row))
+        return None if checker is None else checker.matched
 
     def add(
         self,
@@ -262,6 +276,7 @@ class Engine:
         repetition_penalty: float = 1.0,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        stop: Sequence[str] = (),
     ) -> int:
         """Prefill ``prompt`` and start it in ``row`` (which must be free). Returns its first token.
 
@@ -271,7 +286,9 @@ class Engine:
         reassociation of batched matmuls, as in any server). stop_token_ids: this request's own end tokens (up
         to ``max_stop_ids``), besides the engine's eos_ids; stop reason EOS. min_tokens, logit_bias: as ``decode``'s
         for one row (a dict of up to ``max_logit_bias`` entries). repetition_penalty, presence_penalty,
-        frequency_penalty: as ``decode``'s (an engine built with ``penalties=True``)."""
+        frequency_penalty: as ``decode``'s (an engine built with ``penalties=True``). stop: strings that end the
+        request when its text holds one (an engine built with ``detokenize``; see ``jspec.stop``): the tokens up
+        to the one completing it are returned, the stop reason is STOP_STRING and ``matched_stop(row)`` names it."""
         self._check_row(row)
         if self._stop[row] == StopReason.RUNNING:
             raise ValueError(f"row {row} is still decoding a request")
@@ -327,6 +344,9 @@ class Engine:
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
         )
+        stops = check_stop_strings(stop)
+        if stops and self.detokenize is None:
+            raise ValueError("stop strings need the engine's detokenize (token ids -> text): Engine(..., detokenize=)")
         if not self.penalties and sampling.has_penalties():
             raise ValueError("penalties need an engine that counts tokens: build it with Engine(..., penalties=True)")
         check_min_tokens(sampling, np.asarray([max_new_tokens]), self.config.eos_ids, self.target.vocab_size)
@@ -348,6 +368,11 @@ class Engine:
         )
         first, first_lp, first_top, stop = jax.device_get((first, first_lp, first_top, stop))
         self._stop[row] = int(stop)
+        self._stops.pop(int(row), None)
+        if stops:
+            self._stops[int(row)] = checker = StopStrings(stops, self.detokenize)
+            if self._stop[row] == StopReason.RUNNING and checker.feed([int(first)]) is not None:
+                self._end(row, StopReason.STOP_STRING)
         if self.logprobs:  # the other rows keep the tokens they were last given (a step's, before the refill)
             self.last_logprobs[int(row)] = [float(first_lp)]
         if self.top_logprobs:
@@ -387,6 +412,15 @@ class Engine:
             self.last_top_logprobs = {
                 r: top_pairs(top[0][r, w - len(t) :], top[1][r, w - len(t) :]) for r, t in out.items()
             }
+        for r, toks in out.items():  # stop strings: the text only exists here
+            checker = self._stops.get(r)
+            keep = None if checker is None or checker.matched is not None else checker.feed(toks)
+            if keep is not None:
+                out[r] = toks[:keep]
+                for d in (self.last_logprobs, self.last_top_logprobs):
+                    if r in d:
+                        d[r] = d[r][:keep]
+                self._end(r, StopReason.STOP_STRING)
         return out
 
     def stop_reason(self, row: int) -> StopReason:

@@ -44,6 +44,7 @@ from jspec import cli
         (["--logit-bias", "2:inf"], "--logit-bias 2:inf: a bias must be finite"),
         (["--min-tokens", "-1"], "--min-tokens -1 must be in [0, --max-new-tokens (128)]"),
         (["--top-logprobs", "3"], "--top-logprobs needs --logprobs"),
+        (["--stop", ""], "--stop: stop strings must be non-empty strings"),
         (["--repetition-penalty", "0"], "--repetition-penalty 0.0 must be finite and > 0"),
         (["--presence-penalty", "3"], "--presence-penalty 3.0 must be in [-2, 2]"),
         (["--frequency-penalty", "nan"], "--frequency-penalty nan must be in [-2, 2]"),

@@ -165,6 +165,20 @@ def _cli(*args, env=None):
     )
 
 
+def test_cli_stop_strings_end_the_answer_before_the_first(smollm2_path, smollm2):
+    """--stop: the answer (n-gram speculation, several tokens a round) ends at the round that completes the first
+    stop string; the tokens end with the one completing it and the text stops right before it."""
+    r = _cli("--prompt", QUESTIONS[2], "--drafter", "ngram", "--max-new-tokens", "40", "--json", "--stop", "ZZZ",
+             "--stop", ".")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["stop"] == "." and out["stats"]["stop_reason"] == "stop_string"
+    full = smollm2.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+    before = smollm2.tokenizer.decode(out["token_ids"][:-1], skip_special_tokens=True)
+    assert "." in full and "." not in before  # the last token completes the first "."
+    assert out["text"] == full[: full.index(".")] and out["stats"]["new_tokens"] == len(out["token_ids"]) < 40
+
+
 def test_cli_json_main_job(smollm2_path, tmp_path):
     # The defaults (unstacked target layers, a persistent compilation cache), with the cache in a temp dir.
     cache_dir = tmp_path / "xla"
