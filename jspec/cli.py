@@ -271,13 +271,16 @@ def _stream_timed(prepared, tok, out, stops=()):
     ``seconds`` time the steps alone (each with its host sync), not the detokenizing and printing between them,
     whose cost grows with the rounds and the text: plain decoding, with more rounds, would pay more of it.
     stops: stop strings (``jspec.stop``): the decode ends at the round that completes one, the tokens after it
-    are dropped and the stop reason is STOP_STRING."""
+    are dropped from the output (``kept_tokens``; the statistics and the rate count every token decoded) and the
+    stop reason is STOP_STRING. The text written holds back its last characters while they could begin a stop
+    string, so no part of one reaches ``out``."""
     t0 = time.perf_counter()
     fns = prepared.compile_stream()
     compile_s = time.perf_counter() - t0
     stream = prepared.stream(fns)
     ids, shown, seconds = [], "", 0.0
     checker = StopStrings(stops, lambda x: tok.decode(x, skip_special_tokens=True)) if stops else None
+    hold = max((len(s) for s in stops), default=1) - 1  # characters that could be a stop string's beginning
     while True:
         t = time.perf_counter()
         chunk = next(stream, None)
@@ -286,12 +289,10 @@ def _stream_timed(prepared, tok, out, stops=()):
             break
         keep = checker.feed(chunk[0]) if checker is not None else None
         ids += chunk[0][:keep] if keep is not None else chunk[0]
-        if keep is not None:  # the text ends before the string
-            text = checker.text
-            out.write(text[len(shown) :] if text.startswith(shown) else "")
-            shown = text
+        if keep is not None:  # the text ends before the string (written below)
             break
         text = tok.decode(ids, skip_special_tokens=True)
+        text = text[: len(text) - hold] if hold else text
         # A token can end inside a UTF-8 character (U+FFFD until the rest arrives), and a tokenizer may rewrite
         # earlier text as more arrives: only a stable extension of what is on the screen is written.
         if text.startswith(shown) and not text.endswith("\ufffd"):
@@ -302,7 +303,6 @@ def _stream_timed(prepared, tok, out, stops=()):
     if checker is not None and checker.matched is not None:  # the state ran the stopping round to its end
         n = len(ids)
         result.tokens[0], result.stop_reason[0] = ids, StopReason.STOP_STRING
-        result.stats["new_tokens"] = [n]
         if result.logprobs is not None:
             result.logprobs[0] = result.logprobs[0][:n]
         if result.top_logprobs is not None:
@@ -352,7 +352,8 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, 
     return out.tokens[0], {
         "logprobs": out.logprobs[0] if out.logprobs is not None else None,
         "top_logprobs": out.top_logprobs[0] if out.top_logprobs is not None else None,
-        "new_tokens": st["new_tokens"][0],
+        "new_tokens": st["new_tokens"][0],  # decoded (with --stop, tokens past the string too)
+        "kept_tokens": len(out.tokens[0]),
         "gamma": prepared.config.gamma,  # the K the loop ran: a tree's depth for tree drafters
         "cache_slots": prepared.config.slots,
         "rounds": st["rounds"][0],

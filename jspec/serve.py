@@ -369,9 +369,9 @@ class Engine:
         first, first_lp, first_top, stop = jax.device_get((first, first_lp, first_top, stop))
         self._stop[row] = int(stop)
         self._stops.pop(int(row), None)
-        if stops:
+        if stops:  # fed even when the row stopped at once (EOS, a budget of 1): a string in it still counts
             self._stops[int(row)] = checker = StopStrings(stops, self.detokenize)
-            if self._stop[row] == StopReason.RUNNING and checker.feed([int(first)]) is not None:
+            if checker.feed([int(first)]) is not None:
                 self._end(row, StopReason.STOP_STRING)
         if self.logprobs:  # the other rows keep the tokens they were last given (a step's, before the refill)
             self.last_logprobs[int(row)] = [float(first_lp)]
@@ -381,7 +381,9 @@ class Engine:
 
     def step(self) -> dict[int, list[int]]:
         """Up to ``rounds_per_sync`` rounds for all rows; returns the tokens each running row emitted. With no
-        row running (the host knows each row's state) nothing runs: {} and ``last_rounds`` 0."""
+        row running (the host knows each row's state) nothing runs: {} and ``last_rounds`` 0. A request whose
+        stop string appears gets the tokens up to the one completing it (the rest of its step's tokens are
+        dropped) and ends with STOP_STRING."""
         running = self._stop == StopReason.RUNNING
         if not running.any():
             self.last_rounds = 0

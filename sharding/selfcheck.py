@@ -448,18 +448,14 @@ def multiprocess_scenario() -> dict:
         rows_for_process(plan, len(PROMPT_LENS) - 1)
     except ValueError as e:
         out["indivisible_rows"] = str(e)
-    for s in (*SAMPLING, "row_seeds"):
-        sd = prepare_sharded(
-            make_model(cfg),
-            stp,
-            local_prompts,
-            plan=plan,
-            drafter=drafter,
-            draft_params=sdp,
-            process_local=True,
-            **_kw(s, rows, drafter),
+
+    def local(**kw):  # this process's rows of the batch on the 2x4 mesh
+        return prepare_sharded(
+            make_model(cfg), stp, local_prompts, plan=plan, drafter=drafter, draft_params=sdp, process_local=True, **kw
         )
-        out["tokens"][s] = sd.run().tokens
+
+    for s in (*SAMPLING, "row_seeds"):
+        out["tokens"][s] = local(**_kw(s, rows, drafter)).run().tokens
     # Request options in one process's rows only: process 1's rows ban their greedy first token (logit_bias
     # width 4 there, 0 in process 0) with a repetition penalty (token counts kept in both processes); process 0's
     # rows stop at a token they never emit (stop-id width 4 there, 0 in process 1). The processes pad to the
@@ -472,17 +468,8 @@ def multiprocess_scenario() -> dict:
     else:
         opts["stop_token_ids"] = [[min(set(range(cfg.vocab_size)) - set(greedy[r]))] for r in rows]
     try:
-        sd = prepare_sharded(
-            make_model(cfg),
-            stp,
-            local_prompts,
-            plan=plan,
-            drafter=drafter,
-            draft_params=sdp,
-            process_local=True,
-            **opts,
-        )
-        out["options"] = {"tokens": sd.run().tokens, "logit_bias_rows": rows if jax.process_index() == 1 else []}
+        toks = local(**opts).run().tokens
+        out["options"] = {"tokens": toks, "logit_bias_rows": rows if jax.process_index() == 1 else []}
     except Exception as e:  # reported, not raised: the other scenarios' results still come back
         out["options"] = {"error": f"{type(e).__name__}: {e}"[:300]}
 
@@ -542,10 +529,7 @@ def multiprocess_scenario() -> dict:
     # One seed for the batch in process 0, per-row seeds in process 1: two programs whose collectives would never
     # meet; refused in both processes.
     try:
-        kw = _kw("row_seeds" if jax.process_index() == 1 else "sampled", rows, drafter)
-        prepare_sharded(
-            make_model(cfg), stp, local_prompts, plan=plan, drafter=drafter, draft_params=sdp, process_local=True, **kw
-        )
+        local(**_kw("row_seeds" if jax.process_index() == 1 else "sampled", rows, drafter))
         out["mixed_seed_kinds"] = "accepted"
     except ValueError as e:
         out["mixed_seed_kinds"] = str(e)

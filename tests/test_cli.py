@@ -130,8 +130,8 @@ def _fake_decodes(monkeypatch, spec_ids, plain_ids):
     monkeypatch.setattr(cli, "_run", run)
 
 
-def test_stop_token_ids_reach_the_decode_call_beside_ignore_eos(monkeypatch):
-    """--ignore-eos drops the model's end tokens, not the ids asked for with --stop-token-ids."""
+def _decode_kwargs(monkeypatch, flags) -> dict:
+    """The keyword arguments ``generate`` with ``flags`` passes to ``jspec.decode.prepare`` (a stand-in model)."""
     from types import SimpleNamespace
 
     target = SimpleNamespace(vocab_size=3)
@@ -144,26 +144,20 @@ def test_stop_token_ids_reach_the_decode_call_beside_ignore_eos(monkeypatch):
 
     monkeypatch.setattr(cli, "prepare", prepare)
     with pytest.raises(_Loaded):
-        cli.main(["generate", "--prompt", "hi", "--compile-cache", "none", "--stop-token-ids", "2, 0", "--ignore-eos"])
+        cli.main(["generate", "--prompt", "hi", "--compile-cache", "none", *flags])
+    return seen
+
+
+def test_stop_token_ids_reach_the_decode_call_beside_ignore_eos(monkeypatch):
+    """--ignore-eos drops the model's end tokens, not the ids asked for with --stop-token-ids."""
+    seen = _decode_kwargs(monkeypatch, ["--stop-token-ids", "2, 0", "--ignore-eos"])
     assert seen["stop_token_ids"] == [2, 0] and seen["eos_ids"] == []
 
 
 def test_logit_bias_and_min_tokens_reach_the_decode_call(monkeypatch):
-    from types import SimpleNamespace
-
-    target = SimpleNamespace(vocab_size=3)
-    monkeypatch.setattr(cli, "model_loader", lambda *a, **k: lambda name, dtype: (None, None, target, _Tok()))
-    seen = {}
-
-    def prepare(*_, **kw):
-        seen.update(kw)
-        raise _Loaded
-
-    monkeypatch.setattr(cli, "prepare", prepare)
     flags = ["--logit-bias", "2:-inf, 0:1.5", "--min-tokens", "3", "--repetition-penalty", "1.2"]
     flags += ["--presence-penalty", "0.5", "--frequency-penalty", "-0.25"]
-    with pytest.raises(_Loaded):
-        cli.main(["generate", "--prompt", "hi", "--compile-cache", "none", *flags])
+    seen = _decode_kwargs(monkeypatch, flags)
     assert seen["logit_bias"] == {2: float("-inf"), 0: 1.5} and seen["min_tokens"] == 3
     assert (seen["repetition_penalty"], seen["presence_penalty"], seen["frequency_penalty"]) == (1.2, 0.5, -0.25)
 

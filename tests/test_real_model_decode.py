@@ -43,23 +43,30 @@ def plain(smollm2, chat_prompts):
     return out
 
 
+def _hf_greedy(hf, ids, eos, **extra):
+    """transformers' greedy generate of up to 40 tokens after one prompt ``ids``, stopping at ``eos``."""
+    import torch
+
+    with torch.no_grad():
+        return hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=40,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            **extra,
+        )
+
+
 @requires_torch
 def test_plain_decode_equals_transformers_greedy_generate(smollm2, chat_prompts, plain, hf_smollm2):
     """``jspec.decode`` itself (ragged batches of 2, prompt padding, EOS) against transformers' greedy generate on
     each prompt alone: the reference every speculative run below is held to."""
-    import torch
 
     eos = smollm2.tokenizer.eos_id
     for ids, ours in zip(chat_prompts, plain):
-        with torch.no_grad():
-            gen = hf_smollm2.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=40,
-                eos_token_id=eos,
-                pad_token_id=eos,
-            )
+        gen = _hf_greedy(hf_smollm2, ids, eos)
         assert ours == gen[0, len(ids) :].tolist()
     assert any(row[-1] == eos for row in plain) and any(len(row) == 40 for row in plain)  # both stops ran
 
@@ -99,20 +106,16 @@ def test_request_options_match_transformers(smollm2, chat_prompts, plain, hf_smo
     for ids, got, bias, n_min, rep, tops, spec_tops in zip(
         prompts, ours, biases, min_tokens, penalties, out.top_logprobs, spec.top_logprobs
     ):
-        with torch.no_grad():
-            gen = hf_smollm2.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=40,
-                eos_token_id=eos,
-                pad_token_id=eos,
-                sequence_bias=[[[t], b] for t, b in bias.items()] if bias else None,
-                min_new_tokens=n_min,
-                repetition_penalty=rep,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
+        gen = _hf_greedy(
+            hf_smollm2,
+            ids,
+            eos,
+            sequence_bias=[[[t], b] for t, b in bias.items()] if bias else None,
+            min_new_tokens=n_min,
+            repetition_penalty=rep,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         assert got == gen.sequences[0, len(ids) :].tolist()
         raw = torch.log_softmax(torch.cat(gen.logits).double(), dim=-1)  # [T, V], before the processors
         theirs = torch.topk(raw, 5, dim=-1)
@@ -176,7 +179,11 @@ def test_cli_stop_strings_end_the_answer_before_the_first(smollm2_path, smollm2)
     full = smollm2.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
     before = smollm2.tokenizer.decode(out["token_ids"][:-1], skip_special_tokens=True)
     assert "." in full and "." not in before  # the last token completes the first "."
-    assert out["text"] == full[: full.index(".")] and out["stats"]["new_tokens"] == len(out["token_ids"]) < 40
+    assert out["text"] == full[: full.index(".")]
+    assert (
+        out["stats"]["kept_tokens"] == len(out["token_ids"]) <= out["stats"]["new_tokens"]
+        and len(out["token_ids"]) < 40
+    )
 
 
 def test_cli_json_main_job(smollm2_path, tmp_path):

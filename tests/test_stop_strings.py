@@ -55,6 +55,44 @@ def test_bad_stop_strings_are_refused(stops):
         StopStrings(stops, spell)
 
 
+class _FakeStream:
+    """decode_stream's protocol over fixed chunks (one row), for the CLI's stepping."""
+
+    def __init__(self, chunks):
+        self.chunks, self.sent = list(chunks), []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.chunks:
+            raise StopIteration
+        self.sent.append(self.chunks.pop(0))
+        return [self.sent[-1]]
+
+    def output(self):
+        toks = [t for c in self.sent for t in c]
+        stats = {"new_tokens": [len(toks)]}
+        return dec.DecodeOutput([toks], [dec.StopReason.RUNNING], stats, [[-0.5] * len(toks)], None)
+
+
+def test_cli_stream_never_shows_part_of_a_stop_string():
+    """--stream --stop: "c" of the stop string "cd" arrives a round before "d"; it must not be printed."""
+    import io
+    from types import SimpleNamespace
+
+    from jspec import cli
+
+    stream = _FakeStream([[0, 1], [2], [3, 0, 1]])
+    prepared = SimpleNamespace(compile_stream=lambda: None, stream=lambda fns: stream)
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: spell(ids))
+    out = io.StringIO()
+    result = cli._stream_timed(prepared, tok, out, stops=("cd",))
+    assert out.getvalue() == "ab\n"
+    assert result.tokens == [[0, 1, 2, 3]] and result.stop_reason == [dec.StopReason.STOP_STRING]
+    assert result.logprobs == [[-0.5] * 4] and result.stats["new_tokens"] == [6]  # every token decoded counts
+
+
 def cut_reference(tokens, stops):
     """decode's tokens cut after the first token whose prefix's text holds a stop string (whole-text search)."""
     for n in range(1, len(tokens) + 1):
@@ -90,6 +128,9 @@ def test_engine_stop_strings_end_each_request_at_its_own():
         assert reason == (dec.StopReason.STOP_STRING if hit else dec.StopReason.MAX_NEW_TOKENS), i
         assert (matched is not None) == hit and (matched is None or matched in spell(toks)), i
     assert got[0][1] == dec.StopReason.STOP_STRING and got[1][1] == dec.StopReason.MAX_NEW_TOKENS
+    # A string in the very first token of a request that stops there anyway (a budget of 1): still the string's.
+    eng.add(0, PROMPTS[0], 1, stop=[spell(full[0][:1])])
+    assert eng.stop_reason(0) == dec.StopReason.STOP_STRING and eng.matched_stop(0) == spell(full[0][:1])
     with pytest.raises(ValueError, match=r"need the engine's detokenize"):
         Engine(TARGET, TPARAMS, batch=1, max_len=16).add(0, [0], 3, stop=["a"])
     assert np.all([len(got[i][0]) <= 16 for i in got])
