@@ -270,7 +270,9 @@ def _exact(g, **override):
     return exact_ended(PROMPT, N_NEW, g["bias"], g["min_tokens"], {EOS, *g["stops"]}, pen, **filters)
 
 
-@pytest.mark.parametrize("kind", ["chain", "block", "tree"])
+# Block verification reads the same processed p as a chain (its greedy case is above; its acceptance rule has its
+# own distribution tests in test_block_verify): not repeated here, for the suite's time.
+@pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_sampled_distribution_follows_the_processed_target(kind):
     """60k whole outputs per group, four groups in ONE call (per-row biases, min_tokens, stop ids, filters,
     penalties), chi-square against the exact distribution at a 1e-5 false-alarm level. The same samples reject
