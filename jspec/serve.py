@@ -170,10 +170,8 @@ class Engine:
             ("max_stop_ids", "max_stop_ids"),
             ("max_logit_bias", "max_logit_bias"),
         ):
-            v, least = (
-                getattr(self, name),
-                0 if name in ("max_stop_ids", "max_logit_bias") else 1,
-            )  # 0: no per-request ids / biases
+            v = getattr(self, name)
+            least = 0 if name in ("max_stop_ids", "max_logit_bias") else 1  # 0: no per-request ids / biases
             if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < least:
                 raise ValueError(f"{what} must be an int >= {least}, got {v!r}")
         self.adaptive = adaptive_policy(self.adaptive)
