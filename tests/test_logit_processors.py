@@ -238,7 +238,7 @@ PROMPT = [2, 2, 0]  # tokens 1 and EOS unseen: a repetition penalty hits them on
 N_NEW = 5
 
 
-def _sample(drafter, seed, gamma=None, block_verify=False):
+def _sample(drafter, seed, gamma=None):
     n = N_PER_GROUP
     defaults = (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_tokens", 0))
     col = {k: np.repeat([g.get(k, d) for g in GROUPS], n) for k, d in defaults}
@@ -251,7 +251,6 @@ def _sample(drafter, seed, gamma=None, block_verify=False):
         drafter=drafter,
         draft_params=DPARAMS,
         gamma=gamma,
-        block_verify=block_verify,
         max_new_tokens=N_NEW,
         max_len=16,
         eos_ids=[EOS],
@@ -278,11 +277,7 @@ def test_sampled_distribution_follows_the_processed_target(kind):
     penalties), chi-square against the exact distribution at a 1e-5 false-alarm level. The same samples reject
     the exact distribution without the bias, with min_tokens one off, and without the penalties: the test sees
     every option."""
-    seed = {"chain": 11, "block": 13, "tree": 12}[kind]
-    if kind == "tree":
-        tokens, stats = _sample(TREE, seed)
-    else:
-        tokens, stats = _sample(CHAIN, seed, 3, block_verify=kind == "block")
+    tokens, stats = _sample(TREE, 12) if kind == "tree" else _sample(CHAIN, 11, 3)
     assert 0 < stats["accepted"] < stats["proposed"]
     n = N_PER_GROUP
     for i, g in enumerate(GROUPS):
