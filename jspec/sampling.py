@@ -198,15 +198,22 @@ def stop_id_rows(stop_token_ids, batch: int, vocab_size: int | None = None, widt
         if r.size and (r.min() < 0 or r.max() >= top):
             bad = r[(r < 0) | (r >= top)].tolist()
             raise ValueError(f"stop_token_ids must be token ids in [0, {top}), got {bad}")
-    longest = max((r.size for r in rows), default=0)
-    if width is None:
-        width = -(-longest // 4) * 4
-    elif longest > width:
-        raise ValueError(f"{longest} stop token ids for one row, more than the {width} this state holds")
+    width = _slot_width(max((r.size for r in rows), default=0), width, "stop token ids")
     out = np.full((batch, width), -1, np.int32)
     for i, r in enumerate(rows):
         out[i, : r.size] = r
     return out
+
+
+def _slot_width(longest: int, width: int | None, what: str) -> int:
+    """Slots per row for a per-row list of at most ``longest`` entries: ``width`` when given (more entries than
+    that are refused, never cut), else ``longest`` rounded up to a multiple of 4 so a few more or fewer entries
+    share one compiled loop."""
+    if width is None:
+        return -(-longest // 4) * 4
+    if longest > width:
+        raise ValueError(f"{longest} {what} for one row, more than the {width} this state holds")
+    return width
 
 
 def logit_bias_rows(
@@ -246,11 +253,7 @@ def logit_bias_rows(
         if vocab_size is not None and np.sum(vals == -np.inf) >= vocab_size:
             raise ValueError(f"{where} bans every token of the vocabulary: nothing could be sampled")
         checked.append((ids, vals))
-    longest = max((ids.size for ids, _ in checked), default=0)
-    if width is None:
-        width = -(-longest // 4) * 4
-    elif longest > width:
-        raise ValueError(f"{longest} logit_bias entries for one row, more than the {width} this state holds")
+    width = _slot_width(max((ids.size for ids, _ in checked), default=0), width, "logit_bias entries")
     out_ids = np.full((batch, width), -1, np.int32)
     out_vals = np.zeros((batch, width), np.float32)
     for i, (ids, vals) in enumerate(checked):
