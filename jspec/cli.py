@@ -22,6 +22,7 @@ from importlib.metadata import entry_points
 
 from jspec.decode import DEFAULT_GAMMA, MAX_TOP_LOGPROBS, StopReason, prepare
 from jspec.model import Model
+from jspec.sampling import MAX_ABS_PENALTY, REPETITION_PENALTY_RANGE
 from jspec.stop import StopStrings, check_stop_strings
 
 # The last four come from the ``jspec.drafter_loaders`` entry points (this repository's ``models``).
@@ -171,14 +172,20 @@ def check_flags(args) -> None:
         raise ValueError(f"--top-logprobs {args.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
     if args.top_logprobs and not args.logprobs:
         raise ValueError("--top-logprobs needs --logprobs (the chosen tokens' log-probabilities come with them)")
-    # The penalties' ranges (checked again by decode), before a model loads.
-    if not math.isfinite(args.repetition_penalty) or args.repetition_penalty <= 0:
-        raise ValueError(f"--repetition-penalty {args.repetition_penalty} must be finite and > 0 (1 = off)")
+    # The penalties' ranges (SamplingParams' own, checked again by decode), before a model loads.
+    lo, hi = REPETITION_PENALTY_RANGE
+    if not lo <= args.repetition_penalty <= hi:  # NaN fails both
+        raise ValueError(f"--repetition-penalty {args.repetition_penalty} must be in [{lo:g}, {hi:g}] (1 = off)")
     for flag, value in (("--presence-penalty", args.presence_penalty), ("--frequency-penalty", args.frequency_penalty)):
-        if not math.isfinite(value) or abs(value) > 2:
-            raise ValueError(f"{flag} {value} must be in [-2, 2] (0 = off)")
+        if not math.isfinite(value) or abs(value) > MAX_ABS_PENALTY:
+            raise ValueError(f"{flag} {value} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}] (0 = off)")
     if args.min_tokens < 0 or args.min_tokens > args.max_new_tokens:
         raise ValueError(f"--min-tokens {args.min_tokens} must be in [0, --max-new-tokens ({args.max_new_tokens})]")
+    if args.min_tokens and args.ignore_eos and args.stop_token_ids is None and not args.stop:
+        raise ValueError(
+            "--min-tokens with --ignore-eos holds back nothing: there is no end token (--stop-token-ids) or "
+            "--stop string to keep back"
+        )
     check_greedy_filters(args.temperature, args.top_k, args.top_p, args.min_p)
 
 
@@ -266,52 +273,44 @@ def end_ids(tok) -> list[int]:
     return [int(i) for i in ends]
 
 
-def _stream_timed(prepared, tok, out, stops=()):
+def _stream_timed(prepared, tok, out, stops=(), min_tokens=0):
     """Decode round by round, writing the text to ``out`` as it grows; the statistics of ``run_timed``.
     ``seconds`` time the steps alone (each with its host sync), not the detokenizing and printing between them,
     whose cost grows with the rounds and the text: plain decoding, with more rounds, would pay more of it.
     stops: stop strings (``jspec.stop``): the decode ends at the round that completes one, the tokens after it
     are dropped from the output (``kept_tokens``; the statistics and the rate count every token decoded) and the
-    stop reason is STOP_STRING. The text written holds back its last characters while they could begin a stop
-    string, so no part of one reaches ``out``."""
+    stop reason is STOP_STRING; with ``min_tokens``, only the text after the first min_tokens tokens counts. The
+    text written holds back its last characters while they could begin a stop string, so no part of one
+    reaches ``out`` (``StopStrings.visible``)."""
     t0 = time.perf_counter()
     fns = prepared.compile_stream()
     compile_s = time.perf_counter() - t0
     stream = prepared.stream(fns)
-    ids, shown, seconds = [], "", 0.0
-    checker = StopStrings(stops, lambda x: tok.decode(x, skip_special_tokens=True)) if stops else None
-    hold = max((len(s) for s in stops), default=1) - 1  # characters that could be a stop string's beginning
+    shown, seconds = "", 0.0
+    checker = StopStrings(stops, lambda x: tok.decode(x, skip_special_tokens=True), min_tokens)
     while True:
         t = time.perf_counter()
         chunk = next(stream, None)
         seconds += time.perf_counter() - t
-        if chunk is None:
+        if chunk is None or checker.feed(chunk[0]) is not None:  # at a stop string, the text ends before it
             break
-        keep = checker.feed(chunk[0]) if checker is not None else None
-        ids += chunk[0][:keep] if keep is not None else chunk[0]
-        if keep is not None:  # the text ends before the string (written below)
-            break
-        text = tok.decode(ids, skip_special_tokens=True)
-        text = text[: len(text) - hold] if hold else text
-        # A token can end inside a UTF-8 character (U+FFFD until the rest arrives), and a tokenizer may rewrite
-        # earlier text as more arrives: only a stable extension of what is on the screen is written.
-        if text.startswith(shown) and not text.endswith("\ufffd"):
+        # A tokenizer may rewrite earlier text as more arrives: only a stable extension of what is on the screen
+        # is written.
+        text = checker.visible()
+        if text.startswith(shown):
             out.write(text[len(shown) :])
             out.flush()
             shown = text
     result = stream.output()
-    if checker is not None and checker.matched is not None:  # the state ran the stopping round to its end
+    ids = checker.tokens
+    if checker.matched is not None:  # the state ran the stopping round to its end
         n = len(ids)
         result.tokens[0], result.stop_reason[0] = ids, StopReason.STOP_STRING
         if result.logprobs is not None:
             result.logprobs[0] = result.logprobs[0][:n]
         if result.top_logprobs is not None:
             result.top_logprobs[0] = result.top_logprobs[0][:n]
-    text = (
-        checker.text
-        if checker is not None and checker.matched is not None
-        else tok.decode(ids, skip_special_tokens=True)
-    )
+    text = checker.visible(final=True)
     rest = text[len(shown) :] if text.startswith(shown) else f"\n[the text above changed as it grew; in full:]\n{text}"
     print(rest, file=out)
     total = sum(result.stats["new_tokens"])
@@ -336,7 +335,8 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, 
         min_p=args.min_p,
         eos_ids=eos,
         stop_token_ids=stop_token_ids(args),
-        min_tokens=args.min_tokens,
+        # With no end token, --min-tokens holds back only the --stop strings (the stream's host-side check).
+        min_tokens=args.min_tokens if eos or stop_token_ids(args) else 0,
         logit_bias=logit_bias(args),
         repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty,
@@ -347,7 +347,10 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, 
         logprobs=args.logprobs,  # on both sides of --compare, so that they time the same work
         top_logprobs=args.top_logprobs,
     )
-    out = prepared.run_timed() if stream is None else _stream_timed(prepared, *stream, stops=args.stop or ())
+    if stream is None:
+        out = prepared.run_timed()
+    else:
+        out = _stream_timed(prepared, *stream, stops=args.stop or (), min_tokens=args.min_tokens)
     st = out.stats
     return out.tokens[0], {
         "logprobs": out.logprobs[0] if out.logprobs is not None else None,
@@ -393,7 +396,9 @@ def generate(args) -> int:
     stats.update(drafter=args.drafter)
     logprobs = stats.pop("logprobs")
     tops = stats.pop("top_logprobs")
-    text, matched = StopStrings.cut(tok.decode(ids, skip_special_tokens=True), args.stop or ())
+    # With --min-tokens a stop string counts only after the first min_tokens tokens' text (as the stream's check).
+    start = len(tok.decode(ids[: args.min_tokens], skip_special_tokens=True)) if args.min_tokens else 0
+    text, matched = StopStrings.cut(tok.decode(ids, skip_special_tokens=True), args.stop or (), start)
     result = {
         "text": text,
         "token_ids": ids,
@@ -567,7 +572,8 @@ def main(argv=None) -> int:
         "--min-tokens",
         type=int,
         default=0,
-        help="end tokens (EOS, --stop-token-ids) cannot come before this many tokens (vLLM's min_tokens)",
+        help="end tokens (EOS, --stop-token-ids) and --stop strings cannot come before this many tokens "
+        "(vLLM's min_tokens)",
     )
     g.add_argument(
         "--logit-bias",

@@ -1067,7 +1067,8 @@ def prepare(
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call.
     penalties: None (the default) keeps token counts when some row has a penalty; True keeps them anyway (a
-    sharded decode whose other processes' rows have penalties compiles the same program)."""
+    sharded decode whose other processes' rows have penalties compiles the same program); False with a row that
+    has a penalty is refused (the penalty would be ignored)."""
     logprobs = check_flag("logprobs", logprobs)
     top_logprobs = check_top_logprobs(top_logprobs, logprobs, target.vocab_size)
     block_verify = check_flag("block_verify", block_verify)
@@ -1095,7 +1096,12 @@ def prepare(
     check_min_tokens(sampling, mnew if max_new_tokens is not None else slots + 1 - plen, eos, target.vocab_size)
     counts = sampling.has_penalties()  # their [B, V] counts only where a row asks for a penalty (or the caller)
     if penalties is not None:
-        counts = check_flag("penalties", penalties) or counts
+        if not check_flag("penalties", penalties) and counts:
+            raise ValueError(
+                "penalties=False, but a row has a repetition / presence / frequency penalty, which needs the "
+                "token counts: pass penalties=None (the default) or True"
+            )
+        counts = penalties
     config = DecodeConfig(
         gamma,
         slots,
@@ -1131,10 +1137,15 @@ def check_top_logprobs(n, logprobs: bool, vocab_size: int) -> int:
     return int(n)
 
 
-def check_min_tokens(sampling: SamplingParams, max_new: np.ndarray, eos_ids, vocab_size: int) -> None:
+def check_min_tokens(
+    sampling: SamplingParams, max_new: np.ndarray, eos_ids, vocab_size: int, stop_strings: bool | None = None
+) -> None:
     """min_tokens above the tokens a row may generate (``max_new``: its budget, or what its cache holds) is
-    refused (vLLM's rule: no end token could ever come, which is surely not what was meant), as is a row whose
-    banned tokens (logit_bias -inf) and end tokens, masked while min_tokens holds, leave nothing to sample."""
+    refused (vLLM's rule: no end token could ever come, which is surely not what was meant); so is min_tokens on
+    a row with nothing to hold back, which would be ignored: no EOS ids, no stop ids of its own and no stop
+    strings (``stop_strings``: whether the request has any, where the caller takes them, as the serving engine
+    does; None for ``decode``, which has none); and so is a row whose banned tokens (logit_bias -inf) and end
+    tokens, masked while min_tokens holds, leave nothing to sample."""
     n_min, ids, bias, stops = jax.device_get((sampling.min_tokens, sampling.bias_ids, sampling.bias, sampling.stop_ids))
     if np.any(n_min > max_new):
         i = int(np.argmax(n_min > max_new))
@@ -1143,9 +1154,17 @@ def check_min_tokens(sampling: SamplingParams, max_new: np.ndarray, eos_ids, voc
             "(max_new_tokens, or what the cache holds)"
         )
     for i in np.nonzero(n_min > 0)[0]:
-        gone = set(ids[i][bias[i] == -np.inf].tolist()) | set(eos_ids) | set(stops[i][stops[i] >= 0].tolist())
-        if len(gone) >= vocab_size:
-            raise ValueError(f"row {i}: logit_bias bans every token but the end tokens, which min_tokens masks")
+        ends = set(eos_ids) | set(stops[i][stops[i] >= 0].tolist())
+        if not ends and not stop_strings:
+            raise ValueError(
+                f"row {i}: min_tokens ({int(n_min[i])}) holds back nothing: the row has no end token (EOS ids, "
+                "stop_token_ids)" + (" or stop string" if stop_strings is not None else "") + " to keep back"
+            )
+        if len(set(ids[i][bias[i] == -np.inf].tolist()) | ends) >= vocab_size:
+            raise ValueError(
+                f"row {i}: min_tokens masks the end tokens and logit_bias bans every other token: nothing is left "
+                "to sample"
+            )
 
 
 def check_draft_context(drafter, last: np.ndarray) -> None:

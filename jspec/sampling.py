@@ -36,6 +36,13 @@ def int_array(x, name: str) -> np.ndarray:
     return a.astype(np.int64)
 
 
+# OpenAI's range for a logit bias (-inf, a ban, is jspec's addition); the repetition penalty's keeps a penalised
+# logit far from float32's overflow (logit / 1e-38 is +inf, and then the softmax is NaN).
+MAX_ABS_LOGIT_BIAS = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_ABS_PENALTY = 2.0  # presence and frequency (OpenAI's and vLLM's range)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -102,9 +109,10 @@ class SamplingParams:
         unset, the longest row's count rounded up to a multiple of 4, so a few more or fewer ids reuse the
         compiled loop.
         min_tokens: a scalar or [B] ints >= 0. logit_bias: None, one ``{token_id: bias}`` dict for every row, or B
-        of them (None for a row without); biases are finite floats or -inf (a ban). bias_width: M, slots per row
-        (as stop_width; unset, the largest dict's size rounded up to a multiple of 4). repetition_penalty: finite,
-        > 0; presence_penalty, frequency_penalty: in [-2, 2] (vLLM's and OpenAI's range)."""
+        of them (None for a row without); biases in [-100, 100] (OpenAI's range) or -inf (a ban). bias_width: M,
+        slots per row (as stop_width; unset, the largest dict's size rounded up to a multiple of 4).
+        repetition_penalty: in [0.01, 100]; presence_penalty, frequency_penalty: in [-2, 2] (vLLM's and OpenAI's
+        range)."""
 
         def col(x, dtype, name):
             if dtype == np.int32:
@@ -152,13 +160,16 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0 (0 = disabled), got {n_min.tolist()}")
         ids, vals = logit_bias_rows(logit_bias, batch, vocab_size, bias_width)
         rep = col(repetition_penalty, np.float32, "repetition_penalty")
-        if not np.all(np.isfinite(rep)) or np.any(rep <= 0):
-            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = disabled), got {rep.tolist()}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not np.all(np.isfinite(rep)) or np.any(rep < lo) or np.any(rep > hi):
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = disabled), got {rep.tolist()}")
         pres = col(presence_penalty, np.float32, "presence_penalty")
         freq = col(frequency_penalty, np.float32, "frequency_penalty")
         for name, a in (("presence_penalty", pres), ("frequency_penalty", freq)):
-            if not np.all(np.isfinite(a)) or np.any(np.abs(a) > 2):
-                raise ValueError(f"{name} must be in [-2, 2] (0 = disabled), got {a.tolist()}")
+            if not np.all(np.isfinite(a)) or np.any(np.abs(a) > MAX_ABS_PENALTY):
+                raise ValueError(
+                    f"{name} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}] (0 = disabled), got {a.tolist()}"
+                )
         return cls(*(jnp.asarray(x) for x in (t, k, p, m, stops, n_min, ids, vals, rep, pres, freq)))
 
     def has_penalties(self) -> bool:
@@ -247,9 +258,15 @@ def logit_bias_rows(
             vals = np.asarray([float(v) for v in vals], np.float64)
         except OverflowError:  # an int past float64
             raise ValueError(f"{where}'s biases must be finite (or -inf, a ban), got {vals!r:.80}") from None
-        bad = np.isnan(vals) | (vals == np.inf) | (np.isfinite(vals) & (np.abs(vals) > np.finfo(np.float32).max))
+        bad = np.isnan(vals) | (vals == np.inf)
         if np.any(bad):
             raise ValueError(f"{where}'s biases must be finite (or -inf, a ban), got {vals[bad].tolist()}")
+        bad = np.isfinite(vals) & (np.abs(vals) > MAX_ABS_LOGIT_BIAS)
+        if np.any(bad):
+            raise ValueError(
+                f"{where}'s biases must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}] (or -inf, a ban), "
+                f"got {vals[bad].tolist()}"
+            )
         if vocab_size is not None and np.sum(vals == -np.inf) >= vocab_size:
             raise ValueError(f"{where} bans every token of the vocabulary: nothing could be sampled")
         checked.append((ids, vals))

@@ -127,14 +127,18 @@ class Engine:
     ``last_top_logprobs[row]`` holds those tokens' N most likely (id, log-probability) pairs, kept alike.
     rounds_per_sync: rounds one ``step()`` runs on the device before returning to the host (multi-step
     scheduling). Each return is a host sync; on a GPU at small batch it costs about as much as a round. A
-    step still returns right after the round in which some running row stops, so its row is refilled as
-    soon as with one round per step. Tokens then reach the caller up to R rounds at a time.
+    step still returns right after the round in which some running row stops on the device (EOS, a stop id,
+    its budget), so its row is refilled as soon as with one round per step. Tokens then reach the caller up to
+    R rounds at a time. Stop strings are found on the host after the step: a row that ends at one may have
+    run up to R - 1 more rounds, whose tokens are dropped (they stay in ``state.stats``).
     eos_ids end every request; ``add(..., stop_token_ids=[...])`` gives one request its own (vLLM's
     stop_token_ids), at most ``max_stop_ids`` of them (the state holds that many per row, so adding them never
     recompiles). ``add(..., min_tokens=n)`` masks a request's end tokens until it has n tokens, and
     ``add(..., logit_bias={id: bias})`` biases its target logits, with up to ``max_logit_bias`` entries (as
     ``decode``'s; 0, the default, holds none). ``add(..., repetition_penalty=, presence_penalty=,
     frequency_penalty=)`` need ``Engine(penalties=True)``, whose state keeps [B, V] token counts.
+    detokenize: token ids -> text; with it, ``add(..., stop=[...])`` takes stop strings and ``text(row)`` gives
+    a request's text as a stream may show it (never a part of a stop string).
     """
 
     target: Model
@@ -221,7 +225,8 @@ class Engine:
         self.state = dataclasses.replace(st, stop=jnp.full((b,), StopReason.IDLE, jnp.int32))
         self._stop = np.full((b,), int(StopReason.IDLE))
         self._n_added = 0
-        self._stops: dict[int, StopStrings] = {}  # rows whose request has stop strings
+        # Each row's last request's text and stop strings (every request's, with detokenize).
+        self._stops: dict[int, StopStrings] = {}
 
     def free_rows(self) -> list[int]:
         return [int(i) for i in np.nonzero(self._stop != StopReason.RUNNING)[0]]
@@ -242,7 +247,6 @@ class Engine:
         self._end(row, StopReason.IDLE)
         self.last_logprobs.pop(int(row), None)
         self.last_top_logprobs.pop(int(row), None)
-        self._stops.pop(int(row), None)
 
     def _end(self, row: int, reason: StopReason) -> None:
         """Stop ``row`` on the device with ``reason`` (cancel, a stop string)."""
@@ -257,6 +261,17 @@ class Engine:
         self._check_row(row)
         checker = self._stops.get(int(row))
         return None if checker is None else checker.matched
+
+    def text(self, row: int) -> str:
+        """The text of ``row``'s last request so far (an engine built with ``detokenize``), as a stream may show
+        it (``jspec.stop.StopStrings.visible``): cut before its stop string once one ended it; whole once it
+        ended otherwise (EOS, a stop id, its budget, ``cancel``); while it runs, without its last characters
+        that could begin one of its stop strings (vLLM's streams hold them back alike). "" before any request."""
+        self._check_row(row)
+        if self.detokenize is None:
+            raise ValueError("text(row) needs the engine's detokenize (token ids -> text): Engine(..., detokenize=)")
+        checker = self._stops.get(int(row))
+        return "" if checker is None else checker.visible(final=self._stop[row] != StopReason.RUNNING)
 
     def add(
         self,
@@ -274,7 +289,7 @@ class Engine:
         repetition_penalty: float = 1.0,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
     ) -> int:
         """Prefill ``prompt`` and start it in ``row`` (which must be free). Returns its first token.
 
@@ -284,9 +299,11 @@ class Engine:
         reassociation of batched matmuls, as in any server). stop_token_ids: this request's own end tokens (up
         to ``max_stop_ids``), besides the engine's eos_ids; stop reason EOS. min_tokens, logit_bias: as ``decode``'s
         for one row (a dict of up to ``max_logit_bias`` entries). repetition_penalty, presence_penalty,
-        frequency_penalty: as ``decode``'s (an engine built with ``penalties=True``). stop: strings that end the
-        request when its text holds one (an engine built with ``detokenize``; see ``jspec.stop``): the tokens up
-        to the one completing it are returned, the stop reason is STOP_STRING and ``matched_stop(row)`` names it."""
+        frequency_penalty: as ``decode``'s (an engine built with ``penalties=True``). stop: a string or strings
+        that end the request when its text holds one (an engine built with ``detokenize``; see ``jspec.stop``):
+        the tokens up to the one completing it are returned, the stop reason is STOP_STRING, ``matched_stop(row)``
+        names it and ``text(row)`` ends before it; with min_tokens, only the text after the first min_tokens
+        tokens counts (vLLM's rule). min_tokens with no end token or stop string to hold back is refused."""
         self._check_row(row)
         if self._stop[row] == StopReason.RUNNING:
             raise ValueError(f"row {row} is still decoding a request")
@@ -347,7 +364,9 @@ class Engine:
             raise ValueError("stop strings need the engine's detokenize (token ids -> text): Engine(..., detokenize=)")
         if not self.penalties and sampling.has_penalties():
             raise ValueError("penalties need an engine that counts tokens: build it with Engine(..., penalties=True)")
-        check_min_tokens(sampling, np.asarray([max_new_tokens]), self.config.eos_ids, self.target.vocab_size)
+        check_min_tokens(
+            sampling, np.asarray([max_new_tokens]), self.config.eos_ids, self.target.vocab_size, bool(stops)
+        )
         if seed is None:
             key = jax.random.fold_in(jax.random.key(self.seed), self._n_added)
         else:
@@ -367,8 +386,9 @@ class Engine:
         first, first_lp, first_top, stop = jax.device_get((first, first_lp, first_top, stop))
         self._stop[row] = int(stop)
         self._stops.pop(int(row), None)
-        if stops:  # fed even when the row stopped at once (EOS, a budget of 1): a string in it still counts
-            self._stops[int(row)] = checker = StopStrings(stops, self.detokenize)
+        if self.detokenize is not None:  # fed even when the row stopped at once (EOS, a budget of 1)
+            n_min = int(jax.device_get(sampling.min_tokens)[0])
+            self._stops[int(row)] = checker = StopStrings(stops, self.detokenize, n_min)
             if checker.feed([int(first)]) is not None:
                 self._end(row, StopReason.STOP_STRING)
         if self.logprobs:  # the other rows keep the tokens they were last given (a step's, before the refill)

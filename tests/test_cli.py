@@ -45,7 +45,9 @@ from jspec import cli
         (["--min-tokens", "-1"], "--min-tokens -1 must be in [0, --max-new-tokens (128)]"),
         (["--top-logprobs", "3"], "--top-logprobs needs --logprobs"),
         (["--stop", ""], "--stop: stop strings must be non-empty strings"),
-        (["--repetition-penalty", "0"], "--repetition-penalty 0.0 must be finite and > 0"),
+        (["--repetition-penalty", "0"], "--repetition-penalty 0.0 must be in [0.01, 100] (1 = off)"),
+        (["--repetition-penalty", "nan"], "--repetition-penalty nan must be in [0.01, 100]"),
+        (["--min-tokens", "3", "--ignore-eos"], "--min-tokens with --ignore-eos holds back nothing"),
         (["--presence-penalty", "3"], "--presence-penalty 3.0 must be in [-2, 2]"),
         (["--frequency-penalty", "nan"], "--frequency-penalty nan must be in [-2, 2]"),
         (["--top-logprobs", "21", "--logprobs"], "--top-logprobs 21 must be in [0, 20]"),
@@ -160,6 +162,17 @@ def test_logit_bias_and_min_tokens_reach_the_decode_call(monkeypatch):
     seen = _decode_kwargs(monkeypatch, flags)
     assert seen["logit_bias"] == {2: float("-inf"), 0: 1.5} and seen["min_tokens"] == 3
     assert (seen["repetition_penalty"], seen["presence_penalty"], seen["frequency_penalty"]) == (1.2, 0.5, -0.25)
+    seen = _decode_kwargs(monkeypatch, ["--logprobs", "--top-logprobs", "4"])
+    assert seen["logprobs"] is True and seen["top_logprobs"] == 4
+
+
+def test_min_tokens_without_end_tokens_holds_back_only_the_stop_strings(monkeypatch):
+    """--ignore-eos --min-tokens 3 --stop x: no end token for the decode to mask (0 there; the stream's stop-string
+    check holds the strings back instead); with an end token the decode masks it."""
+    seen = _decode_kwargs(monkeypatch, ["--ignore-eos", "--min-tokens", "3", "--stop", "x"])
+    assert seen["min_tokens"] == 0 and seen["eos_ids"] == []
+    seen = _decode_kwargs(monkeypatch, ["--ignore-eos", "--min-tokens", "3", "--stop-token-ids", "1"])
+    assert seen["min_tokens"] == 3
 
 
 def test_compare_when_sampling_gives_no_speedup_between_different_outputs(monkeypatch, capsys):

@@ -306,17 +306,20 @@ def test_sampled_distribution_follows_the_processed_target(kind):
         (dict(logit_bias={-1: 1.0}), r"token ids in \[0, 4\)"),
         (dict(logit_bias={0: float("nan")}), "biases must be finite"),
         (dict(logit_bias={0: np.inf}), "biases must be finite"),
-        (dict(logit_bias={0: 1e39}), "biases must be finite"),
+        (dict(logit_bias={0: 1e39}), r"biases must be in \[-100, 100\] \(or -inf, a ban\), got \[1e\+39\]"),
+        (dict(logit_bias={0: -100.5}), r"biases must be in \[-100, 100\]"),
         (dict(logit_bias={0: True}), "biases must be numbers"),
         (dict(logit_bias={0: "1"}), "biases must be numbers"),
         (dict(logit_bias={1.5: 1.0}), "token ids must be integers"),
         (dict(logit_bias={i: -np.inf for i in range(4)}), "bans every token"),
         (dict(logit_bias=[{0: 1.0}]), "1 per-row dicts for 2 rows"),
         (dict(logit_bias=[(0, 1.0), (1, 1.0)]), "must be a {token_id: bias} dict"),
-        (dict(logit_bias={0: -np.inf, 1: -np.inf, 2: -np.inf}, min_tokens=1, eos_ids=[3]), "bans every token but"),
+        (dict(logit_bias={0: -np.inf, 1: -np.inf, 2: -np.inf}, min_tokens=1, eos_ids=[3]), "nothing is left"),
         (dict(min_tokens=-1), "min_tokens must be >= 0"),
-        (dict(repetition_penalty=0.0), "repetition_penalty must be finite and > 0"),
-        (dict(repetition_penalty=[1.0, float("nan")]), "repetition_penalty must be finite and > 0"),
+        (dict(repetition_penalty=0.0), r"repetition_penalty must be in \[0.01, 100\] \(1 = disabled\)"),
+        (dict(repetition_penalty=[1.0, float("nan")]), r"repetition_penalty must be in \[0.01, 100\]"),
+        (dict(repetition_penalty=1e-40), r"repetition_penalty must be in \[0.01, 100\]"),  # flushed to 0 by XLA
+        (dict(repetition_penalty=101.0), r"repetition_penalty must be in \[0.01, 100\]"),
         (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
         (dict(frequency_penalty=[0.0, -3.0]), r"frequency_penalty must be in \[-2, 2\]"),
         (dict(frequency_penalty="0.5"), "frequency_penalty must be numbers"),
@@ -324,6 +327,12 @@ def test_sampled_distribution_follows_the_processed_target(kind):
         (dict(min_tokens=[0, 9]), r"row 1: min_tokens \(9\) is more than the 8 tokens it may generate"),
         (dict(min_tokens=12, max_new_tokens=None, max_len=10), r"row 0: min_tokens \(12\) is more than the 10 tokens"),
         (dict(logit_bias={0: 10**400}), "biases must be finite"),
+        (
+            dict(min_tokens=[0, 2]),
+            r"row 1: min_tokens \(2\) holds back nothing: the row has no end token \(EOS ids, "
+            r"stop_token_ids\) to keep back",
+        ),
+        (dict(repetition_penalty=1.2, penalties=False), r"penalties=False, but a row has a repetition / presence"),
     ],
 )
 def test_bad_options_are_refused(kwargs, message):

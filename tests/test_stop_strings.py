@@ -49,10 +49,76 @@ def test_a_detokenizer_that_rewrites_earlier_text_is_followed():
     assert s.feed([2, 3]) == 1 and s.text == ""
 
 
-@pytest.mark.parametrize("stops", ["ab", [""], [1], None])
+def test_one_string_is_one_stop_string_and_ties_go_to_the_longest():
+    s = StopStrings("bc", spell)  # OpenAI's and vLLM's stop="bc": not the two strings "b" and "c"
+    assert s.stops == ("bc",) and s.feed([0, 1]) is None and s.feed([2, 3]) == 1 and s.matched == "bc"
+    # Token 0 writes "abc": "ab" and "abc" both begin at 0 in its text; the longer is the one reported.
+    t = StopStrings(["ab", "abc"], lambda ids: "".join(["abc", "d", "e", "f"][i] for i in ids))
+    assert t.feed([1, 0]) == 2 and (t.matched, t.text) == ("abc", "d")
+
+
+@pytest.mark.parametrize("stops", [[""], [1], None, ["a", ""]])
 def test_bad_stop_strings_are_refused(stops):
     with pytest.raises(ValueError, match="stop strings must be"):
         StopStrings(stops, spell)
+    with pytest.raises(ValueError, match="min_tokens must be an int >= 0"):
+        StopStrings(["a"], spell, min_tokens=-1)
+
+
+def cut_reference(tokens, stops, min_tokens=0):
+    """decode's tokens cut after the first token whose prefix's text holds a stop string after the text of the
+    first min_tokens tokens (a whole-text search per prefix; spell's text grows token by token)."""
+    floor = len(spell(tokens[:min_tokens]))
+    for n in range(min_tokens + 1, len(tokens) + 1):
+        if any(s in spell(tokens[:n])[floor:] for s in stops):
+            return tokens[:n], True
+    return tokens, False
+
+
+def test_random_streams_match_the_whole_text_reference():
+    """Random outputs fed in random steps, random stop strings and min_tokens: the tokens kept, the text and the
+    string match the reference, and ``visible()`` never shows a character the final text lacks nor any part of
+    the string that ended it."""
+    rng = np.random.default_rng(0)
+    hits = 0
+    for _ in range(400):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 20))).tolist()
+        stops = ["".join(LETTERS[i] for i in rng.integers(0, 4, size=int(rng.integers(1, 4)))) for _ in range(2)]
+        n_min = int(rng.integers(0, 6))
+        want, hit = cut_reference(tokens, stops, n_min)
+        s = StopStrings(stops, spell, n_min)
+        i, keep, shown = 0, None, []
+        while i < len(tokens) and keep is None:
+            step = tokens[i : i + int(rng.integers(1, 5))]
+            keep = s.feed(step)
+            i += len(step)
+            shown.append(s.visible())
+        final = s.visible(final=True)
+        assert s.tokens == want and (s.matched is not None) == hit, (tokens, stops, n_min)
+        if hit:
+            floor = len(spell(want[:n_min]))
+            text = spell(want)
+            pos = min(text.find(x, floor) for x in stops if text.find(x, floor) >= 0)
+            assert final == s.text == text[:pos] and text.startswith(s.matched, pos)
+        else:
+            assert final == spell(tokens)
+        assert all(final.startswith(v) for v in shown)
+        hits += hit
+    assert 100 < hits < 390  # both outcomes well represented
+
+
+def test_visible_text_holds_back_a_possible_beginning():
+    s = StopStrings(["cda"], spell)
+    s.feed([0, 1, 2])
+    assert (s.visible(), s.visible(final=True)) == ("a", "abc")  # "bc" could begin "cda"
+    s.feed([3])
+    assert s.visible() == "ab"
+    assert s.feed([1]) is None and s.visible() == "abc"
+    odd = StopStrings([], lambda ids: "ab\ufffd" if len(ids) == 1 else "abé")  # a character split over tokens
+    odd.feed([0])
+    assert (odd.visible(), odd.visible(final=True)) == ("ab", "ab\ufffd")
+    odd.feed([1])
+    assert odd.visible() == "abé"
 
 
 class _FakeStream:
@@ -91,46 +157,63 @@ def test_cli_stream_never_shows_part_of_a_stop_string():
     assert out.getvalue() == "ab\n"
     assert result.tokens == [[0, 1, 2, 3]] and result.stop_reason == [dec.StopReason.STOP_STRING]
     assert result.logprobs == [[-0.5] * 4] and result.stats["new_tokens"] == [6]  # every token decoded counts
-
-
-def cut_reference(tokens, stops):
-    """decode's tokens cut after the first token whose prefix's text holds a stop string (whole-text search)."""
-    for n in range(1, len(tokens) + 1):
-        if any(s in spell(tokens[:n]) for s in stops):
-            return tokens[:n], True
-    return tokens, False
+    # With min_tokens 1 the "ab" of the first two tokens does not count (it begins in the first token's text);
+    # the one the last step completes does.
+    out = io.StringIO()
+    stream = _FakeStream([[0, 1], [2], [3, 0, 1]])
+    prepared = SimpleNamespace(compile_stream=lambda: None, stream=lambda fns: stream)
+    result = cli._stream_timed(prepared, tok, out, stops=("ab",), min_tokens=1)
+    assert out.getvalue() == "abcd\n" and result.tokens == [[0, 1, 2, 3, 0, 1]]
+    assert result.stop_reason == [dec.StopReason.STOP_STRING]
 
 
 def test_engine_stop_strings_end_each_request_at_its_own():
     kw = dict(drafter=CHAIN, draft_params=DPARAMS, gamma=3)
     full = [dec.decode(TARGET, TPARAMS, [p], max_new_tokens=16, **kw).tokens[0] for p in PROMPTS]
     # Per request: a string its output holds (two letters from its middle), a string it never holds, none.
-    stops = [[spell(full[0][5:7])], ["dddddd"], [], [spell(full[3][2:4]), spell(full[3][9:10])]]
+    # Request 3's min_tokens skips its first string where it comes before token 5 (no EOS: only the strings).
+    stops = [[spell(full[0][5:7])], "dddddd", [], [spell(full[3][2:4]), spell(full[3][9:10])]]
+    n_min = [0, 0, 0, 5]
     eng = Engine(TARGET, TPARAMS, batch=2, max_len=32, detokenize=spell, rounds_per_sync=2, **kw)
-    got, queue, owner = {}, list(range(len(PROMPTS))), {}
+    got, shown, queue, owner = {}, {}, list(range(len(PROMPTS))), {}
     while queue or owner:
         for row in eng.free_rows():
             if row in owner:
                 done = owner.pop(row)
-                got[done] = (got[done], eng.stop_reason(row), eng.matched_stop(row))
+                got[done] = (got[done], eng.stop_reason(row), eng.matched_stop(row), eng.text(row))
             if queue:
                 i = queue.pop(0)
                 owner[row] = i
-                got[i] = [eng.add(row, PROMPTS[i], 16, stop=stops[i])]
+                got[i] = [eng.add(row, PROMPTS[i], 16, stop=stops[i], min_tokens=n_min[i])]
+                shown[i] = [eng.text(row)]
         if not owner:
             break
         for row, toks in eng.step().items():
             got[owner[row]] += toks
+            shown[owner[row]].append(eng.text(row))
     for i in range(len(PROMPTS)):
-        want, hit = cut_reference(full[i], stops[i])
-        toks, reason, matched = got[i]
+        strings = [stops[i]] if isinstance(stops[i], str) else stops[i]
+        want, hit = cut_reference(full[i], strings, n_min[i])
+        toks, reason, matched, text = got[i]
         assert toks == want, i
         assert reason == (dec.StopReason.STOP_STRING if hit else dec.StopReason.MAX_NEW_TOKENS), i
         assert (matched is not None) == hit and (matched is None or matched in spell(toks)), i
+        # The text shown: cut before the string (found past the first min_tokens tokens' text), whole otherwise,
+        # and every text shown on the way a beginning of it (no part of the string ever shown).
+        floor = len(spell(want[: n_min[i]]))
+        assert text == (spell(want)[: spell(want).index(matched, floor)] if hit else spell(want)), i
+        assert all(text.startswith(v) for v in shown[i]), (i, shown[i], text)
+    before = spell(full[3][:5])
+    assert spell(full[3][2:4]) in before and len(got[3][0]) > 5  # min_tokens really skipped an early match
     assert got[0][1] == dec.StopReason.STOP_STRING and got[1][1] == dec.StopReason.MAX_NEW_TOKENS
     # A string in the very first token of a request that stops there anyway (a budget of 1): still the string's.
     eng.add(0, PROMPTS[0], 1, stop=[spell(full[0][:1])])
     assert eng.stop_reason(0) == dec.StopReason.STOP_STRING and eng.matched_stop(0) == spell(full[0][:1])
+    bare = Engine(TARGET, TPARAMS, batch=1, max_len=16)
     with pytest.raises(ValueError, match=r"need the engine's detokenize"):
-        Engine(TARGET, TPARAMS, batch=1, max_len=16).add(0, [0], 3, stop=["a"])
+        bare.add(0, [0], 3, stop=["a"])
+    with pytest.raises(ValueError, match=r"text\(row\) needs the engine's detokenize"):
+        bare.text(0)
+    with pytest.raises(ValueError, match=r"row 0: min_tokens \(2\) holds back nothing: .* or stop string"):
+        bare.add(0, [0], 3, min_tokens=2)  # no EOS ids, no stop ids, no stop strings
     assert np.all([len(got[i][0]) <= 16 for i in got])
