@@ -422,6 +422,7 @@ def checkpoint_scenario() -> dict:
 def multiprocess_scenario() -> dict:
     from jax.experimental import multihost_utils
 
+    from jspec.decode import decode
     from models.llama import make_model, param_logical_axes
     from sharding.distributed import rows_for_process
     from sharding.mesh import make_mesh
@@ -456,20 +457,34 @@ def multiprocess_scenario() -> dict:
 
     for s in (*SAMPLING, "row_seeds"):
         out["tokens"][s] = local(**_kw(s, rows, drafter)).run().tokens
-    # Request options in one process's rows only: process 1's rows ban their greedy first token (logit_bias
-    # width 4 there, 0 in process 0) with a repetition penalty (token counts kept in both processes); process 0's
-    # rows stop at a token they never emit (stop-id width 4 there, 0 in process 1). The processes pad to the
-    # widest and agree on the counts, so both compile one program.
+    # Request options in one process's rows only: process 1's rows (the batch's second half) ban their greedy
+    # first token (logit_bias width 4 there, 0 in process 0) under a repetition penalty (token counts kept in
+    # both processes); process 0's rows stop at their greedy third token (stop-id width 4 there, 0 in process 1).
+    # The processes pad to the widest and agree on the counts, so both compile one program; each process also
+    # decodes the whole batch with the same per-row options unsharded, on its own, as the reference.
     greedy = out["tokens"]["greedy"]
+    n = len(greedy)
+    second = [r >= n // 2 for r in range(n)]
+    full = dict(
+        _kw("greedy", None, drafter),
+        logit_bias=[{greedy[r][0]: float("-inf")} if second[r] else None for r in range(n)],
+        repetition_penalty=[1.3 if second[r] else 1.0 for r in range(n)],
+        stop_token_ids=[[] if second[r] else [greedy[r][2]] for r in range(n)],
+    )
     opts = _kw("greedy", rows, drafter)
-    if jax.process_index() == 1:  # a repetition penalty too: only process 1's rows ask for token counts
-        opts["logit_bias"] = [{greedy[r][0]: float("-inf")} for r in rows]
-        opts["repetition_penalty"] = 1.3
+    if jax.process_index() == 1:  # only process 1's rows ask for token counts
+        opts.update(logit_bias=[full["logit_bias"][r] for r in rows], repetition_penalty=1.3)
     else:
-        opts["stop_token_ids"] = [[min(set(range(cfg.vocab_size)) - set(greedy[r]))] for r in rows]
+        opts["stop_token_ids"] = [full["stop_token_ids"][r] for r in rows]
     try:
         toks = local(**opts).run().tokens
-        out["options"] = {"tokens": toks, "logit_bias_rows": rows if jax.process_index() == 1 else []}
+        ref = decode(make_model(cfg), tp, prompts(), drafter=drafter, draft_params=dp, **full)
+        out["options"] = {
+            "tokens": toks,
+            "reference": ref.tokens,
+            "logit_bias_rows": [r for r in rows if second[r]],
+            "stop_rows": [r for r in rows if not second[r]],
+        }
     except Exception as e:  # reported, not raised: the other scenarios' results still come back
         out["options"] = {"error": f"{type(e).__name__}: {e}"[:300]}
 

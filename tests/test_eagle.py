@@ -456,6 +456,51 @@ def test_tree_greedy_identical_to_plain_tiny(spec, rules):
         assert out.stats["accepted_at"] == ref.stats["accepted_at"] and out.stats["rounds"] == ref.stats["rounds"]
 
 
+def test_request_options_through_eagle_verification():
+    """EAGLE's own verify (the target's logits come back with the features the head needs) and its trees under
+    per-row logit_bias, min_tokens, stop ids and penalties: greedy output equals an argmax loop over uncached
+    target forwards whose logits a NumPy reference processes (test_logit_processors.ref_logits, written from the
+    definitions), and the options changed every row."""
+    from test_logit_processors import ref_logits
+
+    n_new, width = 20, 32
+    bare = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=n_new)
+    eos = bare.tokens[0][3]  # row 0 would end at its 4th token; min_tokens holds that back
+    stops = [[], [bare.tokens[1][2]], [bare.tokens[2][1]]]
+    n_min = [6, 0, 4]
+    bias = [{5: 0.5, 7: -np.inf}, None, {int(bare.tokens[2][0]): -1.5, 30: 1.0}]
+    pen = [(1.0, 0.8, 0.0), (1.3, 0.0, 0.0), (1.1, 0.0, 0.5)]
+    rep, pres, freq = (list(x) for x in zip(*pen))
+
+    def reference(i):
+        full, out = list(PROMPTS[i]), []
+        ends = {eos, *stops[i]}
+        while len(out) < n_new and not (out and out[-1] in ends):
+            row = np.zeros((1, width), np.int32)
+            row[0, : len(full)] = full  # causal: the padding after it changes nothing before it
+            logits = np.asarray(all_logits(TINY, TINY_PARAMS, jnp.asarray(row)))[0, len(full) - 1]
+            x = ref_logits(logits, bias[i] or {}, len(out), n_min[i], ends, (PROMPTS[i], out), pen[i])
+            out.append(int(np.argmax(x)))
+            full.append(out[-1])
+        return out
+
+    want = [reference(i) for i in range(len(PROMPTS))]
+    ecfg, hp = _rollout_head()
+    chain = EagleDrafter(ecfg, max_draft=3)
+    kw = dict(eos_ids=[eos], stop_token_ids=stops, min_tokens=n_min, logit_bias=bias, repetition_penalty=rep,
+              presence_penalty=pres, frequency_penalty=freq, max_new_tokens=n_new)  # fmt: skip
+    # Not vacuous: each kind of option, left out, changes the output of every row that has it.
+    no_penalty = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    for left_out, rows in ((dict(logit_bias=None), (0, 2)), (dict(min_tokens=0), (0, 2)), (no_penalty, (0, 1, 2))):
+        other = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, **{**kw, **left_out}).tokens
+        assert all(other[i] != want[i] for i in rows), left_out
+    dp = chain.draft_params(TINY_PARAMS, hp)
+    for drafter, gamma in ((chain, 3), (chain.as_tree(TreeSpec((2, 2, 1))), None)):
+        out = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dp, gamma=gamma, **kw)
+        assert out.tokens == want, type(drafter).__name__
+        assert 0 < out.stats["accepted"] < out.stats["proposed"], out.stats
+
+
 def _path_tokens(tokens: np.ndarray, parent: np.ndarray, i: int) -> list[int]:
     out = []
     while i > 0:

@@ -67,16 +67,18 @@ def ref_greedy(prompt, n_new, bias, min_tokens, ends, pen=(1.0, 0.0, 0.0)) -> li
     return out
 
 
-def exact_ended(prompt, n_new, bias, min_tokens, ends, pen=(1.0, 0.0, 0.0), **sampling) -> dict:
+def exact_ended(prompt, n_new, bias, min_tokens, ends, pen=(1.0, 0.0, 0.0), masked=None, **sampling) -> dict:
     """P(output) for every output (ending at its first end token or after n_new tokens), padded with -1 to
-    n_new, by enumeration with the NumPy reference transform."""
+    n_new, by enumeration with the NumPy reference transform. masked: the end tokens min_tokens holds back
+    (all of ``ends`` unless given: a wrong rule for the power checks)."""
     out = {}
+    masked = ends if masked is None else masked
 
     def walk(full, gen, prob):
         if len(gen) == n_new or (gen and gen[-1] in ends):
             out[tuple(gen) + (-1,) * (n_new - len(gen))] = prob
             return
-        x = ref_logits(context_logits(full), bias, len(gen), min_tokens, ends, (prompt, gen), pen)
+        x = ref_logits(context_logits(full), bias, len(gen), min_tokens, masked, (prompt, gen), pen)
         dist = ref_transform(x, **sampling)
         for tok in np.flatnonzero(dist > 0):
             walk(full + [int(tok)], gen + [int(tok)], prob * dist[tok])
@@ -213,6 +215,7 @@ def test_engine_with_penalties_and_a_tree():
     refilled row."""
     eng = Engine(TARGET, TPARAMS, batch=2, max_len=40, drafter=GREEDY_TREE, draft_params=DPARAMS, eos_ids=[EOS],
                  max_logit_bias=4, penalties=True)  # fmt: skip
+    accepted = []
     for first_row in (0, 3):  # rows 0 and 1, then rows 3 and 2 refill them
         got = {}
         for r, i in enumerate((first_row, 1 if first_row == 0 else 2)):
@@ -225,13 +228,16 @@ def test_engine_with_penalties_and_a_tree():
                 got[r][1].extend(toks)
         for i, toks in got.values():
             assert toks == ref_greedy(PROMPTS[i], 14, BIASES[i] or {}, MIN_TOKENS[i], {EOS, *STOPS[i]}, PENALTIES[i])
+        st = eng.state.stats
+        accepted.append((int(st.accepted.sum()), int(st.proposed.sum())))
+    assert all(0 < a < p for a, p in accepted), accepted  # the tree's drafts were verified, some accepted
 
 
 GROUPS = [
     dict(temperature=1.0, bias={0: 1.0, 2: -0.5}, min_tokens=3, stops=[]),
     dict(temperature=0.8, top_k=2, bias={1: -np.inf}, min_tokens=2, stops=[]),
     dict(temperature=1.2, top_p=0.9, bias={}, min_tokens=4, stops=[0]),
-    dict(temperature=1.0, bias={2: 0.5}, min_tokens=1, stops=[], pen=(1.6, 0.4, 0.6)),
+    dict(temperature=0.7, bias={2: 0.5}, min_tokens=1, stops=[], pen=(1.6, 0.4, 0.6)),
 ]
 N_PER_GROUP = 60_000
 PROMPT = [2, 2, 0]  # tokens 1 and EOS unseen: a repetition penalty hits them only once drafted or emitted
@@ -266,7 +272,8 @@ def _exact(g, **override):
     g = {**g, **override}
     filters = {k: g[k] for k in ("temperature", "top_k", "top_p") if k in g}
     pen = g.get("pen", (1.0, 0.0, 0.0))
-    return exact_ended(PROMPT, N_NEW, g["bias"], g["min_tokens"], {EOS, *g["stops"]}, pen, **filters)
+    masked = {EOS} if g.get("eos_only") else None
+    return exact_ended(PROMPT, N_NEW, g["bias"], g["min_tokens"], {EOS, *g["stops"]}, pen, masked, **filters)
 
 
 # Block verification reads the same processed p as a chain (its greedy case is above; its acceptance rule has its
@@ -291,12 +298,21 @@ def test_sampled_distribution_follows_the_processed_target(kind):
         if g["bias"]:
             unbiased, df0 = chi_square(rows, _exact(g, bias={}))
             assert unbiased > chi2_critical(df0), i
+        if g["stops"]:  # min_tokens holding back EOS but not the row's stop ids
+            wrong, df3 = chi_square(rows, _exact(g, eos_only=True))
+            assert wrong > chi2_critical(df3), i
         if "pen" in g:  # each penalty alone left out
             for j in range(3):
                 pen = list(g["pen"])
                 pen[j] = (1.0, 0.0, 0.0)[j]
                 wrong, df2 = chi_square(rows, _exact(g, pen=tuple(pen)))
                 assert wrong > chi2_critical(df2), (i, j)
+            # Presence and frequency after the temperature (x / T - p, not (x - p) / T): the same as before
+            # it with p * T (the repetition penalty's scaling commutes with the temperature's).
+            t = g["temperature"]
+            late = (g["pen"][0], g["pen"][1] * t, g["pen"][2] * t)
+            wrong, df4 = chi_square(rows, _exact(g, pen=late))
+            assert wrong > chi2_critical(df4), (i, "penalties after temperature")
 
 
 @pytest.mark.parametrize(

@@ -309,23 +309,24 @@ def test_two_processes_match_single_process(runs):
 
 def test_two_processes_pad_request_options_to_one_width(runs):
     """Process 1's rows ban their greedy first token (logit_bias) under a repetition penalty, process 0's rows
-    hold a stop id they never emit: different [B, M] / [B, E] widths per process, padded to one program, and token
-    counts kept in both processes although only process 1's rows ask for a penalty. The banned rows change, the others
-    decode their plain greedy tokens, and both processes see the same batch."""
+    stop at their greedy third token (a stop id): different [B, M] / [B, E] widths per process, padded to one
+    program, and token counts kept in both processes although only process 1's rows ask for a penalty. Both
+    processes see the same batch, equal to an unsharded decode of the whole batch with the same per-row options,
+    and every row's options changed it."""
     mp = runs["mp"]
     assert mp["codes"] == [0, 0], "\n".join(mp["outputs"])
     procs = mp["processes"]
     ref = _reference(runs)["model"]["greedy"]
     opts = [procs[p]["options"] for p in (0, 1)]
     assert "error" not in opts[0] and "error" not in opts[1], opts
-    assert opts[0]["tokens"] == opts[1]["tokens"]
-    banned = opts[1]["logit_bias_rows"]
-    assert banned == [4, 5, 6, 7]
+    assert opts[0]["tokens"] == opts[1]["tokens"] == opts[0]["reference"] == opts[1]["reference"]
+    banned, stopped = opts[1]["logit_bias_rows"], opts[0]["stop_rows"]
+    assert banned == [4, 5, 6, 7] and stopped == [0, 1, 2, 3] and not opts[0]["logit_bias_rows"]
     for r, row in enumerate(opts[0]["tokens"]):
         if r in banned:
             assert ref[r][0] not in row and row != ref[r], r
-        else:
-            assert row == ref[r], r
+        else:  # ends at the stop id, emitted (at its third token, or sooner where that token came earlier)
+            assert row == ref[r][: ref[r].index(ref[r][2]) + 1] and len(row) < len(ref[r]), r
 
 
 def test_two_processes_refuse_what_they_disagree_on_and_decode_alone_on_local_meshes(runs):
