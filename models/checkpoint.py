@@ -182,7 +182,9 @@ def gguf_end_ids(get: Callable[[str], Any]) -> tuple[int, ...]:
 def gguf_special_id(get: Callable[[str], Any], name: str) -> int | None:
     """``tokenizer.ggml.{name}_token_id`` from GGUF metadata read by ``get(key)`` (None when absent), or None when
     it lies outside the vocabulary ``tokenizer.ggml.tokens`` (not checked for a file without one). llama.cpp
-    (``llama_vocab::impl::load``) warns "bad special token" for such an id and ignores it, as for an absent key."""
+    (``llama_vocab::impl::load``) warns "bad special token" for such an id and keeps its default, as for an absent
+    key: no token for most names, but id 11 for a gpt2-style vocabulary's BOS and EOS, an arbitrary token of
+    another vocabulary that jspec does not copy (such a file has no BOS / EOS here)."""
     tokens = get("tokenizer.ggml.tokens")
     found = get(f"tokenizer.ggml.{name}_token_id")
     if found is None or (tokens and not 0 <= found < len(tokens)):

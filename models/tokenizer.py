@@ -127,8 +127,12 @@ class Tokenizer:
     tokenizer.json whose post-processor appends it). eos_ids: every id that ends generation, the canonical
     ``eos_id`` first, then ``extra_eos_ids`` (Llama-3's ``<|eot_id|>``, GGUF's end-of-turn tokens, the lists of
     config.json and generation_config.json): pass it to ``jspec.decode(eos_ids=...)``, as transformers and
-    llama.cpp stop at any of them. template_error: what ``apply_chat_template`` says when there is no template to
-    use (e.g. named templates none of which is the default). special_tokens: the texts of the other named special
+    llama.cpp stop at any of them. chat_template: one template, or {name: template} (transformers' named
+    templates: "default", and "tool_use" where the caller passes tools). chat_bos: ``encode_chat`` gives the
+    prompt exactly one BOS when ``add_bos`` (llama.cpp's rule for GGUF files: a BOS the template writes first is
+    dropped, then the tokenizer adds its own), rather than only what the template writes (transformers').
+    template_error: what ``apply_chat_template`` says when there is no template to use (e.g. named templates none
+    of which is the default). special_tokens: the texts of the other named special
     tokens the checkpoint gives (``unk_token``, ``sep_token``, ``pad_token``, ``cls_token``, ``mask_token``; None:
     ``pad_token`` from ``pad_id``), which chat templates see as variables beside ``bos_token`` and ``eos_token``.
     """
@@ -138,13 +142,14 @@ class Tokenizer:
         backend: _HFTokenizer,
         bos_id: int | None,
         eos_id: int | None,
-        chat_template: str | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
         add_bos: bool = False,
         pad_id: int | None = None,
         extra_eos_ids: Sequence[int] = (),
         template_error: str | None = None,
         add_eos: bool = False,
         special_tokens: Mapping[str, str] | None = None,
+        chat_bos: bool = False,
     ):
         self.backend = backend
         self.template_error = template_error  # why there is no chat template, when the checkpoint says
@@ -154,7 +159,10 @@ class Tokenizer:
         self.pad_id = pad_id
         self.add_bos = add_bos
         self.add_eos = add_eos
-        self.chat_template = chat_template
+        self.chat_bos = chat_bos
+        named = dict(chat_template) if isinstance(chat_template, Mapping) else {"default": chat_template}
+        self.chat_templates = {k: v for k, v in named.items() if v}  # name -> template
+        self.chat_template = self.chat_templates.get("default")
         if special_tokens is None:
             special_tokens = {} if pad_id is None else {"pad_token": backend.id_to_token(pad_id)}
         unknown = sorted(set(special_tokens) - set(_SPECIAL_TOKEN_NAMES[2:]))
@@ -163,7 +171,8 @@ class Tokenizer:
                 f"special_tokens: unknown name {unknown[0]!r} (known: {', '.join(_SPECIAL_TOKEN_NAMES[2:])})"
             )
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
-        self._template = _render_env().from_string(chat_template) if chat_template else None
+        env = _render_env()
+        self._templates = {k: env.from_string(v) for k, v in self.chat_templates.items()}
 
     @property
     def vocab_size(self) -> int:
@@ -202,10 +211,17 @@ class Tokenizer:
         As transformers' ``apply_chat_template``: keys of a message whose value is None are left out, a message's
         reasoning (``reasoning_content``, ``thinking`` or ``reasoning``) is given as ``reasoning_content`` and
         ``thinking`` both, and the template sees every named special token (``special_tokens_map``; one the
-        checkpoint lacks is undefined), which ``kw`` may override (``bos_token=""``).
+        checkpoint lacks is undefined), which ``kw`` may override (``bos_token=""``). Of named templates, the one
+        named "tool_use" renders where ``tools`` is given, else "default" (transformers' choice).
         """
-        if self._template is None:
-            raise ValueError(self.template_error or "this checkpoint has no chat template")
+        name = "tool_use" if kw.get("tools") is not None and "tool_use" in self._templates else "default"
+        template = self._templates.get(name)
+        if template is None:
+            if self.template_error:
+                raise ValueError(self.template_error)
+            if self._templates:
+                raise ValueError(f"the chat templates {sorted(self._templates)} include no 'default' to use")
+            raise ValueError("this checkpoint has no chat template")
         if len(messages) == 0:
             raise ValueError("cannot apply the chat template to an empty conversation: give at least one message")
         chat = []
@@ -221,12 +237,18 @@ class Tokenizer:
         # tools and documents are always defined, None unless given, as transformers renders them: templates test
         # `tools is not none`, which an undefined variable passes.
         kw = {"tools": None, "documents": None} | self.special_tokens_map | kw
-        return self._template.render(messages=chat, add_generation_prompt=add_generation_prompt, **kw)
+        return template.render(messages=chat, add_generation_prompt=add_generation_prompt, **kw)
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        # The template already contains any BOS it wants, and a prompt must not end the text (as transformers'
-        # apply_chat_template, which tokenizes with add_special_tokens=False).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False, add_eos=False)
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kw) -> list[int]:
+        """The rendered conversation's token ids (``kw``: the template's variables, as ``apply_chat_template``).
+        A prompt never gets EOS (it must not end the text). BOS: what the template writes (transformers'
+        apply_chat_template tokenizes with add_special_tokens=False); with ``chat_bos`` (GGUF files), exactly one
+        where ``add_bos``, as llama.cpp's chat path gives it."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kw)
+        if self.chat_bos and self.add_bos and self.bos_id is not None:
+            bos = self.bos_token
+            return [self.bos_id] + self.encode(text.removeprefix(bos) if bos else text, add_bos=False, add_eos=False)
+        return self.encode(text, add_bos=False, add_eos=False)
 
     # ---------------------------------------------------------------------------------------------------
     @classmethod
@@ -292,6 +314,7 @@ class Tokenizer:
             # llama.cpp ends generation at end-of-turn / end-of-message too (Llama-3's <|eot_id|>, <|eom_id|>), and
             # at every token spelled like one (checkpoint.GGUF_END_TEXTS), named in the metadata or not.
             extra_eos_ids=ends,
+            chat_bos=True,
         )
 
     @classmethod
@@ -309,18 +332,31 @@ class Tokenizer:
         tcfg = read_json(os.path.join(path, "tokenizer_config.json")) or {}
         template = tcfg.get("chat_template")
         template_error = None
+        # Template files take priority over tokenizer_config.json's entry (transformers 5): chat_template.jinja is
+        # the default, additional_chat_templates/NAME.jinja the named others.
+        files = {}
         if os.path.isfile(os.path.join(path, "chat_template.jinja")):
-            with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
-                template = f.read()
-        if isinstance(template, list):
-            # Several named templates: transformers uses the one named "default" and, without one, refuses to
-            # render any (the caller must pick); taking the first would chat in a format nobody chose.
-            named = _named_templates(template, path)
-            template = named.get("default")
-            if template is None:
+            files["default"] = os.path.join(path, "chat_template.jinja")
+        extra = os.path.join(path, "additional_chat_templates")
+        if os.path.isdir(extra):
+            files |= {f.removesuffix(".jinja"): os.path.join(extra, f) for f in sorted(os.listdir(extra))
+                      if f.endswith(".jinja")}  # fmt: skip
+        if files:
+            template = {}
+            for name, file in files.items():
+                with open(file, encoding="utf-8") as f:
+                    template[name] = f.read()
+            template = template["default"] if list(template) == ["default"] else template
+        source = "the template files name" if files else "tokenizer_config.json names"
+        if isinstance(template, list | dict):
+            # Several named templates: transformers uses "tool_use" when tools are given and "default" otherwise,
+            # and without a default refuses to render (the caller must pick); taking the first would chat in a
+            # format nobody chose.
+            template = _named_templates(template, path) if isinstance(template, list) else template
+            if "default" not in template:
                 template_error = (
-                    f"{path}: tokenizer_config.json names chat templates "
-                    f"{sorted(named) if named else '(an empty list)'} and none of them 'default': "
+                    f"{path}: {source} chat templates "
+                    f"{sorted(template) if template else '(an empty list)'} and none of them 'default': "
                     "no chat template to use"
                 )
         elif template is not None and not isinstance(template, str):

@@ -692,6 +692,38 @@ def test_add_eos_token_appends_eos_like_llama_cpp(tmp_path):
         assert chat.encode_chat([{"role": "user", "content": "aba"}]) == [2, 0]
 
 
+def test_chat_prompts_get_one_bos_where_the_vocabulary_adds_it_like_llama_cpp(tmp_path):
+    """llama.cpp's chat path (common/chat.cpp) drops a BOS the rendered template starts with when the vocabulary
+    adds BOS (tokenizer.ggml.add_bos_token, on by default for llama-bpe), then tokenizes with its special tokens:
+    exactly one BOS whether or not the template writes one. jspec gave a template without BOS none (a ChatML
+    fine-tune of Llama-3). Without add_bos the template's own BOS stays, and nothing is added."""
+    from models.tokenizer import Tokenizer
+
+    def tokenizer(template: str, add_bos=None):
+        w = gguf.GGUFWriter(os.fspath(tmp_path / "chat.gguf"), "llama")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("llama-bpe")
+        w.add_token_list(["a", "b", "c", "ab", "abc", "<s>"])
+        w.add_token_types([1, 1, 1, 1, 1, 3])  # <s>: a CONTROL token, its text in a prompt is that one id
+        w.add_token_merges(["a b"])
+        w.add_bos_token_id(5)
+        w.add_chat_template(template)
+        if add_bos is not None:
+            w.add_add_bos_token(add_bos)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return Tokenizer.from_gguf(open_gguf(tmp_path / "chat.gguf"))
+
+    chat = [{"role": "user", "content": "abc"}]
+    assert tokenizer("{{ messages[0].content }}").encode_chat(chat) == [5, 4]
+    assert tokenizer("{{ bos_token }}{{ messages[0].content }}").encode_chat(chat) == [5, 4]
+    assert tokenizer("{{ bos_token }}{{ bos_token }}{{ messages[0].content }}").encode_chat(chat) == [5, 5, 4]
+    assert tokenizer("{{ messages[0].content }}", add_bos=False).encode_chat(chat) == [4]
+    assert tokenizer("{{ bos_token }}{{ messages[0].content }}", add_bos=False).encode_chat(chat) == [5, 4]
+
+
 def test_llama3_vocabularies_take_whole_words_before_merges(tmp_path):
     """llama.cpp's LLAMA3 pre-tokenizer (llama-bpe / llama3 / llama-v3) ignores the merges for a piece that is
     itself a vocabulary entry (tokenizer.json's ignore_merges) and adds BOS unless told not to; other

@@ -341,6 +341,41 @@ def test_named_chat_templates_without_a_default_are_refused_like_transformers(tm
         Tokenizer.from_hf_dir(path)
 
 
+def test_tool_use_template_renders_when_tools_are_given_like_transformers(tmp_path):
+    """Named templates with "tool_use" (Hermes-2-Pro's layout): transformers renders it when the caller passes
+    tools, "default" otherwise; jspec rendered "default" and dropped the tools. The same from template files
+    (chat_template.jinja + additional_chat_templates/tool_use.jinja, transformers 5's layout), which take priority
+    over tokenizer_config.json's entry."""
+    import transformers
+
+    from models.tokenizer import Tokenizer
+
+    chat = [{"role": "user", "content": "a"}]
+    tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
+    named = [
+        {"name": "default", "template": "D{{ messages[0].content }}"},
+        {"name": "tool_use", "template": "T{{ tools[0].function.name }}{{ messages[0].content }}"},
+    ]
+    path = _tiny_tokenizer_dir(tmp_path / "tok", {"eos_token": "</s>", "chat_template": named})
+    files = _tiny_tokenizer_dir(tmp_path / "files", {"eos_token": "</s>", "chat_template": "ignored"})
+    (files / "chat_template.jinja").write_text("F{{ messages[0].content }}")
+    (files / "additional_chat_templates").mkdir()
+    (files / "additional_chat_templates" / "tool_use.jinja").write_text("U{{ tools | length }}")
+    for p, plain, with_tools in ((path, "Da", "Tfa"), (files, "Fa", "U1")):
+        theirs = transformers.AutoTokenizer.from_pretrained(p)
+        ours = Tokenizer.from_hf_dir(p)
+        assert ours.apply_chat_template(chat) == theirs.apply_chat_template(chat, tokenize=False) == plain
+        got = ours.apply_chat_template(chat, tools=tools)
+        assert got == theirs.apply_chat_template(chat, tools=tools, tokenize=False) == with_tools
+        assert ours.encode_chat(chat, tools=tools) == ours.encode(with_tools, add_bos=False)
+    # Without a default, tools still pick tool_use (transformers too); without tools it is refused.
+    only = _tiny_tokenizer_dir(tmp_path / "only", {"eos_token": "</s>", "chat_template": named[1:]})
+    theirs = transformers.AutoTokenizer.from_pretrained(only).apply_chat_template(chat, tools=tools, tokenize=False)
+    assert Tokenizer.from_hf_dir(only).apply_chat_template(chat, tools=tools) == theirs == "Tfa"
+    with pytest.raises(ValueError, match=r"names chat templates \['tool_use'\] and none of them 'default'"):
+        Tokenizer.from_hf_dir(only).apply_chat_template(chat)
+
+
 def test_null_special_token_means_none_like_transformers(tmp_path):
     """``"bos_token": null`` (Qwen2.5's tokenizer_config.json, whose config.json still says bos_token_id
     151643) is no BOS for transformers, so ``{{ bos_token }}`` renders empty; jspec treated it as a missing key
