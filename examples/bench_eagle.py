@@ -1,15 +1,16 @@
 """Benchmark the EAGLE head against plain decoding and n-gram prompt lookup, in ONE process, on SmolLM2-135M.
 
-f32, batch 1, open chat prompts, greedy and T = 1. For every repetition, prompt and temperature the configs
-run back to back (interleaved, so the two timing levels JAX:CPU jumps between from process to process
-affect them alike); tokens/s come from ``PreparedDecode.run_timed()`` on a program compiled and already run
-once (compilation and each program's first execution excluded: the first time a config meets a prompt
-width, one untimed run comes before the timed one). The report quotes medians over prompts x repetitions
-of each config's tokens/s and of its ratio to plain decoding's tokens/s measured right before it, twice:
-end to end (prefill included) and decode only (the tokens after the prefill's first one, over the run's
-time minus its prefill, timed alone right after the run). At T = 1 the two sides emit different numbers
-of tokens, so the end-to-end rates spread one prefill over different lengths; the decode-only ratio is the
-like-for-like one there, and the one the cost model is checked against.
+f32, batch 1, open chat prompts, greedy and T = 1. For every repetition, prompt and temperature the configs run
+back to back (interleaved, so the two timing levels JAX:CPU jumps between from process to process affect them
+alike), their order rotated by one from each prompt to the next (so that no config always runs first, or always
+right after plain decoding, as the machine drifts); tokens/s come from ``PreparedDecode.run_timed()`` on a
+program compiled and already run once (compilation and each program's first execution excluded: the first time a
+config meets a prompt width, one untimed run comes before the timed one). The report quotes medians over prompts
+x repetitions of each config's tokens/s and of its ratio to plain decoding's tokens/s on the same prompt and
+repetition, twice: end to end (prefill included) and decode only (the tokens after the prefill's first one, over
+the run's time minus its prefill, timed alone right after the run). At T = 1 the two sides emit different
+numbers of tokens, so the end-to-end rates spread one prefill over different lengths; the decode-only ratio is
+the like-for-like one there, and the one the cost model is checked against.
 
 At T = 0 every speculative config's tokens are compared with plain decoding's, token for token (greedy
 speculation is lossless): a difference prints a MISMATCH line, marks that config's ratios and makes the
@@ -339,8 +340,11 @@ def main(argv=None) -> dict:
     for rep in range(args.reps):
         for i, ids in enumerate(prompts):
             for t in temps:
-                plain_run = None
-                for name, (drafter, dparams, k) in configs.items():
+                names = list(configs)
+                shift = (rep * len(prompts) + i) % len(names)
+                done = {}
+                for name in names[shift:] + names[:shift]:
+                    drafter, dparams, k = configs[name]
                     if isinstance(drafter, tuple):  # a tree: (greedy rule, sampling rule)
                         drafter = drafter[1] if t > 0 else drafter[0]
                     prepared = dec.prepare(
@@ -373,12 +377,14 @@ def main(argv=None) -> dict:
                         "compile_s": s["compile_seconds"],
                         "output": out.tokens[0],
                     }
-                    if drafter is None:
-                        plain_run = run
+                    done[name] = run
+                plain_run = done["plain"]
+                for name in names:  # the report's order
+                    run = done[name]
                     run["vs_plain"] = run["tokens_per_s"] / plain_run["tokens_per_s"]
                     pd, rd = plain_run["decode_tokens_per_s"], run["decode_tokens_per_s"]
                     run["vs_plain_decode"] = rd / pd if rd and pd else None
-                    if t == 0 and drafter is not None:  # greedy speculation must reproduce plain decoding
+                    if t == 0 and name != "plain":  # greedy speculation must reproduce plain decoding
                         j = first_difference(run["output"], plain_run["output"])
                         run["same_as_plain"] = j is None
                         if j is not None:

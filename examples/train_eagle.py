@@ -683,7 +683,9 @@ def load_windows(files: list[str], window: int, prompt_loss: bool, layers: list[
         for r in range(d["tokens"].shape[0]):
             n, p = int(d["lengths"][r]), int(d["prompt_lengths"][r])
             answers.append(d["tokens"][r, p:n])
-            first = 0 if prompt_loss else max(p - 2, 0)  # pair p-2 predicts the answer's first feature
+            # Windows start at pair p-2, which predicts f_{p-1}: the prompt's last feature, from which the prefill
+            # samples the answer's first token (never drafted, so that pair is left out of the loss: ``answer``).
+            first = 0 if prompt_loss else max(p - 2, 0)
             for s in range(first, n - 1, window):
                 e = min(s + window + 1, n)
                 if e - s < 3:
@@ -777,6 +779,23 @@ def init_source(args, target_cfg):
     return src, hp
 
 
+def check_token_map(out_dir: str, token_ids, resuming: bool) -> None:
+    """The frequent-token map a checkpoint was trained under, kept beside it (``token_ids.npy``): a resumed run
+    that builds another one (the data, or the --init-from head it takes its map from, changed in between) is
+    refused, since its weights would then draft other tokens than they learnt. A fresh run records its map."""
+    path = os.path.join(out_dir, "token_ids.npy")
+    here = np.asarray(token_ids, np.int32)
+    if not resuming:
+        os.makedirs(out_dir, exist_ok=True)
+        np.save(path, here)
+    elif os.path.isfile(path) and not np.array_equal(np.load(path), here):
+        raise SystemExit(
+            f"{out_dir}: its checkpoint was trained under another frequent-token map than this run builds (the data "
+            "or the --init-from head changed since it was saved); resuming would pair its weights with other "
+            "tokens: train under a new --name, or delete that directory to start over"
+        )
+
+
 def train(args, target, data, token_ids, out_dir: str):
     """(config, head params, per-step metrics, the step they start at, training seconds): the metrics and
     seconds of the steps before a resume come from ``save_history``'s file (``resumed_history``)."""
@@ -813,6 +832,7 @@ def train(args, target, data, token_ids, out_dir: str):
         options=ocp.CheckpointManagerOptions(max_to_keep=1, save_interval_steps=1),
     )
     hist_path = os.path.join(out_dir, "ckpt_history.json")
+    check_token_map(out_dir, ids, resuming=mgr.latest_step() is not None)
     start = 0
     if mgr.latest_step() is not None:
         start = mgr.latest_step()

@@ -762,7 +762,8 @@ def save_head(path: str | os.PathLike, ecfg: EagleConfig, hp: Params, meta: dict
 def restore_head(path: str | os.PathLike, target_cfg: LlamaConfig | None = None) -> tuple[EagleConfig, Params]:
     """Read what ``save_head`` wrote: (config, head params). With ``target_cfg`` the head must match it
     (same widths, depth, norm epsilon, embedding tying, attention biases and vocabulary: a head trained for
-    another model of the same width would load and draft nothing useful; the dtype follows the target's)."""
+    another model of the same width would load and draft nothing useful). The params come back float32 (a bf16
+    export widened); the drafter casts them to the target's dtype where it uses them."""
     meta = load_exit_meta(path)
     if meta.get("kind") != "eagle" or meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"'{path}' is not an EAGLE head of format {FORMAT_VERSION}")
@@ -816,7 +817,7 @@ def export_head(
 ) -> str:
     """Write the head at ``src`` (directory or name) to ``dst`` with its float parameters stored in ``dtype``
     (bf16 halves the files: how ``BUNDLED_DIR`` keeps under the repository's 20 MB limit). ``restore_head``
-    casts them back to the target's dtype, so what loads is the ``dtype``-rounded head (on a packed CPU target
+    widens them back to float32, so what loads is the ``dtype``-rounded head (on a packed CPU target
     its matrices are packed in bf16 anyway); the frequent-token map and meta.json's metrics are kept,
     ``extra_meta`` (e.g. the held-out evaluation) joins them."""
     dt = jnp.dtype(dtype)

@@ -234,6 +234,17 @@ def test_a_resume_keeps_the_metrics_of_the_steps_before_it(tmp_path):
     json.dumps(none, allow_nan=False)  # no NaN in the report
 
 
+def test_a_resume_under_another_token_map_is_refused(tmp_path):
+    """The frequent-token map is rebuilt on every run (from the data or the --init-from head), not stored in the
+    checkpoint: a resume under another map paired the trained weights with other tokens, silently."""
+    out = str(tmp_path / "run")
+    train_eagle.check_token_map(out, [3, 5, 9], resuming=False)
+    train_eagle.check_token_map(out, [3, 5, 9], resuming=True)  # the same map: resumed
+    with pytest.raises(SystemExit, match="trained under another frequent-token map than this run builds"):
+        train_eagle.check_token_map(out, [3, 5, 10], resuming=True)
+    train_eagle.check_token_map(str(tmp_path / "old"), [1], resuming=True)  # a checkpoint from before the record
+
+
 def test_teacher_forced_hits_measure_the_runs_passes():
     """The teacher-forced evaluation ran 3 passes whatever --unroll trained: now it runs ``unroll``, and pass u
     does not depend on the passes after it (the first passes of a longer run are a shorter run's)."""
