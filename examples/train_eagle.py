@@ -311,12 +311,22 @@ def layer_files(args, target, files: list[str]) -> list[str]:
         w = min(-(-int(lengths.max()) // 32) * 32, tokens.shape[1])
         lf = np.zeros(tokens.shape + (len(args.fuse) * target.config.hidden,), np.float16)
         for r in range(0, tokens.shape[0], args.feature_batch):
-            lf[r : r + args.feature_batch, :w] = np.asarray(
-                features(target.params, jnp.asarray(tokens[r : r + args.feature_batch, :w]))
-            )
+            out_r = features(target.params, jnp.asarray(tokens[r : r + args.feature_batch, :w]))
+            lf[r : r + args.feature_batch, :w] = as_float16(out_r, f"the outputs of layers {tag}")
         np.savez(path + ".tmp.npz", layer_feats=lf, digest=np.asarray(digest))
         os.replace(path + ".tmp.npz", path)
     return out
+
+
+def as_float16(x, what: str) -> np.ndarray:
+    """``x`` as the float16 the data files store, refusing values past its range (65504): a target whose
+    residual stream runs that large would store inf and train the head on NaN losses with no other sign."""
+    x = np.asarray(x)
+    big = float(np.max(np.abs(x))) if x.size else 0.0
+    if not np.isfinite(big) or big > float(np.finfo(np.float16).max):
+        raise SystemExit(f"{what} reach {big:.4g}, past float16's range ({np.finfo(np.float16).max:g}): the data files "
+                         "store features in float16, which would hold inf there")  # fmt: skip
+    return x.astype(np.float16)
 
 
 def batch_ids(spec) -> list[int]:
@@ -428,8 +438,8 @@ def answer_batch(args, target, features, prompt_ids: list[list[int]], temp: floa
     w = min(-(-max(len(s) for s in seqs) // 32) * 32, width)
     feats = np.zeros((len(seqs), width, cfg.hidden), np.float16)
     for r in range(0, len(seqs), args.feature_batch):  # [B, W, V] logits at once would take ~1 GB
-        feats[r : r + args.feature_batch, :w] = np.asarray(
-            features(target.params, jnp.asarray(tokens[r : r + args.feature_batch, :w]))
+        feats[r : r + args.feature_batch, :w] = as_float16(
+            features(target.params, jnp.asarray(tokens[r : r + args.feature_batch, :w])), "target features"
         )
     np.savez(
         path + ".tmp.npz",
@@ -632,8 +642,8 @@ def generate_doc_data(args, target, data_dir: str) -> list[str]:
             tokens[r, : len(sq)] = sq
         feats = np.zeros((len(seqs), width, cfg.hidden), np.float16)
         for r in range(0, len(seqs), args.feature_batch):
-            feats[r : r + args.feature_batch] = np.asarray(
-                features(target.params, jnp.asarray(tokens[r : r + args.feature_batch]))
+            feats[r : r + args.feature_batch] = as_float16(
+                features(target.params, jnp.asarray(tokens[r : r + args.feature_batch])), "target features"
             )
         np.savez(
             path + ".tmp.npz",

@@ -245,6 +245,14 @@ def test_a_resume_under_another_token_map_is_refused(tmp_path):
     train_eagle.check_token_map(str(tmp_path / "old"), [1], resuming=True)  # a checkpoint from before the record
 
 
+def test_features_past_float16_range_are_refused():
+    """The data files store features in float16: a value past 65504 became inf there (and the head's loss NaN)."""
+    np.testing.assert_array_equal(train_eagle.as_float16(np.array([1.5, -2.0]), "x"), np.array([1.5, -2.0], np.float16))
+    for bad in (7e4, np.inf, np.nan):
+        with pytest.raises(SystemExit, match="past float16's range"):
+            train_eagle.as_float16(np.array([1.0, bad], np.float32), "the outputs of layers 2,15")
+
+
 def test_teacher_forced_hits_measure_the_runs_passes():
     """The teacher-forced evaluation ran 3 passes whatever --unroll trained: now it runs ``unroll``, and pass u
     does not depend on the passes after it (the first passes of a longer run are a shorter run's)."""
