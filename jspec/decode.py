@@ -1096,12 +1096,13 @@ def prepare(
     check_min_tokens(sampling, mnew if max_new_tokens is not None else slots + 1 - plen, eos, target.vocab_size)
     counts = sampling.has_penalties()  # their [B, V] counts only where a row asks for a penalty (or the caller)
     if penalties is not None:
-        if not check_flag("penalties", penalties) and counts:
+        asked = check_flag("penalties", penalties)
+        if not asked and counts:
             raise ValueError(
                 "penalties=False, but a row has a repetition / presence / frequency penalty, which needs the "
                 "token counts: pass penalties=None (the default) or True"
             )
-        counts = penalties
+        counts = asked
     config = DecodeConfig(
         gamma,
         slots,
