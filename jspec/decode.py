@@ -48,6 +48,7 @@ from jspec.sampling import (
     split_keys,
     top_k,
 )
+from jspec.stop import StopStrings, check_stop_strings
 from jspec.tree import TreeProposal, TreeRule, ancestor_mask, verify_tree_greedy, verify_tree_key
 from jspec.verify import verify_chain_greedy, verify_chain_key
 
@@ -1064,11 +1065,13 @@ def prepare(
     logprobs: bool = False,
     top_logprobs: int = 0,
     penalties: bool | None = None,
+    stop_strings: Sequence[bool] | None = None,
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call.
     penalties: None (the default) keeps token counts when some row has a penalty; True keeps them anyway (a
     sharded decode whose other processes' rows have penalties compiles the same program); False with a row that
-    has a penalty is refused (the penalty would be ignored)."""
+    has a penalty is refused (the penalty would be ignored). stop_strings: per row, whether the caller looks for
+    stop strings in it (``decode(stop=...)``), which min_tokens then holds back too."""
     logprobs = check_flag("logprobs", logprobs)
     top_logprobs = check_top_logprobs(top_logprobs, logprobs, target.vocab_size)
     block_verify = check_flag("block_verify", block_verify)
@@ -1093,7 +1096,9 @@ def prepare(
     key = _decode_key(seed, key, len(plen))
     eos = check_eos(eos_ids, target.vocab_size)
     # Without a budget a row runs until its cache is full: P + N <= S + 1.
-    check_min_tokens(sampling, mnew if max_new_tokens is not None else slots + 1 - plen, eos, target.vocab_size)
+    check_min_tokens(
+        sampling, mnew if max_new_tokens is not None else slots + 1 - plen, eos, target.vocab_size, stop_strings
+    )
     counts = sampling.has_penalties()  # their [B, V] counts only where a row asks for a penalty (or the caller)
     if penalties is not None:
         asked = check_flag("penalties", penalties)
@@ -1139,13 +1144,17 @@ def check_top_logprobs(n, logprobs: bool, vocab_size: int) -> int:
 
 
 def check_min_tokens(
-    sampling: SamplingParams, max_new: np.ndarray, eos_ids, vocab_size: int, stop_strings: bool | None = None
+    sampling: SamplingParams,
+    max_new: np.ndarray,
+    eos_ids,
+    vocab_size: int,
+    stop_strings: bool | Sequence[bool] | None = None,
 ) -> None:
     """min_tokens above the tokens a row may generate (``max_new``: its budget, or what its cache holds) is
     refused (vLLM's rule: no end token could ever come, which is surely not what was meant); so is min_tokens on
     a row with nothing to hold back, which would be ignored: no EOS ids, no stop ids of its own and no stop
-    strings (``stop_strings``: whether the request has any, where the caller takes them, as the serving engine
-    does; None for ``decode``, which has none); and so is a row whose banned tokens (logit_bias -inf) and end
+    strings (``stop_strings``: whether the row has any, one bool or one per row, where the caller takes them;
+    None where there are none to take); and so is a row whose banned tokens (logit_bias -inf) and end
     tokens, masked while min_tokens holds, leave nothing to sample."""
     n_min, ids, bias, stops = jax.device_get((sampling.min_tokens, sampling.bias_ids, sampling.bias, sampling.stop_ids))
     if np.any(n_min > max_new):
@@ -1156,7 +1165,8 @@ def check_min_tokens(
         )
     for i in np.nonzero(n_min > 0)[0]:
         ends = set(eos_ids) | set(stops[i][stops[i] >= 0].tolist())
-        if not ends and not stop_strings:
+        strings = stop_strings[i] if isinstance(stop_strings, Sequence) else stop_strings
+        if not ends and not strings:
             raise ValueError(
                 f"row {i}: min_tokens ({int(n_min[i])}) holds back nothing: the row has no end token (EOS ids, "
                 "stop_token_ids)" + (" or stop string" if stop_strings is not None else "") + " to keep back"
@@ -1229,7 +1239,43 @@ def check_seed(seed) -> int:
     return int(seed)
 
 
-def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
+def stop_string_rows(stop, batch: int) -> list[tuple[str, ...]]:
+    """``decode``'s ``stop`` -> one tuple of stop strings per row: a string, or a list of strings, for every row;
+    or one entry per row (a list of B lists, each None, a string or a list of strings)."""
+    per_row = isinstance(stop, Sequence) and not isinstance(stop, str)
+    if per_row and any(x is None or isinstance(x, list | tuple) for x in stop):
+        if len(stop) != batch:
+            raise ValueError(f"stop has {len(stop)} per-row entries for {batch} rows")
+        return [() if x is None else check_stop_strings(x) for x in stop]
+    return [check_stop_strings(stop)] * batch
+
+
+def run_with_stop_strings(stream: DecodeStream, stops, detokenize, min_tokens) -> DecodeOutput:
+    """Step ``stream`` (every row) and look for each row's stop strings in its text (``jspec.stop.StopStrings``,
+    ``stops[b]`` with ``min_tokens[b]``): a row whose string appears keeps the tokens up to the one completing it
+    (its log-probabilities alike) and ends with STOP_STRING. The steps end once every row has met a string or
+    stopped on the device; a row that met one earlier runs on with the batch (its rounds cost nothing more: the
+    batch's do), and ``stats`` count every token decoded."""
+    checkers = [StopStrings(s, detokenize, int(m)) for s, m in zip(stops, min_tokens, strict=True)]
+    for chunk in stream:
+        for c, toks in zip(checkers, chunk, strict=True):
+            if c.matched is None and toks:
+                c.feed(toks)
+        if all(c.matched is not None or r != StopReason.RUNNING for c, r in zip(checkers, stream.stop_reasons)):
+            break
+    out = stream.output()
+    for b, c in enumerate(checkers):
+        if c.matched is not None:
+            n = len(c.tokens)
+            out.tokens[b], out.stop_reason[b] = list(c.tokens), StopReason.STOP_STRING
+            if out.logprobs is not None:
+                out.logprobs[b] = out.logprobs[b][:n]
+            if out.top_logprobs is not None:
+                out.top_logprobs[b] = out.top_logprobs[b][:n]
+    return out
+
+
+def decode(target: Model, target_params, prompts, *, stop=None, detokenize=None, **kwargs) -> DecodeOutput:
     """Generate up to ``max_new_tokens`` per prompt with speculative decoding (plain when drafter is None).
 
     prompts: B token-id lists of any (non-zero) lengths, or a [B, P] array of B prompts of exactly P tokens (no
@@ -1259,8 +1305,31 @@ def decode(target: Model, target_params, prompts, **kwargs) -> DecodeOutput:
     per row) stay the same (a default max_len follows the budget); drafter, gamma, eos_ids, adaptive,
     block_verify, debug_checks, logprobs, top_logprobs and whether any row has a penalty are static and compile a
     loop of their own.
+
+    stop (vLLM's stop strings: a string or a list of them for every row, or one entry per row) with
+    ``detokenize`` (token ids -> text, e.g. ``lambda ids: tok.decode(ids, skip_special_tokens=True)``): text only
+    exists on the host, so the decode then steps round by round (``run_with_stop_strings``: a host sync per round,
+    the same tokens) and a row whose text holds one of its strings ends with the token completing it, stop reason
+    STOP_STRING; with min_tokens, only the text after the row's first min_tokens tokens counts.
     """
-    return prepare(target, target_params, prompts, **kwargs).run()
+    if stop is None:
+        if detokenize is not None:
+            raise ValueError("detokenize is only used to find stop strings: pass stop=[...] with it, or leave it out")
+        return prepare(target, target_params, prompts, **kwargs).run()
+    if detokenize is None or not callable(detokenize):
+        raise ValueError(
+            "stop strings need detokenize (token ids -> text), "
+            "e.g. lambda ids: tok.decode(ids, skip_special_tokens=True)"
+        )
+    try:
+        batch = len(prompts)
+    except TypeError:  # not prompts at all: prepare says what is wrong with them
+        return prepare(target, target_params, prompts, **kwargs).run()
+    rows = stop_string_rows(stop, batch)
+    prepared = prepare(target, target_params, prompts, stop_strings=[bool(r) for r in rows], **kwargs)
+    sampling = prepared.args[5]  # after the params, the draft params, the prompts, their lengths and budgets
+    n_min = jax.device_get(sampling.min_tokens)
+    return run_with_stop_strings(prepared.stream(), rows, detokenize, n_min)
 
 
 def decode_stream(target: Model, target_params, prompts, **kwargs) -> DecodeStream:
@@ -1270,6 +1339,11 @@ def decode_stream(target: Model, target_params, prompts, **kwargs) -> DecodeStre
     of the step's tokens (``logprobs``, with ``logprobs=True``) and the whole ``DecodeOutput`` so far
     (``output()``). The rounds run the same ``decode_round`` as the fused loop, so the tokens are identical.
     Arguments are checked when it is called, not at the first ``next()``."""
+    if "stop" in kwargs or "detokenize" in kwargs:
+        raise ValueError(
+            "decode_stream yields every token: look for stop strings over its steps with jspec.stop.StopStrings, "
+            "or let decode(stop=..., detokenize=...) do it"
+        )
     return prepare(target, target_params, prompts, **kwargs).stream()
 
 

@@ -217,3 +217,45 @@ def test_engine_stop_strings_end_each_request_at_its_own():
     with pytest.raises(ValueError, match=r"row 0: min_tokens \(2\) holds back nothing: .* or stop string"):
         bare.add(0, [0], 3, min_tokens=2)  # no EOS ids, no stop ids, no stop strings
     assert np.all([len(got[i][0]) <= 16 for i in got])
+
+
+def test_decode_with_stop_strings_cuts_each_row_at_its_own():
+    """decode(stop=..., detokenize=...): per-row strings (one never met, none, min_tokens skipping an early one),
+    a batch of 4 with a chain drafter: each row's tokens and log-probabilities are decode's cut where the
+    whole-text reference first finds a string, its stop reason STOP_STRING (else decode's own)."""
+    kw = dict(drafter=CHAIN, draft_params=DPARAMS, gamma=3, max_new_tokens=16, logprobs=True)
+    full = dec.decode(TARGET, TPARAMS, PROMPTS, **kw)
+    stops = [spell(full.tokens[0][5:7]), ["dddddd"], None, [spell(full.tokens[3][2:4]), spell(full.tokens[3][9:10])]]
+    n_min = [0, 0, 0, 5]
+    got = dec.decode(TARGET, TPARAMS, PROMPTS, stop=stops, detokenize=spell, min_tokens=n_min, **kw)
+    for i in range(len(PROMPTS)):
+        strings = [] if stops[i] is None else [stops[i]] if isinstance(stops[i], str) else stops[i]
+        want, hit = cut_reference(full.tokens[i], strings, n_min[i])
+        assert got.tokens[i] == want, i
+        assert got.stop_reason[i] == (dec.StopReason.STOP_STRING if hit else full.stop_reason[i]), i
+        assert got.logprobs[i] == full.logprobs[i][: len(want)], i
+    assert got.stop_reason[0] == dec.StopReason.STOP_STRING and got.stop_reason[1] != dec.StopReason.STOP_STRING
+    assert spell(full.tokens[3][2:4]) in spell(full.tokens[3][:5]) and len(got.tokens[3]) > 5  # min_tokens skipped it
+    # One string for every row, met early by all of them: the steps end there, not at the budget.
+    early = dec.decode(TARGET, TPARAMS, PROMPTS, stop=[s for s in LETTERS], detokenize=spell, **kw)
+    assert all(len(t) == 1 for t in early.tokens) and set(early.stop_reason) == {dec.StopReason.STOP_STRING}
+    assert max(early.stats["rounds"]) < max(full.stats["rounds"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(stop=["a"]), "stop strings need detokenize"),
+        (dict(detokenize=spell), "detokenize is only used to find stop strings"),
+        (dict(stop=[["a"], None], detokenize=spell), "stop has 2 per-row entries for 4 rows"),
+        (dict(stop=[""], detokenize=spell), "stop strings must be non-empty strings"),
+        (dict(min_tokens=2), r"row 0: min_tokens \(2\) holds back nothing"),
+    ],
+)
+def test_decode_stop_string_refusals(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dec.decode(TARGET, TPARAMS, PROMPTS, max_new_tokens=8, **kwargs)
+    # min_tokens with stop strings and no end token: the strings are what it holds back.
+    dec.decode(TARGET, TPARAMS, PROMPTS, max_new_tokens=8, min_tokens=2, stop="a", detokenize=spell)
+    with pytest.raises(ValueError, match="decode_stream yields every token"):
+        dec.decode_stream(TARGET, TPARAMS, PROMPTS, max_new_tokens=8, stop="a", detokenize=spell)
