@@ -259,3 +259,30 @@ def test_decode_stop_string_refusals(kwargs, message):
     dec.decode(TARGET, TPARAMS, PROMPTS, max_new_tokens=8, min_tokens=2, stop="a", detokenize=spell)
     with pytest.raises(ValueError, match="decode_stream yields every token"):
         dec.decode_stream(TARGET, TPARAMS, PROMPTS, max_new_tokens=8, stop="a", detokenize=spell)
+
+
+def test_engine_tree_top_logprobs_are_cut_with_the_tokens_at_a_stop_string():
+    """A tree drafter in the engine with top_logprobs: the alternatives of the tokens a stop string keeps (cut in
+    the step that completes it) are decode's own for those tokens, and as many."""
+    from test_logit_processors import GREEDY_TREE
+
+    kw = dict(drafter=GREEDY_TREE, draft_params=DPARAMS)
+    full = dec.decode(TARGET, TPARAMS, PROMPTS[:2], max_new_tokens=16, logprobs=True, top_logprobs=2, **kw)
+    stops = [spell(full.tokens[0][6:9]), spell(full.tokens[1][4:6])]
+    eng = Engine(TARGET, TPARAMS, batch=2, max_len=32, logprobs=True, top_logprobs=2, detokenize=spell, **kw)
+    toks, tops = {}, {}
+    for r in range(2):
+        toks[r] = [eng.add(r, PROMPTS[r], 16, stop=stops[r])]
+        tops[r] = list(eng.last_top_logprobs[r])
+    while eng.free_rows() != [0, 1]:
+        for r, t in eng.step().items():
+            assert len(eng.last_top_logprobs[r]) == len(t) == len(eng.last_logprobs[r])
+            toks[r] += t
+            tops[r] += eng.last_top_logprobs[r]
+    for r in range(2):
+        want, hit = cut_reference(full.tokens[r], [stops[r]])
+        assert hit and toks[r] == want and eng.stop_reason(r) == dec.StopReason.STOP_STRING
+        ref = full.top_logprobs[r][: len(want)]
+        assert [[i for i, _ in a] for a in tops[r]] == [[i for i, _ in a] for a in ref]
+        np.testing.assert_allclose([[v for _, v in a] for a in tops[r]], [[v for _, v in a] for a in ref], atol=1e-5)
+        assert eng.text(r) == spell(want)[: spell(want).index(stops[r])]
