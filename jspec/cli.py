@@ -22,7 +22,7 @@ from importlib.metadata import entry_points
 
 from jspec.decode import DEFAULT_GAMMA, MAX_TOP_LOGPROBS, StopReason, prepare
 from jspec.model import Model
-from jspec.sampling import MAX_ABS_PENALTY, REPETITION_PENALTY_RANGE
+from jspec.sampling import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, REPETITION_PENALTY_RANGE
 from jspec.stop import StopStrings, check_stop_strings
 
 # The last four come from the ``jspec.drafter_loaders`` entry points (this repository's ``models``).
@@ -221,6 +221,11 @@ def logit_bias(args) -> dict[int, float] | None:
             raise ValueError(f"--logit-bias names token {tid} twice")
         if math.isnan(bias) or bias == math.inf:
             raise ValueError(f"--logit-bias {tid}:{val.strip()}: a bias must be finite, or -inf to ban the token")
+        if math.isfinite(bias) and abs(bias) > MAX_ABS_LOGIT_BIAS:
+            raise ValueError(
+                f"--logit-bias {tid}:{val.strip()}: a bias must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                f"{MAX_ABS_LOGIT_BIAS:g}] (OpenAI's range), or -inf to ban the token"
+            )
         out[tid] = bias
     return out
 
@@ -279,7 +284,7 @@ def _stream_timed(prepared, tok, out, stops=(), min_tokens=0):
     whose cost grows with the rounds and the text: plain decoding, with more rounds, would pay more of it.
     stops: stop strings (``jspec.stop``): the decode ends at the round that completes one, the tokens after it
     are dropped from the output (``kept_tokens``; the statistics and the rate count every token decoded) and the
-    stop reason is STOP_STRING; with ``min_tokens``, only the text after the first min_tokens tokens counts. The
+    stop reason is STOP_STRING; with ``min_tokens``, only a string completed after the first min_tokens counts. The
     text written holds back its last characters while they could begin a stop string, so no part of one
     reaches ``out`` (``StopStrings.visible``)."""
     t0 = time.perf_counter()
@@ -335,8 +340,8 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, 
         min_p=args.min_p,
         eos_ids=eos,
         stop_token_ids=stop_token_ids(args),
-        # With no end token, --min-tokens holds back only the --stop strings (the stream's host-side check).
-        min_tokens=args.min_tokens if eos or stop_token_ids(args) else 0,
+        min_tokens=args.min_tokens,
+        stop_strings=[bool(args.stop)],  # what --min-tokens holds back besides end tokens (the stream's check)
         logit_bias=logit_bias(args),
         repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty,
@@ -396,9 +401,10 @@ def generate(args) -> int:
     stats.update(drafter=args.drafter)
     logprobs = stats.pop("logprobs")
     tops = stats.pop("top_logprobs")
-    # With --min-tokens a stop string counts only after the first min_tokens tokens' text (as the stream's check).
-    start = len(tok.decode(ids[: args.min_tokens], skip_special_tokens=True)) if args.min_tokens else 0
-    text, matched = StopStrings.cut(tok.decode(ids, skip_special_tokens=True), args.stop or (), start)
+    # With --min-tokens a stop string counts only where it ends after the first min_tokens tokens' text (as the
+    # stream's check).
+    floor = len(tok.decode(ids[: args.min_tokens], skip_special_tokens=True)) if args.min_tokens else 0
+    text, matched = StopStrings.cut(tok.decode(ids, skip_special_tokens=True), args.stop or (), floor)
     result = {
         "text": text,
         "token_ids": ids,

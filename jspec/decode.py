@@ -998,6 +998,12 @@ class PreparedDecode:
     config: DecodeConfig
     stream_fns: Any = None  # () -> the (prefill, round) pair a stream steps with
 
+    @property
+    def sampling(self) -> SamplingParams:
+        """The rows' validated sampling parameters (after the params, the draft params, the prompts, their lengths
+        and budgets in ``args``)."""
+        return self.args[5]
+
     def stream(self, fns=None) -> DecodeStream:
         """The round-by-round ``DecodeStream`` of this call (see ``decode_stream``); ``fns``: the pair
         ``compile_stream`` returns, else they compile at the first steps."""
@@ -1163,10 +1169,13 @@ def check_min_tokens(
             f"row {i}: min_tokens ({int(n_min[i])}) is more than the {int(max_new[i])} tokens it may generate "
             "(max_new_tokens, or what the cache holds)"
         )
+    has_strings = np.asarray(False if stop_strings is None else stop_strings, bool)
+    if has_strings.ndim and has_strings.shape != n_min.shape:
+        raise ValueError(f"stop_strings has {has_strings.size} entries for {n_min.size} rows")
+    has_strings = np.broadcast_to(has_strings, n_min.shape)
     for i in np.nonzero(n_min > 0)[0]:
         ends = set(eos_ids) | set(stops[i][stops[i] >= 0].tolist())
-        strings = stop_strings[i] if isinstance(stop_strings, Sequence) else stop_strings
-        if not ends and not strings:
+        if not ends and not has_strings[i]:
             raise ValueError(
                 f"row {i}: min_tokens ({int(n_min[i])}) holds back nothing: the row has no end token (EOS ids, "
                 "stop_token_ids)" + (" or stop string" if stop_strings is not None else "") + " to keep back"
@@ -1310,8 +1319,10 @@ def decode(target: Model, target_params, prompts, *, stop=None, detokenize=None,
     ``detokenize`` (token ids -> text, e.g. ``lambda ids: tok.decode(ids, skip_special_tokens=True)``): text only
     exists on the host, so the decode then steps round by round (``run_with_stop_strings``: a host sync per round,
     the same tokens) and a row whose text holds one of its strings ends with the token completing it, stop reason
-    STOP_STRING; with min_tokens, only the text after the row's first min_tokens tokens counts.
+    STOP_STRING; with min_tokens, only a string that a token after the row's first min_tokens completes counts.
     """
+    if "stop_strings" in kwargs:
+        raise ValueError("decode sets stop_strings from stop= (prepare's serves callers that step a stream)")
     if stop is None:
         if detokenize is not None:
             raise ValueError("detokenize is only used to find stop strings: pass stop=[...] with it, or leave it out")
@@ -1327,8 +1338,7 @@ def decode(target: Model, target_params, prompts, *, stop=None, detokenize=None,
         return prepare(target, target_params, prompts, **kwargs).run()
     rows = stop_string_rows(stop, batch)
     prepared = prepare(target, target_params, prompts, stop_strings=[bool(r) for r in rows], **kwargs)
-    sampling = prepared.args[5]  # after the params, the draft params, the prompts, their lengths and budgets
-    n_min = jax.device_get(sampling.min_tokens)
+    n_min = jax.device_get(prepared.sampling.min_tokens)
     return run_with_stop_strings(prepared.stream(), rows, detokenize, n_min)
 
 

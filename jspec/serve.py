@@ -302,8 +302,9 @@ class Engine:
         frequency_penalty: as ``decode``'s (an engine built with ``penalties=True``). stop: a string or strings
         that end the request when its text holds one (an engine built with ``detokenize``; see ``jspec.stop``):
         the tokens up to the one completing it are returned, the stop reason is STOP_STRING, ``matched_stop(row)``
-        names it and ``text(row)`` ends before it; with min_tokens, only the text after the first min_tokens
-        tokens counts (vLLM's rule). min_tokens with no end token or stop string to hold back is refused."""
+        names it and ``text(row)`` ends before it; with min_tokens, only a string that a token after the first
+        min_tokens completes counts (vLLM's rule). min_tokens with no end token or stop string to hold back is
+        refused."""
         self._check_row(row)
         if self._stop[row] == StopReason.RUNNING:
             raise ValueError(f"row {row} is still decoding a request")

@@ -3,8 +3,9 @@
 Text exists only on the host, so this is a host-side check over the tokens a stream or the serving engine
 returns after each step, given the caller's detokenizer (jspec never imports a tokenizer). A step can emit
 several tokens (accepted drafts): the request keeps the tokens up to the one that completes the string, and its
-text ends right before the string (vLLM's default, ``include_stop_str_in_output=False``). With min_tokens, only
-text after the request's first min_tokens tokens is searched (vLLM's rule), as its end tokens are held back.
+text ends right before the string (vLLM's default, ``include_stop_str_in_output=False``). With min_tokens, a
+string counts only where a token after the request's first min_tokens completes it (vLLM's rule: it checks the
+strings from then on, each ending in the newest text), as its end tokens are held back.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class StopStrings:
     detokenize: token ids -> text (e.g. ``lambda ids: tok.decode(ids, skip_special_tokens=True)``), applied to the
     whole output so far, so merges and multi-byte characters across token boundaries come out as the tokenizer
     writes them. Only the text near the end is searched after each step (a string that spans steps is found).
-    min_tokens: a string counts only in the text after the first min_tokens tokens (vLLM's ``min_tokens``).
+    min_tokens: a string counts only where it ends in the text after the first min_tokens tokens, i.e. a later
+    token completes it (vLLM's ``min_tokens``: one that began earlier counts, one wholly inside does not).
     ``visible()`` is the text a stream may show so far. With no strings, ``feed`` only collects the tokens."""
 
     def __init__(self, stops: Sequence[str], detokenize: Callable[[list[int]], str], min_tokens: int = 0):
@@ -48,14 +50,15 @@ class StopStrings:
         self._longest = max((len(s) for s in self.stops), default=0)
         self.tokens: list[int] = []
         self._searched = 0  # text length before the last step: earlier text held no stop string
-        self._floor = 0 if n_min == 0 else None  # where a string may begin (None: min_tokens not reached)
+        self._floor = 0 if n_min == 0 else None  # where a string must end after (None: min_tokens not reached)
         self._last: str | None = None  # the text of ``tokens`` when the last step computed it
         self.matched: str | None = None  # the stop string that ended the request
         self.text: str | None = None  # the request's text, cut before ``matched``, once it ended
 
     def _find(self, text: str, start: int) -> tuple[int, str] | None:
-        """The earliest stop string in text[start:] (the longest among those starting there): (position, string)."""
-        hits = [(text.find(s, start), -len(s), s) for s in self.stops]
+        """The earliest stop string in text[start:] that ends past the min_tokens floor (the longest among those
+        starting there): (position, string)."""
+        hits = [(text.find(s, max(start, self._floor - len(s) + 1)), -len(s), s) for s in self.stops]
         hits = [h for h in hits if h[0] >= 0]
         if not hits:
             return None
@@ -81,7 +84,7 @@ class StopStrings:
         if self._floor is None:
             self._floor = len(self._detokenize((self.tokens + new_tokens)[: self.min_tokens]))
         # A string may begin in earlier text that the new tokens complete (or that the tokenizer rewrites).
-        start = max(self._floor, self._searched - self._longest - 8)
+        start = max(0, self._searched - self._longest - 8)
         if self._find(text, start) is None:
             self.tokens += new_tokens
             self._searched, self._last = len(text), text
@@ -112,12 +115,12 @@ class StopStrings:
         return text.rstrip("\ufffd")
 
     @staticmethod
-    def cut(text: str, stops: Sequence[str], start: int = 0) -> tuple[str, str | None]:
-        """``text`` cut before the first of ``stops`` in text[start:] (``start``: where the text after the first
-        min_tokens tokens begins), and that string (None when none occurs)."""
+    def cut(text: str, stops: Sequence[str], floor: int = 0) -> tuple[str, str | None]:
+        """``text`` cut before the first of ``stops`` in it that ends past ``floor`` (the length of the first
+        min_tokens tokens' text: ``StopStrings``' rule), and that string (None when none occurs)."""
         best = None
         for s in check_stop_strings(stops) if stops else ():
-            pos = text.find(s, start)
+            pos = text.find(s, max(0, floor - len(s) + 1))
             if pos >= 0 and (best is None or (pos, -len(s)) < (best[0], -len(best[1]))):
                 best = (pos, s)
         return (text, None) if best is None else (text[: best[0]], best[1])

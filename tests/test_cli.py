@@ -42,6 +42,7 @@ from jspec import cli
         (["--logit-bias", "\u00b2:1"], "--logit-bias wants comma-separated TOKEN_ID:BIAS pairs"),
         (["--logit-bias", "2:nan"], "--logit-bias 2:nan: a bias must be finite, or -inf to ban the token"),
         (["--logit-bias", "2:inf"], "--logit-bias 2:inf: a bias must be finite"),
+        (["--logit-bias", "2:-1e9"], "--logit-bias 2:-1e9: a bias must be in [-100, 100] (OpenAI's range), or -inf"),
         (["--min-tokens", "-1"], "--min-tokens -1 must be in [0, --max-new-tokens (128)]"),
         (["--top-logprobs", "3"], "--top-logprobs needs --logprobs"),
         (["--stop", ""], "--stop: stop strings must be non-empty strings"),
@@ -166,13 +167,14 @@ def test_logit_bias_and_min_tokens_reach_the_decode_call(monkeypatch):
     assert seen["logprobs"] is True and seen["top_logprobs"] == 4
 
 
-def test_min_tokens_without_end_tokens_holds_back_only_the_stop_strings(monkeypatch):
-    """--ignore-eos --min-tokens 3 --stop x: no end token for the decode to mask (0 there; the stream's stop-string
-    check holds the strings back instead); with an end token the decode masks it."""
+def test_min_tokens_holds_back_the_stop_strings_too(monkeypatch):
+    """--ignore-eos --min-tokens 3 --stop x: no end token for the decode to mask, but the stream's stop-string
+    check holds the strings back, so the decode call is told the row has strings (decode refuses a min_tokens
+    with nothing to hold back)."""
     seen = _decode_kwargs(monkeypatch, ["--ignore-eos", "--min-tokens", "3", "--stop", "x"])
-    assert seen["min_tokens"] == 0 and seen["eos_ids"] == []
+    assert seen["min_tokens"] == 3 and seen["eos_ids"] == [] and seen["stop_strings"] == [True]
     seen = _decode_kwargs(monkeypatch, ["--ignore-eos", "--min-tokens", "3", "--stop-token-ids", "1"])
-    assert seen["min_tokens"] == 3
+    assert seen["min_tokens"] == 3 and seen["stop_strings"] == [False]
 
 
 def test_compare_when_sampling_gives_no_speedup_between_different_outputs(monkeypatch, capsys):

@@ -349,6 +349,7 @@ def test_sampled_distribution_follows_the_processed_target(kind):
             r"stop_token_ids\) to keep back",
         ),
         (dict(repetition_penalty=1.2, penalties=False), r"penalties=False, but a row has a repetition / presence"),
+        (dict(stop_strings=[True]), "stop_strings has 1 entries for 2 rows"),
     ],
 )
 def test_bad_options_are_refused(kwargs, message):

@@ -66,11 +66,12 @@ def test_bad_stop_strings_are_refused(stops):
 
 
 def cut_reference(tokens, stops, min_tokens=0):
-    """decode's tokens cut after the first token whose prefix's text holds a stop string after the text of the
-    first min_tokens tokens (a whole-text search per prefix; spell's text grows token by token)."""
-    floor = len(spell(tokens[:min_tokens]))
+    """decode's tokens cut after the first token past the first min_tokens that completes a stop string, as
+    vLLM checks: from then on, after each token, for a string ending in the text that token added (a whole-text
+    search per prefix; spell's text grows by one letter a token)."""
     for n in range(min_tokens + 1, len(tokens) + 1):
-        if any(s in spell(tokens[:n])[floor:] for s in stops):
+        text = spell(tokens[:n])
+        if any(text.endswith(s) for s in stops):
             return tokens[:n], True
     return tokens, False
 
@@ -95,10 +96,9 @@ def test_random_streams_match_the_whole_text_reference():
             shown.append(s.visible())
         final = s.visible(final=True)
         assert s.tokens == want and (s.matched is not None) == hit, (tokens, stops, n_min)
-        if hit:
-            floor = len(spell(want[:n_min]))
+        if hit:  # the text ends before the longest string the last token completed
             text = spell(want)
-            pos = min(text.find(x, floor) for x in stops if text.find(x, floor) >= 0)
+            pos = len(text) - max(len(x) for x in stops if text.endswith(x))
             assert final == s.text == text[:pos] and text.startswith(s.matched, pos)
         else:
             assert final == spell(tokens)
@@ -157,12 +157,12 @@ def test_cli_stream_never_shows_part_of_a_stop_string():
     assert out.getvalue() == "ab\n"
     assert result.tokens == [[0, 1, 2, 3]] and result.stop_reason == [dec.StopReason.STOP_STRING]
     assert result.logprobs == [[-0.5] * 4] and result.stats["new_tokens"] == [6]  # every token decoded counts
-    # With min_tokens 1 the "ab" of the first two tokens does not count (it begins in the first token's text);
-    # the one the last step completes does.
+    # With min_tokens 2 the "ab" of the first two tokens does not count (the first two complete it); the one the
+    # last step completes does.
     out = io.StringIO()
     stream = _FakeStream([[0, 1], [2], [3, 0, 1]])
     prepared = SimpleNamespace(compile_stream=lambda: None, stream=lambda fns: stream)
-    result = cli._stream_timed(prepared, tok, out, stops=("ab",), min_tokens=1)
+    result = cli._stream_timed(prepared, tok, out, stops=("ab",), min_tokens=2)
     assert out.getvalue() == "abcd\n" and result.tokens == [[0, 1, 2, 3, 0, 1]]
     assert result.stop_reason == [dec.StopReason.STOP_STRING]
 
@@ -198,10 +198,9 @@ def test_engine_stop_strings_end_each_request_at_its_own():
         assert toks == want, i
         assert reason == (dec.StopReason.STOP_STRING if hit else dec.StopReason.MAX_NEW_TOKENS), i
         assert (matched is not None) == hit and (matched is None or matched in spell(toks)), i
-        # The text shown: cut before the string (found past the first min_tokens tokens' text), whole otherwise,
-        # and every text shown on the way a beginning of it (no part of the string ever shown).
-        floor = len(spell(want[: n_min[i]]))
-        assert text == (spell(want)[: spell(want).index(matched, floor)] if hit else spell(want)), i
+        # The text shown: cut before the string the last token completed, whole otherwise, and every text shown
+        # on the way a beginning of it (no part of the string ever shown).
+        assert text == (spell(want)[: len(spell(want)) - len(matched)] if hit else spell(want)), i
         assert all(text.startswith(v) for v in shown[i]), (i, shown[i], text)
     before = spell(full[3][:5])
     assert spell(full[3][2:4]) in before and len(got[3][0]) > 5  # min_tokens really skipped an early match
@@ -250,6 +249,7 @@ def test_decode_with_stop_strings_cuts_each_row_at_its_own():
         (dict(stop=[["a"], None], detokenize=spell), "stop has 2 per-row entries for 4 rows"),
         (dict(stop=[""], detokenize=spell), "stop strings must be non-empty strings"),
         (dict(min_tokens=2), r"row 0: min_tokens \(2\) holds back nothing"),
+        (dict(stop="a", detokenize=spell, stop_strings=[True] * 4), "decode sets stop_strings from stop="),
     ],
 )
 def test_decode_stop_string_refusals(kwargs, message):
