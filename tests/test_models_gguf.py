@@ -697,24 +697,9 @@ def test_chat_prompts_get_one_bos_where_the_vocabulary_adds_it_like_llama_cpp(tm
     adds BOS (tokenizer.ggml.add_bos_token, on by default for llama-bpe), then tokenizes with its special tokens:
     exactly one BOS whether or not the template writes one. jspec gave a template without BOS none (a ChatML
     fine-tune of Llama-3). Without add_bos the template's own BOS stays, and nothing is added."""
-    from models.tokenizer import Tokenizer
 
     def tokenizer(template: str, add_bos=None):
-        w = gguf.GGUFWriter(os.fspath(tmp_path / "chat.gguf"), "llama")
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("llama-bpe")
-        w.add_token_list(["a", "b", "c", "ab", "abc", "<s>"])
-        w.add_token_types([1, 1, 1, 1, 1, 3])  # <s>: a CONTROL token, its text in a prompt is that one id
-        w.add_token_merges(["a b"])
-        w.add_bos_token_id(5)
-        w.add_chat_template(template)
-        if add_bos is not None:
-            w.add_add_bos_token(add_bos)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        return Tokenizer.from_gguf(open_gguf(tmp_path / "chat.gguf"))
+        return _abc_tokenizer(tmp_path / "chat.gguf", "llama-bpe", add_bos, template)
 
     chat = [{"role": "user", "content": "abc"}]
     assert tokenizer("{{ messages[0].content }}").encode_chat(chat) == [5, 4]
@@ -724,26 +709,36 @@ def test_chat_prompts_get_one_bos_where_the_vocabulary_adds_it_like_llama_cpp(tm
     assert tokenizer("{{ bos_token }}{{ messages[0].content }}", add_bos=False).encode_chat(chat) == [5, 4]
 
 
+def _abc_tokenizer(path, pre: str, add_bos=None, template: str | None = None):
+    """A GGUF tokenizer over "a", "b", "c", "ab", "abc" and a CONTROL "<s>" (id 5, BOS) with the one merge "a b":
+    "abc" is an entry no merge reaches."""
+    from models.tokenizer import Tokenizer
+
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(["a", "b", "c", "ab", "abc", "<s>"])
+    w.add_token_types([1, 1, 1, 1, 1, 3])  # <s>: a CONTROL token, its text in a prompt is that one id
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(5)
+    if template is not None:
+        w.add_chat_template(template)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Tokenizer.from_gguf(open_gguf(path))
+
+
 def test_llama3_vocabularies_take_whole_words_before_merges(tmp_path):
     """llama.cpp's LLAMA3 pre-tokenizer (llama-bpe / llama3 / llama-v3) ignores the merges for a piece that is
     itself a vocabulary entry (tokenizer.json's ignore_merges) and adds BOS unless told not to; other
     pre-tokenizers merge. Toy vocabulary: "abc" is an entry no merge reaches (only "a b" is a merge)."""
-    from models.tokenizer import Tokenizer
 
     def tokenizer(pre: str, add_bos=None):
-        w = gguf.GGUFWriter(os.fspath(tmp_path / f"{pre}.gguf"), "llama")
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(pre)
-        w.add_token_list(["a", "b", "c", "ab", "abc", "<s>"])
-        w.add_token_merges(["a b"])
-        w.add_bos_token_id(5)
-        if add_bos is not None:
-            w.add_add_bos_token(add_bos)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        return Tokenizer.from_gguf(open_gguf(tmp_path / f"{pre}.gguf"))
+        return _abc_tokenizer(tmp_path / f"{pre}.gguf", pre, add_bos)
 
     assert tokenizer("gpt-2").encode("abc") == [3, 2]  # merges only: "ab" + "c"
     for pre in ("llama-bpe", "llama3", "llama-v3"):
