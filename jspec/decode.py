@@ -1338,6 +1338,8 @@ def decode(target: Model, target_params, prompts, *, stop=None, detokenize=None,
         return prepare(target, target_params, prompts, **kwargs).run()
     rows = stop_string_rows(stop, batch)
     prepared = prepare(target, target_params, prompts, stop_strings=[bool(r) for r in rows], **kwargs)
+    if not any(rows):  # no row has a string to look for: the fused loop, no host sync per round
+        return prepared.run()
     n_min = jax.device_get(prepared.sampling.min_tokens)
     return run_with_stop_strings(prepared.stream(), rows, detokenize, n_min)
 

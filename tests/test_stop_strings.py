@@ -239,6 +239,9 @@ def test_decode_with_stop_strings_cuts_each_row_at_its_own():
     early = dec.decode(TARGET, TPARAMS, PROMPTS, stop=[s for s in LETTERS], detokenize=spell, **kw)
     assert all(len(t) == 1 for t in early.tokens) and set(early.stop_reason) == {dec.StopReason.STOP_STRING}
     assert max(early.stats["rounds"]) < max(full.stats["rounds"])
+    # No row with a string (stop=[] or one None per row): the fused loop's output, as without stop=.
+    for none in ([], [None] * len(PROMPTS)):
+        assert dec.decode(TARGET, TPARAMS, PROMPTS, stop=none, detokenize=spell, **kw).tokens == full.tokens
 
 
 @pytest.mark.parametrize(
