@@ -56,14 +56,7 @@ class StopStrings:
         self.text: str | None = None  # the request's text, cut before ``matched``, once it ended
 
     def _find(self, text: str, start: int) -> tuple[int, str] | None:
-        """The earliest stop string in text[start:] that ends past the min_tokens floor (the longest among those
-        starting there): (position, string)."""
-        hits = [(text.find(s, max(start, self._floor - len(s) + 1)), -len(s), s) for s in self.stops]
-        hits = [h for h in hits if h[0] >= 0]
-        if not hits:
-            return None
-        pos, _, s = min(hits)
-        return pos, s
+        return _earliest(text, self.stops, start, self._floor)
 
     def feed(self, new_tokens: Sequence[int]) -> int | None:
         """Add a step's tokens. Returns None while no stop string appeared, else how many of ``new_tokens`` the
@@ -118,9 +111,16 @@ class StopStrings:
     def cut(text: str, stops: Sequence[str], floor: int = 0) -> tuple[str, str | None]:
         """``text`` cut before the first of ``stops`` in it that ends past ``floor`` (the length of the first
         min_tokens tokens' text: ``StopStrings``' rule), and that string (None when none occurs)."""
-        best = None
-        for s in check_stop_strings(stops) if stops else ():
-            pos = text.find(s, max(0, floor - len(s) + 1))
-            if pos >= 0 and (best is None or (pos, -len(s)) < (best[0], -len(best[1]))):
-                best = (pos, s)
-        return (text, None) if best is None else (text[: best[0]], best[1])
+        hit = _earliest(text, check_stop_strings(stops) if stops else (), 0, floor)
+        return (text, None) if hit is None else (text[: hit[0]], hit[1])
+
+
+def _earliest(text: str, stops: Sequence[str], start: int, floor: int) -> tuple[int, str] | None:
+    """The earliest of ``stops`` in text[start:] that ends past ``floor`` (the longest among those starting
+    there): (position, string), or None."""
+    hits = [(text.find(s, max(start, floor - len(s) + 1)), -len(s), s) for s in stops]
+    hits = [h for h in hits if h[0] >= 0]
+    if not hits:
+        return None
+    pos, _, s = min(hits)
+    return pos, s
