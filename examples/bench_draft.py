@@ -43,7 +43,7 @@ from jspec import cost_model  # noqa: E402
 from jspec import decode as dec  # noqa: E402
 from jspec.bench import metrics  # noqa: E402
 from jspec.bench.runner import predict_k_rounds  # noqa: E402
-from jspec.cli import wants_unstacked  # noqa: E402
+from jspec.loaders import wants_unstacked  # noqa: E402
 from jspec.sampling import SamplingParams, distribution, sample  # noqa: E402
 from models import draft as D  # noqa: E402
 from models import registry  # noqa: E402

@@ -61,9 +61,9 @@ from jspec import decode as dec  # noqa: E402
 from jspec.bench import metrics  # noqa: E402
 from jspec.bench.metrics import fresh  # noqa: E402
 from jspec.bench.runner import predict_k_rounds  # noqa: E402
-from jspec.cli import wants_unstacked  # noqa: E402
 from jspec.cost_model import conditional_rates_from_stats  # noqa: E402
 from jspec.drafters import DraftContext  # noqa: E402
+from jspec.loaders import wants_unstacked  # noqa: E402
 from jspec.ngram import NgramDrafter  # noqa: E402
 from jspec.tree import TreeRule, TreeSpec  # noqa: E402
 from models import eagle as EG  # noqa: E402

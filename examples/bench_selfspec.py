@@ -38,10 +38,10 @@ import numpy as np
 from jspec.bench import metrics, suite
 from jspec.bench.metrics import fresh
 from jspec.bench.runner import predict_k_rounds
-from jspec.cli import wants_unstacked
 from jspec.cost_model import conditional_rates_from_stats, survival_from_stats
 from jspec.decode import default_slots, prepare
 from jspec.drafters import DraftContext
+from jspec.loaders import wants_unstacked
 from jspec.sampling import SamplingParams
 from models.layerskip import LayerSkipDrafter, default_cache_dir, exit_cache_path, restore_exit_params
 from models.registry import load

@@ -15,8 +15,8 @@ import statistics
 import time
 
 from jspec.bench.metrics import timed_region_gc
-from jspec.cli import LAYER_LAYOUTS, wants_unstacked
 from jspec.decode import prepare
+from jspec.loaders import LAYER_LAYOUTS, wants_unstacked
 from jspec.ngram import NgramDrafter
 from jspec.serve import Engine
 from models import registry

@@ -63,7 +63,7 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and _COMPILE_CACHE_ENV not in os.environ:
         os.environ[_COMPILE_CACHE_ENV] = tempfile.mkdtemp(prefix="jspec-test-xla-")
         config._jspec_compile_cache = os.environ[_COMPILE_CACHE_ENV]
-    from jspec.cli import enable_compile_cache  # the CLI's own switch
+    from jspec.loaders import enable_compile_cache  # the CLI's own switch
 
     # explicit: the run's own directory wins over a JAX_COMPILATION_CACHE_DIR of the user's, which would otherwise
     # receive every program the suite compiles (and keep them: only the run's directory is removed at the end).

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from jspec import cli
+from jspec import cli, loaders
 
 
 @pytest.mark.parametrize(
@@ -235,7 +235,7 @@ def test_an_explicit_compile_cache_wins_over_the_environment(command, jax_cache_
         if want is not None:
             assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0, flags
     # A default directory (explicit=False, what an absent flag passes): the environment's overrides it.
-    assert cli.enable_compile_cache(flag_dir) == env_dir
+    assert loaders.enable_compile_cache(flag_dir) == env_dir
 
 
 @pytest.mark.parametrize(

@@ -314,7 +314,7 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
 
 
 def test_loader_layout_argument_only_reaches_loaders_that_take_it():
-    from jspec.cli import load_model
+    from jspec.loaders import load_model
 
     seen = []
     assert load_model(lambda name, dtype: (name, dtype), "m", "float32", unstacked=True) == ("m", "float32")
@@ -326,7 +326,7 @@ def test_loader_layout_argument_only_reaches_loaders_that_take_it():
 def test_layers_auto_is_unstacked_on_cpu_and_gpu_only(monkeypatch):
     import jax
 
-    from jspec.cli import wants_unstacked
+    from jspec.loaders import wants_unstacked
 
     assert wants_unstacked("unstacked") and not wants_unstacked("stacked")
     for backend, unstacked in (("cpu", True), ("gpu", True), ("tpu", False)):

@@ -2,5 +2,5 @@
 and open loop), per-phase costs, the cost-model check, peers (transformers, llama-cpp-python) and reports.
 
 ``python -m jspec bench`` runs ``jspec.bench.suite.main``. This package never imports ``models``: checkpoints
-come through ``jspec.cli.model_loader()``.
+come through ``jspec.loaders.model_loader()``.
 """

@@ -35,12 +35,12 @@ import numpy as np
 
 from jspec.bench import metrics, peers, report, runner, workloads
 from jspec.bench.runner import Load, RunResult, Sampling, Spec
-from jspec.cli import COMPILE_CACHE_DEFAULT, end_ids
+from jspec.loaders import COMPILE_CACHE_DEFAULT, end_ids
 
 
 @dataclasses.dataclass
 class Target:
-    """A loaded checkpoint (through ``jspec.cli.model_loader()``) and where it came from."""
+    """A loaded checkpoint (through ``jspec.loaders.model_loader()``) and where it came from."""
 
     name: str
     config: Any
@@ -87,7 +87,7 @@ def _checkpoint_path(load, name: str) -> str | None:
 def load_target(name: str = "smollm2-135m-instruct", dtype: str = "float32", layers: str = "stacked") -> Target:
     """layers: "stacked", "unstacked" (per-layer arrays: faster CPU decode steps, longer compiles) or "auto"
     (unstacked on CPU and GPU)."""
-    from jspec.cli import load_model, model_loader, wants_unstacked
+    from jspec.loaders import load_model, model_loader, wants_unstacked
 
     unstacked = wants_unstacked(layers)  # refuses anything else before loading
     load = model_loader()
@@ -783,7 +783,7 @@ def peer_names(text: str) -> list[str]:
 def config_from_args(args, **counts: int | None) -> SuiteConfig:
     """The suite's configuration from ``add_common_args``' flags, checked first (``check_args``, which takes a
     script's own ``counts``), then the compilation cache switched on."""
-    from jspec.cli import compile_cache_flag
+    from jspec.loaders import compile_cache_flag
 
     check_args(args, **counts)
     compile_cache_flag(args.compile_cache)
