@@ -33,7 +33,9 @@ from typing import Any
 
 import numpy as np
 
-WORKLOADS = ("math", "code", "chat", "grounded")
+WORKLOADS = ("math", "code", "chat", "grounded")  # the default suite's
+# Code editing: the answer copies most of its prompt (the workload where prompt lookup pays). ``make run``'s.
+EDIT_WORKLOAD = "edit"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,6 +447,45 @@ def grounded_requests(n: int, seed: int = 0, max_chars: int = 600) -> list[Reque
     return out
 
 
+# --------------------------------------------------------------------------------------------------------
+# edit (annotate a function that ships with Python: the answer repeats the prompt's code)
+
+# "module:qualified name" of pure-Python standard-library functions of 35-80 lines.
+_EDIT_SOURCES = (
+    "textwrap:dedent", "difflib:get_close_matches", "heapq:nsmallest", "statistics:variance",
+    "difflib:unified_diff", "ipaddress:collapse_addresses", "difflib:ndiff", "urllib.parse:urljoin",
+)  # fmt: skip
+
+EDIT_INSTRUCTION = "Add type hints to this Python function. Reply with the whole annotated function in one code block."
+
+
+def function_source(source: str) -> str:
+    """The source code of the standard-library function "module:qualified name"."""
+    import importlib
+
+    mod_name, qual = source.split(":")
+    obj: Any = importlib.import_module(mod_name)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return inspect.getsource(obj)
+
+
+def edit_prompt(source: str) -> str:
+    """The user turn asking to annotate the function ``source`` ("module:qualified name")."""
+    return f"{EDIT_INSTRUCTION}\n\n```python\n{function_source(source)}```"
+
+
+def edit_requests(n: int, seed: int = 0) -> list[Request]:
+    order = np.random.default_rng([seed, 5]).permutation(len(_EDIT_SOURCES))
+    out = []
+    for i in range(n):
+        src = _EDIT_SOURCES[int(order[i % len(order)])]
+        text = edit_prompt(src)
+        check = {"source": src, "function": src.split(":")[1].split(".")[-1], "code_sha256": _sha(function_source(src))}
+        out.append(Request(f"edit-{seed}-{i}", EDIT_WORKLOAD, ({"role": "user", "content": text},), "edit", check))
+    return out
+
+
 def _sha(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()[:16]
 
@@ -458,6 +499,7 @@ _BUILDERS: dict[str, Callable[[int, int], list[Request]]] = {
     "code": code_requests,
     "chat": chat_requests,
     "grounded": grounded_requests,
+    EDIT_WORKLOAD: edit_requests,
 }
 
 
@@ -468,7 +510,7 @@ def build(workloads: Sequence[str], n_per_workload: int, seed: int = 0, interlea
         raise ValueError(f"n_per_workload (requests per workload) must be an integer >= 1, got {n_per_workload!r}")
     unknown = [w for w in workloads if w not in _BUILDERS]
     if unknown:
-        raise ValueError(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+        raise ValueError(f"unknown workload(s) {unknown}; choose from {', '.join(_BUILDERS)}")
     per = [_BUILDERS[w](n_per_workload, seed) for w in workloads]
     if not interleave:
         return [r for group in per for r in group]
@@ -493,6 +535,11 @@ def score(req: Request, text: str, *, code_timeout_s: float = 5.0) -> dict[str, 
         src = set(re.findall(r"\w+", req.prompt_text().lower()))
         out["grounding"] = sum(w in src for w in words) / len(words) if words else 0.0
         return out
+    if req.kind == "edit":  # the reply's code against the original: kept (similar) and still the same function
+        code = extract_code(text)
+        original = function_source(req.check["source"])
+        sim = difflib.SequenceMatcher(None, code.strip(), original.strip(), autojunk=False).ratio()
+        return {"similarity": sim, "defines_function": f"def {req.check['function']}(" in code}
     return {"nonempty": bool(text.strip())}
 
 
