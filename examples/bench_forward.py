@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.decode import prepare, to_output
+from jspec.decode import prepare
+from jspec.state import to_output
 from models import cpu_kernels, registry
 from models.llama import forward, unstack_layers
 

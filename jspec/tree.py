@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.cache import take_rows
+from jspec.drafters import Drafter
 from jspec.sampling import distribution, gumbel, inverse_cdf, sample_from, split_keys, top_k, uniform
 
 
@@ -412,8 +413,30 @@ def grow_dynamic_tree(root_logits, expand, carry, width: int, depth: int, budget
     return tokens, parent, depth_out, valid
 
 
+class StaticTreeShape:
+    """A tree drafter's verification bounds from its ``spec`` (``TreeSpec``): the same tree every row and round."""
+
+    is_tree: ClassVar[bool] = True
+
+    @property
+    def max_depth(self) -> int:
+        return self.spec.max_depth
+
+    @property
+    def max_children(self) -> int:
+        return self.spec.max_children
+
+    @property
+    def nodes(self) -> int:
+        return self.spec.num_nodes
+
+    @property
+    def scratch(self) -> int:
+        return self.spec.num_nodes - 1
+
+
 @dataclasses.dataclass(frozen=True)
-class TreeModelDrafter:
+class TreeModelDrafter(StaticTreeShape, Drafter):
     """A draft model that expands a static tree (``TreeSpec``) level by level.
 
     Its cache holds the committed sequence up to ``lengths``; each round first catches up on the tokens
@@ -425,7 +448,6 @@ class TreeModelDrafter:
     model: object  # jspec.model.Model
     spec: TreeSpec
     rule: TreeRule = TreeRule.DETERMINISTIC
-    is_tree: bool = dataclasses.field(default=True, init=False)
 
     needs_params: ClassVar[bool] = True
 
@@ -439,12 +461,8 @@ class TreeModelDrafter:
         return self.model.vocab_size
 
     @property
-    def max_depth(self) -> int:
-        return self.spec.max_depth
-
-    @property
-    def max_children(self) -> int:
-        return self.spec.max_children
+    def draft_model(self):
+        return self.model
 
     def init(self, params, prompt, prompt_len, slots):
         b, p = prompt.shape
@@ -501,7 +519,9 @@ class TreeModelDrafter:
 
 
 class DynamicTreeShape:
-    """The verification bounds of a dynamic tree with fields ``depth`` and ``budget`` (a mixin)."""
+    """The verification bounds of a dynamic tree with fields ``top_k``, ``depth`` and ``budget`` (a mixin)."""
+
+    is_tree: ClassVar[bool] = True
 
     @property
     def max_depth(self) -> int:
@@ -510,6 +530,17 @@ class DynamicTreeShape:
     @property
     def max_children(self) -> int:
         return self.budget - 1  # the root may keep every selected candidate as a child
+
+    @property
+    def nodes(self) -> int:
+        return self.budget
+
+    @property
+    def scratch(self) -> int:
+        # Every frontier slot of the ``depth`` levels (``top_k`` each) also runs through the drafter's cache,
+        # which can be more than the budget's: reserved too, so that no frontier entry falls off the end of the
+        # cache, where its logits (and so which nodes a row keeps) would depend on the cache's size.
+        return max(self.budget - 1, self.top_k * self.depth)
 
 
 @dataclasses.dataclass(frozen=True)

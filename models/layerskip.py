@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jspec.cache import KVCache, attention_mask
-from jspec.drafters import DraftContext, Proposal
+from jspec.drafters import DraftContext, Drafter, Proposal
 from jspec.model import Model
 from jspec.sampling import distribution, sample, split_keys
 from models import llama
@@ -183,7 +183,7 @@ def exit_model(cfg: LlamaConfig, exit_layer: int) -> Model:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerSkipDrafter:
+class LayerSkipDrafter(Drafter):
     """Self-speculation with the target's first ``exit_layer`` layers (jspec drafter protocol, shares the
     target's cache and replaces the verification call).
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from test_layerskip import PROMPTS, TINY, TINY_MODEL, TINY_PARAMS
 
-from jspec.decode import StopReason, decode, prepare
+from jspec.decode import decode, prepare
 from jspec.drafters import ModelDrafter
+from jspec.state import StopReason
 from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
 from models import llama
 
