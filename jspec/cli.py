@@ -1,5 +1,6 @@
 """``python -m jspec generate``: run a real checkpoint with or without speculation (checkpoints and trained
-drafters are found through entry points: ``jspec.loaders``). ``python -m jspec bench`` runs the benchmark suite.
+drafters are found through entry points: ``jspec.loaders``). ``python -m jspec demo`` is ``make run``'s
+demonstration (``jspec.demo``), ``python -m jspec bench`` runs the benchmark suite.
 """
 
 from __future__ import annotations
@@ -431,9 +432,14 @@ def main(argv=None) -> int:
         from jspec.bench.suite import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["demo"]:  # make run: speculative against plain decoding on a code-editing request
+        from jspec.demo import main as demo_main
+
+        return demo_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m jspec", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="run the default benchmark suite (python -m jspec bench --help)")
+    sub.add_parser("demo", help="speculative vs plain decoding on a code-editing request (python -m jspec demo --help)")
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf file or HF directory")
     g.add_argument("--prompt", required=True)

@@ -130,11 +130,12 @@ def cond_in_place(pred: jax.Array, true_fn, false_fn, carry):
         return once(true_fn, jnp.where(pred, 1, 0))(carry)
 
 
-def _draft_chain(drafter: Drafter, config, draft_params, st: DecodeState, max_draft, key) -> Proposal:
-    """The round's chain proposal, n_draft capped at ``max_draft``. When no row may propose (adaptive K at 0, or
-    the budget nearly spent) the drafter only keeps its state in step (``observe``) instead of rolling out K steps.
-    The returned ``target_cache`` is the target's cache, with the drafter's writes if it shares it."""
-    b, k, v = st.seq.shape[0], config.gamma, drafter.vocab_size
+def _draft_chain(drafter: Drafter, config, draft_params, st: DecodeState, max_draft, key, v: int) -> Proposal:
+    """The round's chain proposal, n_draft capped at ``max_draft`` (q over the target's V tokens). When no row may
+    propose (adaptive K at 0, or the budget nearly spent) the drafter only keeps its state in step (``observe``)
+    instead of rolling out K steps. The returned ``target_cache`` is the target's cache, with the drafter's writes
+    if it shares it."""
+    b, k = st.seq.shape[0], config.gamma
     shares = drafter.shares_target_cache
     ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling, st.cache if shares else None)
 
@@ -177,7 +178,7 @@ def chain_step(
         ver = _Verified(logits, greedy_ids(target, logits, st.sampling, proc), cache, st.draft_state)
         proc_wide = proc
     else:
-        prop = _draft_chain(drafter, config, draft_params, st, max_draft, k_draft)
+        prop = _draft_chain(drafter, config, draft_params, st, max_draft, k_draft, target.vocab_size)
         tokens = jnp.concatenate([pending[:, None], prop.tokens], axis=1)  # [B, K+1]
         # Position j follows the pending token and drafts 1..j (what the penalties count besides the output).
         history = jnp.broadcast_to(jnp.tril(jnp.ones((k + 1, k + 1), bool)), (b, k + 1, k + 1))
