@@ -213,8 +213,7 @@ def _dynamic_tree_args(args) -> tuple[int, int, int]:
 
 def _model_drafter(args, dmodel):
     """A chain drafter, or a tree drafter when --tree / --dynamic-tree is given."""
-    from jspec.drafters import ModelDrafter
-    from jspec.tree import DynamicTreeDrafter, TreeModelDrafter
+    from jspec.drafters import DynamicTreeDrafter, ModelDrafter, TreeModelDrafter
 
     if args.tree and args.dynamic_tree:
         raise ValueError("--tree and --dynamic-tree are exclusive")

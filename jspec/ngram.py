@@ -18,8 +18,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters import DraftContext, Drafter, Proposal
-from jspec.tree import StaticTreeShape, TreeProposal, TreeRule, TreeSpec, _count
+from jspec.drafters import DraftContext, Drafter, Proposal, StaticTreeShape
+from jspec.tree import TreeProposal, TreeRule, TreeSpec, _count
 
 # Stands for "before the start of the row"; outside any vocabulary, so it never matches a real token. Both
 # sides can use it: an occurrence ends before the suffix, so its side runs off the row first, while the

@@ -48,12 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.cache import KVCache, take_rows
-from jspec.drafters import DraftContext, Drafter, Proposal
+from jspec.drafters import DraftContext, Drafter, DynamicTreeShape, Proposal, StaticTreeShape
 from jspec.model import Model
 from jspec.sampling import distribution, sample, split_keys
 from jspec.tree import (
-    DynamicTreeShape,
-    StaticTreeShape,
     TreeProposal,
     TreeRule,
     TreeSpec,

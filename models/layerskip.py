@@ -257,7 +257,7 @@ class LayerSkipDrafter(Drafter):
 
     def as_model(self, draft_params: tuple[Params, dict | None]) -> tuple[Model, tuple[Params, dict | None]]:
         """This exit as a stand-alone draft model (``exit_model``) and its params, from what ``draft_params``
-        returned: for ``jspec.tree.TreeModelDrafter`` / ``DynamicTreeDrafter``, which build candidate trees
+        returned: for ``jspec.drafters.TreeModelDrafter`` / ``DynamicTreeDrafter``, which build candidate trees
         from any draft ``Model``. Unstacked layers are shared with the target; stacked ones are sliced once
         here (an [E, ...] copy), not per call."""
         tparams, ex = draft_params

@@ -131,8 +131,9 @@ def test_greedy_paths_take_the_targets_own_argmax():
     """``Model.argmax`` (a kernel in models) is what the greedy paths read: plain steps, chain verification
     (wide and narrow branches) and tree verification. A deliberately different rule (argmin) shows it is
     used everywhere after the prefill (whose first token goes through ``jspec.sampling``)."""
+    from jspec.drafters import TreeModelDrafter
     from jspec.ngram import NgramDrafter
-    from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
+    from jspec.tree import TreeRule, TreeSpec
 
     target = dataclasses.replace(TARGET, argmax=lambda x: jnp.argmin(x, axis=-1).astype(jnp.int32))
     want = []
@@ -645,7 +646,8 @@ def test_debug_checks_in_the_streaming_path():
 def _zero_q_tree(rule):
     """A tree drafter whose reported q gives each proposed child probability 0 (every row of q moved onto the
     next token id), the tree analogue of ``_BrokenDrafter``."""
-    from jspec.tree import TreeModelDrafter, TreeSpec
+    from jspec.drafters import TreeModelDrafter
+    from jspec.tree import TreeSpec
 
     class ZeroQTree(TreeModelDrafter):
         def propose_tree(self, params, state, ctx, key):

@@ -9,9 +9,9 @@ import pytest
 from toy_models import Forwarding, ref_transform
 
 from jspec import decode as dec
-from jspec.drafters import ModelDrafter
+from jspec.drafters import DynamicTreeDrafter, ModelDrafter, TreeModelDrafter
 from jspec.ngram import NgramDrafter
-from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeSpec
+from jspec.tree import TreeSpec
 from models.llama import LlamaConfig, init_random_params, make_model
 
 CFG = LlamaConfig(vocab_size=64, hidden=48, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=12, ffn=96)

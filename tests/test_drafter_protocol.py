@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from jspec import validate as V
-from jspec.drafters import Drafter, ModelDrafter, Proposal, always_wide
+from jspec.drafters import Drafter, DynamicTreeDrafter, ModelDrafter, Proposal, TreeModelDrafter, always_wide
 from jspec.ngram import NgramDrafter, NgramTreeDrafter
-from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeSpec
+from jspec.tree import TreeSpec
 from models.eagle import EagleConfig, EagleDrafter
 from models.layerskip import LayerSkipDrafter
 from models.llama import LlamaConfig, make_model

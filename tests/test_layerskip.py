@@ -14,10 +14,9 @@ from toy_models import MisreportedQ, chi2_critical, chi_square, exact_causal_dis
 
 from jspec.adaptive import AdaptiveK
 from jspec.decode import decode
-from jspec.drafters import DraftContext
+from jspec.drafters import DraftContext, DynamicTreeDrafter
 from jspec.sampling import distribution
 from jspec.serve import Engine
-from jspec.tree import DynamicTreeDrafter
 from jspec.validate import sampling_params
 from models import llama
 from models.layerskip import (

@@ -16,12 +16,12 @@ import pytest
 from toy_models import chi2_critical, chi_square, make_table_model, random_table, ref_transform
 
 from jspec import decode as dec
-from jspec.drafters import ModelDrafter
+from jspec.drafters import ModelDrafter, TreeModelDrafter
 from jspec.ngram import NgramDrafter
 from jspec.sampling import processed_logits
 from jspec.serve import Engine
 from jspec.state import DecodeConfig
-from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
+from jspec.tree import TreeRule, TreeSpec
 from jspec.validate import sampling_params
 
 VOCAB, PERIOD, EOS = 4, 3, 3

@@ -213,7 +213,7 @@ def test_demo_main_job_speculates_on_code_editing(smollm2, monkeypatch, capsys):
 
     from jspec import demo
 
-    monkeypatch.setattr(demo, "model_loader", lambda: (lambda *_, **__: smollm2))
+    monkeypatch.setattr(demo, "model_loader", lambda: lambda *_, **__: smollm2)
     assert demo.main(["--max-new-tokens", "40", "--compile-cache", "none"]) == 0
     out, err = capsys.readouterr()
     assert "def dedent(" in out  # the function it was asked to annotate, repeated

@@ -19,19 +19,10 @@ from test_decode_core import (
 from toy_models import MisreportedQ, chi2_critical, chi_square, exact_sequence_distribution, grouped_rows
 
 from jspec import decode as dec
-from jspec.drafters import DraftContext
+from jspec.drafters import DraftContext, DynamicTreeDrafter, TreeModelDrafter
 from jspec.ngram import NgramTreeDrafter
 from jspec.serve import engine_slots
-from jspec.tree import (
-    DynamicTreeDrafter,
-    TreeModelDrafter,
-    TreeRule,
-    TreeSpec,
-    ancestor_mask,
-    children_table,
-    verify_tree,
-    verify_tree_greedy,
-)
+from jspec.tree import TreeRule, TreeSpec, ancestor_mask, children_table, verify_tree, verify_tree_greedy
 from jspec.validate import tree_scratch
 
 SPEC = TreeSpec((2, 2, 1))  # 1 + 2 + 4 + 4 = 11 nodes, depth 3
