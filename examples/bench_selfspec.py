@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.bench import metrics, suite
+from jspec.bench import metrics
 from jspec.bench.metrics import fresh
 from jspec.bench.runner import predict_k_rounds
 from jspec.cost_model import conditional_rates_from_stats, survival_from_stats
@@ -138,6 +138,7 @@ def tokens_per_round(total: dict) -> float:
 def parse_settings(text: str) -> list[tuple[int, int]]:
     """--settings: comma-separated E:K pairs (exit layer E >= 1, K >= 1 draft tokens), each once, checked whole
     before the model loads (ValueError naming the flag); E's upper bound needs the model (``main``)."""
+    from jspec.bench.args import list_flag
 
     def pair(item: str) -> tuple[int, int]:
         e, sep, k = item.partition(":")
@@ -146,7 +147,7 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
             raise ValueError(item)
         return e, k
 
-    return suite.list_flag("--settings", text, pair, "E:K pairs of integers >= 1")
+    return list_flag("--settings", text, pair, "E:K pairs of integers >= 1")
 
 
 def cache_slots(prompts, max_new_tokens: int, max_positions: int | None) -> int:

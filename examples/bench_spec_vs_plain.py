@@ -27,6 +27,7 @@ import time
 import jax
 
 from jspec.bench import report, suite
+from jspec.bench.args import add_common_args, add_peer_args, config_from_args, make_out_dir, peer_names
 from jspec.bench.runner import Load
 
 
@@ -106,12 +107,12 @@ def ngram_variants(text: str, gamma: int) -> list[tuple[int, int, int]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    suite.add_common_args(ap)
+    add_common_args(ap)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=8, help="saturation run; 1 = latency run only")
     ap.add_argument("--draft-layers", type=int, default=0, help="add a truncated-target draft model of L layers")
     ap.add_argument("--draft", default=None, help="add a distilled draft (name or directory)")
-    suite.add_peer_args(ap)
+    add_peer_args(ap)
     ap.add_argument(
         "--ngram-variants",
         default="",
@@ -122,13 +123,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         variant_args = ngram_variants(args.ngram_variants, args.gamma)  # before the model is loaded
-        names = suite.peer_names(args.peers)
+        names = peer_names(args.peers)
         if args.draft_layers:
             check_draft_layers(args.draft_layers)
-        cfg = suite.config_from_args(
-            args, gamma=args.gamma, concurrency=args.concurrency, peer_threads=args.peer_threads
-        )
-        suite.make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        cfg = config_from_args(args, gamma=args.gamma, concurrency=args.concurrency, peer_threads=args.peer_threads)
+        make_out_dir(args.out)  # an unusable --out fails now, not after the runs
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()

@@ -34,6 +34,7 @@ import time
 from bench_spec_vs_plain import check_draft_layers, truncated_draft
 
 from jspec.bench import report, suite
+from jspec.bench.args import add_common_args, config_from_args, int_list, make_out_dir
 from jspec.bench.runner import Load
 
 K_GROUP = "K sweep"
@@ -105,7 +106,7 @@ def _point(series, r, plain, key, value):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    suite.add_common_args(ap)
+    add_common_args(ap)
     ap.add_argument("--ks", default="1,2,3,4,6,8")
     ap.add_argument("--k-concurrency", type=int, default=1)
     ap.add_argument("--batches", default="1,4,16,64")
@@ -120,12 +121,12 @@ def main(argv=None) -> int:
     if args.skip_k and args.draft_layers:
         ap.error("--draft-layers adds a draft to the K sweep, which --skip-k skips")
     try:  # every list whole, before the model loads: not at the group that fails after the others ran
-        ks = suite.int_list("--ks", args.ks)
-        batches = suite.int_list("--batches", args.batches)
+        ks = int_list("--ks", args.ks)
+        batches = int_list("--batches", args.batches)
         if args.draft_layers:
             check_draft_layers(args.draft_layers)
-        cfg = suite.config_from_args(args, gamma=args.gamma, k_concurrency=args.k_concurrency)
-        suite.make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        cfg = config_from_args(args, gamma=args.gamma, k_concurrency=args.k_concurrency)
+        make_out_dir(args.out)  # an unusable --out fails now, not after the runs
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()

@@ -673,6 +673,7 @@ def test_peer_ratios_compare_like_with_like():
     from types import SimpleNamespace
 
     from jspec.bench import suite
+    from jspec.bench.args import add_common_args, config_from_args
 
     target = SimpleNamespace(model=SimpleNamespace(vocab_size=8), dtype="bfloat16", eos_ids=(2,), path="x.gguf")
     assert suite.ngram_spec(target, 4).peer == "prompt_lookup"
@@ -680,8 +681,8 @@ def test_peer_ratios_compare_like_with_like():
     skipped = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, None)
     assert not skipped[0].available and "jspec runs bfloat16 here, transformers float32" in skipped[0].reason
     ap = argparse.ArgumentParser()
-    suite.add_common_args(ap)
-    cfg = suite.config_from_args(ap.parse_args(["--min-p", "0.1", "--temperature", "1", "--compile-cache", "none"]))
+    add_common_args(ap)
+    cfg = config_from_args(ap.parse_args(["--min-p", "0.1", "--temperature", "1", "--compile-cache", "none"]))
     assert cfg.sampling.min_p == 0.1
     assert "matmul_precision" in metrics.environment()
 
@@ -1365,7 +1366,7 @@ def test_runs_that_finished_nothing_get_no_ratio():
 
 
 def test_bench_scripts_refuse_bad_settings_before_loading_a_model(monkeypatch, capsys):
-    """The example suite scripts share the suite's checks (``suite.config_from_args``) and their own counts."""
+    """The example suite scripts share the suite's checks (``args.config_from_args``) and their own counts."""
     from jspec.bench import suite
 
     def no_load(*_, **__):

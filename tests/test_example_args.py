@@ -318,17 +318,17 @@ def test_bench_lists_and_flags_are_refused_before_the_model_loads(script, argv, 
 
 
 def test_list_flags_parse_what_they_should():
-    from jspec.bench import suite
+    from jspec.bench import args
 
-    assert suite.int_list("--ks", " 1, 2,8") == [1, 2, 8]
-    assert suite.int_list("--concurrency", "", least=2, empty_ok=True) == []
-    assert suite.rate_list("--rates", "0.5,4") == [0.5, 4.0]
+    assert args.int_list("--ks", " 1, 2,8") == [1, 2, 8]
+    assert args.int_list("--concurrency", "", least=2, empty_ok=True) == []
+    assert args.rate_list("--rates", "0.5,4") == [0.5, 4.0]
     with pytest.raises(ValueError, match=r"--ks '': give at least one value"):
-        suite.int_list("--ks", "")
+        args.int_list("--ks", "")
     with pytest.raises(ValueError, match="--rates '1,1.0' gives 1.0 twice"):
-        suite.rate_list("--rates", "1,1.0")
+        args.rate_list("--rates", "1,1.0")
     with pytest.raises(ValueError, match="--rates 'inf': inf is not a rate"):
-        suite.rate_list("--rates", "inf")
+        args.rate_list("--rates", "inf")
 
 
 def _fake_target(num_layers=30):
