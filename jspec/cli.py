@@ -436,6 +436,10 @@ def main(argv=None) -> int:
         from jspec.bench.suite import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["report"]:  # the README's results table and docs/results.md, from docs/results/*.json
+        from jspec.bench.render import main as report_main
+
+        return report_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m jspec", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="run the default benchmark suite (python -m jspec bench --help)")
