@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
-import sys
 import time
 
 from bench_spec_vs_plain import check_draft_layers, distilled_draft, truncated_draft
 
-from jspec.bench import report, suite
+from jspec.bench import report, serving_record, suite
 from jspec.bench.args import add_common_args, config_from_args, int_list, list_flag, make_out_dir
 from jspec.bench.runner import Load, Spec
 from jspec.drafters import ModelDrafter
@@ -221,6 +219,7 @@ def main(argv=None) -> int:
             check_shapes(budgets, widths, dynamic=mode is None and not args.no_dynamic)
         cfg = config_from_args(args)
         make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        rec = serving_record.start("chain_vs_tree", "python examples/bench_chain_vs_tree.py", argv, args, ap)
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
@@ -245,7 +244,8 @@ def main(argv=None) -> int:
     loads = [Load.closed(1, cfg.timeout_s)] + [Load.closed(c, cfg.timeout_s) for c in batches]
     results = suite.run_specs(target, specs, loads, jobs, cfg)
     lines = suite.headline(results)
-    cmd = " ".join(["python examples/bench_chain_vs_tree.py", *map(shlex.quote, argv or sys.argv[1:])])
+    cmd = rec.data["command"]
+    serving_record.add_runs(rec, results)
     draft_name = (
         "n-gram lookup"
         if args.ngram
@@ -259,8 +259,9 @@ def main(argv=None) -> int:
         ("chain_vs_tree_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
         ("chain_vs_tree_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
     ]
+    record_path = serving_record.finish(rec, headline=lines, draft=draft_name)
     paths, _ = suite.write_results(args.out, "chain_vs_tree", pl, plots)  # results first, then the plots
-    print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
+    print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 
 

@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import statistics
-import sys
 import time
 
 from bench_spec_vs_plain import check_draft_layers, truncated_draft
 
-from jspec.bench import report, suite
+from jspec.bench import report, serving_record, suite
 from jspec.bench.args import add_common_args, config_from_args, int_list, make_out_dir
 from jspec.bench.runner import Load
 
@@ -127,6 +125,7 @@ def main(argv=None) -> int:
             check_draft_layers(args.draft_layers)
         cfg = config_from_args(args, gamma=args.gamma, k_concurrency=args.k_concurrency)
         make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        rec = serving_record.start("sweeps", "python examples/bench_sweeps.py", argv, args, ap)
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
@@ -137,7 +136,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             ap.error(str(e))
     jobs, desc = suite.prepare_jobs(target, cfg)
-    cmd = " ".join(["python examples/bench_sweeps.py", *map(shlex.quote, argv or sys.argv[1:])])
+    cmd = rec.data["command"]
     meta = suite.meta(target, cfg, desc)
     # Each group's own prompt set: the batch sweep serves more requests at a large batch (see the module's doc).
     meta["workloads_by_group"] = {}
@@ -182,6 +181,8 @@ def main(argv=None) -> int:
 
     pl = payload()
     lines = pl["headline"]
+    serving_record.add_runs(rec, results)
+    record_path = serving_record.finish(rec, headline=lines, sweeps={"k": k_points, "batch": b_points})
     plots = []
     how = f", median of {cfg.passes} passes" if cfg.passes > 1 else ""
     if k_points:
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
         btitle = f"{target.name}{how}"
         plots.append(("batch_sweep.png", lambda path: report.plot_batch_sweep(b_points, path, btitle)))
     paths, _ = suite.write_results(args.out, "sweeps", pl, plots)  # results first, then the plots
-    print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
+    print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 
 

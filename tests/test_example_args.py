@@ -433,7 +433,8 @@ def test_spec_vs_plain_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch
     monkeypatch.setattr(suite, "run_peer_set", peers_fail)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="peers failed"):
-        bench.main(["--compile-cache", "none", "--out", str(out), "--peers", "transformers", "--concurrency", "1"])
+        bench.main(["--compile-cache", "none", "--out", str(out), "--peers", "transformers", "--concurrency", "1",
+                    "--record", str(tmp_path / "r.json")])  # fmt: skip
     res = json.loads((out / "spec_vs_plain.json").read_text())
     assert [r["spec"]["label"] for r in res["runs"]] == ["plain", "ngram K=4"]
     assert res["peers"] == [] and res["peers_pending"] == ["transformers"]
@@ -499,10 +500,8 @@ def test_sweeps_record_a_large_batch_groups_own_prompt_set(tmp_path, monkeypatch
 
     monkeypatch.setattr(suite, "run_specs", run_specs)
     out = tmp_path / "out"
-    assert (
-        bench_sweeps.main(["--compile-cache", "none", "--out", str(out), "--skip-k", "--batches", "16", "--n", "2"])
-        == 0
-    )
+    argv = ["--compile-cache", "none", "--out", str(out), "--skip-k", "--batches", "16", "--n", "2"]
+    assert bench_sweeps.main([*argv, "--record", str(tmp_path / "r.json")]) == 0
     res = json.loads((out / "sweeps.json").read_text())
     assert res["meta"]["workloads_by_group"] == {"batch sweep b=16": {"n_per_workload": 8}}
     assert [p["n_per_workload"] for p in res["sweeps"]["batch"]] == [8, 8]

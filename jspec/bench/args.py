@@ -41,9 +41,9 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--passes",
         type=int,
-        default=1,
+        default=5,
         help="run every configuration N times, the order reversed every other pass (A B, B A, ...): the "
-        "headline gives each pass's ratio and their median",
+        "headline gives each pass's ratio, their median and their min-max",
     )
     ap.add_argument(
         "--bucket",
@@ -61,6 +61,12 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--phase-repeats", type=int, default=5)
     ap.add_argument("--no-phases", action="store_true", help="skip the per-phase timing (and the cost model)")
     ap.add_argument("--out", default="results/bench", help="output directory (JSON, Markdown, PNG)")
+    ap.add_argument(
+        "--record",
+        default=None,
+        help="the run's result file (jspec.bench.record: command, commit, machine, every pass); default "
+        "results/<name>-<UTC time>.json",
+    )
     ap.add_argument(
         "--compile-cache",
         default=None,

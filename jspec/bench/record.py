@@ -122,9 +122,14 @@ def jax_info() -> dict[str, Any]:
 
 
 def default_path(bench: str, when: datetime.datetime | None = None) -> str:
-    """``results/<bench>-<UTC timestamp>.json``."""
+    """``results/<bench>-<UTC timestamp>.json`` (``-2``, ``-3``, ... added when a run of the same second took it)."""
     when = when or datetime.datetime.now(datetime.UTC)
-    return os.path.join(RESULTS_DIR, f"{bench}-{when.strftime('%Y%m%dT%H%M%SZ')}.json")
+    base = os.path.join(RESULTS_DIR, f"{bench}-{when.strftime('%Y%m%dT%H%M%SZ')}")
+    path, n = base + ".json", 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}.json"
+    return path
 
 
 def check_out_path(path: str, flag: str = "--out") -> str:

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jspec.bench import metrics, peers, report, runner, workloads
+from jspec.bench import metrics, peers, report, runner, serving_record, workloads
 from jspec.bench.args import add_common_args, add_peer_args, config_from_args, make_out_dir, peer_names
 from jspec.bench.runner import Load, RunResult, Sampling, Spec
 from jspec.loaders import end_ids
@@ -300,14 +300,14 @@ def run_specs(
             order = range(len(specs)) if i % 2 == 0 else reversed(range(len(specs)))
             if cfg.passes > 1:
                 log(f"  pass {i + 1}/{cfg.passes}")
-            for j in order:
+            for position, j in enumerate(order):
                 start = time.time()
                 r = run_one(target, specs[j], load, jobs, cfg, log)
                 end = time.time()
                 free_compiled()
                 if slots[j] is None:
                     slots[j] = r
-                summary = {**_pass_summary(r, slots[j]), "wall_clock": [start, end]}
+                summary = {**_pass_summary(r, slots[j]), "wall_clock": [start, end], "position": position}
                 slots[j].extra.setdefault("passes", []).append(summary)
         done = [r for r in slots if r is not None]
         if group is not None:
@@ -330,6 +330,8 @@ def _pass_summary(r: RunResult, first: RunResult) -> dict[str, Any]:
     return {
         # Which requests this pass served (``report.requests_differ``): a wall limit can cut passes differently.
         **{k: s.get(k) for k in ("request_set", "submitted", "finished", "errors", "timeouts", "not_run")},
+        "output_tokens": s["output_tokens"],
+        "wall_s": s["wall_s"],
         "output_tokens_per_s": s["output_tokens_per_s"],
         "decode_tokens_per_s": s["decode_tokens_per_s"],
         "ttft_ms_p50": s["ttft_ms"]["median"],
@@ -357,6 +359,11 @@ def pass_ratios(r: RunResult, plain: RunResult) -> dict[str, list[float | None]]
 
 def _ratios_text(xs: Sequence[float | None]) -> str:
     return ", ".join("-" if x is None else f"{x:.2f}" for x in xs)
+
+
+def _range_text(xs: Sequence[float | None]) -> str:
+    kept = [x for x in xs if x is not None]
+    return f"{min(kept):.2f}-{max(kept):.2f}x" if kept else "-"
 
 
 def _median_text(xs: Sequence[float | None]) -> str:
@@ -549,7 +556,9 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
             med = f"{_median_text(per['decode'])}" if no_e2e else f"{_median_text(per['output'])} / "
             med += "" if no_e2e else _median_text(per["decode"])
             line += "; by pass (" if why else " in pass 1 ("
-            line += f"passes: {e2e}{_ratios_text(per['decode'])} decode; median {med}"
+            rng = _range_text(per["decode"])
+            rng = rng if no_e2e else f"{_range_text(per['output'])} / {rng}"
+            line += f"passes: {e2e}{_ratios_text(per['decode'])} decode; median {med}, min-max {rng}"
             if None in per["decode"]:
                 line += "; '-': that pass's runs served different requests (or one of them none)"
             line += ")"
@@ -613,15 +622,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = peer_names(args.peers)
         cfg = config_from_args(args, gamma=args.gamma, concurrency=args.concurrency, peer_threads=args.peer_threads)
         make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        rec = serving_record.start("suite", "python -m jspec bench", argv, args, ap)
         print(f"loading {args.model} ({args.dtype}) ...")
         target = load_target(args.model, args.dtype, args.layers)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return _run_suite(args, argv, names, cfg, target, t0)
+    return _run_suite(args, argv, names, cfg, target, t0, rec)
 
 
-def _run_suite(args, argv: Sequence[str] | None, names, cfg, target, t0: float) -> int:
+def _run_suite(args, argv: Sequence[str] | None, names, cfg, target, t0: float, rec) -> int:
     jobs, desc = prepare_jobs(target, cfg)
     print(f"{len(jobs)} requests ({', '.join(cfg.workloads)}), input tokens median {desc['input_len']['median']:.0f}")
     specs = [plain_spec(), ngram_spec(target, args.gamma)]
@@ -629,24 +639,27 @@ def _run_suite(args, argv: Sequence[str] | None, names, cfg, target, t0: float) 
     if args.concurrency > 1:
         loads.append(Load.closed(args.concurrency, cfg.timeout_s))
     results = run_specs(target, specs, loads, jobs, cfg)
-    cmd = "python -m jspec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    cmd = rec.data["command"]
+    serving_record.add_runs(rec, results)
+    rec.write()  # jspec's runs, unfinished until the peers have run
     meta_d = meta(target, cfg, desc)
     if names:  # jspec's runs first: the peers below are slow, and may fail or be stopped
-        pl = payload(args.name, None, meta_d, results, headline=headline(results), command=cmd.strip(),
-                     peers_pending=names)  # fmt: skip
+        pl = payload(args.name, None, meta_d, results, headline=headline(results), command=cmd, peers_pending=names)
         paths = write_outputs(args.out, args.name, pl)
         print(f"jspec's runs written to {paths['json']} (the peers' runs follow)")
     plain1 = next(r for r in results if r.spec.kind == "plain" and r.load.concurrency == 1)
     peer_runs = run_peer_set(target, names, jobs, cfg, args.gamma, plain1, jspec_runs=results)
     lines = headline(results, peer_runs)
-    pl = payload(args.name, None, meta_d, results, peer_runs, headline=lines, command=cmd.strip())
+    pl = payload(args.name, None, meta_d, results, peer_runs, headline=lines, command=cmd)
+    record_path = serving_record.finish(rec, peer_runs, headline=lines)
     plots = [
         (f"{args.name}_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
         (f"{args.name}_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
     ]
     paths, drawn = write_results(args.out, args.name, pl, plots)
     print("\n".join(["", *lines]))
-    print(f"\nwrote {paths['json']}, {paths['markdown']} and {len(drawn)} plots in {time.perf_counter() - t0:.0f} s")
+    print(f"\nwrote {record_path}, {paths['json']}, {paths['markdown']} and {len(drawn)} plots "
+          f"in {time.perf_counter() - t0:.0f} s")  # fmt: skip
     return 0
 
 
