@@ -220,10 +220,12 @@ def test_bench_draft_writes_its_runs_before_the_cost_timing(tmp_path, monkeypatc
     monkeypatch.setattr(bench_draft, "measure_costs", _cost_timing_fails)
     out = tmp_path / "runs.json"
     with pytest.raises(RuntimeError, match="cost timing"):
-        bench_draft.main(["--drafts", "d", "--gammas", "2", "--repeats", "2", "--json", str(out)])
+        bench_draft.main(["--drafts", "d", "--gammas", "2", "--repeats", "2", "--out", str(out)])
     res = json.loads(out.read_text())
-    assert res["costs"] is None and res["prompts"] == bench_draft.PROMPTS
-    [row] = res["rows"]
+    assert res["extra"]["costs"] is None and res["extra"]["prompts"] == bench_draft.PROMPTS
+    assert [p["order"] for p in res["passes"]] == [["plain", "d K=2"], ["d K=2", "plain"]]
+    assert res["summary"]["chat b=1"]["ratios"]["d K=2 vs plain"]["by_pass"] == [2.0, 2.0]
+    [row] = res["extra"]["rows"]
     assert (row["draft"], row["gamma"], row["speedup"], row["identical_to_plain"]) == ("d", 2, 2.0, True)
     assert row["accepted_at"] == [6, 6] and row["proposed_at"] == [12, 12] and "predicted_speedup" not in row
     assert not os.path.exists(str(out) + ".tmp")
@@ -260,10 +262,12 @@ def test_bench_eagle_writes_its_runs_before_the_cost_timing_and_refuses_an_ignor
     with pytest.raises(RuntimeError, match="cost timing"):
         bench_eagle.main(argv)
     res = json.loads(out.read_text())
-    assert res["results"] is None and res["mismatches"] == []
-    assert sorted(res["runs"]) == ["eagle K=2 T=0", "ngram K=4 T=0", "plain T=0"]
-    [run] = res["runs"]["eagle K=2 T=0"]
-    assert run["tokens_per_s"] == 52.0 and run["same_as_plain"] and run["accepted_at"] == [1, 1]
+    assert res["extra"]["results"] is None and res["extra"]["mismatches"] == [] and res["finished"] is None
+    assert list(res["cells"]["T=0"]["configs"]) == ["plain", "ngram K=4", "eagle K=2"]
+    [one_pass] = res["passes"]
+    run = next(r for r in one_pass["runs"] if r["config"] == "eagle K=2")
+    assert run["tokens_per_s"] == 50.0 and run["same_as_plain"] and run["tokens_per_round"] == 2.0
+    assert res["summary"]["T=0"]["ratios"]["eagle K=2 vs plain"]["median"] == 1.0
     assert not os.path.exists(str(out) + ".tmp")
 
 
@@ -606,6 +610,6 @@ def test_bench_draft_names_the_target_it_ran(tmp_path, monkeypatch, capsys):
     bench_draft = _fake_bench_draft(monkeypatch, "other-model-7L")
     costs = {"target_step_ms": 1.0, "verify_ms": {2: 1.5}, "draft_ms": {"d": 0.2}}
     monkeypatch.setattr(bench_draft, "measure_costs", lambda *a: costs)
-    bench_draft.main(["--drafts", "d", "--gammas", "2", "--repeats", "1"])
+    bench_draft.main(["--drafts", "d", "--gammas", "2", "--repeats", "1", "--out", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert "other-model-7L f32, batch 1, greedy" in out and "SmolLM2" not in out

@@ -258,6 +258,14 @@ class Record:
             raise ValueError(f"no cell {name!r} in the record (add it with cell())") from None
 
 
+def start(bench: str, prog: str, argv: Sequence[str] | None, settings: dict[str, Any], out: str | None = None,
+          flag: str = "--out") -> Record:  # fmt: skip
+    """A script's record, begun before its model loads: the path (``out``, else ``default_path(bench)``) checked
+    (``check_out_path``), the command ``prog`` + ``argv`` (None: this process's arguments)."""
+    path = check_out_path(out or default_path(bench), flag)
+    return Record(bench, command_line(prog, argv), settings, path)
+
+
 def write(data: dict[str, Any], path: str) -> str:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"
