@@ -56,7 +56,11 @@ def settings_from_args(args) -> grid.GridSettings:
     unknown = [w for w in workloads if w not in grid.REQUESTS]
     if unknown:
         raise ValueError(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(grid.REQUESTS)}")
-    drafters = list_flag("--drafters", args.drafters, grid.parse_drafter, "ngram[:K], eagle[:K], eagle-tree[:B1xB2..]")
+    drafters = list_flag("--drafters", args.drafters, str, "ngram[:K], eagle[:K], eagle-tree[:B1xB2..]")
+    try:
+        drafters = [grid.parse_drafter(d) for d in drafters]
+    except ValueError as e:
+        raise ValueError(f"--drafters {args.drafters!r}: {e}") from None
     if args.max_new is not None and args.max_new < 1:
         raise ValueError(f"--max-new {args.max_new}: must be >= 1")
     max_new = {w: args.max_new or grid.MAX_NEW_TOKENS[w] for w in workloads}
