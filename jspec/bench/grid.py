@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -238,7 +239,7 @@ def cell_prompts(target, workload: str, batch: int, settings: GridSettings) -> t
         "batch": batch,
         "prompts": len(jobs),
         "distinct_prompts": len({j.prompt for j in jobs}),
-        "prompt_tokens": {"min": min(lens), "median": float(sorted(lens)[len(lens) // 2]), "max": max(lens)},
+        "prompt_tokens": {"min": min(lens), "median": statistics.median(lens), "max": max(lens)},
         "max_new_tokens": settings.max_new_tokens[workload],
         "prompt_set": workloads.workload_fingerprint(reqs),
     }

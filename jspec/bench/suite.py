@@ -1,6 +1,6 @@
-"""``python -m jspec bench``: the default suite, and the building blocks the ``examples/bench_*.py`` scripts use.
+"""``python -m jspec bench``: the default suite, and the building blocks the suite scripts in ``examples/`` use.
 
-Default suite (a few minutes on a 2-core CPU with the default model):
+Default suite (several minutes on a 2-core CPU with the default model, 5 passes):
 1. the four workloads (math, code, chat, grounded), ``--n`` requests each, tokenised with the chat template;
 2. plain decoding and n-gram (prompt-lookup) speculation, K = ``--gamma``, greedy, each served through the
    continuous-batching engine at closed-loop concurrency 1 (low-load latency) and ``--concurrency`` (saturation
@@ -12,7 +12,8 @@ Default suite (a few minutes on a 2-core CPU with the default model):
    time between is recorded), on one thread count (jspec's XLA pool size unless ``--peer-threads`` gives one);
 5. ``<out>/<suite>.json`` (everything), ``<out>/<suite>.md`` (tables) and PNG plots: the JSON and Markdown are
    written once jspec's runs are done (``peers_pending`` names the peers still to run), again with the peers'
-   runs, then the plots.
+   runs, then the plots; and the run's result file (``--record``, default ``results/suite-<UTC time>.json``:
+   ``serving_record``), with every pass of every configuration.
 """
 
 from __future__ import annotations
