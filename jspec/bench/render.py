@@ -273,7 +273,11 @@ def first_difference(path: str, current: str, rendered: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jspec report", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m jspec report",
+        description="Render the README's results table and docs/results.md from the committed result files "
+        "(docs/results/*.json).",
+    )
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file differs from the rendering")
     ap.add_argument("--root", default=".", help="the repository root (default: the current directory)")
     args = ap.parse_args(argv)
