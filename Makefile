@@ -1,5 +1,6 @@
 # Two commands set everything up on a fresh machine:
-#   make run    the main job: SmolLM2-135M-Instruct, speculative vs plain, speedup measured in the same run
+#   make run    the main job: SmolLM2-135M-Instruct annotates a function that ships with Python, speculative
+#               and plain decoding in one process, the speedup measured in the same run (ARGS=... for more)
 #   make test   lint, format check and the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,8 +20,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m jspec generate --compare --drafter ngram \
-		--prompt "Rewrite this sentence in plain words: The quick brown fox jumps over the lazy dog."
+	$(PY) -m jspec demo $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

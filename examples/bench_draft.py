@@ -43,7 +43,8 @@ from jspec import decode as dec  # noqa: E402
 from jspec.bench import metrics  # noqa: E402
 from jspec.bench.runner import predict_k_rounds  # noqa: E402
 from jspec.loaders import wants_unstacked  # noqa: E402
-from jspec.sampling import SamplingParams, distribution, sample  # noqa: E402
+from jspec.sampling import distribution, sample  # noqa: E402
+from jspec.validate import sampling_params
 from models import draft as D  # noqa: E402
 from models import registry  # noqa: E402
 
@@ -82,7 +83,7 @@ def _median_ms(fn, *args, n: int = 15) -> float:
 def measure_costs(target, drafts, gammas, slots: int, ctx: int) -> dict:
     """Milliseconds of: one target step (1 token), one verification (K + 1 tokens) per K, one draft step per
     draft (16 chained draft tokens in one jitted scan, divided by 16), all with ``ctx`` cached tokens."""
-    greedy = SamplingParams.make(1)
+    greedy = sampling_params(1)
     key = jax.random.key(0)
 
     def target_call(t):

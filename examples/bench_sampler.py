@@ -21,6 +21,7 @@ import numpy as np
 
 from jspec.bench import record
 from jspec.sampling import SamplingParams, distribution
+from jspec.validate import sampling_params
 
 
 def sorted_filter(logits: jax.Array, params: SamplingParams) -> jax.Array:
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
         b, t = (int(x) for x in shape.split("x"))
         logits = jnp.asarray(rng.normal(size=(b, t, args.vocab)).astype(np.float32) * 3.0)
         for name, kw in settings.items():
-            params = SamplingParams.make(b, temperature=0.8, **kw)
+            params = sampling_params(b, temperature=0.8, **kw)
             a, r = ours(logits, params), ref(logits, params)
             if not np.array_equal(np.asarray(a) > 0, np.asarray(r) > 0):
                 raise SystemExit(f"{shape} {name}: the two filters keep different tokens")

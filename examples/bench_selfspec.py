@@ -39,10 +39,10 @@ from jspec.bench import metrics
 from jspec.bench.metrics import fresh
 from jspec.bench.runner import predict_k_rounds
 from jspec.cost_model import conditional_rates_from_stats, survival_from_stats
-from jspec.decode import default_slots, prepare
+from jspec.decode import prepare
 from jspec.drafters import DraftContext
 from jspec.loaders import wants_unstacked
-from jspec.sampling import SamplingParams
+from jspec.validate import default_slots, sampling_params
 from models.layerskip import LayerSkipDrafter, default_cache_dir, exit_cache_path, restore_exit_params
 from models.registry import load
 
@@ -90,7 +90,7 @@ def component_parts(cfg, params, model, drafter, dparams, k: int, prompt: list[i
     _, cache = jax.jit(model.apply)(params, toks, jnp.arange(p)[None], cache)
     cache = cache.with_lengths(jnp.asarray([p - 1], jnp.int32))  # the last prompt token is pending
     seq = jnp.zeros((1, slots + 1), jnp.int32).at[:, :p].set(toks)
-    ctx = DraftContext(seq, jnp.asarray([p]), jnp.asarray([k]), SamplingParams.make(1))
+    ctx = DraftContext(seq, jnp.asarray([p]), jnp.asarray([k]), sampling_params(1))
     state = drafter.init(dparams, toks, jnp.asarray([p]), slots)
     key = jax.random.key(0)
 

@@ -92,25 +92,6 @@ def pays(policy: AdaptiveK, a: float, k_max: int, always_wide: bool = False) -> 
     return bool(_k_pays(policy, min(max(float(a), 0.0), 0.999), k_max, always_wide))
 
 
-def check_prior(policy: AdaptiveK, k_max: int, always_wide: bool = False) -> None:
-    """A row starts at ``prior`` and drifts back to it while idle, so a prior at which K does not pay means no
-    row ever proposes, and so never measures its acceptance: decoding would be silently plain. Refused, naming
-    the break-even acceptance (with min_k >= 1 rows always propose, and any prior is fine)."""
-    if policy.min_k > 0 or pays(policy, policy.prior, k_max, always_wide):
-        return
-    what = (
-        f"AdaptiveK(prior={policy.prior}, draft_cost={policy.draft_cost}, verify_cost={policy.verify_cost}) "
-        f"chooses K=0 at its own prior for gamma={k_max}: no row would ever speculate or measure its acceptance"
-    )
-    if not pays(policy, 0.999, k_max, always_wide):
-        raise ValueError(f"{what}, and K={k_max} does not pay at any acceptance under these costs")
-    lo, hi = policy.prior, 0.999
-    for _ in range(50):  # the expected tokens per round grow with the acceptance
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if pays(policy, mid, k_max, always_wide) else (mid, hi)
-    raise ValueError(f"{what}; a prior above {hi:.3f} (the break-even acceptance) or min_k=1 would")
-
-
 def update(policy: AdaptiveK, ema, n_accepted, n_proposed, active):
     """Fold this round's outcome into the estimate of rows that proposed; idle rows drift to the prior. A chain
     tests proposals until the first rejection, so n_accepted of min(n_accepted + 1, n_proposed) were tested."""

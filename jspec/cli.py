@@ -1,5 +1,6 @@
 """``python -m jspec generate``: run a real checkpoint with or without speculation (checkpoints and trained
-drafters are found through entry points: ``jspec.loaders``). ``python -m jspec bench`` runs the benchmark suite.
+drafters are found through entry points: ``jspec.loaders``). ``python -m jspec demo`` is ``make run``'s
+demonstration (``jspec.demo``), ``python -m jspec bench`` runs the benchmark suite.
 """
 
 from __future__ import annotations
@@ -7,11 +8,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import math
 import sys
 import time
 
-from jspec.decode import DEFAULT_GAMMA, MAX_TOP_LOGPROBS, StopReason, prepare
+from jspec import validate as V
+from jspec.decode import prepare
+from jspec.drafters import ModelForm, TreeForms
 from jspec.loaders import (
     COMPILE_CACHE_DEFAULT,
     LAYER_LAYOUTS,
@@ -22,8 +24,9 @@ from jspec.loaders import (
     wants_unstacked,
 )
 from jspec.model import Model
-from jspec.sampling import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, REPETITION_PENALTY_RANGE
-from jspec.stop import StopStrings, check_stop_strings
+from jspec.state import StopReason
+from jspec.stop import StopStrings
+from jspec.validate import DEFAULT_GAMMA
 
 # The last four come from the ``jspec.drafter_loaders`` entry points (this repository's ``models``).
 DRAFTERS = ("none", "ngram", "ngram-tree", "model", "draft", "layerskip", "eagle")
@@ -53,16 +56,16 @@ def build_drafter(args, target, loaded=None):
         drafter, dparams = fn(args.draft_model, loaded, _given(args, "gamma", DEFAULT_GAMMA))
         if isinstance(drafter, Model):  # a plain draft model: chain or tree as the flags say
             drafter = _model_drafter(args, drafter)
-        elif (args.tree or args.dynamic_tree) and hasattr(drafter, "as_model"):
+        elif (args.tree or args.dynamic_tree) and isinstance(drafter, ModelForm):
             # A drafter that can also run as a stand-alone draft model (LayerSkip's exit) builds trees as one.
             dmodel, dparams = drafter.as_model(dparams)
             drafter = _model_drafter(args, dmodel)
         elif args.tree and args.dynamic_tree:
             raise ValueError("--tree and --dynamic-tree are exclusive")
-        elif args.tree and hasattr(drafter, "as_tree"):
+        elif args.tree and isinstance(drafter, TreeForms):
             # A drafter with a tree form of its own (EAGLE: the head needs the target's features per node).
             drafter = drafter.as_tree(*_tree_spec(args))
-        elif args.dynamic_tree and hasattr(drafter, "as_dynamic_tree"):
+        elif args.dynamic_tree and isinstance(drafter, TreeForms):
             drafter = drafter.as_dynamic_tree(*_dynamic_tree_args(args))
         elif args.tree or args.dynamic_tree:
             flag = "--dynamic-tree" if args.dynamic_tree else "--tree"
@@ -116,24 +119,6 @@ def check_flags(args) -> None:
         raise ValueError(f"--tree wants comma-separated branching factors (e.g. 3,2,1), got '{args.tree}'")
     if args.dynamic_tree is not None:
         _dynamic_tree_args(args)  # its format, before any model is loaded
-    stop_token_ids(args)
-    logit_bias(args)
-    if args.stop is not None:
-        try:
-            check_stop_strings(args.stop)
-        except ValueError as e:
-            raise ValueError(f"--stop: {e}") from None
-    if not 0 <= args.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"--top-logprobs {args.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
-    if args.top_logprobs and not args.logprobs:
-        raise ValueError("--top-logprobs needs --logprobs (the chosen tokens' log-probabilities come with them)")
-    # The penalties' ranges (SamplingParams' own, checked again by decode), before a model loads.
-    lo, hi = REPETITION_PENALTY_RANGE
-    if not lo <= args.repetition_penalty <= hi:  # NaN fails both
-        raise ValueError(f"--repetition-penalty {args.repetition_penalty} must be in [{lo:g}, {hi:g}] (1 = off)")
-    for flag, value in (("--presence-penalty", args.presence_penalty), ("--frequency-penalty", args.frequency_penalty)):
-        if not math.isfinite(value) or abs(value) > MAX_ABS_PENALTY:
-            raise ValueError(f"{flag} {value} must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}] (0 = off)")
     if args.min_tokens < 0 or args.min_tokens > args.max_new_tokens:
         raise ValueError(f"--min-tokens {args.min_tokens} must be in [0, --max-new-tokens ({args.max_new_tokens})]")
     if args.min_tokens and args.ignore_eos and args.stop_token_ids is None and not args.stop:
@@ -141,7 +126,38 @@ def check_flags(args) -> None:
             "--min-tokens with --ignore-eos holds back nothing: there is no end token (--stop-token-ids) or "
             "--stop string to keep back"
         )
-    check_greedy_filters(args.temperature, args.top_k, args.top_p, args.min_p)
+    # The request's values, by the checks decode runs (named as flags), before a model loads: its vocabulary (the
+    # ids' range) is checked by decode itself.
+    with V.as_flags(_REQUEST_FLAGS):
+        V.sampling_params(
+            1,
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            args.min_p,
+            stop_token_ids(args),
+            logit_bias=logit_bias(args),
+            repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+        )
+        V.check_top_logprobs(args.top_logprobs, logprobs=True)  # its range; --logprobs below
+        V.check_seed(args.seed)
+    if args.top_logprobs and not args.logprobs:
+        raise ValueError("--top-logprobs needs --logprobs (the chosen tokens' log-probabilities come with them)")
+    if args.stop is not None:
+        try:
+            V.check_stop_strings(args.stop)
+        except ValueError as e:
+            raise ValueError(f"--stop: {e}") from None
+    V.check_greedy_filters(args.temperature, args.top_k, args.top_p, args.min_p)
+
+
+# decode's keywords that are flags of ``generate`` (``jspec.validate``'s messages name them)
+_REQUEST_FLAGS = (
+    "temperature", "top_k", "top_p", "min_p", "stop_token_ids", "logit_bias", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "top_logprobs", "seed",
+)  # fmt: skip
 
 
 def stop_token_ids(args) -> list[int]:
@@ -156,8 +172,8 @@ def stop_token_ids(args) -> list[int]:
 
 
 def logit_bias(args) -> dict[int, float] | None:
-    """--logit-bias ID:BIAS,... as a dict (None without it); ids and values are checked by
-    ``jspec.sampling.SamplingParams.make`` against the model's vocabulary."""
+    """--logit-bias ID:BIAS,... as a dict (None without it); the biases' range is checked by
+    ``jspec.validate.sampling_params``, the ids against the model's vocabulary by ``decode``."""
     if args.logit_bias is None:
         return None
     out: dict[int, float] = {}
@@ -174,23 +190,8 @@ def logit_bias(args) -> dict[int, float] | None:
             ) from None
         if tid in out:
             raise ValueError(f"--logit-bias names token {tid} twice")
-        if math.isnan(bias) or bias == math.inf:
-            raise ValueError(f"--logit-bias {tid}:{val.strip()}: a bias must be finite, or -inf to ban the token")
-        if math.isfinite(bias) and abs(bias) > MAX_ABS_LOGIT_BIAS:
-            raise ValueError(
-                f"--logit-bias {tid}:{val.strip()}: a bias must be in [-{MAX_ABS_LOGIT_BIAS:g}, "
-                f"{MAX_ABS_LOGIT_BIAS:g}] (OpenAI's range), or -inf to ban the token"
-            )
         out[tid] = bias
     return out
-
-
-def check_greedy_filters(temperature, top_k, top_p, min_p) -> None:
-    """A sampling filter (--top-k, --top-p, --min-p) at --temperature 0 would be ignored (greedy): refused."""
-    if temperature == 0:
-        for flag, value, off in (("--top-k", top_k, 0), ("--top-p", top_p, 1.0), ("--min-p", min_p, 0.0)):
-            if value != off:
-                raise ValueError(f"{flag} {value} has no effect at --temperature 0 (greedy): set a temperature > 0")
 
 
 def _tree_spec(args):
@@ -212,8 +213,7 @@ def _dynamic_tree_args(args) -> tuple[int, int, int]:
 
 def _model_drafter(args, dmodel):
     """A chain drafter, or a tree drafter when --tree / --dynamic-tree is given."""
-    from jspec.drafters import ModelDrafter
-    from jspec.tree import DynamicTreeDrafter, TreeModelDrafter
+    from jspec.drafters import DynamicTreeDrafter, ModelDrafter, TreeModelDrafter
 
     if args.tree and args.dynamic_tree:
         raise ValueError("--tree and --dynamic-tree are exclusive")
@@ -256,12 +256,7 @@ def _stream_timed(prepared, tok, out, stops=(), min_tokens=0):
     result = stream.output()
     ids = checker.tokens
     if checker.matched is not None:  # the state ran the stopping round to its end
-        n = len(ids)
-        result.tokens[0], result.stop_reason[0] = ids, StopReason.STOP_STRING
-        if result.logprobs is not None:
-            result.logprobs[0] = result.logprobs[0][:n]
-        if result.top_logprobs is not None:
-            result.top_logprobs[0] = result.top_logprobs[0][:n]
+        result.cut(0, len(ids), StopReason.STOP_STRING)
     text = checker.visible(final=True)
     rest = text[len(shown) :] if text.startswith(shown) else f"\n[the text above changed as it grew; in full:]\n{text}"
     print(rest, file=out)
@@ -440,9 +435,14 @@ def main(argv=None) -> int:
         from jspec.bench.render import main as report_main
 
         return report_main(argv[1:])
+    if argv[:1] == ["demo"]:  # make run: speculative against plain decoding on a code-editing request
+        from jspec.demo import main as demo_main
+
+        return demo_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m jspec", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="run the default benchmark suite (python -m jspec bench --help)")
+    sub.add_parser("demo", help="speculative vs plain decoding on a code-editing request (python -m jspec demo --help)")
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf file or HF directory")
     g.add_argument("--prompt", required=True)

@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jspec.drafters import DraftContext, Proposal
+from jspec.drafters import DraftContext, Drafter, Proposal, StaticTreeShape
 from jspec.tree import TreeProposal, TreeRule, TreeSpec, _count
 
 # Stands for "before the start of the row"; outside any vocabulary, so it never matches a real token. Both
@@ -134,7 +134,7 @@ def ngram_continuations(
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt-lookup drafter (see the module docstring). Hashable: a static argument of the jitted decoder.
 
     max_ngram / min_ngram: suffix lengths tried, longest first. vocab_size: V of the one-hot q (the
@@ -153,10 +153,6 @@ class NgramDrafter:
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
 
-    def init(self, params, prompt: jax.Array, prompt_len: jax.Array, slots: int) -> None:
-        # The history the lookup needs is the decoder's own ``ctx.seq``: nothing to keep between rounds.
-        return None
-
     def propose(self, params, state, ctx: DraftContext, key: jax.Array, k: int) -> Proposal:
         """tokens [B, K], q [B, K, V] one-hot (padding positions: one-hot on token 0, never NaN), n_draft [B]."""
         tokens, n_found, _ = ngram_lookup(ctx.seq, ctx.seq_len, k, self.max_ngram, self.min_ngram)
@@ -166,7 +162,7 @@ class NgramDrafter:
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramTreeDrafter:
+class NgramTreeDrafter(StaticTreeShape, Drafter):
     """Prompt lookup with several continuations: a candidate tree whose root has up to ``branches`` children
     (the different tokens that followed the most recent occurrences of the suffix n-gram), each continued as
     a chain of up to ``depth`` tokens. Deterministic proposals: verified with ``TreeRule.DETERMINISTIC``."""
@@ -177,7 +173,6 @@ class NgramTreeDrafter:
     min_ngram: int = 1
     _: dataclasses.KW_ONLY
     vocab_size: int
-    is_tree: bool = dataclasses.field(default=True, init=False)
 
     def __post_init__(self):
         _counts(self, "branches", "depth", "max_ngram", "min_ngram", "vocab_size")
@@ -195,17 +190,6 @@ class NgramTreeDrafter:
     @property
     def spec(self):
         return TreeSpec((self.branches,) + (1,) * (self.depth - 1))
-
-    @property
-    def max_depth(self) -> int:
-        return self.depth
-
-    @property
-    def max_children(self) -> int:
-        return self.branches
-
-    def init(self, params, prompt, prompt_len, slots):
-        return None
 
     def propose_tree(self, params, state, ctx: DraftContext, key) -> TreeProposal:
         c, k = self.branches, self.depth

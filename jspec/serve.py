@@ -16,28 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec import validate as V
 from jspec.adaptive import AdaptiveK
-from jspec.decode import (
-    DecodeConfig,
-    DecodeState,
-    StopReason,
-    adaptive_policy,
-    check_draft_context,
-    check_drafter,
-    check_eos,
-    check_flag,
-    check_min_tokens,
-    check_seed,
-    check_top_logprobs,
-    decode_round,
-    prefill,
-    tail_rows,
-    top_pairs,
-    tree_scratch,
-)
+from jspec.loop import decode_round, prefill
 from jspec.model import Model
-from jspec.sampling import SamplingParams, int_array
-from jspec.stop import StopStrings, check_stop_strings
+from jspec.state import DecodeConfig, DecodeState, StopReason, top_pairs
+from jspec.stop import StopStrings
+from jspec.stream import tail_rows
 
 
 def _insert_state(big: DecodeState, row: jax.Array, one: DecodeState) -> DecodeState:
@@ -93,7 +78,7 @@ def engine_slots(target: Model, drafter, max_len: int) -> int:
     """The cache slots S of an ``Engine`` with ``max_len``: a tree's scratch past each request's P + N - 1 slots,
     as decode's default max_len reserves it, so that which nodes a row verifies (and so its sampled tokens) does
     not depend on the engine's size; both are capped at the model's context length, where no node may sit."""
-    s = max_len + tree_scratch(drafter)
+    s = max_len + V.tree_scratch(drafter)
     return s if target.max_positions is None else min(s, target.max_positions)
 
 
@@ -162,24 +147,18 @@ class Engine:
     detokenize: Callable[[list[int]], str] | None = None
 
     def __post_init__(self):
-        self.logprobs = check_flag("logprobs", self.logprobs)
-        self.top_logprobs = check_top_logprobs(self.top_logprobs, self.logprobs, self.target.vocab_size)
-        self.block_verify = check_flag("block_verify", self.block_verify)
-        self.penalties = check_flag("penalties", self.penalties)
-        for name, what in (
-            ("batch", "batch"),
-            ("max_len", "max_len"),
-            ("bucket", "bucket (the prompt-width padding multiple)"),
-            ("rounds_per_sync", "rounds_per_sync"),
-            ("max_stop_ids", "max_stop_ids"),
-            ("max_logit_bias", "max_logit_bias"),
-        ):
-            v = getattr(self, name)
-            least = 0 if name in ("max_stop_ids", "max_logit_bias") else 1  # 0: no per-request ids / biases
-            if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < least:
-                raise ValueError(f"{what} must be an int >= {least}, got {v!r}")
-        self.adaptive = adaptive_policy(self.adaptive)
-        gamma = check_drafter(
+        self.logprobs = V.check_flag("logprobs", self.logprobs)
+        self.top_logprobs = V.check_top_logprobs(self.top_logprobs, self.logprobs, self.target.vocab_size)
+        self.block_verify = V.check_flag("block_verify", self.block_verify)
+        self.penalties = V.check_flag("penalties", self.penalties)
+        V.check_count("batch", self.batch)
+        V.check_count("max_len", self.max_len)
+        V.check_count("bucket (the prompt-width padding multiple)", self.bucket)
+        V.check_count("rounds_per_sync", self.rounds_per_sync)
+        V.check_count("max_stop_ids", self.max_stop_ids, least=0)  # 0: no per-request ids / biases
+        V.check_count("max_logit_bias", self.max_logit_bias, least=0)
+        self.adaptive = V.adaptive_policy(self.adaptive)
+        gamma = V.check_drafter(
             self.target,
             self.drafter,
             self.gamma,
@@ -191,7 +170,7 @@ class Engine:
         self.config = DecodeConfig(
             gamma,
             engine_slots(self.target, self.drafter, self.max_len),
-            check_eos(self.eos_ids, self.target.vocab_size),
+            V.check_eos(self.eos_ids, self.target.vocab_size),
             False,
             self.adaptive,
             self.block_verify,
@@ -214,8 +193,8 @@ class Engine:
             dummy,
             jnp.ones((b,), jnp.int32),
             jnp.ones((b,), jnp.int32),
-            SamplingParams.make(b, stop_width=self.max_stop_ids, bias_width=self.max_logit_bias),
-            jax.random.split(jax.random.key(check_seed(self.seed)), b),  # per-row keys; replaced by each add()
+            V.sampling_params(b, stop_width=self.max_stop_ids, bias_width=self.max_logit_bias),
+            jax.random.split(jax.random.key(V.check_seed(self.seed)), b),  # per-row keys; replaced by each add()
         )
         if not hasattr(st.cache, "insert"):
             raise TypeError(
@@ -308,43 +287,12 @@ class Engine:
         self._check_row(row)
         if self._stop[row] == StopReason.RUNNING:
             raise ValueError(f"row {row} is still decoding a request")
-        prompt = int_array(prompt, "prompt")
-        if prompt.ndim != 1:
-            raise ValueError(f"prompt must be a 1-D sequence of token ids, got shape {prompt.shape}")
-        budget = int_array(max_new_tokens, "max_new_tokens")
-        if budget.ndim != 0:
-            raise ValueError(f"max_new_tokens must be one int, got shape {budget.shape}")
-        max_new_tokens = int(budget)
-        if prompt.size == 0:
-            raise ValueError("empty prompt: at least one token is needed")
-        if prompt.min() < 0 or prompt.max() >= self.target.vocab_size:
-            raise ValueError(f"prompt has token ids outside [0, {self.target.vocab_size})")
-        if max_new_tokens < 1 or prompt.size + max_new_tokens - 1 > self.max_len:
-            raise ValueError(
-                f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) must fit the engine's cache "
-                f"({self.max_len} slots hold the prompt and every generated token but the last) and "
-                "max_new_tokens must be >= 1"
-            )
-        ctx = self.target.max_positions
-        if ctx is not None and prompt.size + max_new_tokens - 1 > ctx:
-            raise ValueError(
-                f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) runs past "
-                f"{self.target.name}'s context length ({ctx} positions)"
-            )
-        check_draft_context(self.drafter, np.asarray([prompt.size + max_new_tokens - 1]))
+        prompt, max_new_tokens = V.check_engine_request(self.target, self.drafter, prompt, max_new_tokens, self.max_len)
         width = min(-(-prompt.size // self.bucket) * self.bucket, self.config.slots)  # slots: capped at the context
         padded = np.zeros((1, width), np.int32)
         padded[0, : prompt.size] = prompt
-        if isinstance(stop_token_ids, Sequence) and any(isinstance(x, Sequence) for x in stop_token_ids):
-            raise ValueError(f"stop_token_ids must be one flat sequence of token ids, got {stop_token_ids!r:.80}")
-        if logit_bias is not None and not isinstance(logit_bias, dict):
-            raise ValueError(f"logit_bias must be one {{token_id: bias}} dict, got {logit_bias!r:.80}")
-        if logit_bias and len(logit_bias) > self.max_logit_bias:
-            raise ValueError(
-                f"{len(logit_bias)} logit_bias entries, more than this engine holds per request: build it with "
-                f"Engine(..., max_logit_bias={len(logit_bias)}) or more (now {self.max_logit_bias})"
-            )
-        sampling = SamplingParams.make(
+        V.check_engine_options(stop_token_ids, logit_bias, self.max_logit_bias)
+        sampling = V.sampling_params(
             1,
             temperature,
             top_k,
@@ -360,18 +308,18 @@ class Engine:
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
         )
-        stops = check_stop_strings(stop)
+        stops = V.check_stop_strings(stop)
         if stops and self.detokenize is None:
             raise ValueError("stop strings need the engine's detokenize (token ids -> text): Engine(..., detokenize=)")
         if not self.penalties and sampling.has_penalties():
             raise ValueError("penalties need an engine that counts tokens: build it with Engine(..., penalties=True)")
-        check_min_tokens(
+        V.check_min_tokens(
             sampling, np.asarray([max_new_tokens]), self.config.eos_ids, self.target.vocab_size, bool(stops)
         )
         if seed is None:
             key = jax.random.fold_in(jax.random.key(self.seed), self._n_added)
         else:
-            key = jax.random.key(check_seed(seed))
+            key = jax.random.key(V.check_seed(seed))
         self._n_added += 1
         self.state, first, first_lp, first_top, stop = self._insert(
             self.target_params,

@@ -13,18 +13,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 
-
-def check_stop_strings(stops) -> tuple[str, ...]:
-    """``stops`` as a tuple of non-empty strings; one string is one stop string (as OpenAI's and vLLM's ``stop``
-    take it: "\\n\\n" is the blank line, not two newlines)."""
-    if isinstance(stops, str):
-        stops = [stops]
-    if not isinstance(stops, Sequence):
-        raise ValueError(f"stop strings must be a string or a list of strings, got {stops!r:.80}")
-    bad = [s for s in stops if not isinstance(s, str) or not s]
-    if bad:
-        raise ValueError(f"stop strings must be non-empty strings, got {bad!r:.80}")
-    return tuple(stops)
+from jspec.validate import check_stop_strings
 
 
 class StopStrings:

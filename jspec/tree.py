@@ -28,14 +28,13 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Sequence
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jspec.cache import take_rows
-from jspec.sampling import distribution, gumbel, inverse_cdf, sample_from, split_keys, top_k, uniform
+from jspec.sampling import gumbel, inverse_cdf, sample_from, split_keys, top_k, uniform
 
 
 class TreeRule(enum.IntEnum):
@@ -410,135 +409,3 @@ def grow_dynamic_tree(root_logits, expand, carry, width: int, depth: int, budget
     depth_out = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), pool_dep[rows, sel]], 1)
     valid = jnp.concatenate([jnp.ones((b, 1), bool), jnp.isfinite(pool_score[rows, sel])], 1)
     return tokens, parent, depth_out, valid
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeModelDrafter:
-    """A draft model that expands a static tree (``TreeSpec``) level by level.
-
-    Its cache holds the committed sequence up to ``lengths``; each round first catches up on the tokens
-    committed since (the accepted path and the new pending token, at most depth + 1 of them, fed as one
-    block), then runs the whole tree (every non-root node, ancestor-masked) once per level. Scratch entries
-    of rejected branches stay beyond ``lengths`` and are overwritten next round.
-    """
-
-    model: object  # jspec.model.Model
-    spec: TreeSpec
-    rule: TreeRule = TreeRule.DETERMINISTIC
-    is_tree: bool = dataclasses.field(default=True, init=False)
-
-    needs_params: ClassVar[bool] = True
-
-    def __post_init__(self):
-        if not isinstance(self.spec, TreeSpec):
-            raise TypeError(f"TreeModelDrafter needs spec=jspec.tree.TreeSpec, got {type(self.spec).__name__}")
-        object.__setattr__(self, "rule", check_rule(self.rule))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab_size
-
-    @property
-    def max_depth(self) -> int:
-        return self.spec.max_depth
-
-    @property
-    def max_children(self) -> int:
-        return self.spec.max_children
-
-    def init(self, params, prompt, prompt_len, slots):
-        b, p = prompt.shape
-        cache = self.model.init_cache(b, slots)
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        _, cache = self.model.apply(params, prompt, positions, cache)
-        return cache.commit(prompt_len)  # a commit: see ``ModelDrafter.init``
-
-    def _catch_up(self, params, cache, seq, seq_len):
-        """Feed every token from ``cache.lengths`` to the pending token; return its logits [B, V]."""
-        b, w_seq = seq.shape
-        width = self.max_depth + 2
-        start = cache.lengths
-        idx = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-        toks = take_rows(seq, jnp.minimum(idx, w_seq - 1))
-        logits, cache = self.model.apply(params, toks, idx, cache)
-        pend = seq_len - 1
-        return take_rows(logits, pend - start), cache.commit(seq_len - start)  # through the pending token
-
-    def propose_tree(self, params, cache, ctx, key) -> TreeProposal:
-        parent_np, depth_np, _ = self.spec.arrays
-        n = len(parent_np)
-        b = ctx.seq.shape[0]
-        v = self.vocab_size
-        root_logits, cache = self._catch_up(params, cache, ctx.seq, ctx.seq_len)
-        pend = ctx.seq_len - 1
-        parent = jnp.broadcast_to(jnp.asarray(parent_np, jnp.int32), (b, n))
-        depth = jnp.broadcast_to(jnp.asarray(depth_np, jnp.int32), (b, n))
-        # Non-root nodes see the root as committed context; among themselves, their ancestors only.
-        sub_mask = ancestor_mask(parent)[:, 1:, 1:]
-        tokens = jnp.zeros((b, n), jnp.int32)
-        valid = jnp.ones((b, n), bool)
-        q_all = jnp.zeros((b, n, v), jnp.float32)
-        level_logits = root_logits[:, None]  # [B, 1, V] logits of the nodes at the current depth
-        keys = split_keys(key, self.spec.max_depth)
-        for d in range(self.spec.max_depth):
-            level = np.nonzero(depth_np == d)[0]
-            q_level = distribution(level_logits, ctx.sampling)  # [B, M, V]
-            q_all = q_all.at[:, level].set(q_level)
-            kids_per_node = [np.nonzero(parent_np == i)[0] for i in level]
-            c = max(len(k_) for k_ in kids_per_node)
-            if c == 0:
-                break
-            toks, ok = choose_children(keys[d], level_logits, q_level, c, self.rule)
-            for m, kids in enumerate(kids_per_node):
-                if len(kids):
-                    tokens = tokens.at[:, kids].set(toks[:, m, : len(kids)])
-                    valid = valid.at[:, kids].set(ok[:, m, : len(kids)])
-            nxt = np.nonzero(depth_np == d + 1)[0]
-            if d + 1 < self.spec.max_depth and np.any(depth_np == d + 2):
-                logits, _ = self.model.apply(params, tokens[:, 1:], pend[:, None] + depth[:, 1:], cache, sub_mask)
-                level_logits = logits[:, nxt - 1]
-        return TreeProposal(tokens, q_all, parent, depth, valid, cache)
-
-
-class DynamicTreeShape:
-    """The verification bounds of a dynamic tree with fields ``depth`` and ``budget`` (a mixin)."""
-
-    @property
-    def max_depth(self) -> int:
-        return self.depth
-
-    @property
-    def max_children(self) -> int:
-        return self.budget - 1  # the root may keep every selected candidate as a child
-
-
-@dataclasses.dataclass(frozen=True)
-class DynamicTreeDrafter(DynamicTreeShape, TreeModelDrafter):
-    """EAGLE-2 style dynamic tree from a draft model (``grow_dynamic_tree`` with width ``top_k``): the shape
-    differs per row; children are chosen deterministically (DETERMINISTIC rule)."""
-
-    # Not constructor arguments: the tree is built per row and its children are always the most likely, so
-    # ``DynamicTreeDrafter(model, top_k, depth, budget)`` reads as it is written.
-    spec: TreeSpec = dataclasses.field(default=None, init=False)
-    rule: TreeRule = dataclasses.field(default=TreeRule.DETERMINISTIC, init=False)
-    top_k: int = 4
-    depth: int = 4
-    budget: int = 16
-
-    def __post_init__(self):
-        check_dynamic_tree(self.rule, self.top_k, self.depth, self.budget)
-
-    def propose_tree(self, params, cache, ctx, key) -> TreeProposal:
-        root_logits, cache = self._catch_up(params, cache, ctx.seq, ctx.seq_len)
-        pend = ctx.seq_len - 1
-
-        def expand(d, f_tok, f_par, f_dep, carry):
-            # Every frontier slot in one call (later levels are placeholders that see only the root and
-            # themselves, so they cannot disturb earlier ones); the level-d slots' logits are read.
-            logits, _ = self.model.apply(params, f_tok, pend[:, None] + f_dep, cache, frontier_mask(f_par))
-            k = self.top_k
-            return logits[:, (d - 1) * k : d * k], carry
-
-        tokens, parent, depth, valid = grow_dynamic_tree(root_logits, expand, None, self.top_k, self.depth, self.budget)
-        q = jnp.zeros(tokens.shape + (1,), jnp.float32)  # unused by the DETERMINISTIC rule
-        return TreeProposal(tokens, q, parent, depth, valid, cache)

@@ -48,11 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.cache import KVCache, take_rows
-from jspec.drafters import DraftContext, Proposal
+from jspec.drafters import DraftContext, Drafter, DynamicTreeShape, Proposal, StaticTreeShape
 from jspec.model import Model
 from jspec.sampling import distribution, sample, split_keys
 from jspec.tree import (
-    DynamicTreeShape,
     TreeProposal,
     TreeRule,
     TreeSpec,
@@ -393,7 +392,7 @@ class EagleState:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """EAGLE draft head (jspec drafter protocol with ``verify_updates_state``).
 
     ecfg: the head's config (its ``target`` must be the target's config). max_draft: the largest K this
@@ -581,7 +580,7 @@ class EagleDrafter:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleTreeDrafter(EagleDrafter):
+class EagleTreeDrafter(StaticTreeShape, EagleDrafter):
     """The EAGLE head expanding a static candidate tree (``jspec.tree.TreeSpec``), level by level.
 
     A node's children come from the head's predicted feature at that node: f^ of the root is the catch-up's
@@ -598,7 +597,6 @@ class EagleTreeDrafter(EagleDrafter):
 
     spec: TreeSpec | None = None
     rule: TreeRule | None = None  # None = DETERMINISTIC
-    is_tree: bool = dataclasses.field(default=True, init=False)
     # Set from the tree's depth in __post_init__: not an argument, so a max_draft passed in is not ignored.
     max_draft: int = dataclasses.field(default=0, init=False)
 
@@ -609,14 +607,6 @@ class EagleTreeDrafter(EagleDrafter):
         # The feature block holds the accepted path: the root and at most max_depth accepted nodes.
         object.__setattr__(self, "max_draft", self.spec.max_depth)
         super().__post_init__()
-
-    @property
-    def max_depth(self) -> int:
-        return self.spec.max_depth
-
-    @property
-    def max_children(self) -> int:
-        return self.spec.max_children
 
     def _scratch_slots(self) -> int:
         return max(self.max_draft + 2, self.spec.num_nodes + 1)

@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jspec.cache import KVCache, attention_mask
-from jspec.drafters import DraftContext, Proposal
+from jspec.drafters import DraftContext, Drafter, Proposal
 from jspec.model import Model
 from jspec.sampling import distribution, sample, split_keys
 from models import llama
@@ -183,7 +183,7 @@ def exit_model(cfg: LlamaConfig, exit_layer: int) -> Model:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerSkipDrafter:
+class LayerSkipDrafter(Drafter):
     """Self-speculation with the target's first ``exit_layer`` layers (jspec drafter protocol, shares the
     target's cache and replaces the verification call).
 
@@ -257,7 +257,7 @@ class LayerSkipDrafter:
 
     def as_model(self, draft_params: tuple[Params, dict | None]) -> tuple[Model, tuple[Params, dict | None]]:
         """This exit as a stand-alone draft model (``exit_model``) and its params, from what ``draft_params``
-        returned: for ``jspec.tree.TreeModelDrafter`` / ``DynamicTreeDrafter``, which build candidate trees
+        returned: for ``jspec.drafters.TreeModelDrafter`` / ``DynamicTreeDrafter``, which build candidate trees
         from any draft ``Model``. Unstacked layers are shared with the target; stacked ones are sliced once
         here (an [E, ...] copy), not per call."""
         tparams, ex = draft_params

@@ -15,7 +15,7 @@ import dataclasses
 import re
 from collections import Counter
 
-from jspec.decode import AT_MOST_ONCE
+from jspec.rounds import AT_MOST_ONCE
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 

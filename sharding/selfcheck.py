@@ -314,8 +314,10 @@ def _tree_check(model, tp, dp, stp, sdp, plan, dcfg) -> dict:
     ``cache_need`` slots (the rows' P + N - 1 and the tree's scratch, ``jspec.decode.tree_scratch``) and on one
     device with decode's default cache (rounded up to 128 slots): the tokens must be equal, which they would not
     be if the mesh's cache lacked the scratch (row 6's last rounds would verify fewer nodes: other draws)."""
-    from jspec.decode import prepare, tree_scratch
-    from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
+    from jspec.decode import prepare
+    from jspec.drafters import TreeModelDrafter
+    from jspec.tree import TreeRule, TreeSpec
+    from jspec.validate import tree_scratch
     from models.llama import make_model
     from sharding import hlo
     from sharding.sharded_decode import cache_need, gather_output, prepare_sharded

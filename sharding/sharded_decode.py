@@ -34,10 +34,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jspec import decode as jdecode
-from jspec.decode import DecodeConfig, DecodeOutput, DecodeState, decode_round, generate_arrays, prefill
+from jspec.decode import prepare
+from jspec.loop import decode_round, generate_arrays, prefill
 from jspec.model import Model
 from jspec.sampling import SamplingParams
+from jspec.state import DecodeConfig, DecodeOutput, DecodeState, to_output
+from jspec.stream import DecodeStream
+from jspec.validate import tree_scratch
 from sharding.mesh import check_auto_axes
 from sharding.placement import cache_shardings, local_rows, put, put_rows, rows_sharding
 from sharding.rules import ShardingRules, fit_rules, named, rules
@@ -205,10 +208,11 @@ def pinned_model(model: Model, plan: DecodePlan, model_rules: ShardingRules) -> 
 
 
 def pinned_drafter(drafter, plan: DecodePlan):
-    """A drafter that runs a draft ``Model`` (a dataclass with a ``model`` field, like ``ModelDrafter``) gets
-    the pinned draft model under the draft rules; any other drafter is returned unchanged."""
-    inner = getattr(drafter, "model", None)
-    if dataclasses.is_dataclass(drafter) and isinstance(inner, Model):
+    """A drafter that runs a draft ``Model`` (its ``draft_model``, the ``model`` field of ``ModelDrafter`` and the
+    tree model drafters) gets the pinned draft model under the draft rules; any other drafter is returned
+    unchanged."""
+    inner = None if drafter is None else drafter.draft_model
+    if inner is not None:
         split = [k for k, v in plan.draft_rules.mapping if k != "batch" and v is not None and plan.mesh.shape[v] > 1]
         if not plan.draft_fitted and split:
             raise ValueError(
@@ -343,7 +347,7 @@ class ShardedDecode:
         """(prefill, round): the jitted pieces ``stream`` runs; the round's state argument is donated."""
         return _step_fns(*self.step_key)
 
-    def stream(self) -> jdecode.DecodeStream:
+    def stream(self) -> DecodeStream:
         """Like ``jspec.decode.decode_stream``: yields, after prefill and after every round, the tokens each row
         emitted (all rows, in every process), with the stream's ``stop_reasons``, ``logprobs`` and ``output()``.
         Every step fetches its tokens to the host, so each round is blocked on before the next is dispatched
@@ -351,7 +355,7 @@ class ShardedDecode:
         must step the stream (and call ``output()``) alike: the fetches are collectives."""
         pre, step = self.step_fns()
         top = bool(self.config.top_logprobs)
-        return jdecode.DecodeStream(pre, step, self.args(), self.config.logprobs, _to_host, gather_output, top)
+        return DecodeStream(pre, step, self.args(), self.config.logprobs, _to_host, gather_output, top)
 
     def run_timed(self) -> DecodeOutput:
         """Like ``PreparedDecode.run_timed``: compile, then time execution + gathering the tokens alone."""
@@ -399,7 +403,7 @@ def gather_output(st: DecodeState) -> DecodeOutput:
         cache=None,
         draft_state=None,
     )
-    return jdecode.to_output(host)
+    return to_output(host)
 
 
 def _spans_processes(mesh: Mesh) -> bool:
@@ -506,7 +510,8 @@ def _agree_on_inputs(
     n_rows = global_b if process_local else 0  # global_b and process_local are agreed on by now
     values = [0] * (6 + n_rows)
     if error is None:
-        _, _, prompt, plen, mnew, sampling, key = pd.args
+        i = pd.inputs
+        prompt, plen, mnew, sampling, key = i.prompt, i.prompt_len, i.max_new, i.sampling, i.key
         prompt, plen, mnew = np.asarray(prompt), np.asarray(plen), np.asarray(mnew)
         samp = [np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingParams)]
         key_data = np.asarray(jax.random.key_data(key))
@@ -600,7 +605,7 @@ def cache_need(target: Model, drafter: Any, prompts: Sequence[Sequence[int]] | n
     lens = [len(p) for p in prompts]
     budgets = np.broadcast_to(np.asarray(budget, dtype=object), (len(lens),)).tolist()
     need = max((n + int(m) - 1 for n, m in zip(lens, budgets)), default=0)
-    need += jdecode.tree_scratch(drafter)  # a tree's scratch, as prepare reserves it
+    need += tree_scratch(drafter)  # a tree's scratch, as prepare reserves it
     if target.max_positions is not None:
         need = min(need, target.max_positions)
     # No rows or a budget < 1: prepare names the problem (max_len=0 would be refused first, misleadingly).
@@ -719,7 +724,7 @@ def prepare_sharded(
     # went on to the next gather would leave those waiting in it for good.
     pd, error = None, None
     try:
-        pd = jdecode.prepare(
+        pd = prepare(
             target, target_params, prompts, drafter=drafter, draft_params=draft_params, max_len=max_len, **kwargs
         )
         if pd.config.debug_checks:
@@ -739,7 +744,8 @@ def prepare_sharded(
         )
     config = dataclasses.replace(pd.config, constrain=StateConstraint(plan))
     target, drafter = pinned_model(target, plan, plan.target), pinned_drafter(drafter, plan)
-    _, _, prompt, plen, mnew, sampling, key = pd.args
+    i = pd.inputs
+    prompt, plen, mnew, sampling, key = i.prompt, i.prompt_len, i.max_new, i.sampling, i.key
     prompt, plen, mnew = np.asarray(prompt), np.asarray(plen), np.asarray(mnew)
     pw = prompt.shape[1] if widths is None else widths[0]
     prompt = np.pad(prompt, ((0, 0), (0, pw - prompt.shape[1])))

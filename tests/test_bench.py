@@ -17,7 +17,8 @@ from test_decode_core import DRAFT_PARAMS, DRAFTER, TARGET, TARGET_PARAMS
 
 from jspec.bench import metrics, peers, report, runner, workloads
 from jspec.bench.runner import Job, Load, Spec
-from jspec.decode import DecodeConfig
+from jspec.state import DecodeConfig
+from jspec.validate import check_prompts, sampling_params
 
 MAX_LEN = 64  # the shapes of test_serve.py: its compiled engine functions are reused
 PLAIN = Spec("plain", peer="plain")
@@ -656,14 +657,13 @@ def test_phase_pieces_compose_to_the_round_for_every_drafter_path():
     greedy batch verifies on argmax ids (the pieces built [B, T, V] distributions). Composed, the pieces
     must commit exactly the sequence the real round commits; sampled, they must run."""
     from jspec.bench.metrics import _phase_fns, fresh
-    from jspec.sampling import SamplingParams
 
     rows = np.asarray([[1, 5, 9, 3, 7, 2], [2, 4, 6, 8, 10, 12]], np.int32)
     for name, target, tp, drafter, dp, k in _phase_drafters():
         config = DecodeConfig(k, 32)
         for greedy in (True, False):
             pre, _, draft, verify, update, round_ = _phase_fns(target, drafter, config, greedy)
-            sampling = SamplingParams.make(2, 0.0 if greedy else 1.0)
+            sampling = sampling_params(2, 0.0 if greedy else 1.0)
             key = jax.random.key(3)
             plen = jnp.full((2,), rows.shape[1], jnp.int32)
             st = pre(tp, dp, jnp.asarray(rows), plen, jnp.full((2,), 20, jnp.int32), sampling, key)
@@ -957,7 +957,6 @@ def test_percent_problems_have_whole_exact_answers():
 def test_bench_sync_pads_engine_prompts_as_the_fused_loop_does():
     """The engine padded each prompt to a multiple of 64 (its default bucket), the fused prepare to a multiple
     of 16: a 17-token prompt prefilled 64 positions against 32. Both now pad to the same width."""
-    from jspec import decode as dec
 
     sync = _examples_module("bench_sync")
     eng = sync.make_engine(TARGET, TARGET_PARAMS, None, 0, (), MAX_LEN, 2)
@@ -970,7 +969,7 @@ def test_bench_sync_pads_engine_prompts_as_the_fused_loop_does():
 
     eng._insert = spy
     for n in (1, 15, 16, 17, 40, 63):
-        fused_width = dec._prepare(TARGET, [[1] * n], 1, MAX_LEN)[0].shape[1]
+        fused_width = check_prompts(TARGET, [[1] * n], 1, MAX_LEN)[0].shape[1]
         eng.add(0, [1] * n, 1)  # one token: the request ends at once and frees its row
         assert inserted[-1] == fused_width, n
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jspec import decode as dec
-from jspec.drafters import ModelDrafter
-from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeSpec, ancestor_mask
+from jspec.drafters import DynamicTreeDrafter, ModelDrafter, TreeModelDrafter
+from jspec.tree import TreeSpec, ancestor_mask
 from models.compressed import make_compressed_model
 from models.llama import LlamaConfig, init_random_params, make_model
 

@@ -17,7 +17,10 @@ from toy_models import (
 )
 
 from jspec import decode as dec
-from jspec.drafters import ModelDrafter, Proposal
+from jspec import rounds as round_steps
+from jspec.drafters import Drafter, ModelDrafter, Proposal
+from jspec.state import DecodeConfig
+from jspec.validate import DEFAULT_GAMMA, check_eos
 from jspec.verify import verify_chain_key
 
 VOCAB, PERIOD = 3, 4
@@ -128,8 +131,9 @@ def test_greedy_paths_take_the_targets_own_argmax():
     """``Model.argmax`` (a kernel in models) is what the greedy paths read: plain steps, chain verification
     (wide and narrow branches) and tree verification. A deliberately different rule (argmin) shows it is
     used everywhere after the prefill (whose first token goes through ``jspec.sampling``)."""
+    from jspec.drafters import TreeModelDrafter
     from jspec.ngram import NgramDrafter
-    from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
+    from jspec.tree import TreeRule, TreeSpec
 
     target = dataclasses.replace(TARGET, argmax=lambda x: jnp.argmin(x, axis=-1).astype(jnp.int32))
     want = []
@@ -325,7 +329,7 @@ def test_a_stopped_sampled_row_leaves_the_batch_on_the_greedy_path(monkeypatch):
         jax.debug.callback(lambda: calls.append(1))
         return verify_chain_key(*args, **kw)
 
-    monkeypatch.setattr(dec, "verify_chain_key", spy)
+    monkeypatch.setattr(round_steps, "verify_chain_key", spy)
     prompts = [[2, 0, 1], [1, 1, 0, 2]]
     kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=2, max_len=40)  # max_len: a fresh trace
     out = dec.decode(TARGET, TARGET_PARAMS, prompts, max_new_tokens=[1, 12], temperature=[1.0, 0.0], **kw)
@@ -398,13 +402,13 @@ def test_per_call_arrays_do_not_recompile():
             seed=int(t * 10),
             stop_token_ids=stops,
         )
-    fn = dec._compiled(TARGET, DRAFTER, dec.DecodeConfig(2, 128))
+    fn = dec._compiled(TARGET, DRAFTER, DecodeConfig(2, 128))
     assert dec._compiled.cache_info().currsize == before + 1
     assert fn._cache_size() == 1
 
 
 @dataclasses.dataclass(frozen=True)
-class _BrokenDrafter:
+class _BrokenDrafter(Drafter):
     """Proposes token 0 while claiming q puts all its mass on token 1."""
 
     vocab_size: int = VOCAB
@@ -575,7 +579,7 @@ def test_gamma_unset_is_the_drafters_own_and_a_given_one_is_what_runs():
         return dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=4, **kw).config.gamma
 
     assert k() == 0 and k(gamma=0) == 0
-    assert k(drafter=DRAFTER, draft_params=DRAFT_PARAMS) == dec.DEFAULT_GAMMA == 4
+    assert k(drafter=DRAFTER, draft_params=DRAFT_PARAMS) == DEFAULT_GAMMA == 4
     assert k(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=2) == 2
     assert k(drafter=tree) == 3 and k(drafter=tree, gamma=3) == 3
     for kw, message in (
@@ -642,7 +646,8 @@ def test_debug_checks_in_the_streaming_path():
 def _zero_q_tree(rule):
     """A tree drafter whose reported q gives each proposed child probability 0 (every row of q moved onto the
     next token id), the tree analogue of ``_BrokenDrafter``."""
-    from jspec.tree import TreeModelDrafter, TreeSpec
+    from jspec.drafters import TreeModelDrafter
+    from jspec.tree import TreeSpec
 
     class ZeroQTree(TreeModelDrafter):
         def propose_tree(self, params, state, ctx, key):
@@ -788,7 +793,7 @@ def test_defaults_and_keys_that_compiled_too_much():
     checked its arguments only at the first next()."""
     prompt = [[0, 1, 2] * 9 + [0, 1]]  # 29 tokens + 100 new = 128 slots needed
     assert dec.prepare(TARGET, TARGET_PARAMS, prompt, max_new_tokens=100).config.slots == 128
-    assert dec.check_eos([2, 1, 2], VOCAB) == dec.check_eos([1, 2], VOCAB) == (1, 2)
+    assert check_eos([2, 1, 2], VOCAB) == check_eos([1, 2], VOCAB) == (1, 2)
     raw = dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, key=jax.random.key_data(jax.random.key(7)))
     typed = dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, key=jax.random.key(7))
     assert raw.args[-1].dtype == typed.args[-1].dtype and raw.run().tokens == typed.run().tokens

@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from toy_models import ref_transform
+from toy_models import Forwarding, ref_transform
 
 from jspec import decode as dec
-from jspec.drafters import ModelDrafter
+from jspec.drafters import DynamicTreeDrafter, ModelDrafter, TreeModelDrafter
 from jspec.ngram import NgramDrafter
-from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeSpec
+from jspec.tree import TreeSpec
 from models.llama import LlamaConfig, init_random_params, make_model
 
 CFG = LlamaConfig(vocab_size=64, hidden=48, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=12, ffn=96)
@@ -106,16 +106,11 @@ def test_transformer_cache_equals_fresh_prefill_after_speculation():
 
 
 @dataclasses.dataclass(frozen=True)
-class SpyDrafter:
+class SpyDrafter(Forwarding):
     """The n-gram drafter, recording every round's per-row ``max_draft`` (what each row may propose)."""
 
     inner: NgramDrafter
     seen: list = dataclasses.field(default_factory=list, compare=False, hash=False)
-
-    def __getattr__(self, name):
-        if name in ("inner", "seen"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def propose(self, params, state, ctx, key, k):
         jax.debug.callback(lambda m: self.seen.append(np.asarray(m).tolist()), ctx.max_draft, ordered=True)

@@ -19,8 +19,10 @@ from toy_models import MisreportedQ, chi2_critical, chi_square, exact_causal_dis
 from jspec import decode as dec
 from jspec.adaptive import AdaptiveK
 from jspec.decode import decode, prepare
-from jspec.sampling import SamplingParams
+from jspec.drafters import DraftContext
+from jspec.loop import prefill
 from jspec.tree import TreeRule, TreeSpec
+from jspec.validate import sampling_params
 from models import llama
 from models.cpu_kernels import PackedMatrix
 from models.eagle import (
@@ -180,7 +182,7 @@ def test_head_consumes_fresh_target_features():
         np.testing.assert_allclose(ds.feats[r, :n], fresh[r, start[r] : committed[r]], atol=1e-4, rtol=0)
 
     # The head cache after next round's catch-up vs a fresh head pass over every committed pair.
-    ctx = dec.DraftContext(st.seq, st.seq_len, jnp.full((b,), k, jnp.int32), st.sampling)
+    ctx = DraftContext(st.seq, st.seq_len, jnp.full((b,), k, jnp.int32), st.sampling)
     observed = jax.jit(drafter.observe)(dparams, ds, ctx)
     assert np.array_equal(np.asarray(observed.cache.lengths), committed)
     ref_toks = jnp.asarray(_right_pad([seq[r, 1 : committed[r] + 1].tolist() for r in range(b)]))
@@ -231,7 +233,7 @@ def test_prefill_hook_equals_init_and_runs_the_target_once(monkeypatch):
     prepared = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=no_init, draft_params=dparams, gamma=3)
     passes, forward = [], llama.forward
     monkeypatch.setattr(llama, "forward", lambda cfg, *a, **k: passes.append(cfg == TINY) or forward(cfg, *a, **k))
-    st = jax.eval_shape(functools.partial(dec.prefill, TINY_MODEL, no_init, prepared.config), *prepared.args)
+    st = jax.eval_shape(functools.partial(prefill, TINY_MODEL, no_init, prepared.config), *prepared.args)
     assert st.draft_state.feats.shape == (b, 4, TINY.hidden)
     assert passes.count(True) == 1, passes
 
@@ -331,13 +333,13 @@ def rollout_vs_training(drafter, hp, k: int, rounds: int, max_new: int = 40, **d
     )
     pre, step = dec._stream_fns(TINY_MODEL, drafter, prepared.config)
     propose = jax.jit(drafter.propose, static_argnums=4)
-    soft = SamplingParams.make(b, 1.0)
+    soft = sampling_params(b, 1.0)
     st = pre(*prepared.args)
     recs, accepted, idle = [], [], 0
     for r in range(rounds):
         assert np.all(np.asarray(st.stop) == dec.StopReason.RUNNING)
         _, k_draft, _ = jax.random.split(jax.random.fold_in(st.key, st.stats.loop_rounds), 3)
-        ctx = dec.DraftContext(st.seq, st.seq_len, jnp.full((b,), k, jnp.int32), st.sampling)
+        ctx = DraftContext(st.seq, st.seq_len, jnp.full((b,), k, jnp.int32), st.sampling)
         greedy = propose(dparams, st.draft_state, ctx, k_draft, k)
         sampled = propose(dparams, st.draft_state, dataclasses.replace(ctx, sampling=soft), jax.random.key(r), k)
         pend = np.asarray(st.seq_len) - 1
@@ -528,13 +530,13 @@ def test_tree_rollout_equals_training_time_test():
     prepared = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, max_new_tokens=40)
     pre, step = dec._stream_fns(TINY_MODEL, drafter, prepared.config)
     propose = jax.jit(drafter.propose_tree)
-    soft = SamplingParams.make(b, 1.0)
+    soft = sampling_params(b, 1.0)
     parent_np, depth_np, _ = spec.arrays
     st = pre(*prepared.args)
     recs, accepted, sibling_taken = [], [], 0
     for r in range(8):
         assert np.all(np.asarray(st.stop) == dec.StopReason.RUNNING)
-        ctx = dec.DraftContext(st.seq, st.seq_len, jnp.full((b,), dmax, jnp.int32), soft)
+        ctx = DraftContext(st.seq, st.seq_len, jnp.full((b,), dmax, jnp.int32), soft)
         prop = propose(dparams, st.draft_state, ctx, jax.random.key(r))
         pend = np.asarray(st.seq_len) - 1
         st, emitted, n_emit = step(TINY_PARAMS, dparams, st)

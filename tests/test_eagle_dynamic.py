@@ -20,6 +20,8 @@ from test_eagle import (
 
 from jspec import decode as dec
 from jspec.decode import decode, prepare
+from jspec.drafters import DraftContext
+from jspec.state import to_output
 from jspec.tree import TreeRule
 from models.eagle import EagleDrafter, EagleDynamicTreeDrafter, head_unrolled, subset_logits
 
@@ -78,7 +80,7 @@ def test_dynamic_tree_is_eagle2_growth_on_the_training_computation(top_k, depth,
     recs, accepted, shapes = [], [], set()
     for r in range(6):
         assert np.all(np.asarray(st.stop) == dec.StopReason.RUNNING)
-        ctx = dec.DraftContext(st.seq, st.seq_len, jnp.full((b,), depth, jnp.int32), st.sampling)
+        ctx = DraftContext(st.seq, st.seq_len, jnp.full((b,), depth, jnp.int32), st.sampling)
         prop = propose(dparams, st.draft_state, ctx, jax.random.key(r))
         pend = np.asarray(st.seq_len) - 1
         st, emitted, n_emit = step(TINY_PARAMS, dparams, st)
@@ -124,7 +126,7 @@ def test_dynamic_tree_is_eagle2_growth_on_the_training_computation(top_k, depth,
     # this drafter on SmolLM2 in tests/test_real_model_decode.py's CLI test).
     while np.any(np.asarray(st.stop) == dec.StopReason.RUNNING):
         st, _, _ = step(TINY_PARAMS, dparams, st)
-    out = dec.to_output(st)
+    out = to_output(st)
     plain = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=40)
     assert out.tokens == plain.tokens and out.stats["accepted"] < out.stats["proposed"]
     assert head == "random" or out.stats["accepted"] > 0

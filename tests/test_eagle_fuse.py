@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from test_eagle import PROMPTS, TINY, TINY_MODEL, TINY_PARAMS, _right_pad, random_head, stepped_rounds
 
-from jspec import decode as dec
 from jspec.decode import decode
+from jspec.drafters import DraftContext
 from jspec.tree import TreeSpec
 from models import llama
 from models.eagle import (
@@ -125,7 +125,7 @@ def test_fused_head_consumes_fresh_target_features():
         n = committed[r] - start[r]
         assert 1 <= n <= k + 1
         np.testing.assert_allclose(ds.feats[r, :n], fresh[r, start[r] : committed[r]], atol=1e-4, rtol=0)
-    ctx = dec.DraftContext(st.seq, st.seq_len, jnp.full((b,), k, jnp.int32), st.sampling)
+    ctx = DraftContext(st.seq, st.seq_len, jnp.full((b,), k, jnp.int32), st.sampling)
     observed = jax.jit(drafter.observe)(dparams, ds, ctx)
     ref_toks = jnp.asarray(_right_pad([seq[r, 1 : committed[r] + 1].tolist() for r in range(b)]))
     _, ref_cache = head_features(

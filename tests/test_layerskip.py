@@ -14,10 +14,10 @@ from toy_models import MisreportedQ, chi2_critical, chi_square, exact_causal_dis
 
 from jspec.adaptive import AdaptiveK
 from jspec.decode import decode
-from jspec.drafters import DraftContext
-from jspec.sampling import SamplingParams, distribution
+from jspec.drafters import DraftContext, DynamicTreeDrafter
+from jspec.sampling import distribution
 from jspec.serve import Engine
-from jspec.tree import DynamicTreeDrafter
+from jspec.validate import sampling_params
 from models import llama
 from models.layerskip import (
     LayerSkipDrafter,
@@ -175,7 +175,7 @@ def test_verify_hook_equals_full_target_pass(exit_layer, adapter, head_tokens, t
     cache, toks, plen = prefilled(TINY, TINY_PARAMS, PROMPTS, slots)
     b = len(PROMPTS)
     seq = jnp.zeros((b, slots + 1), jnp.int32).at[:, : toks.shape[1]].set(toks)
-    sampling = SamplingParams.make(b, temperature)
+    sampling = sampling_params(b, temperature)
     ctx = DraftContext(seq, plen, jnp.full((b,), k, jnp.int32), sampling, cache)
     state0 = drafter.init(dparams, jnp.asarray(toks), plen, slots)
     prop = jax.jit(drafter.propose, static_argnums=4)(dparams, state0, ctx, jax.random.key(3), k)
@@ -279,7 +279,7 @@ def test_exit_model_matches_the_exit_and_builds_greedy_trees():
     # Tokens 4 and 5 as two siblings at position 4: each sees the prefix and itself, not the other.
     siblings = jnp.broadcast_to(jnp.eye(2, dtype=bool), (2, 2, 2))
     logits, _ = model.apply(mparams, rows[:, 4:], jnp.full((2, 2), 4), cache.with_lengths(jnp.full((2,), 4)), siblings)
-    sampling = SamplingParams.make(2, 1.0)
+    sampling = sampling_params(2, 1.0)
     got = distribution(logits, sampling)
     # Reference: layers [0, 2) over each sibling's own whole row, then the NumPy exit head and transform.
     h0 = np.asarray(early_exit_hidden(2, rows[:, :5]))[:, -1]

@@ -16,11 +16,13 @@ import pytest
 from toy_models import chi2_critical, chi_square, make_table_model, random_table, ref_transform
 
 from jspec import decode as dec
-from jspec.drafters import ModelDrafter
+from jspec.drafters import ModelDrafter, TreeModelDrafter
 from jspec.ngram import NgramDrafter
-from jspec.sampling import SamplingParams, processed_logits
+from jspec.sampling import processed_logits
 from jspec.serve import Engine
-from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
+from jspec.state import DecodeConfig
+from jspec.tree import TreeRule, TreeSpec
+from jspec.validate import sampling_params
 
 VOCAB, PERIOD, EOS = 4, 3, 3
 TABLE = random_table(7, VOCAB, PERIOD)
@@ -97,7 +99,7 @@ def test_processed_logits_match_numpy():
     logits = rng.normal(size=(b, t, v)).astype(np.float32)
     biases = [{2: 1.5, 7: -np.inf}, None, {0: -3.0, 10: 0.25, 4: 2.0}]
     stops = [[5], [], [1, 9]]
-    sp = SamplingParams.make(b, stop_token_ids=stops, min_tokens=[2, 0, 9], logit_bias=biases, vocab_size=v)
+    sp = sampling_params(b, stop_token_ids=stops, min_tokens=[2, 0, 9], logit_bias=biases, vocab_size=v)
     assert sp.bias_ids.shape == (b, 4) and sp.stop_ids.shape == (b, 4)  # widths rounded up to 4
     index = np.array([[0, 1, 2, 3], [0, 1, 2, 3], [5, 6, 7, 8]], np.int32)
     got = np.asarray(processed_logits(jnp.asarray(logits), sp, jnp.asarray(index), (3,)))
@@ -107,7 +109,7 @@ def test_processed_logits_match_numpy():
             want = ref_logits(logits[i, j], biases[i] or {}, index[i, j], [2, 0, 9][i], ends)
             np.testing.assert_allclose(got[i, j], want, rtol=1e-6)
     # Nothing to do (no bias slots, no end tokens): the logits come back as they are.
-    sp0 = SamplingParams.make(b)
+    sp0 = sampling_params(b)
     np.testing.assert_array_equal(np.asarray(processed_logits(jnp.asarray(logits), sp0, jnp.asarray(index))), logits)
 
 
@@ -366,4 +368,4 @@ def test_new_values_reuse_the_compiled_loop():
         dec.decode(TARGET, TPARAMS, PROMPTS, min_tokens=[5, 0, 0, 0], logit_bias=[{0: -np.inf}, {}, {}, {}], **kw),
     ]
     assert outs[0].tokens != outs[1].tokens
-    assert dec._compiled(TARGET, None, dec.DecodeConfig(0, 24, (EOS,)))._cache_size() == 1
+    assert dec._compiled(TARGET, None, DecodeConfig(0, 24, (EOS,)))._cache_size() == 1

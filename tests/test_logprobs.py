@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from test_layerskip import PROMPTS, TINY, TINY_MODEL, TINY_PARAMS
 
-from jspec.decode import StopReason, decode, prepare
-from jspec.drafters import ModelDrafter
-from jspec.tree import TreeModelDrafter, TreeRule, TreeSpec
+from jspec.decode import decode, prepare
+from jspec.drafters import ModelDrafter, TreeModelDrafter
+from jspec.state import StopReason
+from jspec.tree import TreeRule, TreeSpec
 from models import llama
 
 DRAFT_CFG = llama.LlamaConfig(

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from toy_models import chi2_critical, chi_square, exact_sequence_distribution, make_table_model, random_table
 
 from jspec.decode import decode
-from jspec.drafters import DraftContext, Proposal
+from jspec.drafters import DraftContext, Drafter, Proposal
 from jspec.ngram import NgramDrafter, NgramTreeDrafter, ngram_lookup
-from jspec.sampling import SamplingParams
+from jspec.validate import sampling_params
 
 
 def ref_lookup(hist: list[int], k: int, max_n: int, min_n: int) -> tuple[list[int], int]:
@@ -45,7 +45,7 @@ def make_ctx(histories: list[list[int]], width: int, max_draft) -> DraftContext:
         jnp.asarray(seq),
         jnp.asarray(seq_len),
         jnp.asarray(np.broadcast_to(np.asarray(max_draft, np.int32), (b,))),
-        SamplingParams.make(b),
+        sampling_params(b),
     )
 
 
@@ -245,7 +245,7 @@ def test_vocab_mismatch_is_refused():
 
 
 @dataclasses.dataclass(frozen=True)
-class MisreportedNgram:
+class MisreportedNgram(Drafter):
     """A deliberately WRONG scheme for the power check: the same deterministic proposals, but q is reported
     as ``w`` on the proposed token and the rest spread over the others. w -> 0 makes verification accept
     every proposal the target allows (p(x) >= q(x)); w = 0.9 is a subtler 10% misreport."""

@@ -205,6 +205,25 @@ def test_cli_json_main_job(smollm2_path, tmp_path):
     assert out["token_ids"] == out["plain"]["token_ids"]  # the flag's own inputs, not only the flag
 
 
+def test_demo_main_job_speculates_on_code_editing(smollm2, monkeypatch, capsys):
+    """``make run``'s demo: the answer copies the prompt's code, so prompt lookup keeps several tokens a round, and
+    the speculative output is plain decoding's token for token (its exit status says so). The session's model
+    stands in for a second load of the same checkpoint."""
+    import re
+
+    from jspec import demo
+
+    monkeypatch.setattr(demo, "model_loader", lambda: lambda *_, **__: smollm2)
+    assert demo.main(["--max-new-tokens", "40", "--compile-cache", "none"]) == 0
+    out, err = capsys.readouterr()
+    assert "def dedent(" in out  # the function it was asked to annotate, repeated
+    assert "output identical]" in err and "[speedup " in err
+    per_round = float(re.search(r"\(([0-9.]+) tokens/round", err).group(1))
+    assert per_round > 1.5, err  # a copy: most rounds keep drafts (plain decoding keeps 1.00)
+    assert demo.main(["--function", "textwrap:no_such_function", "--compile-cache", "none"]) == 2
+    assert "'textwrap:no_such_function': no Python source to read" in capsys.readouterr().err
+
+
 def test_cli_bad_input_is_a_clear_error(smollm2_path):
     r = _cli("--prompt", "hi", "--temperature", "1", "--top-p", "1.5", "--max-new-tokens", "4")
     assert r.returncode == 2 and "top_p" in r.stderr

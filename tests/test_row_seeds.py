@@ -219,7 +219,7 @@ def test_engine_and_decode_cap_a_trees_scratch_at_the_context_length():
     assert dec.prepare(short, TARGET_PARAMS, [prompt], max_new_tokens=25, **kw).config.slots == 64
     engine = Engine(short, TARGET_PARAMS, batch=1, max_len=64, drafter=drafter, draft_params=DRAFT_PARAMS)
     assert engine.config.slots == 64
-    reserve = dec.tree_nodes(drafter) - 1  # the scratch an engine without a context length keeps
+    reserve = drafter.nodes - 1  # the scratch an engine without a context length keeps
     unbounded = Engine(TARGET, TARGET_PARAMS, batch=1, max_len=64, drafter=drafter, draft_params=DRAFT_PARAMS)
     assert unbounded.config.slots == 64 + reserve
     for seed in range(2):  # seed 1 differed when the engine kept the scratch
@@ -229,4 +229,4 @@ def test_engine_and_decode_cap_a_trees_scratch_at_the_context_length():
             got += engine.step().get(0, [])
         assert got == alone, seed
     dyn = TREE_DRAFTERS["dynamic"]
-    assert dec.tree_nodes(dataclasses.replace(dyn, budget=np.int64(dyn.budget))) == dec.tree_nodes(dyn) > 1
+    assert dataclasses.replace(dyn, budget=np.int64(dyn.budget)).nodes == dyn.nodes > 1

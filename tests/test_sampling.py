@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from toy_models import ref_transform
 
-from jspec.sampling import SamplingParams, distribution, sample, sample_from
+from jspec.sampling import distribution, sample, sample_from
+from jspec.validate import sampling_params
 
 CASES = [
     dict(temperature=1.0),
@@ -29,7 +30,7 @@ def test_distribution_matches_reference_per_row():
     logits = rng.normal(size=(len(CASES), 3, 50)) * 2.5  # [B, T, V]
     cols = {k: [c.get(k, d) for c in CASES] for k, d in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0))}
     cols["min_p"] = [c.get("min_p", 0.0) for c in CASES]
-    params = SamplingParams.make(len(CASES), **cols)
+    params = sampling_params(len(CASES), **cols)
     got = np.asarray(distribution(jnp.asarray(logits, jnp.float32), params))
     for b, case in enumerate(CASES):
         for t in range(3):
@@ -40,7 +41,7 @@ def test_distribution_matches_reference_per_row():
 
 def test_greedy_is_one_hot_on_argmax():
     logits = jnp.asarray([[0.1, 3.0, 3.0, -1.0]])
-    probs = distribution(logits, SamplingParams.make(1, temperature=0.0))
+    probs = distribution(logits, sampling_params(1, temperature=0.0))
     assert np.asarray(probs).tolist() == [[0.0, 1.0, 0.0, 0.0]]  # first maximal index on ties
 
 
@@ -54,7 +55,7 @@ def test_changing_parameters_does_not_recompile():
 
     logits = jnp.ones((2, 8))
     for t, k, p, m in [(0.0, 0, 1.0, 0.0), (0.7, 3, 0.9, 0.0), (1.3, 0, 0.5, 0.2), (1.0, 7, 1.0, 0.0)]:
-        f(logits, SamplingParams.make(2, t, k, p, m)).block_until_ready()
+        f(logits, sampling_params(2, t, k, p, m)).block_until_ready()
     assert len(traces) == 1
 
 
@@ -88,7 +89,7 @@ def test_changing_parameters_does_not_recompile():
 )
 def test_bad_sampling_parameters_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SamplingParams.make(2, **kwargs)
+        sampling_params(2, **kwargs)
 
 
 def test_tiny_positive_temperature_is_the_greedy_limit_not_nan():
@@ -98,7 +99,7 @@ def test_tiny_positive_temperature_is_the_greedy_limit_not_nan():
     # below the max at T = 1e-9 (e**-4e3 is 0 in float32).
     logits = jnp.asarray([[-3.0, 25.0, 24.9, -1e4, 25.0 - 2.0**-18], [-20.0, -27.0, -20.0, -50.0, -23.0]])
     for t in (2e-38, 1e-37, 1e-9):
-        probs = np.asarray(distribution(logits, SamplingParams.make(2, t)))
+        probs = np.asarray(distribution(logits, sampling_params(2, t)))
         np.testing.assert_array_equal(probs, [[0, 1, 0, 0, 0], [0.5, 0, 0.5, 0, 0]])
 
 
@@ -160,7 +161,7 @@ def test_filters_keep_tie_groups_whole_and_match_the_reference_on_vocab_rows():
     big_cases = [dict(temperature=1.0, top_k=50, top_p=0.9), dict(temperature=0.7, top_p=0.95, min_p=0.02)]
     for logits, cs in ((ties, cases), (big, big_cases)):
         cols = {k: [c.get(k, d) for c in cs] for k, d in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))}
-        params = SamplingParams.make(len(cs), [c["temperature"] for c in cs], **cols)
+        params = sampling_params(len(cs), [c["temperature"] for c in cs], **cols)
         got = np.asarray(distribution(jnp.asarray(logits, jnp.float32), params))
         for b, case in enumerate(cs):
             for t in range(logits.shape[1]):
@@ -189,9 +190,9 @@ def test_a_row_without_filters_is_the_same_whatever_its_batch_filters():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(2, 4, 49152)) * 2.0, jnp.float32)
     for t in (0.6, 1.3):
-        alone = np.asarray(distribution(logits[:1], SamplingParams.make(1, temperature=t)))
+        alone = np.asarray(distribution(logits[:1], sampling_params(1, temperature=t)))
         for other in (dict(top_k=[0, 7]), dict(top_p=[1.0, 0.8]), dict(min_p=[0.0, 0.1])):
-            mixed = np.asarray(distribution(logits, SamplingParams.make(2, temperature=t, **other)))
+            mixed = np.asarray(distribution(logits, sampling_params(2, temperature=t, **other)))
             np.testing.assert_array_equal(mixed[0], alone[0], err_msg=str(other))
             if "top_p" not in other:  # the filtered row is still filtered (the reference's top-p is slow at V)
                 one = {k: v[1] for k, v in other.items()}

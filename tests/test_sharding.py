@@ -531,8 +531,9 @@ def test_state_shardings_replicate_per_position_stats_when_k_equals_the_batch():
     per-position statistics ([K]) were split as if they were rows. On an abstract 4x1 mesh (no devices)."""
     import functools
 
-    from jspec.decode import prefill, prepare
+    from jspec.decode import prepare
     from jspec.drafters import ModelDrafter
+    from jspec.loop import prefill
     from sharding.sharded_decode import DecodePlan, state_shardings
 
     model, tab, _ = _toy_decode_setup()

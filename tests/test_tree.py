@@ -19,18 +19,11 @@ from test_decode_core import (
 from toy_models import MisreportedQ, chi2_critical, chi_square, exact_sequence_distribution, grouped_rows
 
 from jspec import decode as dec
+from jspec.drafters import DraftContext, DynamicTreeDrafter, TreeModelDrafter
 from jspec.ngram import NgramTreeDrafter
 from jspec.serve import engine_slots
-from jspec.tree import (
-    DynamicTreeDrafter,
-    TreeModelDrafter,
-    TreeRule,
-    TreeSpec,
-    ancestor_mask,
-    children_table,
-    verify_tree,
-    verify_tree_greedy,
-)
+from jspec.tree import TreeRule, TreeSpec, ancestor_mask, children_table, verify_tree, verify_tree_greedy
+from jspec.validate import tree_scratch
 
 SPEC = TreeSpec((2, 2, 1))  # 1 + 2 + 4 + 4 = 11 nodes, depth 3
 
@@ -173,7 +166,7 @@ def test_dynamic_tree_greedy_equals_plain_and_shapes_differ_per_row():
     pre, step = dec._stream_fns(TARGET, drafter, prepared.config)
     st, shapes = pre(*prepared.args), set()
     for r in range(3):
-        ctx = dec.DraftContext(st.seq, st.seq_len, jnp.full((len(PROMPTS),), drafter.max_depth), st.sampling)
+        ctx = DraftContext(st.seq, st.seq_len, jnp.full((len(PROMPTS),), drafter.max_depth), st.sampling)
         prop = drafter.propose_tree(DRAFT_PARAMS, st.draft_state, ctx, jax.random.key(r))
         shapes |= {tuple(p) for p in np.asarray(prop.parent).tolist()}
         st = step(TARGET_PARAMS, DRAFT_PARAMS, st)[0]
@@ -190,8 +183,8 @@ def test_dynamic_tree_frontier_fits_the_reserved_cache():
     last frontier entry (a dropped write), so which nodes it kept depended on the cache size (on the other rows,
     through the default max_len). The reserve now covers the frontier; a static tree's stays its nodes."""
     d = DRAFTERS["dynamic"]
-    assert dec.tree_scratch(d) == 3 * 2 and dec.tree_scratch(DRAFTERS["static-iid"]) == SPEC.num_nodes - 1
-    assert dec.tree_scratch(DynamicTreeDrafter(DRAFT, top_k=2, depth=2, budget=6)) == 5  # budget - 1 > 2 * 2
+    assert tree_scratch(d) == 3 * 2 and tree_scratch(DRAFTERS["static-iid"]) == SPEC.num_nodes - 1
+    assert tree_scratch(DynamicTreeDrafter(DRAFT, top_k=2, depth=2, budget=6)) == 5  # budget - 1 > 2 * 2
     p, n = len(PROMPT), 128 - len(PROMPT) - 6 + 1  # P + N - 1 + 6 = 128: no slack at all
     slots = dec.prepare(TARGET, TARGET_PARAMS, [PROMPT], drafter=d, draft_params=DRAFT_PARAMS, max_new_tokens=n)
     assert slots.config.slots == 128 and p + n - 1 + 6 <= slots.config.slots

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.cache import KVCache, attention_mask, write_layer
+from jspec.drafters import Drafter
 from jspec.model import Model
 
 
@@ -169,19 +170,40 @@ def grouped_rows(prompt: list[int], groups: list[dict], n: int) -> tuple[np.ndar
     return np.tile(np.asarray(prompt, np.int32), (n * len(groups), 1)), cols
 
 
+class Forwarding(Drafter):
+    """A test drafter wrapping ``inner``: its declared capabilities, its optional methods and everything else it
+    does not define itself are the inner drafter's."""
+
+    is_tree = property(lambda self: self.inner.is_tree)
+    shares_target_cache = property(lambda self: self.inner.shares_target_cache)
+    verify_updates_state = property(lambda self: self.inner.verify_updates_state)
+    needs_params = property(lambda self: self.inner.needs_params)
+    max_draft = property(lambda self: self.inner.max_draft)
+    draft_model = property(lambda self: self.inner.draft_model)
+
+    def init(self, *args):
+        return self.inner.init(*args)
+
+    def observe(self, *args):
+        return self.inner.observe(*args)
+
+    def check_target(self, *args):
+        return self.inner.check_target(*args)
+
+    def __getattr__(self, name):  # vocab_size, a tree's shape, verify, ...
+        if name == "inner" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
 @dataclasses.dataclass(frozen=True)
-class MisreportedQ:
+class MisreportedQ(Forwarding):
     """A deliberately lossy drafter for the power checks: it proposes exactly what ``inner`` proposes (a
     chain, or a tree's nodes) but reports q mixed with the uniform distribution (weight 1 - w), so
     verification accepts and corrects against a q the tokens were not drawn from."""
 
-    inner: object  # any drafter of the jspec.drafters protocol, chain or tree
+    inner: Drafter  # any drafter, chain or tree
     w: float
-
-    def __getattr__(self, name):  # init, observe, vocab_size, ...: the inner drafter's
-        if name in ("inner", "w"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def _misreport(self, prop):
         return dataclasses.replace(prop, q=self.w * prop.q + (1 - self.w) / self.vocab_size)

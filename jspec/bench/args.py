@@ -103,9 +103,7 @@ def check_args(args, **counts: int | None) -> None:
     past --max-len: each refused by the engine, and "0.00x plain"), or be silently ignored (a sampling filter
     at temperature 0). ``counts``: a script's own integer flags that must be >= 1 (e.g. ``gamma=args.gamma``,
     ``concurrency=args.concurrency``), named as their flags."""
-    from jspec.cli import check_greedy_filters
-    from jspec.decode import check_seed
-    from jspec.sampling import SamplingParams
+    from jspec.validate import check_greedy_filters, check_seed, sampling_params
 
     for name, value in [*((n, getattr(args, n)) for n in _COUNTS), *counts.items()]:
         if value is not None and value < 1:
@@ -130,7 +128,7 @@ def check_args(args, **counts: int | None) -> None:
         raise ValueError(f"--workloads {args.workloads!r} names a workload twice (its requests would repeat)")
     try:
         check_seed(args.seed)
-        SamplingParams.make(1, args.temperature, args.top_k, args.top_p, args.min_p)
+        sampling_params(1, args.temperature, args.top_k, args.top_p, args.min_p)
     except ValueError as e:  # "seed must be in ...", "top_p must be in (0, 1] ...": named as their flags
         name, _, rest = str(e).partition(" ")
         if name not in ("seed", "temperature", "top_k", "top_p", "min_p"):

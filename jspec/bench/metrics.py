@@ -52,11 +52,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.decode import DecodeConfig, decode_round, prefill
 from jspec.drafters import DraftContext
-from jspec.sampling import SamplingParams, argmax, distribution
+from jspec.loop import decode_round, prefill, scatter_rows
+from jspec.sampling import argmax, distribution
 from jspec.serve import freeze_gc_heap
+from jspec.state import DecodeConfig
 from jspec.tree import ancestor_mask, verify_tree_greedy, verify_tree_key
+from jspec.validate import sampling_params
 from jspec.verify import verify_chain_greedy, verify_chain_key
 
 
@@ -391,15 +393,6 @@ def median_ms(fn: Callable[..., Any], repeats: int = 7, args: Callable[[], tuple
     return float(statistics.median(times))
 
 
-def _scatter_rows(buf: jax.Array, start: jax.Array, vals: jax.Array, n: jax.Array) -> jax.Array:
-    """buf [B, W]; vals [B, T] written at buf[b, start[b]:start[b]+n[b]] (the decoder's seq update)."""
-    w = buf.shape[1]
-    j = jnp.arange(vals.shape[1], dtype=jnp.int32)[None, :]
-    idx = jnp.where(j < n[:, None], start[:, None] + j, w)
-    return jax.vmap(lambda row, i, v: row.at[i].set(v, mode="drop"))(buf, idx, vals)
-
-
-@functools.lru_cache(maxsize=16)
 def _phase_fns(target, drafter, config: DecodeConfig, greedy: bool):
     """Jitted pieces of one round, each taking the loop state as an argument (never closed over, so the
     arrays are inputs, not constants folded into the program). The pieces that return a KV cache take it
@@ -410,8 +403,8 @@ def _phase_fns(target, drafter, config: DecodeConfig, greedy: bool):
     also returns its features) verifies, and a greedy batch works on the argmax ids (``greedy``), not on
     [B, T, V] distributions."""
     k = config.gamma
-    is_tree = getattr(drafter, "is_tree", False)
-    shares = getattr(drafter, "shares_target_cache", False)
+    is_tree = drafter is not None and drafter.is_tree
+    shares = drafter is not None and drafter.shares_target_cache
     pre = jax.jit(functools.partial(prefill, target, drafter, config))
     best = target.argmax or argmax
 
@@ -449,7 +442,7 @@ def _phase_fns(target, drafter, config: DecodeConfig, greedy: bool):
         else:
             tokens = jnp.concatenate([pending[:, None], prop.tokens], axis=1)  # [B, K+1]
             positions = committed[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-        if hasattr(drafter, "verify"):
+        if drafter.verify_updates_state or drafter.shares_target_cache:
             extra = () if mask is None else (mask,)
             out = drafter.verify(target, tp, dp, prop.state, tokens, positions, st.cache, *extra)
             logits, cache = out[0], out[1]
@@ -481,7 +474,7 @@ def _phase_fns(target, drafter, config: DecodeConfig, greedy: bool):
         j = jnp.arange(path_tokens.shape[1] + 1)[None, :]
         padded = jnp.concatenate([path_tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
         emitted = jnp.where(j < res.n_accepted[:, None], padded, res.next_token[:, None])
-        seq = _scatter_rows(st.seq, st.seq_len, emitted, res.n_accepted + 1)
+        seq = scatter_rows(st.seq, st.seq_len, emitted, res.n_accepted + 1)
         return seq, cache
 
     def round_(tp, dp, st):
@@ -522,7 +515,7 @@ class PhaseTimer:
         max_new = jnp.full((b,), s, jnp.int32)
         # The run's own filters: with none set the sampling path skips its threshold searches, so timing
         # without them would price another configuration than the one measured.
-        sampling = SamplingParams.make(b, temperature, top_k, top_p, min_p)
+        sampling = sampling_params(b, temperature, top_k, top_p, min_p)
         key = jax.random.split(jax.random.key(seed), b)  # per-row keys, as the serving engine runs them
         pre, plain, draft, verify, update, round_ = _phase_fns(target, drafter, config, bool(temperature == 0))
         st = jax.block_until_ready(pre(target_params, draft_params, prompt, plen, max_new, sampling, key))
@@ -538,9 +531,9 @@ class PhaseTimer:
             self.pieces["draft_ms"] = (lambda: (dp, fresh(st), key), draft)
             self.pieces["verify_ms"] = (lambda: (tp, dp, fresh(st.cache), st, prop), verify)
             self.pieces["state_ms"] = (lambda: (st, prop, p, fresh(cache), key), update)
-            self.info["verify_positions"] = int(prop.tokens.shape[1] + (0 if getattr(drafter, "is_tree", False) else 1))
+            self.info["verify_positions"] = int(prop.tokens.shape[1] + (0 if drafter.is_tree else 1))
         self.pieces["round_ms"] = (lambda: (tp, dp, fresh(st)), round_)
-        if drafter is not None and not getattr(drafter, "is_tree", False) and target.vocab_size >= n:
+        if drafter is not None and not drafter.is_tree and target.vocab_size >= n:
             # Distinct tokens: no suffix occurs earlier, so a lookup drafter proposes nothing and the round
             # takes its narrow path (a 1-token verification). For a model drafter it equals round_ms.
             distinct = np.stack([rng.permutation(target.vocab_size)[:n] for _ in range(b)])

@@ -31,9 +31,9 @@ import numpy as np
 from jspec import cost_model
 from jspec.bench import metrics, report
 from jspec.bench.metrics import RequestRecord
-from jspec.decode import DEFAULT_GAMMA, StopReason, adaptive_policy
-from jspec.sampling import SamplingParams
 from jspec.serve import Engine
+from jspec.state import StopReason
+from jspec.validate import DEFAULT_GAMMA, adaptive_policy, sampling_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +71,14 @@ class Spec:
         object.__setattr__(self, "adaptive", adaptive_policy(self.adaptive))
         if self.gamma is None:  # the K decode takes when none is given: 0 plain, a tree's depth, else 4
             d = self.drafter
-            k = 0 if d is None else d.max_depth if getattr(d, "is_tree", False) else DEFAULT_GAMMA
+            k = 0 if d is None else d.max_depth if d.is_tree else DEFAULT_GAMMA
             object.__setattr__(self, "gamma", k)
 
     @property
     def kind(self) -> str:
         if self.drafter is None:
             return "plain"
-        return "tree" if getattr(self.drafter, "is_tree", False) else "chain"
+        return "tree" if self.drafter.is_tree else "chain"
 
     def describe(self) -> dict[str, Any]:
         d = self.drafter
@@ -342,7 +342,7 @@ def run(
         )
     if max_wall_s is not None and not max_wall_s >= 0:  # 0: nothing is admitted (every request "not_run")
         raise ValueError(f"max_wall_s must be >= 0 seconds or None, got {max_wall_s}")
-    SamplingParams.make(1, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)  # names a bad one
+    sampling_params(1, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)  # names a bad one
     rows = load.concurrency
     if warmup:
         # Every prompt the engine takes (P + N - 1 <= max_len: the last token needs no slot) is warmed.

@@ -234,8 +234,8 @@ def run_one(target: Target, spec: Spec, load: Load, jobs, cfg: SuiteConfig, log=
 
 def attach_phases(target: Target, group: Sequence[RunResult], cfg: SuiteConfig, context_len: int) -> None:
     """Per-phase costs of every run of one load, sampled interleaved (see ``metrics.PhaseTimer``)."""
-    from jspec.decode import DecodeConfig
     from jspec.serve import engine_slots
+    from jspec.state import DecodeConfig
 
     timers = []
     for res in group:

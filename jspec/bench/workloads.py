@@ -463,11 +463,16 @@ def function_source(source: str) -> str:
     """The source code of the standard-library function "module:qualified name"."""
     import importlib
 
-    mod_name, qual = source.split(":")
-    obj: Any = importlib.import_module(mod_name)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    return inspect.getsource(obj)
+    mod_name, sep, qual = source.partition(":")
+    if not sep or not mod_name or not qual:
+        raise ValueError(f"{source!r}: name a function as module:qualified_name, e.g. textwrap:dedent")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+        return inspect.getsource(obj)
+    except (ImportError, AttributeError, TypeError, OSError) as e:  # no such module or name, or no Python source
+        raise ValueError(f"{source!r}: no Python source to read ({type(e).__name__}: {e})") from None
 
 
 def edit_prompt(source: str) -> str:
