@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
-import sys
 import time
 
 from bench_spec_vs_plain import check_draft_layers, distilled_draft, truncated_draft
 
-from jspec.bench import report, suite
+from jspec.bench import report, serving_record, suite
+from jspec.bench.args import add_common_args, config_from_args, int_list, list_flag, make_out_dir
 from jspec.bench.runner import Load, Spec
 from jspec.drafters import DynamicTreeDrafter, ModelDrafter, TreeModelDrafter
 from jspec.tree import TreeRule, TreeSpec, check_dynamic_tree
@@ -133,7 +132,7 @@ def parse_rules(text: str) -> tuple[TreeRule, ...]:
         return TreeRule[key]
 
     names = ", ".join(r.name.lower().replace("_", "-") for r in TreeRule)
-    return tuple(suite.list_flag("--rules", text, rule, f"rule names ({names})"))
+    return tuple(list_flag("--rules", text, rule, f"rule names ({names})"))
 
 
 def check_shapes(budgets, widths, dynamic: bool) -> None:
@@ -158,7 +157,7 @@ def check_shapes(budgets, widths, dynamic: bool) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    suite.add_common_args(ap)
+    add_common_args(ap)
     ap.add_argument("--budgets", default="5,8", help="verification budgets N (positions per round)")
     ap.add_argument(
         "--concurrency",
@@ -199,27 +198,28 @@ def main(argv=None) -> int:
     if given["--draft"] and given["--draft-layers"]:
         ap.error("--draft-layers (a truncated target) and --draft (a distilled draft) are exclusive")
     try:  # every list whole, and every tree's shape, before the model loads
-        budgets = suite.int_list(
+        budgets = int_list(
             "--budgets",
             args.budgets,
             least=2,
             why=" (a budget N verifies the pending token and K = N - 1 >= 1 candidates)",
         )
-        batches = suite.int_list(
+        batches = int_list(
             "--concurrency",
             args.concurrency,
             least=2,
             empty_ok=True,
             why=" (concurrency 1 always runs; '' for it alone)",
         )
-        widths = suite.int_list("--widths", args.widths)
+        widths = int_list("--widths", args.widths)
         rules = parse_rules(args.rules)
         if mode is None and not args.draft:
             check_draft_layers(args.draft_layers)
         if mode != "--ngram":
             check_shapes(budgets, widths, dynamic=mode is None and not args.no_dynamic)
-        cfg = suite.config_from_args(args)
-        suite.make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        cfg = config_from_args(args)
+        make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        rec = serving_record.start("chain_vs_tree", "python examples/bench_chain_vs_tree.py", argv, args, ap)
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
@@ -244,7 +244,8 @@ def main(argv=None) -> int:
     loads = [Load.closed(1, cfg.timeout_s)] + [Load.closed(c, cfg.timeout_s) for c in batches]
     results = suite.run_specs(target, specs, loads, jobs, cfg)
     lines = suite.headline(results)
-    cmd = " ".join(["python examples/bench_chain_vs_tree.py", *map(shlex.quote, argv or sys.argv[1:])])
+    cmd = rec.data["command"]
+    serving_record.add_runs(rec, results)
     draft_name = (
         "n-gram lookup"
         if args.ngram
@@ -258,8 +259,9 @@ def main(argv=None) -> int:
         ("chain_vs_tree_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
         ("chain_vs_tree_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
     ]
+    record_path = serving_record.finish(rec, headline=lines, draft=draft_name)
     paths, _ = suite.write_results(args.out, "chain_vs_tree", pl, plots)  # results first, then the plots
-    print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
+    print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 
 

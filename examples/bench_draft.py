@@ -19,14 +19,13 @@ per configuration. measured / predicted says how much of the predicted gain the 
 
 A draft missing from the cache is trained first (``examples/train_draft.py`` defaults; minutes).
 
-    python examples/bench_draft.py [--drafts smollm2-2L-8k,smollm2-2L-full] [--gammas 2,3,4] [--repeats 3]
+    python examples/bench_draft.py [--drafts smollm2-2L-8k,smollm2-2L-full] [--gammas 2,3,4] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import re
 import statistics
@@ -139,9 +138,9 @@ def main(argv=None):
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--drafts", default="smollm2-2L-8k", help="comma-separated cached draft names")
     ap.add_argument("--gammas", default="1,2,3,4")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="passes, each running every configuration (rotated order)")
     ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--out", default=None, help="the result file (default results/draft-<UTC time>.json)")
     ap.add_argument(
         "--layers",
         default="auto",
@@ -152,6 +151,12 @@ def main(argv=None):
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: expected 1 or more (the speedups are medians over the repeats)")
     gammas = [int(g) for g in args.gammas.split(",")]
+    from jspec.bench import record
+
+    try:
+        rec = record.start("draft", "python examples/bench_draft.py", argv, dict(vars(args)), args.out)
+    except OSError as e:
+        ap.error(str(e))
 
     unstacked = wants_unstacked(args.layers)
     target = registry.load(args.model, dtype="float32", unstacked=unstacked)
@@ -171,18 +176,28 @@ def main(argv=None):
 
     runs = {key: [] for key in prepared}  # per repeat: (seconds, tokens, outputs)
     order = list(prepared)
+    label = {key: "plain" if key[1] == 0 else f"{key[0]} K={key[1]}" for key in order}
+    rec.cell("chat b=1", workload="chat", batch=1, prompts=len(prompts), max_new_tokens=args.max_new)
+    for key in order:
+        rec.config("chat b=1", label[key], kind="plain" if key[1] == 0 else "jspec", draft=key[0], gamma=key[1])
     for r in range(args.repeats):
-        for key in order[r % len(order) :] + order[: r % len(order)]:  # rotate: no config always runs first
+        for key in record.rotation(order, r):  # rotated: no config always runs first
             outs = [p.run_timed() for p in prepared[key]]
             runs[key].append((sum(o.stats["seconds"] for o in outs), sum(sum(o.lengths) for o in outs), outs))
         print(f"repeat {r + 1}/{args.repeats} done", flush=True)
+    plain_outs = runs[("plain", 0)][0][2]
+    for r in range(args.repeats):
+        rotated = record.rotation(order, r)
+        rec.add_pass("chat b=1", r, [pass_entry(label[k], rotated.index(k), runs[k][r][2], plain_outs) for k in order])
+    for key in order[1:]:
+        rec.ratio("chat b=1", label[key], ["plain"], f"{label[key]} vs plain")
 
     plain = runs[("plain", 0)]
     plain_ms = 1000 * statistics.median(s / n for s, n, _ in plain)
     rows = measured_rows(configs, runs)
-    if args.json:  # the measured runs first: the cost timing below may fail or be stopped
-        write_json(args.json, dict(plain_ms_per_token=plain_ms, costs=None, rows=rows, prompts=PROMPTS))
-        print(f"measured runs written to {args.json} (the cost model's fields follow after the cost timing)")
+    rec.extra.update(plain_ms_per_token=plain_ms, costs=None, rows=rows, prompts=PROMPTS)
+    rec.write()  # the measured runs first: the cost timing below may fail or be stopped
+    print(f"measured runs written to {rec.path} (the cost model's fields follow after the cost timing)")
 
     slots = prepared[("plain", 0)][0].config.slots
     ctx = int(np.mean([len(p) for p in prompts])) + args.max_new // 2
@@ -236,18 +251,23 @@ def main(argv=None):
             measured_over_predicted=sp / pred.speedup,
             unmodelled_ms_per_round=unmodelled,
         )
-    best = max(rows, key=lambda r: r["speedup"])
-    print(f"best: {best['draft']} K={best['gamma']}: {best['speedup']:.2f}x plain")
-    if args.json:
-        res = dict(
-            plain_ms_per_token=plain_ms,
-            costs=costs,
-            costs_at_decode_speed=dict(verify_ms=verify_ms, draft_ms=draft_ms),
-            rows=rows,
-            prompts=PROMPTS,
-        )
-        write_json(args.json, res)
+    rec.extra.update(costs=costs, costs_at_decode_speed=dict(verify_ms=verify_ms, draft_ms=draft_ms), rows=rows)
+    rec.finish()
+    print(f"wrote {rec.write()}")
     return rows
+
+
+def pass_entry(name: str, position: int, outs, plain_outs) -> dict:
+    """One configuration's run over the prompts in one pass, as a result-file entry (``jspec.bench.record``)."""
+    from jspec.bench import record
+
+    rounds = sum(sum(o.stats["rounds"]) for o in outs)
+    tokens = sum(sum(o.lengths) for o in outs)
+    return record.run_entry(
+        name, position, tokens, sum(o.stats["seconds"] for o in outs), rounds,
+        metrics.tokens_per_round([n for o in outs for n in o.stats["new_tokens"]], [rounds]),
+        same_as_plain=all(o.tokens == p.tokens for o, p in zip(outs, plain_outs)),
+    )  # fmt: skip
 
 
 def measured_rows(configs, runs: dict) -> list[dict]:
@@ -289,13 +309,6 @@ def measured_rows(configs, runs: dict) -> list[dict]:
             )
         )
     return rows
-
-
-def write_json(path: str, obj: dict) -> None:
-    """Written atomically: a run stopped while writing leaves the file written before."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ trains others into the cache, named by ``--name``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -263,14 +262,14 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--ngram-k", type=int, default=4)
     ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2, help="repetitions: every prompt x repetition is one pass")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument(
         "--out",
         default=None,
-        help="write the results as JSON here: the decode runs once measured, then again with the summary and the "
-        "cost model",
+        help="the result file (jspec.bench.record; default results/eagle-<UTC time>.json): written once the decode "
+        "runs are measured, then again with the summary and the cost model",
     )
     ap.add_argument(
         "--layers",
@@ -291,6 +290,12 @@ def main(argv=None) -> dict:
             ap.error(f"--packed-dtypes {args.packed_dtypes!r}: {e}")
     ks = [int(x) for x in args.ks.split(",")]
     temps = [float(x) for x in args.temperatures.split(",")]
+    from jspec.bench import record
+
+    try:
+        rec = record.start("eagle", "python examples/bench_eagle.py", argv, dict(vars(args)), args.out)
+    except OSError as e:
+        ap.error(str(e))
 
     target = registry.load(args.model, dtype="float32", unstacked=wants_unstacked(args.layers))
     cfg, tparams, model, tok = target
@@ -334,6 +339,10 @@ def main(argv=None) -> dict:
         )
 
     runs: dict = {(name, t): [] for name in configs for t in temps}
+    for t in temps:  # a cell per temperature; a pass per prompt x repetition, the configs in a rotated order
+        rec.cell(f"T={t:g}", temperature=t, batch=1, prompts=len(prompts), reps=args.reps, max_new_tokens=args.max_new)
+        for name in configs:
+            rec.config(f"T={t:g}", name, kind="plain" if name == "plain" else "jspec", gamma=configs[name][2])
     programs: dict = {}  # compiled decodes (and prefills) already run once: see ``timed_run``
     mismatches = []
     t_start = time.perf_counter()
@@ -342,8 +351,8 @@ def main(argv=None) -> dict:
             for t in temps:
                 names = list(configs)
                 shift = (rep * len(prompts) + i) % len(names)
-                done = {}
-                for name in names[shift:] + names[:shift]:
+                done, order = {}, names[shift:] + names[:shift]
+                for name in order:
                     drafter, dparams, k = configs[name]
                     if isinstance(drafter, tuple):  # a tree: (greedy rule, sampling rule)
                         drafter = drafter[1] if t > 0 else drafter[0]
@@ -395,6 +404,8 @@ def main(argv=None) -> dict:
                                 flush=True,
                             )
                     runs[(name, t)].append(run)
+                rec.add_pass(f"T={t:g}", rep * len(prompts) + i, [record_entry(name, order.index(name), done[name])
+                                                                 for name in names])  # fmt: skip
                 print(
                     f"rep {rep} prompt {i} T={t:g}: "
                     + ", ".join(f"{n} {runs[(n, t)][-1]['tokens_per_s']:.1f}" for n in configs)
@@ -402,9 +413,15 @@ def main(argv=None) -> dict:
                     flush=True,
                 )
     print(f"decode runs took {time.perf_counter() - t_start:.0f} s ({len(programs)} programs warmed up untimed)")
-    if args.out:  # the measured runs first: the cost timing below may fail or be stopped
-        write_json(args.out, {"args": vars(args), "mismatches": mismatches, "runs": runs_json(runs), "results": None})
-        print(f"decode runs written to {args.out} (the results follow after the cost timing)", flush=True)
+    ng = f"ngram K={args.ngram_k}"
+    for t in temps:
+        for name in list(configs)[1:]:
+            rec.ratio(f"T={t:g}", name, ["plain"], f"{name} vs plain")
+            if name != ng:
+                rec.ratio(f"T={t:g}", name, [ng], f"{name} vs {ng}")
+    rec.extra.update(mismatches=mismatches, results=None)
+    rec.write()  # the measured runs first: the cost timing below may fail or be stopped
+    print(f"decode runs written to {rec.path} (the results follow after the cost timing)", flush=True)
 
     parts = {}
     for name, (drafter, dparams, k) in configs.items():
@@ -412,7 +429,6 @@ def main(argv=None) -> dict:
             parts[name] = time_round_parts(model, drafter, dparams, tparams, prompts[0], k, eos)
 
     report = {"args": vars(args), "results": {}, "mismatches": mismatches}
-    ng = f"ngram K={args.ngram_k}"
     width = max(map(len, configs)) + 1
     for t in temps:
         print(f"\n== T={t:g}, batch 1, {len(prompts)} prompts x {args.reps} reps, medians ==")
@@ -494,21 +510,21 @@ def main(argv=None) -> dict:
             f"\nMISMATCH: {len(mismatches)} greedy speculative run(s) differ from plain decoding "
             f"({', '.join(mismatches)}): their ratios compare different outputs"
         )
-    if args.out:
-        write_json(args.out, {**report, "runs": runs_json(runs)})
+    rec.extra.update(results=report["results"])
+    rec.finish()
+    print(f"wrote {rec.write()}")
     return report
 
 
-def runs_json(runs: dict) -> dict:
-    """The measured runs by "<config> T=<t>", as --out records them."""
-    return {f"{n} T={t:g}": v for (n, t), v in runs.items()}
+def record_entry(name: str, position: int, run: dict) -> dict:
+    """One measured run as a pass entry of the result file (``jspec.bench.record``)."""
+    from jspec.bench import record
 
-
-def write_json(path: str, obj: dict) -> None:
-    """Written atomically: a run stopped while writing leaves the file written before."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    return record.run_entry(
+        name, position, run["tokens"], run["seconds"], run["rounds"], tokens_per_round([run]),
+        decode_tokens_per_s=run["decode_tokens_per_s"], prefill_seconds=run["prefill_seconds"],
+        same_as_plain=run.get("same_as_plain"), prompt=run["prompt"], rep=run["rep"],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

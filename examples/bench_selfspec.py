@@ -1,19 +1,19 @@
 """Self-speculation (LayerSkip) against plain decoding on SmolLM2-135M, f32, batch 1, greedy, open chat prompts.
 
     python examples/bench_selfspec.py                      # E=4 with K=1 and K=2, adapter if it is cached
-    python examples/bench_selfspec.py --settings 4:2,8:2 --adapter both --train --repeats 3
+    python examples/bench_selfspec.py --settings 4:2,8:2 --adapter both --train --repeats 5
 
 Everything is measured in ONE process, interleaved (JAX CPU timings jump between two levels from process to
-process, so only ratios within a run are meaningful): each repeat decodes every prompt once per setting
-(plain first) with ``PreparedDecode.run_timed`` (compilation excluded, and done once per call). Printed per
-setting: tokens/s (total tokens / total time of a repeat, median over repeats), speedup over plain (median
-of the per-repeat ratios), acceptance per draft position, and the cost model (``jspec.cost_model.predict``)
-fed with the measured conditional acceptance and separately measured costs: one draft step (a jitted K-step
-``propose`` / K) and one verification (a jitted ``verify`` of K+1 tokens, reuse included), state cost 0, for
-rounds of K draft steps (a position never proposed counts as never accepted). The pieces take the KV cache
-donated, as the fused round updates it in place (fresh copies made outside the timing). The
-costs are timed after the decode runs, and these VMs' speed drifts by 10-40% within minutes, so they enter
-the model as multiples of a plain 1-token step timed interleaved with them, at the plain decode's ms per
+process, so only ratios within a run are meaningful): each repeat (a pass) decodes every prompt once per setting,
+the settings in an order rotated from repeat to repeat, with ``PreparedDecode.run_timed`` (compilation excluded,
+and done once per call). Printed per setting: tokens/s (total tokens / total time of a repeat, median over
+repeats), speedup over plain (median of the per-repeat ratios, with their min-max), acceptance per draft position,
+and the cost model (``jspec.cost_model.predict``) fed with the measured conditional acceptance and separately
+measured costs: one draft step (a jitted K-step ``propose`` / K) and one verification (a jitted ``verify`` of K+1
+tokens, reuse included), state cost 0, for rounds of K draft steps (a position never proposed counts as never
+accepted). The pieces take the KV cache donated, as the fused round updates it in place (fresh copies made outside
+the timing). The costs are timed after the decode runs, and these VMs' speed drifts by 10-40% within minutes, so
+they enter the model as multiples of a plain 1-token step timed interleaved with them, at the plain decode's ms per
 token (the raw ms are printed too). The gap between the prediction and the measurement is then the per-round
 overhead the model leaves out (acceptance, commit, loop control, and the prompt's prefill, which the measured
 seconds include, spread over the rounds), also printed per round.
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.bench import metrics, suite
+from jspec.bench import metrics
 from jspec.bench.metrics import fresh
 from jspec.bench.runner import predict_k_rounds
 from jspec.cost_model import conditional_rates_from_stats, survival_from_stats
@@ -138,6 +138,7 @@ def tokens_per_round(total: dict) -> float:
 def parse_settings(text: str) -> list[tuple[int, int]]:
     """--settings: comma-separated E:K pairs (exit layer E >= 1, K >= 1 draft tokens), each once, checked whole
     before the model loads (ValueError naming the flag); E's upper bound needs the model (``main``)."""
+    from jspec.bench.args import list_flag
 
     def pair(item: str) -> tuple[int, int]:
         e, sep, k = item.partition(":")
@@ -146,7 +147,7 @@ def parse_settings(text: str) -> list[tuple[int, int]]:
             raise ValueError(item)
         return e, k
 
-    return suite.list_flag("--settings", text, pair, "E:K pairs of integers >= 1")
+    return list_flag("--settings", text, pair, "E:K pairs of integers >= 1")
 
 
 def cache_slots(prompts, max_new_tokens: int, max_positions: int | None) -> int:
@@ -171,7 +172,8 @@ def main(argv=None) -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--head-tokens", type=int, default=8192)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="timed passes (after one untimed warm-up repeat)")
+    ap.add_argument("--out", default=None, help="the result file (default results/selfspec-<UTC time>.json)")
     ap.add_argument("--prompts", type=int, default=len(CHATS))
     ap.add_argument(
         "--layers",
@@ -186,9 +188,12 @@ def main(argv=None) -> None:
         ap.error(f"--repeats {args.repeats}: expected 1 or more (repeat 0 only warms up; the rates are medians)")
     if args.max_new_tokens < 1:
         ap.error(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    from jspec.bench import record
+
     try:
         settings = parse_settings(args.settings)
-    except ValueError as e:
+        rec = record.start("selfspec", "python examples/bench_selfspec.py", argv, dict(vars(args)), args.out)
+    except (ValueError, OSError) as e:
         ap.error(str(e))
 
     cfg, params, model, tok = load(args.model, dtype="float32", unstacked=wants_unstacked(args.layers))
@@ -231,7 +236,7 @@ def main(argv=None) -> None:
     for r in range(args.repeats + 1):  # repeat 0 compiles, warms up and checks the outputs
         print(f"repeat {r}/{args.repeats}{' (warm-up)' if r == 0 else ''}", flush=True)
         for i in range(len(prompts)):
-            for name in runs:
+            for name in record.rotation(list(runs), r):  # rotated from repeat to repeat
                 out = prepared[(name, i)].run_timed()
                 if r == 0:  # greedy: every setting must reproduce plain decoding token for token
                     reference.setdefault(i, out.tokens)
@@ -250,6 +255,7 @@ def main(argv=None) -> None:
                         else (acc[0] + s["accepted_at"], acc[1] + s["proposed_at"])
                     )
 
+    write_record(rec, runs, per_repeat, len(prompts), args.max_new_tokens)
     plain_tps = [x["tokens"] / x["seconds"] for x in per_repeat["plain"]]
     base_ms = 1e3 / statistics.median(plain_tps)
     print(
@@ -276,7 +282,10 @@ def main(argv=None) -> None:
         round_ms = 1e3 * sec / rounds
         per_round = statistics.median(tokens_per_round(x) for x in per_repeat[name])
         overhead = round_ms - k * draft_ms - verify_ms
-        print(f"\n{name}: {statistics.median(tps):.1f} tok/s, speedup {measured:.3f}x (per repeat {ratios})")
+        print(
+            f"\n{name}: {statistics.median(tps):.1f} tok/s, speedup {measured:.3f}x ({min(ratios):.3f}-"
+            f"{max(ratios):.3f}; per repeat {ratios})"
+        )
         print(f"  acceptance per position P(first i accepted) {np.round(surv, 3).tolist()}, ")
         print(f"  conditional rates {np.round(rates, 3).tolist()}, tokens/round {per_round:.2f}")
         print(
@@ -287,6 +296,29 @@ def main(argv=None) -> None:
             f"{k * draft_ms / round_ms:.0%}, unmodelled {overhead:.1f} ms/round (prefill included)"
         )
         print(f"  cost model: {pred.summary()}; predicted/measured {pred.ratio_to(measured):.2f}")
+        rec.extra.setdefault("cost_model", {})[name] = {"predicted_speedup": pred.speedup, "measured": measured}
+    rec.finish()
+    print(f"\nwrote {rec.write()}")
+
+
+def write_record(rec, runs: dict, per_repeat: dict, n_prompts: int, max_new_tokens: int) -> None:
+    """Each timed repeat as a pass of the result file (``jspec.bench.record``): per setting its totals over the
+    prompts, at its position in that repeat's rotated order (repeat r: the settings rotated by r)."""
+    from jspec.bench import record
+
+    cell = "chat b=1"
+    rec.cell(cell, workload="chat", batch=1, prompts=n_prompts, max_new_tokens=max_new_tokens)
+    names = list(runs)
+    for name, (d, _, k) in runs.items():
+        rec.config(cell, name, kind="plain" if d is None else "jspec", gamma=k)
+    for r in range(len(per_repeat["plain"])):
+        order = record.rotation(names, r + 1)  # timed repeats are 1.. (repeat 0 warms up)
+        rec.add_pass(cell, r, [record.run_entry(n, order.index(n), per_repeat[n][r]["tokens"],
+                                                per_repeat[n][r]["seconds"], per_repeat[n][r]["rounds"],
+                                                tokens_per_round(per_repeat[n][r])) for n in names])  # fmt: skip
+    for name in names[1:]:
+        rec.ratio(cell, name, ["plain"], f"{name} vs plain")
+    rec.write()
 
 
 if __name__ == "__main__":

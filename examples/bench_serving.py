@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import argparse
 import re
-import shlex
-import sys
 import time
 
-from jspec.bench import report, suite
+from jspec.bench import report, serving_record, suite
+from jspec.bench.args import add_common_args, config_from_args, int_list, make_out_dir, rate_list
 from jspec.bench.runner import Load
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    suite.add_common_args(ap)
+    add_common_args(ap)
     ap.add_argument("--closed", default="1,8", help="closed-loop concurrencies ('' for none)")
     ap.add_argument("--rates", default="0.5,4", help="open-loop Poisson rates, requests/s ('' for none)")
     ap.add_argument("--rows", type=int, default=8, help="engine rows for the open-loop runs")
@@ -34,12 +33,13 @@ def main(argv=None) -> int:
     ap.set_defaults(out="results/serving", n=3)
     args = ap.parse_args(argv)
     try:  # both lists whole, before the model loads
-        closed = suite.int_list("--closed", args.closed, empty_ok=True)
-        rates = suite.rate_list("--rates", args.rates, empty_ok=True)
+        closed = int_list("--closed", args.closed, empty_ok=True)
+        rates = rate_list("--rates", args.rates, empty_ok=True)
         if not closed and not rates:
             raise ValueError("--closed and --rates are both empty: no load to run")
-        cfg = suite.config_from_args(args, gamma=args.gamma, rows=args.rows)
-        suite.make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        cfg = config_from_args(args, gamma=args.gamma, rows=args.rows)
+        make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        rec = serving_record.start("serving", "python examples/bench_serving.py", argv, args, ap)
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
@@ -50,14 +50,16 @@ def main(argv=None) -> int:
     specs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma)]
     results = suite.run_specs(target, specs, loads, jobs, cfg)
     lines = suite.headline(results)
-    cmd = " ".join(["python examples/bench_serving.py", *map(shlex.quote, argv or sys.argv[1:])])
+    cmd = rec.data["command"]
+    serving_record.add_runs(rec, results)
     pl = suite.payload("serving", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd)
     plots = []
     for load in loads:
         slug = re.sub(r"[^a-z0-9]+", "_", load.name.lower()).strip("_")
         plots.append((f"serving_latency_{slug}.png", lambda path, name=load.name: report.plot_latency(pl, path, name)))
+    record_path = serving_record.finish(rec, headline=lines)
     paths, _ = suite.write_results(args.out, "serving", pl, plots)  # results first, then the plots
-    print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
+    print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 
 

@@ -7,7 +7,9 @@
 
 Models are random Llama-shaped weights (``--size``); the draft model is the target's first layer with the
 shared embedding and head (an early exit), so some proposals are accepted. Timings exclude compilation;
-the 1-device and sharded runs are interleaved and medians reported (timings on shared VMs are noisy).
+the 1-device and sharded runs alternate (each of ``--repeats`` passes runs both, in an order rotated from pass to
+pass) and medians with their min-max are reported (timings on shared VMs are noisy), also in one result file
+(``jspec.bench.record``; process 0 writes it).
 
 Collectives per round: from the partitioned HLO of the whole decode, one iteration of the decode loop (the
 worst-case branch of each conditional: drafting + the (K+1)-token verification, layer scans multiplied
@@ -99,7 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--gamma", type=int, default=None, help="K (default 4); not with --drafter plain")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="passes, each running both sides (rotated order)")
+    ap.add_argument("--out", default=None, help="the result file (default results/sharded-<UTC time>.json)")
     ap.add_argument("--distributed", action="store_true", help="multi-process run (sharding.launch or a pod)")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args(argv)
@@ -109,6 +112,13 @@ def main(argv=None) -> int:
         ap.error(f"--gamma {args.gamma} does not apply to --drafter plain (no draft: nothing to propose)")
     if args.gamma is not None and args.gamma < 1:
         ap.error(f"--gamma {args.gamma}: must be >= 1 (--drafter plain for no speculation)")
+    from jspec.bench import record
+
+    started = record.utc_now()
+    try:  # the record itself is made after the devices are set up (it reads JAX's backend)
+        out_path = record.check_out_path(args.out or record.default_path("sharded"))
+    except OSError as e:
+        ap.error(str(e))
 
     if args.distributed:
         from sharding.distributed import initialize
@@ -179,13 +189,21 @@ def main(argv=None) -> int:
         st = jax.block_until_ready(single(*pd.args))
         return time.perf_counter() - t, jax.device_get(st.seq)
 
-    sh_times, one_times, out = [], [], None
-    for _ in range(args.repeats):  # interleaved: both sides see the same machine noise
-        dt, out = timed_sharded()
-        sh_times.append(dt)
-        if single is not None:
-            dt1, _ = timed_single()
-            one_times.append(dt1)
+    timed_sharded()  # first executions, untimed
+    if single is not None:
+        timed_single()
+    names = ["sharded"] + (["one device"] if single is not None else [])
+    times: dict = {n: [] for n in names}
+    orders, out = [], None
+    for i in range(args.repeats):  # alternating: both sides see the same machine noise
+        orders.append(record.rotation(names, i))
+        for name in orders[-1]:
+            if name == "sharded":
+                dt, out = timed_sharded()
+            else:
+                dt, _ = timed_single()
+            times[name].append(dt)
+    sh_times, one_times = times["sharded"], times.get("one device", [])
     new_tokens = sum(out.stats["new_tokens"])
     res = {
         "devices": jax.device_count(),
@@ -205,7 +223,6 @@ def main(argv=None) -> int:
     if single is not None:
         ref = prepare(model, tp, prompts, drafter=drafter, draft_params=dp if args.drafter == "model" else None, **kw)
         res["one_device_tok_s"] = new_tokens / statistics.median(one_times)
-        res["ratio_sharded_vs_one"] = res["sharded_tok_s"] / res["one_device_tok_s"]
         res["tokens_identical"] = out.tokens == ref.run(single).tokens
 
     a = hlo.analyze(text)
@@ -233,11 +250,28 @@ def main(argv=None) -> int:
         "cache_collectives": [f"{c.op} {c.shape}" for c in hlo.cache_collectives(text, slots, cfg.head_dim)],
     }
     if jax.process_index() == 0:
+        rec = record.Record("sharded", record.command_line("python examples/bench_sharded.py", argv),
+                            dict(vars(args)), out_path)  # fmt: skip
+        rec.data["started"] = started
+        rec.cell("decode", batch=args.batch, devices=jax.device_count(), mesh=dict(mesh.shape), drafter=args.drafter)
+        for name in names:
+            rec.config("decode", name, kind="jspec")
+        for i, order in enumerate(orders):  # every run decodes the same tokens (greedy; a seeded sample otherwise)
+            rec.add_pass("decode", i, [record.run_entry(n, order.index(n), new_tokens, times[n][i]) for n in names])
+        if single is not None:
+            rec.ratio("decode", "sharded", ["one device"], "sharded vs one device")
+            r = record.summarize(rec.data)["decode"]["ratios"]["sharded vs one device"]
+            res["ratio_sharded_vs_one"] = r["median"]
+            res["ratio_sharded_vs_one_min_max"] = [r["min"], r["max"]]
+        rec.extra.update(res)
+        rec.finish()
+        path = rec.write()
         if args.json:
             print(json.dumps(res))
         else:
             for key, v in res.items():
                 print(f"{key:>24}: {v:.1f}" if isinstance(v, float) else f"{key:>24}: {v}")
+            print(f"wrote {path}")
     return 0
 
 

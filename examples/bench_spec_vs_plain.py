@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
-import sys
 import time
 
 import jax
 
-from jspec.bench import report, suite
+from jspec.bench import report, serving_record, suite
+from jspec.bench.args import add_common_args, add_peer_args, config_from_args, make_out_dir, peer_names
 from jspec.bench.runner import Load
 
 
@@ -106,12 +105,12 @@ def ngram_variants(text: str, gamma: int) -> list[tuple[int, int, int]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    suite.add_common_args(ap)
+    add_common_args(ap)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=8, help="saturation run; 1 = latency run only")
     ap.add_argument("--draft-layers", type=int, default=0, help="add a truncated-target draft model of L layers")
     ap.add_argument("--draft", default=None, help="add a distilled draft (name or directory)")
-    suite.add_peer_args(ap)
+    add_peer_args(ap)
     ap.add_argument(
         "--ngram-variants",
         default="",
@@ -122,13 +121,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         variant_args = ngram_variants(args.ngram_variants, args.gamma)  # before the model is loaded
-        names = suite.peer_names(args.peers)
+        names = peer_names(args.peers)
         if args.draft_layers:
             check_draft_layers(args.draft_layers)
-        cfg = suite.config_from_args(
-            args, gamma=args.gamma, concurrency=args.concurrency, peer_threads=args.peer_threads
-        )
-        suite.make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        cfg = config_from_args(args, gamma=args.gamma, concurrency=args.concurrency, peer_threads=args.peer_threads)
+        make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        rec = serving_record.start("spec_vs_plain", "python examples/bench_spec_vs_plain.py", argv, args, ap)
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
@@ -145,7 +143,9 @@ def main(argv=None) -> int:
     specs[2:2] = [v if v.gamma == args.gamma else dataclasses.replace(v, peer=None) for v in variants]
     loads = [Load.closed(1, cfg.timeout_s)] + ([Load.closed(args.concurrency, cfg.timeout_s)] * (args.concurrency > 1))
     results = suite.run_specs(target, specs, loads, jobs, cfg)
-    cmd = " ".join(["python examples/bench_spec_vs_plain.py", *map(shlex.quote, argv or sys.argv[1:])])
+    cmd = rec.data["command"]
+    serving_record.add_runs(rec, results)
+    rec.write()  # jspec's runs, unfinished until the peers have run
     meta = suite.meta(target, cfg, desc)
     if names:  # jspec's runs first: the peers below are slow, and may fail or be stopped
         pl = suite.payload("spec_vs_plain", None, meta, results, headline=suite.headline(results), command=cmd,
@@ -157,12 +157,13 @@ def main(argv=None) -> int:
                                    jspec_runs=results)  # fmt: skip
     lines = suite.headline(results, peer_runs)
     pl = suite.payload("spec_vs_plain", None, meta, results, peer_runs, headline=lines, command=cmd)
+    record_path = serving_record.finish(rec, peer_runs, headline=lines)
     plots = [
         ("spec_vs_plain_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
         ("spec_vs_plain_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
     ]
     paths, _ = suite.write_results(args.out, "spec_vs_plain", pl, plots)  # results first, then the plots
-    print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
+    print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 
 

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import statistics
-import sys
 import time
 
 from bench_spec_vs_plain import check_draft_layers, truncated_draft
 
-from jspec.bench import report, suite
+from jspec.bench import report, serving_record, suite
+from jspec.bench.args import add_common_args, config_from_args, int_list, make_out_dir
 from jspec.bench.runner import Load
 
 K_GROUP = "K sweep"
@@ -105,7 +104,7 @@ def _point(series, r, plain, key, value):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    suite.add_common_args(ap)
+    add_common_args(ap)
     ap.add_argument("--ks", default="1,2,3,4,6,8")
     ap.add_argument("--k-concurrency", type=int, default=1)
     ap.add_argument("--batches", default="1,4,16,64")
@@ -120,12 +119,13 @@ def main(argv=None) -> int:
     if args.skip_k and args.draft_layers:
         ap.error("--draft-layers adds a draft to the K sweep, which --skip-k skips")
     try:  # every list whole, before the model loads: not at the group that fails after the others ran
-        ks = suite.int_list("--ks", args.ks)
-        batches = suite.int_list("--batches", args.batches)
+        ks = int_list("--ks", args.ks)
+        batches = int_list("--batches", args.batches)
         if args.draft_layers:
             check_draft_layers(args.draft_layers)
-        cfg = suite.config_from_args(args, gamma=args.gamma, k_concurrency=args.k_concurrency)
-        suite.make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        cfg = config_from_args(args, gamma=args.gamma, k_concurrency=args.k_concurrency)
+        make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        rec = serving_record.start("sweeps", "python examples/bench_sweeps.py", argv, args, ap)
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         except ValueError as e:
             ap.error(str(e))
     jobs, desc = suite.prepare_jobs(target, cfg)
-    cmd = " ".join(["python examples/bench_sweeps.py", *map(shlex.quote, argv or sys.argv[1:])])
+    cmd = rec.data["command"]
     meta = suite.meta(target, cfg, desc)
     # Each group's own prompt set: the batch sweep serves more requests at a large batch (see the module's doc).
     meta["workloads_by_group"] = {}
@@ -181,6 +181,8 @@ def main(argv=None) -> int:
 
     pl = payload()
     lines = pl["headline"]
+    serving_record.add_runs(rec, results)
+    record_path = serving_record.finish(rec, headline=lines, sweeps={"k": k_points, "batch": b_points})
     plots = []
     how = f", median of {cfg.passes} passes" if cfg.passes > 1 else ""
     if k_points:
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
         btitle = f"{target.name}{how}"
         plots.append(("batch_sweep.png", lambda path: report.plot_batch_sweep(b_points, path, btitle)))
     paths, _ = suite.write_results(args.out, "sweeps", pl, plots)  # results first, then the plots
-    print("\n".join(["", *lines, "", f"wrote {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
+    print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 
 

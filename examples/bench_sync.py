@@ -1,6 +1,7 @@
 """Host syncs per round: the fused on-device loop (``jspec.decode``) against the serving engine stepped from
 Python with 1 or more rounds per host sync (``Engine(rounds_per_sync=R)``), plain and n-gram, batch 1, greedy,
-in ONE process, interleaved, every program compiled and run once before timing. A request's time runs from
+in ONE process, every program compiled and run once before timing, then each prompt x repetition is a pass running
+the fused loop and every engine back to back, in an order rotated from pass to pass. A request's time runs from
 its prefill to its last token on the host. Outputs are checked identical to the fused loop's. Both sides pad
 each prompt to the same width (a multiple of ``PROMPT_PAD``, as ``jspec.decode.prepare`` does), so both
 prefill the same number of positions.
@@ -11,9 +12,9 @@ prefill the same number of positions.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
+from jspec.bench import record
 from jspec.bench.metrics import timed_region_gc
 from jspec.decode import prepare
 from jspec.loaders import LAYER_LAYOUTS, wants_unstacked
@@ -66,7 +67,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new", type=int, default=96)
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2, help="repetitions: each prompt x repetition is a pass")
+    ap.add_argument("--out", default=None, help="the result file (default results/sync-<UTC time>.json)")
     ap.add_argument("--layers", default="auto", choices=LAYER_LAYOUTS)
     args = ap.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS):
@@ -74,6 +76,10 @@ def main(argv=None) -> None:
     if args.reps < 1:
         ap.error(f"--reps {args.reps}: expected 1 or more (the rates are medians over the repetitions)")
 
+    try:
+        rec = record.start("sync", "python examples/bench_sync.py", argv, dict(vars(args)), args.out)
+    except OSError as e:
+        ap.error(str(e))
     cfg, params, model, tok = registry.load(args.model, unstacked=wants_unstacked(args.layers))
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]
     eos = cfg.eos_ids
@@ -82,10 +88,9 @@ def main(argv=None) -> None:
         f"ngram K={args.gamma}": (NgramDrafter(3, 1, vocab_size=cfg.vocab_size), args.gamma),
     }
     rounds = [int(r) for r in args.rounds.split(",")]
-    times: dict = {}
     for dname, (drafter, k) in drafters.items():
-        engines = {r: make_engine(model, params, drafter, k, eos, args.max_len, r) for r in rounds}
-        fused = []
+        engines = {f"engine R={r}": make_engine(model, params, drafter, k, eos, args.max_len, r) for r in rounds}
+        fused, refs = [], []
         for ids in prompts:  # warm-up: compile and run every program once
             for e in engines.values():
                 engine_run(e, ids, args.max_new)
@@ -100,29 +105,43 @@ def main(argv=None) -> None:
                 max_len=args.max_len,
             )
             compiled = p.compile()
-            p.run(compiled)
+            refs.append(p.run(compiled).tokens[0])
             fused.append((p, compiled))
-        for _ in range(args.reps):
+        cell, names = f"{dname} b=1", ["fused loop", *engines]
+        rec.cell(cell, drafter=dname, batch=1, prompts=len(prompts), max_new_tokens=args.max_new)
+        for name in names:
+            rec.config(cell, name, kind="reference" if name == "fused loop" else "engine")
+        for rep in range(args.reps):
             for i, ids in enumerate(prompts):
-                p, compiled = fused[i]
-                t0 = time.perf_counter()
-                ref = p.run(compiled).tokens[0]  # blocks: the tokens come back to the host
-                times.setdefault((dname, "fused loop"), []).append(len(ref) / (time.perf_counter() - t0))
-                for r, e in engines.items():
-                    toks, sec = engine_run(e, ids, args.max_new)
-                    if toks != ref:
-                        raise SystemExit(f"{dname}, engine R={r}, prompt {i}: output differs from the fused loop")
-                    times.setdefault((dname, f"engine R={r}"), []).append(len(toks) / sec)
+                entries = []
+                for pos, name in enumerate(record.rotation(names, rep * len(prompts) + i)):
+                    if name == "fused loop":
+                        p, compiled = fused[i]
+                        t0 = time.perf_counter()
+                        toks = p.run(compiled).tokens[0]  # blocks: the tokens come back to the host
+                        sec = time.perf_counter() - t0
+                    else:
+                        toks, sec = engine_run(engines[name], ids, args.max_new)
+                    if toks != refs[i]:
+                        raise SystemExit(f"{dname}, {name}, prompt {i}: output differs from the fused loop's")
+                    entries.append(record.run_entry(name, pos, len(toks), sec, prompt=i, rep=rep))
+                rec.add_pass(cell, rep * len(prompts) + i, entries)
+        for name in names[1:]:
+            rec.ratio(cell, name, ["fused loop"], f"{name} vs fused loop")
+        rec.write()
     print(
         f"batch 1, greedy, {len(prompts)} prompts x {args.reps} reps, {args.max_new} new tokens, max_len {args.max_len}"
     )
-    for dname in drafters:
-        fused = statistics.median(times[(dname, "fused loop")])
-        for (d, how), v in times.items():
-            if d == dname:
-                tps = statistics.median(v)
-                print(f"{dname:10s} {how:12s} {tps:8.1f} tok/s  x{tps / fused:.2f} of the fused loop")
+    summary = record.summarize(rec.data)
+    for dname in drafters:  # medians over the passes; each ratio's median of the per-pass ratios, (min-max)
+        cell = summary[f"{dname} b=1"]
+        for how, c in cell["configs"].items():
+            r = cell["ratios"].get(f"{how} vs fused loop")
+            of = f"  x{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) of the fused loop" if r else ""
+            print(f"{dname:10s} {how:12s} {c['tokens_per_s']['median']:8.1f} tok/s{of}")
     print("outputs identical to the fused loop: yes")
+    rec.finish()
+    print(f"wrote {rec.write()}")
 
 
 if __name__ == "__main__":

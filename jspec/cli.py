@@ -431,6 +431,10 @@ def main(argv=None) -> int:
         from jspec.bench.suite import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["report"]:  # the README's results table and docs/results.md, from docs/results/*.json
+        from jspec.bench.render import main as report_main
+
+        return report_main(argv[1:])
     if argv[:1] == ["demo"]:  # make run: speculative against plain decoding on a code-editing request
         from jspec.demo import main as demo_main
 

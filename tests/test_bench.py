@@ -335,6 +335,39 @@ def test_passes_alternate_the_order_and_give_each_pass_ratio(closed_runs, monkey
         suite.run_specs(None, [PLAIN], [Load.closed(2)], jobs, suite.SuiteConfig(passes=0), log=lambda *a: None)
 
 
+def test_suite_passes_go_into_the_result_file_with_their_positions(closed_runs, monkeypatch):
+    """Every pass of ``run_specs`` becomes a pass of the run's result file (``serving_record``): each config's
+    tokens over its run's wall time, at its position in that pass's order (A B, B A, ...), and the ratio to plain
+    is the median of the per-pass ratios (canned rates: 3, 5, 2, 4, 1.5 -> median 3)."""
+    from jspec.bench import record, serving_record, suite
+
+    rates = [(10.0, 30.0), (10.0, 50.0), (20.0, 40.0), (10.0, 40.0), (20.0, 30.0)]  # (plain, model) per pass
+    calls = []
+
+    def fake_run_one(target, spec, load, jobs, cfg, log):
+        calls.append(spec.label)
+        rate = rates[(len(calls) - 1) // 2][spec.label != "plain"]
+        base = closed_runs[spec.label]
+        summary = {**base.summary, "output_tokens_per_s": rate, "wall_s": base.summary["output_tokens"] / rate}
+        return dataclasses.replace(base, summary=summary, extra={})
+
+    monkeypatch.setattr(suite, "run_one", fake_run_one)
+    monkeypatch.setattr(suite, "free_compiled", lambda: None)
+    cfg = suite.SuiteConfig(measure_phases=False, passes=5)
+    res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(2)], _jobs(), cfg, log=lambda *a: None)
+    rec = record.Record("suite", "python -m jspec bench --passes 5", {"smoke": []}, "unused.json")
+    serving_record.add_runs(rec, res)
+    rec.finish()
+    rec.data["summary"] = record.summarize(rec.data)
+    assert [p["order"] for p in rec.data["passes"]] == [["plain", "model K=3"], ["model K=3", "plain"]] * 2 + [
+        ["plain", "model K=3"]
+    ]
+    ratio = rec.data["summary"]["closed c=2"]["ratios"]["model K=3 vs plain"]
+    assert ratio["by_pass"] == pytest.approx([3.0, 5.0, 2.0, 4.0, 1.5]) and ratio["median"] == pytest.approx(3.0)
+    problems = record.validate(rec.data)
+    assert problems == [] or all("git" in p for p in problems), problems
+
+
 def test_missing_peer_is_skipped_with_a_reason(monkeypatch):
     monkeypatch.setattr(peers, "_missing", lambda mods: list(mods))
     out = peers.run_peers(["llama_cpp", "transformers", "vllm"], "/x/model.gguf", [], max_new_tokens=4, eos_ids=[2])
@@ -673,6 +706,7 @@ def test_peer_ratios_compare_like_with_like():
     from types import SimpleNamespace
 
     from jspec.bench import suite
+    from jspec.bench.args import add_common_args, config_from_args
 
     target = SimpleNamespace(model=SimpleNamespace(vocab_size=8), dtype="bfloat16", eos_ids=(2,), path="x.gguf")
     assert suite.ngram_spec(target, 4).peer == "prompt_lookup"
@@ -680,8 +714,8 @@ def test_peer_ratios_compare_like_with_like():
     skipped = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, None)
     assert not skipped[0].available and "jspec runs bfloat16 here, transformers float32" in skipped[0].reason
     ap = argparse.ArgumentParser()
-    suite.add_common_args(ap)
-    cfg = suite.config_from_args(ap.parse_args(["--min-p", "0.1", "--temperature", "1", "--compile-cache", "none"]))
+    add_common_args(ap)
+    cfg = config_from_args(ap.parse_args(["--min-p", "0.1", "--temperature", "1", "--compile-cache", "none"]))
     assert cfg.sampling.min_p == 0.1
     assert "matmul_precision" in metrics.environment()
 
@@ -1313,7 +1347,8 @@ def test_suite_writes_its_results_before_plots_and_without_matplotlib(closed_run
     runs = [dataclasses.replace(r, load=Load.closed(1), extra={}) for r in closed_runs.values()]
     monkeypatch.setattr(suite, "run_specs", lambda *a, **k: runs)
     out = tmp_path / "out"
-    argv = ["--out", str(out), "--name", "toy", "--peers", "none", "--compile-cache", "none", "--concurrency", "1"]
+    argv = ["--out", str(out), "--name", "toy", "--peers", "none", "--compile-cache", "none", "--concurrency", "1",
+            "--record", str(tmp_path / "r.json")]  # fmt: skip
     assert suite.main(argv) == 0
     assert "plots skipped: matplotlib is not importable" in capsys.readouterr().out
     assert [r["spec"]["label"] for r in json.loads((out / "toy.json").read_text())["runs"]] == ["plain", "model K=3"]
@@ -1364,7 +1399,7 @@ def test_runs_that_finished_nothing_get_no_ratio():
 
 
 def test_bench_scripts_refuse_bad_settings_before_loading_a_model(monkeypatch, capsys):
-    """The example suite scripts share the suite's checks (``suite.config_from_args``) and their own counts."""
+    """The example suite scripts share the suite's checks (``args.config_from_args``) and their own counts."""
     from jspec.bench import suite
 
     def no_load(*_, **__):
@@ -1452,7 +1487,7 @@ def test_suite_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch):
         "1",
     ]
     with pytest.raises(KeyboardInterrupt):
-        suite.main(argv)
+        suite.main([*argv, "--record", str(tmp_path / "r1.json")])
     res = json.loads((out / "s.json").read_text())
     assert [r["spec"]["label"] for r in res["runs"]] == ["plain", "ngram K=4"]
     assert res["peers"] == [] and res["peers_pending"] == ["transformers"]
@@ -1461,7 +1496,7 @@ def test_suite_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch):
     peer = _fake_peer("transformers plain", "plain", 5.0, 5.0, _TORCH_INFO, [])
     given = {}
     monkeypatch.setattr(suite, "run_peer_set", lambda *a, **kw: given.update(kw, cfg=a[3]) or [peer])
-    assert suite.main([*argv, "--peer-threads", "3"]) == 0
+    assert suite.main([*argv, "--peer-threads", "3", "--record", str(tmp_path / "r2.json")]) == 0
     res = json.loads((out / "s.json").read_text())
     assert [p["label"] for p in res["peers"]] == ["transformers plain"] and "peers_pending" not in res
     assert given["jspec_runs"] == runs  # for the time from jspec's runs to each peer's

@@ -220,10 +220,12 @@ def test_bench_draft_writes_its_runs_before_the_cost_timing(tmp_path, monkeypatc
     monkeypatch.setattr(bench_draft, "measure_costs", _cost_timing_fails)
     out = tmp_path / "runs.json"
     with pytest.raises(RuntimeError, match="cost timing"):
-        bench_draft.main(["--drafts", "d", "--gammas", "2", "--repeats", "2", "--json", str(out)])
+        bench_draft.main(["--drafts", "d", "--gammas", "2", "--repeats", "2", "--out", str(out)])
     res = json.loads(out.read_text())
-    assert res["costs"] is None and res["prompts"] == bench_draft.PROMPTS
-    [row] = res["rows"]
+    assert res["extra"]["costs"] is None and res["extra"]["prompts"] == bench_draft.PROMPTS
+    assert [p["order"] for p in res["passes"]] == [["plain", "d K=2"], ["d K=2", "plain"]]
+    assert res["summary"]["chat b=1"]["ratios"]["d K=2 vs plain"]["by_pass"] == [2.0, 2.0]
+    [row] = res["extra"]["rows"]
     assert (row["draft"], row["gamma"], row["speedup"], row["identical_to_plain"]) == ("d", 2, 2.0, True)
     assert row["accepted_at"] == [6, 6] and row["proposed_at"] == [12, 12] and "predicted_speedup" not in row
     assert not os.path.exists(str(out) + ".tmp")
@@ -260,10 +262,12 @@ def test_bench_eagle_writes_its_runs_before_the_cost_timing_and_refuses_an_ignor
     with pytest.raises(RuntimeError, match="cost timing"):
         bench_eagle.main(argv)
     res = json.loads(out.read_text())
-    assert res["results"] is None and res["mismatches"] == []
-    assert sorted(res["runs"]) == ["eagle K=2 T=0", "ngram K=4 T=0", "plain T=0"]
-    [run] = res["runs"]["eagle K=2 T=0"]
-    assert run["tokens_per_s"] == 52.0 and run["same_as_plain"] and run["accepted_at"] == [1, 1]
+    assert res["extra"]["results"] is None and res["extra"]["mismatches"] == [] and res["finished"] is None
+    assert list(res["cells"]["T=0"]["configs"]) == ["plain", "ngram K=4", "eagle K=2"]
+    [one_pass] = res["passes"]
+    run = next(r for r in one_pass["runs"] if r["config"] == "eagle K=2")
+    assert run["tokens_per_s"] == 50.0 and run["same_as_plain"] and run["tokens_per_round"] == 2.0
+    assert res["summary"]["T=0"]["ratios"]["eagle K=2 vs plain"]["median"] == 1.0
     assert not os.path.exists(str(out) + ".tmp")
 
 
@@ -318,17 +322,17 @@ def test_bench_lists_and_flags_are_refused_before_the_model_loads(script, argv, 
 
 
 def test_list_flags_parse_what_they_should():
-    from jspec.bench import suite
+    from jspec.bench import args
 
-    assert suite.int_list("--ks", " 1, 2,8") == [1, 2, 8]
-    assert suite.int_list("--concurrency", "", least=2, empty_ok=True) == []
-    assert suite.rate_list("--rates", "0.5,4") == [0.5, 4.0]
+    assert args.int_list("--ks", " 1, 2,8") == [1, 2, 8]
+    assert args.int_list("--concurrency", "", least=2, empty_ok=True) == []
+    assert args.rate_list("--rates", "0.5,4") == [0.5, 4.0]
     with pytest.raises(ValueError, match=r"--ks '': give at least one value"):
-        suite.int_list("--ks", "")
+        args.int_list("--ks", "")
     with pytest.raises(ValueError, match="--rates '1,1.0' gives 1.0 twice"):
-        suite.rate_list("--rates", "1,1.0")
+        args.rate_list("--rates", "1,1.0")
     with pytest.raises(ValueError, match="--rates 'inf': inf is not a rate"):
-        suite.rate_list("--rates", "inf")
+        args.rate_list("--rates", "inf")
 
 
 def _fake_target(num_layers=30):
@@ -433,7 +437,8 @@ def test_spec_vs_plain_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch
     monkeypatch.setattr(suite, "run_peer_set", peers_fail)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="peers failed"):
-        bench.main(["--compile-cache", "none", "--out", str(out), "--peers", "transformers", "--concurrency", "1"])
+        bench.main(["--compile-cache", "none", "--out", str(out), "--peers", "transformers", "--concurrency", "1",
+                    "--record", str(tmp_path / "r.json")])  # fmt: skip
     res = json.loads((out / "spec_vs_plain.json").read_text())
     assert [r["spec"]["label"] for r in res["runs"]] == ["plain", "ngram K=4"]
     assert res["peers"] == [] and res["peers_pending"] == ["transformers"]
@@ -499,10 +504,8 @@ def test_sweeps_record_a_large_batch_groups_own_prompt_set(tmp_path, monkeypatch
 
     monkeypatch.setattr(suite, "run_specs", run_specs)
     out = tmp_path / "out"
-    assert (
-        bench_sweeps.main(["--compile-cache", "none", "--out", str(out), "--skip-k", "--batches", "16", "--n", "2"])
-        == 0
-    )
+    argv = ["--compile-cache", "none", "--out", str(out), "--skip-k", "--batches", "16", "--n", "2"]
+    assert bench_sweeps.main([*argv, "--record", str(tmp_path / "r.json")]) == 0
     res = json.loads((out / "sweeps.json").read_text())
     assert res["meta"]["workloads_by_group"] == {"batch sweep b=16": {"n_per_workload": 8}}
     assert [p["n_per_workload"] for p in res["sweeps"]["batch"]] == [8, 8]
@@ -607,6 +610,6 @@ def test_bench_draft_names_the_target_it_ran(tmp_path, monkeypatch, capsys):
     bench_draft = _fake_bench_draft(monkeypatch, "other-model-7L")
     costs = {"target_step_ms": 1.0, "verify_ms": {2: 1.5}, "draft_ms": {"d": 0.2}}
     monkeypatch.setattr(bench_draft, "measure_costs", lambda *a: costs)
-    bench_draft.main(["--drafts", "d", "--gammas", "2", "--repeats", "1"])
+    bench_draft.main(["--drafts", "d", "--gammas", "2", "--repeats", "1", "--out", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert "other-model-7L f32, batch 1, greedy" in out and "SmolLM2" not in out

@@ -264,6 +264,12 @@ def _torch_device(device: str | None) -> str:
     return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
 
 
+def load_transformers(gguf_path: str, device: str | None = None):
+    """transformers' model of the GGUF file, f32, on ``device`` (None: where JAX runs, as ``run_transformers``),
+    for ``run_transformers(model=...)``."""
+    return _load_transformers(gguf_path, _torch_device(device))
+
+
 def _load_transformers(gguf_path: str, device: str = "cpu"):
     import torch
     import transformers.modeling_utils as modeling_utils
@@ -325,11 +331,14 @@ def run_transformers(
     max_wall_s: float | None = None,
     freeze_gc: bool = True,
     device: str | None = None,
+    model=None,
 ) -> list[PeerRun]:
     """transformers' plain / prompt-lookup / assisted generation on the same GGUF, one request at a time.
 
     device: torch device; None = "cuda" when JAX runs on a GPU that torch also sees, else "cpu". f32 matmuls
-    stay f32 on the GPU (torch's TF32 switch is off by default, and left so)."""
+    stay f32 on the GPU (torch's TF32 switch is off by default, and left so). model: the model
+    ``load_transformers`` returned for this file and device, reused instead of loading it again (a benchmark
+    that runs the peer once per pass loads it once)."""
     lib = "transformers"
     missing = _missing(["torch", "transformers"])
     if missing:
@@ -342,7 +351,7 @@ def run_transformers(
         if threads:
             torch.set_num_threads(threads)
         device = _torch_device(device)
-        model = _load_transformers(gguf_path, device)
+        model = model if model is not None else _load_transformers(gguf_path, device)
     except Exception as e:
         reason = f"failed to load {gguf_path}: {type(e).__name__}: {e}"[:300]
         return [PeerRun(lib, t, f"{lib} {t}", False, reason) for t in techniques]

@@ -1,6 +1,6 @@
-"""``python -m jspec bench``: the default suite, and the building blocks the ``examples/bench_*.py`` scripts use.
+"""``python -m jspec bench``: the default suite, and the building blocks the suite scripts in ``examples/`` use.
 
-Default suite (a few minutes on a 2-core CPU with the default model):
+Default suite (several minutes on a 2-core CPU with the default model, 5 passes):
 1. the four workloads (math, code, chat, grounded), ``--n`` requests each, tokenised with the chat template;
 2. plain decoding and n-gram (prompt-lookup) speculation, K = ``--gamma``, greedy, each served through the
    continuous-batching engine at closed-loop concurrency 1 (low-load latency) and ``--concurrency`` (saturation
@@ -12,7 +12,8 @@ Default suite (a few minutes on a 2-core CPU with the default model):
    time between is recorded), on one thread count (jspec's XLA pool size unless ``--peer-threads`` gives one);
 5. ``<out>/<suite>.json`` (everything), ``<out>/<suite>.md`` (tables) and PNG plots: the JSON and Markdown are
    written once jspec's runs are done (``peers_pending`` names the peers still to run), again with the peers'
-   runs, then the plots.
+   runs, then the plots; and the run's result file (``--record``, default ``results/suite-<UTC time>.json``:
+   ``serving_record``), with every pass of every configuration.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import argparse
 import dataclasses
 import hashlib
 import inspect
-import math
 import os
 import shlex
 import statistics
@@ -33,10 +33,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jspec.bench import metrics, peers, report, runner, workloads
+from jspec.bench import metrics, peers, report, runner, serving_record, workloads
+from jspec.bench.args import add_common_args, add_peer_args, config_from_args, make_out_dir, peer_names
 from jspec.bench.runner import Load, RunResult, Sampling, Spec
-from jspec.loaders import COMPILE_CACHE_DEFAULT, end_ids
-from jspec.validate import sampling_params
+from jspec.loaders import end_ids
 
 
 @dataclasses.dataclass
@@ -301,14 +301,14 @@ def run_specs(
             order = range(len(specs)) if i % 2 == 0 else reversed(range(len(specs)))
             if cfg.passes > 1:
                 log(f"  pass {i + 1}/{cfg.passes}")
-            for j in order:
+            for position, j in enumerate(order):
                 start = time.time()
                 r = run_one(target, specs[j], load, jobs, cfg, log)
                 end = time.time()
                 free_compiled()
                 if slots[j] is None:
                     slots[j] = r
-                summary = {**_pass_summary(r, slots[j]), "wall_clock": [start, end]}
+                summary = {**_pass_summary(r, slots[j]), "wall_clock": [start, end], "position": position}
                 slots[j].extra.setdefault("passes", []).append(summary)
         done = [r for r in slots if r is not None]
         if group is not None:
@@ -331,6 +331,8 @@ def _pass_summary(r: RunResult, first: RunResult) -> dict[str, Any]:
     return {
         # Which requests this pass served (``report.requests_differ``): a wall limit can cut passes differently.
         **{k: s.get(k) for k in ("request_set", "submitted", "finished", "errors", "timeouts", "not_run")},
+        "output_tokens": s["output_tokens"],
+        "wall_s": s["wall_s"],
         "output_tokens_per_s": s["output_tokens_per_s"],
         "decode_tokens_per_s": s["decode_tokens_per_s"],
         "ttft_ms_p50": s["ttft_ms"]["median"],
@@ -358,6 +360,11 @@ def pass_ratios(r: RunResult, plain: RunResult) -> dict[str, list[float | None]]
 
 def _ratios_text(xs: Sequence[float | None]) -> str:
     return ", ".join("-" if x is None else f"{x:.2f}" for x in xs)
+
+
+def _range_text(xs: Sequence[float | None]) -> str:
+    kept = [x for x in xs if x is not None]
+    return f"{min(kept):.2f}-{max(kept):.2f}x" if kept else "-"
 
 
 def _median_text(xs: Sequence[float | None]) -> str:
@@ -550,7 +557,9 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
             med = f"{_median_text(per['decode'])}" if no_e2e else f"{_median_text(per['output'])} / "
             med += "" if no_e2e else _median_text(per["decode"])
             line += "; by pass (" if why else " in pass 1 ("
-            line += f"passes: {e2e}{_ratios_text(per['decode'])} decode; median {med}"
+            rng = _range_text(per["decode"])
+            rng = rng if no_e2e else f"{_range_text(per['output'])} / {rng}"
+            line += f"passes: {e2e}{_ratios_text(per['decode'])} decode; median {med}, min-max {rng}"
             if None in per["decode"]:
                 line += "; '-': that pass's runs served different requests (or one of them none)"
             line += ")"
@@ -596,230 +605,7 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
 
 
 # --------------------------------------------------------------------------------------------------------
-# CLI
-
-
-def add_common_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf file or HF directory")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--workloads", default=",".join(workloads.WORKLOADS), help="comma-separated subset")
-    ap.add_argument("--n", type=int, default=4, help="requests per workload")
-    ap.add_argument("--seed", type=int, default=0, help="prompt-set and arrival seed")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--max-len", type=int, default=640, help="cache slots per row")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact match with plain is checked)")
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--min-p", type=float, default=0.0)
-    ap.add_argument("--no-chat-template", action="store_true")
-    ap.add_argument("--timeout-s", type=float, default=None, help="per-request deadline from arrival")
-    ap.add_argument("--max-wall-s", type=float, default=None, help="stop admitting requests after this long")
-    ap.add_argument(
-        "--rounds-per-sync",
-        type=int,
-        default=1,
-        help="decode rounds the engine runs on the device per host sync (tokens stream up to R rounds at a time)",
-    )
-    ap.add_argument(
-        "--passes",
-        type=int,
-        default=1,
-        help="run every configuration N times, the order reversed every other pass (A B, B A, ...): the "
-        "headline gives each pass's ratio and their median",
-    )
-    ap.add_argument(
-        "--bucket",
-        type=int,
-        default=64,
-        help="prompt widths are padded up to a multiple of this (one prefill compile per width): a smaller "
-        "bucket wastes less prefill compute on padding and compiles more widths",
-    )
-    ap.add_argument(
-        "--no-gc-freeze",
-        action="store_true",
-        help="leave the Python heap unfrozen in timed runs (by default it is frozen after each warm-up, as "
-        "vLLM and SGLang do; collections that still run are reported either way)",
-    )
-    ap.add_argument("--phase-repeats", type=int, default=5)
-    ap.add_argument("--no-phases", action="store_true", help="skip the per-phase timing (and the cost model)")
-    ap.add_argument("--out", default="results/bench", help="output directory (JSON, Markdown, PNG)")
-    ap.add_argument(
-        "--compile-cache",
-        default=None,
-        help="persistent XLA compilation cache directory ('none' to disable): reruns skip recompiling; default "
-        f"$JAX_COMPILATION_CACHE_DIR when set, else {COMPILE_CACHE_DEFAULT} ($JSPEC_COMPILE_CACHE); given, it wins",
-    )
-    ap.add_argument(
-        "--layers",
-        default="auto",
-        choices=("auto", "stacked", "unstacked"),
-        help="target layer weights (as python -m jspec generate --layers; auto = unstacked on CPU and GPU)",
-    )
-
-
-# The integer settings of add_common_args that must be >= 1, and what each counts.
-_COUNTS = {
-    "n": "requests per workload",
-    "max_new_tokens": "new tokens per request",
-    "max_len": "cache slots per row",
-    "bucket": "the prompt-width padding multiple",
-    "rounds_per_sync": "decode rounds per host sync",
-    "passes": "runs of every configuration",
-    "phase_repeats": "timings of each phase, whose median is kept",
-}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def check_args(args, **counts: int | None) -> None:
-    """Refuse, before any model is loaded, settings of ``add_common_args`` that would fail after the runs
-    (--phase-repeats 0, --bucket 0: a traceback once every run is done), fail every request (--max-new-tokens
-    past --max-len: each refused by the engine, and "0.00x plain"), or be silently ignored (a sampling filter
-    at temperature 0). ``counts``: a script's own integer flags that must be >= 1 (e.g. ``gamma=args.gamma``,
-    ``concurrency=args.concurrency``), named as their flags."""
-    from jspec.validate import check_greedy_filters, check_seed
-
-    for name, value in [*((n, getattr(args, n)) for n in _COUNTS), *counts.items()]:
-        if value is not None and value < 1:
-            what = f" ({_COUNTS[name]})" if name in _COUNTS else ""
-            raise ValueError(f"{_flag(name)} {value}: must be >= 1{what}")
-    if args.max_new_tokens > args.max_len:
-        raise ValueError(
-            f"--max-new-tokens {args.max_new_tokens} > --max-len {args.max_len}: no request fits the engine's cache "
-            "(its slots hold the prompt and every generated token but the last)"
-        )
-    for name in ("timeout_s", "max_wall_s"):
-        value = getattr(args, name)
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{_flag(name)} {value}: must be a number of seconds > 0")
-    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if not names:
-        raise ValueError(f"--workloads {args.workloads!r}: name at least one of {', '.join(workloads.WORKLOADS)}")
-    unknown = [w for w in names if w not in workloads.WORKLOADS]
-    if unknown:
-        raise ValueError(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(workloads.WORKLOADS)}")
-    if len(set(names)) < len(names):
-        raise ValueError(f"--workloads {args.workloads!r} names a workload twice (its requests would repeat)")
-    try:
-        check_seed(args.seed)
-        sampling_params(1, args.temperature, args.top_k, args.top_p, args.min_p)
-    except ValueError as e:  # "seed must be in ...", "top_p must be in (0, 1] ...": named as their flags
-        name, _, rest = str(e).partition(" ")
-        if name not in ("seed", "temperature", "top_k", "top_p", "min_p"):
-            raise
-        raise ValueError(f"{_flag(name)} {rest}") from None
-    check_greedy_filters(args.temperature, args.top_k, args.top_p, args.min_p)
-
-
-def list_flag(flag: str, text: str, parse: Callable[[str], Any], what: str, empty_ok: bool = False) -> list:
-    """A script's comma-separated flag, each entry parsed by ``parse`` (which raises ValueError on a bad one),
-    checked whole before the model loads. An empty entry (a stray comma), one that does not parse, or one given
-    twice (the same runs would repeat) is refused (ValueError naming ``flag``); so is an empty list unless
-    ``empty_ok``. ``what``: what an entry must be, for the message."""
-    if not text.strip():
-        if empty_ok:
-            return []
-        raise ValueError(f"{flag} {text!r}: give at least one value ({what})")
-    entries, values = [e.strip() for e in text.split(",")], []
-    for e in entries:
-        if not e:
-            raise ValueError(f"{flag} {text!r}: an empty entry (a stray comma?); expected {what}")
-        try:
-            values.append(parse(e))
-        except ValueError:
-            raise ValueError(f"{flag} {text!r}: cannot read {e!r}; expected {what}") from None
-    twice = [e for i, e in enumerate(entries) if values[i] in values[:i]]
-    if twice:
-        raise ValueError(f"{flag} {text!r} gives {twice[0]} twice (the same runs would repeat)")
-    return values
-
-
-def int_list(flag: str, text: str, least: int = 1, empty_ok: bool = False, why: str = "") -> list[int]:
-    """A script's comma-separated integer flag (--ks, --batches, --budgets, ...), every entry >= ``least``
-    (``why``: the reason, for the message), as ``list_flag``: refused whole before the model loads, not at the
-    entry that fails mid-run, after the runs before it."""
-    values = list_flag(flag, text, int, f"integers >= {least}", empty_ok)
-    low = [v for v in values if v < least]
-    if low:
-        raise ValueError(f"{flag} {text!r}: {low[0]} is below {least}; every entry must be >= {least}{why}")
-    return values
-
-
-def rate_list(flag: str, text: str, empty_ok: bool = False) -> list[float]:
-    """A comma-separated list of rates (requests/s), each a finite number > 0, as ``int_list``."""
-    values = list_flag(flag, text, float, "numbers > 0", empty_ok)
-    bad = [v for v in values if not (v > 0 and math.isfinite(v))]
-    if bad:
-        raise ValueError(f"{flag} {text!r}: {bad[0]} is not a rate; every entry must be a finite number > 0")
-    return values
-
-
-def make_out_dir(path: str) -> str:
-    """--out, created before the model loads, so that an unusable one (a file there, no permission) fails now
-    and not when the results are written after the runs."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise OSError(f"--out {path}: {e.strerror or e}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise OSError(f"--out {path}: not writable")
-    return path
-
-
-def peer_names(text: str) -> list[str]:
-    """--peers: comma-separated names of ``peers.PEER_NAMES``, or '' / 'none' for none."""
-    if text in ("", "none"):
-        return []
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in peers.PEER_NAMES]
-    if unknown:
-        raise ValueError(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(peers.PEER_NAMES)} or none")
-    return names
-
-
-def config_from_args(args, **counts: int | None) -> SuiteConfig:
-    """The suite's configuration from ``add_common_args``' flags, checked first (``check_args``, which takes a
-    script's own ``counts``), then the compilation cache switched on."""
-    from jspec.loaders import compile_cache_flag
-
-    check_args(args, **counts)
-    compile_cache_flag(args.compile_cache)
-    if jax.default_backend() == "gpu" and args.dtype == "float32" and jax.config.jax_default_matmul_precision is None:
-        # f32 means f32 on both sides of a peer ratio: JAX's GPU default runs f32 matmuls in TF32, torch's does not.
-        jax.config.update("jax_default_matmul_precision", "highest")
-    return SuiteConfig(
-        workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
-        n_per_workload=args.n,
-        seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
-        max_len=args.max_len,
-        sampling=Sampling(args.temperature, args.top_k, args.top_p, args.min_p),
-        chat_template=not args.no_chat_template,
-        timeout_s=args.timeout_s,
-        phase_repeats=args.phase_repeats,
-        measure_phases=not args.no_phases,
-        max_wall_s=args.max_wall_s,
-        rounds_per_sync=args.rounds_per_sync,
-        passes=args.passes,
-        bucket=args.bucket,
-        freeze_gc=not args.no_gc_freeze,
-        peer_threads=getattr(args, "peer_threads", None),
-    )
-
-
-def add_peer_args(ap: argparse.ArgumentParser) -> None:
-    """--peers and --peer-threads, for the scripts that run peers."""
-    ap.add_argument("--peers", default="transformers,llama_cpp", help="comma-separated; 'none' to skip")
-    ap.add_argument(
-        "--peer-threads",
-        type=int,
-        default=None,
-        help="threads for both peers (torch.set_num_threads; llama.cpp n_threads and n_threads_batch); default: "
-        "jspec's (XLA's CPU pool: one per CPU the process may use). jspec's own count is not set by this flag: "
-        "another count is reported as not like for like",
-    )
+# Command
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -837,15 +623,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = peer_names(args.peers)
         cfg = config_from_args(args, gamma=args.gamma, concurrency=args.concurrency, peer_threads=args.peer_threads)
         make_out_dir(args.out)  # an unusable --out fails now, not after the runs
+        rec = serving_record.start("suite", "python -m jspec bench", argv, args, ap)
         print(f"loading {args.model} ({args.dtype}) ...")
         target = load_target(args.model, args.dtype, args.layers)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return _run_suite(args, argv, names, cfg, target, t0)
+    return _run_suite(args, argv, names, cfg, target, t0, rec)
 
 
-def _run_suite(args, argv: Sequence[str] | None, names, cfg, target, t0: float) -> int:
+def _run_suite(args, argv: Sequence[str] | None, names, cfg, target, t0: float, rec) -> int:
     jobs, desc = prepare_jobs(target, cfg)
     print(f"{len(jobs)} requests ({', '.join(cfg.workloads)}), input tokens median {desc['input_len']['median']:.0f}")
     specs = [plain_spec(), ngram_spec(target, args.gamma)]
@@ -853,24 +640,27 @@ def _run_suite(args, argv: Sequence[str] | None, names, cfg, target, t0: float) 
     if args.concurrency > 1:
         loads.append(Load.closed(args.concurrency, cfg.timeout_s))
     results = run_specs(target, specs, loads, jobs, cfg)
-    cmd = "python -m jspec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    cmd = rec.data["command"]
+    serving_record.add_runs(rec, results)
+    rec.write()  # jspec's runs, unfinished until the peers have run
     meta_d = meta(target, cfg, desc)
     if names:  # jspec's runs first: the peers below are slow, and may fail or be stopped
-        pl = payload(args.name, None, meta_d, results, headline=headline(results), command=cmd.strip(),
-                     peers_pending=names)  # fmt: skip
+        pl = payload(args.name, None, meta_d, results, headline=headline(results), command=cmd, peers_pending=names)
         paths = write_outputs(args.out, args.name, pl)
         print(f"jspec's runs written to {paths['json']} (the peers' runs follow)")
     plain1 = next(r for r in results if r.spec.kind == "plain" and r.load.concurrency == 1)
     peer_runs = run_peer_set(target, names, jobs, cfg, args.gamma, plain1, jspec_runs=results)
     lines = headline(results, peer_runs)
-    pl = payload(args.name, None, meta_d, results, peer_runs, headline=lines, command=cmd.strip())
+    pl = payload(args.name, None, meta_d, results, peer_runs, headline=lines, command=cmd)
+    record_path = serving_record.finish(rec, peer_runs, headline=lines)
     plots = [
         (f"{args.name}_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
         (f"{args.name}_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
     ]
     paths, drawn = write_results(args.out, args.name, pl, plots)
     print("\n".join(["", *lines]))
-    print(f"\nwrote {paths['json']}, {paths['markdown']} and {len(drawn)} plots in {time.perf_counter() - t0:.0f} s")
+    print(f"\nwrote {record_path}, {paths['json']}, {paths['markdown']} and {len(drawn)} plots "
+          f"in {time.perf_counter() - t0:.0f} s")  # fmt: skip
     return 0
 
 
