@@ -31,12 +31,11 @@ import shlex
 import sys
 import time
 
-from bench_spec_vs_plain import check_draft_layers, distilled_draft, truncated_draft
-
 from jspec.bench import report, suite
 from jspec.bench.runner import Load, Spec
 from jspec.drafters import ModelDrafter
 from jspec.tree import DynamicTreeDrafter, TreeModelDrafter, TreeRule, TreeSpec, check_dynamic_tree
+from models.bench_drafts import check_draft_layers, distilled_draft, truncated_draft
 
 
 def static_tree(budget: int, width: int = 2) -> TreeSpec:

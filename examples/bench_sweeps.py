@@ -31,10 +31,9 @@ import statistics
 import sys
 import time
 
-from bench_spec_vs_plain import check_draft_layers, truncated_draft
-
 from jspec.bench import report, suite
 from jspec.bench.runner import Load
+from models.bench_drafts import check_draft_layers, truncated_draft
 
 K_GROUP = "K sweep"
 
