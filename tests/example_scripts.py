@@ -1,5 +1,5 @@
 """The scripts in examples/ as modules, for the tests that check them: examples/ is not a package, and the tests
-never put it on sys.path. What the scripts share lives in the installed packages (``models.training``,
+never add it to the import path. What the scripts share lives in the installed packages (``models.training``,
 ``models.bench_drafts``, ``jspec.bench``), so each script imports on its own."""
 
 from __future__ import annotations
