@@ -29,13 +29,12 @@ import argparse
 import math
 import time
 
-from bench_spec_vs_plain import check_draft_layers, distilled_draft, truncated_draft
-
 from jspec.bench import report, serving_record, suite
 from jspec.bench.args import add_common_args, config_from_args, int_list, list_flag, make_out_dir
 from jspec.bench.runner import Load, Spec
 from jspec.drafters import DynamicTreeDrafter, ModelDrafter, TreeModelDrafter
 from jspec.tree import TreeRule, TreeSpec, check_dynamic_tree
+from models.bench_drafts import check_draft_layers, distilled_draft, truncated_draft
 
 
 def static_tree(budget: int, width: int = 2) -> TreeSpec:

@@ -26,27 +26,22 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import re
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from jspec import cost_model  # noqa: E402
-from jspec import decode as dec  # noqa: E402
-from jspec.bench import metrics  # noqa: E402
-from jspec.bench.runner import predict_k_rounds  # noqa: E402
-from jspec.loaders import wants_unstacked  # noqa: E402
-from jspec.sampling import distribution, sample  # noqa: E402
+from jspec import cost_model
+from jspec import decode as dec
+from jspec.bench import metrics
+from jspec.bench.runner import predict_k_rounds
+from jspec.loaders import wants_unstacked
+from jspec.sampling import distribution, sample
 from jspec.validate import sampling_params
-from models import draft as D  # noqa: E402
-from models import registry  # noqa: E402
+from models import draft as D
+from models import registry
 
 PROMPTS = [
     "What are three fun things to do on a rainy day?",
@@ -63,7 +58,7 @@ def get_draft(name: str, target, model: str, unstacked: bool = False):
         return D.load_draft(name, target_config=target.config, tokenizer=target.tokenizer, unstacked=unstacked)
     except FileNotFoundError:
         pass
-    import train_draft
+    from models.training import draft as train_draft
 
     argv = ["--name", name, "--model", model]
     m = re.fullmatch(r".*-(\d+)L-(\d+k|\d+|full)", name)

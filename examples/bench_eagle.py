@@ -45,37 +45,25 @@ trains others into the cache, named by ``--name``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jspec import decode as dec  # noqa: E402
-from jspec.bench import metrics  # noqa: E402
-from jspec.bench.metrics import fresh  # noqa: E402
-from jspec.bench.runner import predict_k_rounds  # noqa: E402
-from jspec.cost_model import conditional_rates_from_stats  # noqa: E402
-from jspec.drafters import DraftContext  # noqa: E402
-from jspec.loaders import wants_unstacked  # noqa: E402
-from jspec.ngram import NgramDrafter  # noqa: E402
-from jspec.tree import TreeRule, TreeSpec  # noqa: E402
-from models import eagle as EG  # noqa: E402
-from models import llama, registry  # noqa: E402
-
-PROMPTS = [
-    "What are some fun things to do on a rainy afternoon?",
-    "Explain how a refrigerator keeps food cold.",
-    "Write a short poem about a city waking up in the morning.",
-    "What advice would you give to someone starting their first job?",
-    "Why is the sky blue? Explain it simply.",
-    "Tell me a short story about a fox who wants to fly.",
-]
+from jspec import decode as dec
+from jspec.bench import metrics
+from jspec.bench.metrics import fresh
+from jspec.bench.runner import predict_k_rounds
+from jspec.cost_model import conditional_rates_from_stats
+from jspec.drafters import DraftContext
+from jspec.loaders import wants_unstacked
+from jspec.ngram import NgramDrafter
+from jspec.tree import TreeRule, TreeSpec
+from models import eagle as EG
+from models import llama, registry
+from models.training.prompts import BENCH_EAGLE_PROMPTS as PROMPTS  # held out from the EAGLE trainer's data
 
 
 def median(xs):

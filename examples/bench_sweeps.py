@@ -29,11 +29,10 @@ import dataclasses
 import statistics
 import time
 
-from bench_spec_vs_plain import check_draft_layers, truncated_draft
-
 from jspec.bench import report, serving_record, suite
 from jspec.bench.args import add_common_args, config_from_args, int_list, make_out_dir
 from jspec.bench.runner import Load
+from models.bench_drafts import check_draft_layers, truncated_draft
 
 K_GROUP = "K sweep"
 

@@ -1,13 +1,13 @@
 """Teacher-forced agreement of EAGLE heads on the same held-out greedy answers, paired: what position-1
 acceptance tracks, on twice the answers of train_eagle.py's 6-prompt evaluation, every head on the same pairs.
 
-The target answers the 12 held-out prompts (train_eagle.py's EVAL_PROMPTS and bench_eagle.py's PROMPTS)
-greedily once; every head then runs ``models.eagle.head_unrolled`` over prompt + answer (the training
-computation, 3 passes of training-time test) and each pass's argmax is compared with the answer's token
-x_{i+2}. ``--maps-from DIR --self-batches N`` also scores each head under the ``--head-tokens`` most frequent
-tokens of the answers in the first N self-written batches of train_eagle's data directory DIR (how
-``train_eagle.py --remap --self-batches N`` builds its map): a head's LM head is the target's tied rows, so a
-map swaps without retraining.
+The target answers the 12 held-out prompts (``models.training.prompts.held_out_prompts``: train_eagle.py's
+evaluation prompts and bench_eagle.py's) greedily once; every head then runs ``models.eagle.head_unrolled`` over
+prompt + answer (the training computation, 3 passes of training-time test) and each pass's argmax is compared
+with the answer's token x_{i+2}. ``--maps-from DIR --self-batches N`` also scores each head under the
+``--head-tokens`` most frequent tokens of the answers in the first N self-written batches of train_eagle's data
+directory DIR (how ``train_eagle.py --remap --self-batches N`` builds its map): a head's LM head is the target's
+tied rows, so a map swaps without retraining.
 
     python examples/eagle_agreement.py --heads MP3_DIR,smollm2-8k-chat-mp5 \\
         --maps-from ~/.cache/jspec/eagle/_data/smollm2-T0.8-p192-n384-b32-s0 --self-batches 24
@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_eagle  # noqa: E402
-import train_eagle  # noqa: E402
-
-from jspec import decode as dec  # noqa: E402
-from models import eagle as EG  # noqa: E402
-from models import registry  # noqa: E402
+from jspec import decode as dec
+from models import eagle as EG
+from models import registry
+from models.training.data import encode
+from models.training.eagle_eval import teacher_forced_hits
+from models.training.prompts import held_out_prompts
 
 
 def data_map(data_dir: str, batches: int, n: int, vocab_size: int, eos_ids) -> np.ndarray:
@@ -73,7 +69,7 @@ def main(argv=None) -> None:
     new_map = None
     if args.maps_from:
         new_map = data_map(args.maps_from, args.self_batches, args.head_tokens, cfg.vocab_size, tok.eos_ids)
-    prompts = [train_eagle.encode(tok, p, 512) for p in list(train_eagle.EVAL_PROMPTS) + list(bench_eagle.PROMPTS)]
+    prompts = [encode(tok, p, 512) for p in held_out_prompts()]  # the EAGLE trainer's evaluation + the benchmark's
     out = dec.decode(
         target.model, target.params, prompts, max_new_tokens=args.max_new, temperature=0.0, eos_ids=tok.eos_ids
     )
@@ -85,7 +81,7 @@ def main(argv=None) -> None:
             maps["data map"] = new_map
         for label, ids in maps.items():
             _, hp_map = EG.EagleDrafter(ecfg).draft_params(target.params, {**hp, "token_ids": jnp.asarray(ids)})
-            h = train_eagle.teacher_forced_hits(target, ecfg, hp_map, prompts, out.tokens)
+            h = teacher_forced_hits(target, ecfg, hp_map, prompts, out.tokens)
             cover = float(np.isin(np.concatenate(out.tokens), ids).mean())
             line = f"{head} ({label}, answers {cover:.1%} inside): passes 0-2 {np.round(h.mean(1), 4).tolist()}"
             if first is None:

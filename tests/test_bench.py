@@ -455,13 +455,9 @@ def test_chain_vs_tree_budgets():
     """bench_chain_vs_tree compares shapes at one verification budget N: every static tree has exactly N nodes
     (the root included), the node a budget cut keeps below a wide root hangs under the top-ranked child, and
     --widths / --no-dynamic choose the rows; a width that does not fit the budget is an error."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import bench_chain_vs_tree as bench
-
     from jspec.tree import TreeRule
+
+    bench = _examples_module("bench_chain_vs_tree")
 
     for budget, width, branching in [(5, 3, (3, 1)), (5, 4, (4,)), (8, 2, (2, 1, 1, 1))]:
         st = bench.static_tree(budget, width)
@@ -494,12 +490,7 @@ def test_chain_vs_tree_budgets():
     ],
 )
 def test_chain_vs_tree_refuses_flags_its_drafter_ignores(flags, message, capsys):
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import bench_chain_vs_tree as bench
-
+    bench = _examples_module("bench_chain_vs_tree")
     with pytest.raises(SystemExit) as e:
         bench.main(flags)  # refused while parsing: no model is loaded
     assert e.value.code == 2 and message in capsys.readouterr().err
@@ -509,13 +500,9 @@ def test_ngram_variants_parse_and_label():
     """bench_spec_vs_plain --ngram-variants: 'K' keeps the default 3..1 n-gram range, 'K,MAX,MIN' sets it, and
     the spec's label names a non-default range (specs in one run need distinct labels); malformed values are
     an error naming the flag."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import bench_spec_vs_plain as bench
-
     from jspec.bench import suite
+
+    bench = _examples_module("bench_spec_vs_plain")
 
     assert bench.ngram_variant("12") == (12, 3, 1)
     assert bench.ngram_variant("8,4,2") == (8, 4, 2)
@@ -721,18 +708,10 @@ def test_peer_ratios_compare_like_with_like():
 
 
 def _examples_module(name):
-    """An examples/ script imported as a module (its main() not run)."""
-    import importlib.util
-    import os
-    import sys
+    """An examples/ script imported as a module (its main() not run), anew on each call."""
+    from example_scripts import load_example
 
-    examples = os.path.join(os.path.dirname(__file__), "..", "examples")
-    if examples not in sys.path:
-        sys.path.insert(0, examples)
-    spec = importlib.util.spec_from_file_location(f"examples_{name}", os.path.join(examples, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example(name, fresh=True)
 
 
 def _tiny_gguf(path):

@@ -880,25 +880,23 @@ def test_trainer_batch_ranges(tmp_path):
     [32 i, 32 i + 32)); a malformed or reversed range is refused with the flag named, as is a range that runs past
     the training prompts, before any model call."""
     import os
-    import sys
     from types import SimpleNamespace
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import train_eagle
+    from models.training import eagle_data
 
-    assert train_eagle.batch_ids(3) == [0, 1, 2] and train_eagle.batch_ids("3") == [0, 1, 2]
-    assert train_eagle.batch_ids("0-2,5, 7-8,1") == [0, 1, 2, 5, 7, 8]
-    assert train_eagle.batch_ids("none") == []  # only self-written prompts (--self-batches)
+    assert eagle_data.batch_ids(3) == [0, 1, 2] and eagle_data.batch_ids("3") == [0, 1, 2]
+    assert eagle_data.batch_ids("0-2,5, 7-8,1") == [0, 1, 2, 5, 7, 8]
+    assert eagle_data.batch_ids("none") == []  # only self-written prompts (--self-batches)
     none = SimpleNamespace(seed=0, gen_batch=32, max_prompt=192, max_new=128, gen_batches="none")
-    assert train_eagle.generate_data(none, SimpleNamespace(tokenizer=None, config=None), str(tmp_path / "d")) == []
+    assert eagle_data.generate_data(none, SimpleNamespace(tokenizer=None, config=None), str(tmp_path / "d")) == []
     for bad in ("0", "5-3", "a-b", "1,,2", "-3"):
         with pytest.raises(SystemExit, match="--gen-batches"):
-            train_eagle.batch_ids(bad)
-    n = len(train_eagle.training_prompts(0))
+            eagle_data.batch_ids(bad)
+    n = len(eagle_data.training_prompts(0))
     last = n // 32  # batch `last` would need prompts up to 32 * last + 32 > n
     args = SimpleNamespace(seed=0, gen_batch=32, max_prompt=192, max_new=128, gen_batches=f"0-1,{last}")
     with pytest.raises(SystemExit, match=f"--gen-batches 0-1,{last} x --gen-batch 32 .* {n} training prompts"):
-        train_eagle.generate_data(args, SimpleNamespace(tokenizer=None, config=None), str(tmp_path))
+        eagle_data.generate_data(args, SimpleNamespace(tokenizer=None, config=None), str(tmp_path))
     assert not os.listdir(tmp_path)
 
 
@@ -906,14 +904,14 @@ def test_trainer_self_prompts(monkeypatch):
     """--self-batches: the target writes its own requests from the user-turn prefix at T = 1 (Magpie). Kept are
     the finished ones (EOS within the limit) of four words or more, not repeated, and not too close to a
     held-out prompt (word-set Jaccard >= 0.5); too few usable after eight tries is an error naming the count."""
-    import os
-    import sys
     from types import SimpleNamespace
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import bench_eagle
-    import train_eagle
+    from example_scripts import load_example
 
+    from models.training import eagle_data
+    from models.training import prompts as P
+
+    bench_eagle = load_example("bench_eagle")
     held = ["Why do leaves change colour in autumn?"]
     texts = {
         1: "Why do the leaves change colour in autumn?",  # 7 shared words of 8: dropped
@@ -943,31 +941,28 @@ def test_trainer_self_prompts(monkeypatch):
         calls.append((prompts, kw))
         return SimpleNamespace(tokens=[[1, 0], [2, 0], [3, 0], [4, 0], [5, 0], [6]])  # row 6 never ended
 
-    monkeypatch.setattr(train_eagle.dec, "decode", fake_decode)
+    monkeypatch.setattr(eagle_data.dec, "decode", fake_decode)
     target = SimpleNamespace(tokenizer=Tok(), model=None, params=None)
-    assert train_eagle.self_prompts(target, 2, 7, held) == [texts[2], texts[5]]
+    assert eagle_data.self_prompts(target, 2, 7, held) == [texts[2], texts[5]]
     prefix = [ord(c) for c in "<sys>hello</sys><user>"]
     assert calls[0][0] == [prefix] * 4 and calls[0][1]["temperature"] == 1.0 and calls[0][1]["seed"] == 700
     with pytest.raises(SystemExit, match="only 2 of 3 usable after 8 tries"):
-        train_eagle.self_prompts(target, 3, 7, held)
+        eagle_data.self_prompts(target, 3, 7, held)
     assert [c[1]["seed"] for c in calls[1:]] == list(range(700, 708))
 
-    assert not train_eagle.too_close("alpha beta", ["alpha gamma"])  # 1 shared word of 3
-    assert train_eagle.too_close("alpha beta gamma delta", ["Alpha, beta; gamma epsilon zeta"])  # 3 of 6: 0.5
-    held_out = train_eagle.held_out_prompts()
-    assert set(train_eagle.EVAL_PROMPTS) <= set(held_out) and set(bench_eagle.PROMPTS) <= set(held_out)
+    assert not P.too_close("alpha beta", ["alpha gamma"])  # 1 shared word of 3
+    assert P.too_close("alpha beta gamma delta", ["Alpha, beta; gamma epsilon zeta"])  # 3 of 6: 0.5
+    held_out = P.held_out_prompts()
+    assert set(P.EAGLE_EVAL_PROMPTS) <= set(held_out) and set(bench_eagle.PROMPTS) <= set(held_out)
 
 
 def test_user_turn_prefix_matches_transformers(smollm2, hf_smollm2_tokenizer):
     """The self-written prompts start from the chat template cut where a user's message begins: transformers'
     own chat template of a conversation starts with exactly these tokens, then the message."""
-    import os
-    import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import train_eagle
+    from models.training import eagle_data
 
-    prefix = train_eagle.user_turn_prefix(smollm2.tokenizer)
+    prefix = eagle_data.user_turn_prefix(smollm2.tokenizer)
     msg = [{"role": "user", "content": "How do I fix a squeaky door hinge?"}]
     text = hf_smollm2_tokenizer.apply_chat_template(msg, tokenize=False, add_generation_prompt=False)
     theirs = hf_smollm2_tokenizer.encode(text, add_special_tokens=False)
@@ -982,34 +977,34 @@ def test_trainer_refuses_more_batches_than_prompts(tmp_path):
     prompts fill is an error that names both flags, raised before any model call (it used to fail somewhere
     inside generation)."""
     import os
-    import sys
     from types import SimpleNamespace
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import train_eagle
+    from models.training import eagle as train_eagle
+    from models.training import eagle_data
+    from models.training import prompts as P
 
-    n = len(train_eagle.training_prompts(0))
+    n = len(eagle_data.training_prompts(0))
     args = SimpleNamespace(seed=0, gen_batch=32, max_prompt=192, max_new=128)
     defaults = train_eagle.parse_args([])
-    n_default = len(train_eagle.batch_ids(defaults.gen_batches))
+    n_default = len(eagle_data.batch_ids(defaults.gen_batches))
     assert n_default * defaults.gen_batch <= n
-    prompts = train_eagle.training_prompts(0)
-    n_extra = len(train_eagle.EXTRA_TOPICS) * len(train_eagle.TEMPLATES)
-    n_styled = (len(train_eagle.TOPICS) + len(train_eagle.EXTRA_TOPICS)) * len(train_eagle.STYLES)
+    prompts = eagle_data.training_prompts(0)
+    n_extra = len(P.EXTRA_TOPICS) * len(P.TEMPLATES)
+    n_styled = (len(P.TOPICS) + len(P.EXTRA_TOPICS)) * len(P.STYLES)
     templated = prompts[: n - n_styled]  # the STYLES requests come last, after every templated one
-    styled = {s.format(t=t) for t in train_eagle.TOPICS + train_eagle.EXTRA_TOPICS for s in train_eagle.STYLES}
+    styled = {s.format(t=t) for t in P.TOPICS + P.EXTRA_TOPICS for s in P.STYLES}
     assert set(prompts[n - n_styled :]) == styled and not styled & set(templated)
-    extra = [p for p in templated if any(t in p for t in train_eagle.EXTRA_TOPICS)]
+    extra = [p for p in templated if any(t in p for t in P.EXTRA_TOPICS)]
     assert extra == templated[-n_extra:] and n_default * defaults.gen_batch <= len(templated) - n_extra
     target = SimpleNamespace(tokenizer=None, config=None)
     with pytest.raises(SystemExit, match=f"--gen-batches {n // 32 + 1} x --gen-batch 32 .* {n} training prompts"):
-        train_eagle.generate_data(SimpleNamespace(gen_batches=n // 32 + 1, **vars(args)), target, str(tmp_path))
+        eagle_data.generate_data(SimpleNamespace(gen_batches=n // 32 + 1, **vars(args)), target, str(tmp_path))
     assert not os.listdir(tmp_path)  # nothing generated
     doc_args = SimpleNamespace(doc_tokens=10**7, doc_width=256, feature_batch=8, seed=0)
     with pytest.raises(SystemExit, match=r"--doc-tokens 10000000 needs 1221 files of 32 passages .* than the \d+ "):
-        train_eagle.generate_doc_data(doc_args, target, str(tmp_path))
+        eagle_data.generate_doc_data(doc_args, target, str(tmp_path))
     assert not os.listdir(tmp_path)
-    assert len(train_eagle.topic_answers()) > 100  # the reference manual's topics extend the docstrings
+    assert len(eagle_data.topic_answers()) > 100  # the reference manual's topics extend the docstrings
 
 
 def test_full_head_q_lands_on_its_ids_and_restore_checks_the_ids(tmp_path):

@@ -5,9 +5,9 @@ tree, ragged batch), the features the fused head consumes equal a fresh target p
 trip keeps the fusion, bad layer sets are refused, and train_eagle lays the raw features out the way the
 loss and ``fuse_features`` read them (the fused layers first, f last)."""
 
+import dataclasses
 import json
 import os
-import sys
 from types import SimpleNamespace
 
 import jax
@@ -32,6 +32,8 @@ from models.eagle import (
     subset_logits,
     target_features,
 )
+from models.training import eagle as train_eagle
+from models.training import eagle_data
 
 FUSE = (0, 2)  # TINY has 4 layers: layer 3's output is f itself
 
@@ -160,9 +162,6 @@ def test_fused_checkpoint_round_trip(tmp_path):
 def test_trainer_lays_out_fused_features(tmp_path):
     """train_eagle's layer files hold the fused layers' outputs of each data file's tokens, and ``load_windows``
     puts them before f: the order ``fuse_features`` splits and the loss's f_{i+1} target (the last E) assume."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import train_eagle
-
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, TINY.vocab_size, (2, 40)).astype(np.int32)
     lengths = np.array([40, 23], np.int32)
@@ -183,11 +182,11 @@ def test_trainer_lays_out_fused_features(tmp_path):
     path = str(tmp_path / "batch_0000.npz")
     np.savez(path, tokens=tokens, lengths=lengths, prompt_lengths=np.array([5, 4], np.int32), feats=raw[..., 2 * e :])
     args = SimpleNamespace(fuse=FUSE, feature_batch=1)
-    layers = train_eagle.layer_files(args, SimpleNamespace(config=TINY, params=TINY_PARAMS), [path])
+    layers = eagle_data.layer_files(args, SimpleNamespace(config=TINY, params=TINY_PARAMS), [path])
     assert layers == [str(tmp_path / "batch_0000.layers0-2.npz")]
     stored = np.load(layers[0])["layer_feats"]
     np.testing.assert_allclose(stored[0].astype(np.float32), raw[0, :, : 2 * e].astype(np.float32), atol=2e-2)
-    data, _ = train_eagle.load_windows([path], 16, True, layers)
+    data, _ = eagle_data.load_windows([path], 16, True, layers)
     assert data["feats"].shape[2] == 3 * e
     np.testing.assert_array_equal(data["feats"][0], np.concatenate([stored[0, :17], raw[0, :17, 2 * e :]], axis=-1))
     with pytest.raises(SystemExit):  # a malformed --fuse names the flag
@@ -200,9 +199,6 @@ def test_trainer_fine_tunes_only_a_head_of_the_same_shape(tmp_path):
     fusion grafted on that starts as the identity on f (it drafts exactly as before: the same decode); any
     other change of shape (a fused head asked for other layers or none, another draft vocabulary) is refused
     naming the flag."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import train_eagle
-
     drafter, dparams, hp = fused_drafter(seed=6)
     save_head(tmp_path / "fused", drafter.ecfg, hp)
     plain = EagleConfig(TINY, head_tokens=40)
@@ -256,9 +252,6 @@ def test_trainer_fine_tunes_only_a_head_of_the_same_shape(tmp_path):
 def test_trainer_remaps_a_fine_tuned_head_only_when_asked():
     """A fine-tuned head keeps its own token map unless ``--remap``, which takes the N most frequent tokens of
     this run's answers (EOS always in, ties to the lower id); ``--remap`` without ``--init-from`` is refused."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import train_eagle
-
     answers = [np.array([5, 5, 5, 9, 9, 7]), np.array([9, 3])]  # counts: 9 x3, 5 x3, 7 x1, 3 x1
     args = SimpleNamespace(init_from="some-head", remap=False, head_tokens=3)
     assert train_eagle.draft_vocabulary(args, answers, 12, eos_ids=[0]) is None
@@ -275,9 +268,6 @@ def test_trainer_remaps_a_fine_tuned_head_only_when_asked():
 def test_trainer_loss_weighs_the_feature_regression_by_reg_weight():
     """``--reg-weight 0`` trains on tokens alone (EAGLE-3): the loss is then ce_weight x the KL term; with
     weight 1 the smooth-L1 distance of f^ from f counts too, each pass weighted pass_decay^u."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import train_eagle
-
     from models import eagle as EG
     from models.eagle import split_trainable
 
@@ -337,9 +327,6 @@ def test_trainer_refuses_a_cached_head_or_checkpoint_made_with_other_settings(tm
     checkpoint was resumed on another schedule; now the first run records its training settings and a later
     one with other values is refused, naming them (settings that only change the evaluation do not count).
     Every end token is in a fresh head's map, and --force cannot delete the head --init-from names."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import train_eagle
-
     out, ev = str(tmp_path / "run"), str(tmp_path / "run" / "eval.json")
     first = train_eagle.parse_args(["--lr", "3e-4"])
     train_eagle.check_same_run(train_eagle.parse_args(["--lr", "5e-4"]), out, ev)  # stopped before a checkpoint
@@ -374,32 +361,26 @@ def test_trainer_refuses_a_cached_head_or_checkpoint_made_with_other_settings(tm
 def test_cached_self_written_batches_are_checked_against_the_held_out_prompts(tmp_path):
     """The held-out check ran only when a batch was written: a prompt added to the evaluation set later could
     be restated by a cached batch and still be trained on."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import train_eagle
-
     held = ["Write a haiku about frost on the window glass"]
     ok, bad = tmp_path / "self_0000.npz", tmp_path / "self_0001.npz"
     np.savez(ok, prompts=np.asarray(["How do I bake bread at home?"]))
     np.savez(bad, prompts=np.asarray(["Tell me a story", "write a haiku about the frost on window glass"]))
-    train_eagle.check_cached_prompts([str(ok)], held)
+    eagle_data.check_cached_prompts([str(ok)], held)
     with pytest.raises(SystemExit, match=r"self_0001.npz: its request 'write a haiku .* too close to a held-out"):
-        train_eagle.check_cached_prompts([str(ok), str(bad)], held)
+        eagle_data.check_cached_prompts([str(ok), str(bad)], held)
 
 
 def test_cached_docstring_files_must_hold_what_this_run_would_write(tmp_path, monkeypatch, smollm2):
     """The docstring cache is keyed on width and seed only, but --feature-batch sets the passages per file:
     a rerun with another value reused the old files and wrote duplicate passages after them. Features are
     stand-ins here (zeros): only which passages land in which file is checked."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     from types import SimpleNamespace
 
-    import train_eagle
-
-    monkeypatch.setattr(train_eagle, "feature_fn", lambda cfg: lambda p, t: np.zeros((*t.shape, cfg.hidden)))
+    monkeypatch.setattr(eagle_data, "feature_fn", lambda cfg: lambda p, t: np.zeros((*t.shape, cfg.hidden)))
     target = SimpleNamespace(tokenizer=smollm2.tokenizer, config=smollm2.config, params=None)
     args = train_eagle.parse_args(["--doc-tokens", "2000", "--doc-width", "64", "--feature-batch", "2"])
-    files = train_eagle.generate_doc_data(args, target, str(tmp_path))
-    assert train_eagle.generate_doc_data(args, target, str(tmp_path)) == files  # the same run: reused
-    args.feature_batch = 4
+    files = eagle_data.generate_doc_data(args, target, str(tmp_path))
+    assert eagle_data.generate_doc_data(args, target, str(tmp_path)) == files  # the same run: reused
+    args = dataclasses.replace(args, feature_batch=4)
     with pytest.raises(SystemExit, match=r"docs_0000.npz holds other passages .* from --feature-batch 4"):
-        train_eagle.generate_doc_data(args, target, str(tmp_path))
+        eagle_data.generate_doc_data(args, target, str(tmp_path))

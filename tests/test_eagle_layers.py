@@ -6,8 +6,6 @@ on a ragged batch, and the checkpoint keeps the depth (a head saved without one 
 train_eagle grafts layers with ``--head-layers`` and refuses to drop any."""
 
 import json
-import os
-import sys
 from types import SimpleNamespace
 
 import jax
@@ -27,6 +25,7 @@ from models.eagle import (
     restore_head,
     save_head,
 )
+from models.training import eagle as train_eagle
 
 IDS = np.sort(np.random.default_rng(6).permutation(TINY.vocab_size)[:40])
 
@@ -129,9 +128,6 @@ def test_two_layer_greedy_identical_to_plain_and_checkpoint_round_trip(tmp_path)
 
 
 def test_trainer_grafts_layers_and_refuses_to_drop_them(tmp_path, capsys):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import train_eagle
-
     one = EagleConfig(TINY, head_tokens=40)
     hp = random_head(one, TINY_PARAMS, 5, 0.1, IDS)
     save_head(tmp_path / "one", one, hp)

@@ -8,21 +8,30 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import sys
 from types import SimpleNamespace
 
 import pytest
+from example_scripts import load_example
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from models import registry
+from models.training import draft as train_draft
+from models.training import eagle as train_eagle
+from models.training import early_exit as train_early_exit
+from models.training import prompts
 
-from models import registry  # noqa: E402
+# The trainers' parsers live in the library (examples/train_*.py call their main); the benchmarks are scripts.
+TRAINERS = {"train_draft": train_draft, "train_eagle": train_eagle, "train_early_exit": train_early_exit}
+
+
+def _script(name):
+    return TRAINERS[name] if name in TRAINERS else load_example(name)
 
 
 def _no_model(*args, **kwargs):
     raise AssertionError("a model was loaded: the arguments must be refused before that")
 
 
-# (script, its argument list, the flag the refusal names). Train scripts: parse_args; benchmarks: main.
+# (script, its argument list, the flag the refusal names). Trainers: parse_args; benchmarks: main.
 BAD = [
     ("train_draft", ["--ckpt-every", "0"], "--ckpt-every"),
     ("train_draft", ["--batch", "0"], "--batch"),
@@ -58,7 +67,7 @@ BAD = [
 
 @pytest.mark.parametrize("script, argv, flag", BAD, ids=[f"{s}{' '.join(['', *a])}" for s, a, _ in BAD])
 def test_bad_counts_are_refused_when_parsed(script, argv, flag, tmp_path, monkeypatch, capsys):
-    mod = importlib.import_module(script)
+    mod = _script(script)
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(registry, "load", _no_model)
@@ -74,10 +83,6 @@ def test_bad_counts_are_refused_when_parsed(script, argv, flag, tmp_path, monkey
 
 
 def test_usable_counts_still_parse():
-    import train_draft
-    import train_eagle
-    import train_early_exit
-
     assert train_draft.parse_args(["--steps", "0", "--frozen-layers", "2", "--doc-fraction", "0"]).steps == 0
     assert train_eagle.parse_args(["--window", "2", "--gen-batches", "none", "--self-batches", "2"]).window == 2
     assert train_early_exit.parse_args(["--head-tokens", "0"]).head_tokens == 0
@@ -103,8 +108,7 @@ def test_early_exit_refuses_an_exit_layer_beyond_the_model_before_recording_the_
 ):
     """--exit-layer 0 or >= the model's layers failed after the text was generated and the run's settings were
     recorded; the bound needs the model, so it is checked once the model loads, before anything is written."""
-    import train_early_exit as T
-
+    T = train_early_exit
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(T, "load", lambda *a, **kw: (_fake_cfg(), None, None, None))
 
@@ -120,12 +124,10 @@ def test_early_exit_refuses_an_exit_layer_beyond_the_model_before_recording_the_
 def test_draft_trainer_refuses_layers_beyond_the_target_and_a_budget_beyond_the_prompts(tmp_path, monkeypatch):
     """--layers beyond the target's failed once the data was generated; a --gen-batches budget beyond the
     training prompts failed at the first batch that lacked prompts, after generating the ones before it."""
-    import train_draft
-
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(train_draft, "docstring_prompts", lambda: [f"doc {i}" for i in range(300)])
+    monkeypatch.setattr(prompts, "draft_docstring_prompts", lambda: [f"doc {i}" for i in range(300)])
     monkeypatch.setattr(train_draft.registry, "load", _no_model)
-    n = len(train_draft.chat_prompts()) * 4 // 3  # a quarter of them docstrings, the default
+    n = len(prompts.draft_chat_prompts()) * 4 // 3  # a quarter of them docstrings, the default
     with pytest.raises(SystemExit, match=rf"--gen-batches 100 x --gen-batch 16 .* {n} training prompts"):
         train_draft.main(["--gen-batches", "100"])
 
@@ -142,15 +144,13 @@ def test_draft_trainer_refuses_layers_beyond_the_target_and_a_budget_beyond_the_
 def test_draft_trainer_refuses_a_doc_fraction_beyond_the_docstrings(monkeypatch):
     """A --doc-fraction that asks for more docstring requests than the standard library gives trained on
     another mix (all of them), silently."""
-    import train_draft
-
-    monkeypatch.setattr(train_draft, "docstring_prompts", lambda: [f"doc {i}" for i in range(100)])
-    n_chat = len(train_draft.chat_prompts())
+    monkeypatch.setattr(prompts, "draft_docstring_prompts", lambda: [f"doc {i}" for i in range(100)])
+    n_chat = len(prompts.draft_chat_prompts())
     with pytest.raises(SystemExit, match=rf"--doc-fraction 0.5 asks for {n_chat} docstring requests .* gives 100"):
-        train_draft.training_prompts(0, 0.5)
+        prompts.draft_training_prompts(0, 0.5)
     most = 100 / (n_chat + 100)
-    assert len(train_draft.training_prompts(0, int(most * 1000) / 1000)) <= n_chat + 100
-    assert len(train_draft.training_prompts(0, 0.1)) == n_chat + round(n_chat / 9)
+    assert len(prompts.draft_training_prompts(0, int(most * 1000) / 1000)) <= n_chat + 100
+    assert len(prompts.draft_training_prompts(0, 0.1)) == n_chat + round(n_chat / 9)
 
 
 def test_draft_trainer_leaves_out_the_benchmarks_grounded_passages():
@@ -161,14 +161,12 @@ def test_draft_trainer_leaves_out_the_benchmarks_grounded_passages():
     textwrap.wrap's); the data cached before (which held them) is not reused."""
     import inspect
 
-    import train_draft
-
     from jspec.bench import workloads
 
     def names(d, name):  # the two templates: "...`name`. ..." and "...:\n\nname: doc"
         return f"`{name}`" in d or f"\n{name}:" in d
 
-    docs = train_draft.docstring_prompts()
+    docs = prompts.draft_docstring_prompts()
     assert docs  # the other docstrings are kept
     for source in workloads._PASSAGE_SOURCES:
         assert not any(names(d, source.replace(":", ".")) for d in docs), source
@@ -190,8 +188,7 @@ def _cost_timing_fails(*a, **kw):
 def _fake_bench_draft(monkeypatch, target_name: str):
     """examples/bench_draft with a stand-in target (named ``target_name``), draft and decode: each run emits 3
     tokens in 4 rounds, the speculative ones twice as fast as plain."""
-    import bench_draft
-
+    bench_draft = load_example("bench_draft")
     tok = SimpleNamespace(encode_chat=lambda messages: [1, 2, 3], eos_ids=(0,))
     target = SimpleNamespace(tokenizer=tok, model=None, params=None, config=SimpleNamespace(name=target_name))
     monkeypatch.setattr(bench_draft.registry, "load", lambda *a, **kw: target)
@@ -235,8 +232,7 @@ def test_bench_eagle_writes_its_runs_before_the_cost_timing_and_refuses_an_ignor
     """--out was written only after the propose/verify timing that follows the decode runs: when that failed or
     was stopped, every measured run was lost. Now the runs are written first, the summary and cost model after.
     And a single non-default --packed-dtypes on an unpacked target (which ignores it) was taken silently."""
-    import bench_eagle
-
+    bench_eagle = load_example("bench_eagle")
     tok = SimpleNamespace(encode_chat=lambda messages: [1, 2, 3], eos_ids=(0,))
     cfg = SimpleNamespace(vocab_size=16)
     monkeypatch.setattr(bench_eagle.registry, "load", lambda *a, **kw: (cfg, {"unpacked": True}, None, tok))
@@ -350,7 +346,7 @@ def test_draft_layers_are_checked_against_the_target_as_soon_as_it_loads(script,
     refused once the target is known, before anything runs; L = layers - 1 passes the check."""
     from jspec.bench import suite
 
-    mod = importlib.import_module(script)
+    mod = load_example(script)
     monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target(30))
     monkeypatch.setattr(suite, "prepare_jobs", _jobs_prepared)
     argv = ["--compile-cache", "none", "--out", str(tmp_path / "out"), "--peers", "none"]
@@ -369,7 +365,7 @@ def test_an_unusable_out_is_refused_before_the_model_loads(script, tmp_path, mon
     Now it is created (or refused) first, as python -m jspec bench does."""
     from jspec.bench import suite
 
-    mod = importlib.import_module(script)
+    mod = load_example(script)
     monkeypatch.setattr(suite, "load_target", _no_model)
     blocked = tmp_path / "a_file"
     blocked.write_text("")
@@ -421,9 +417,9 @@ def _specs():
 def test_spec_vs_plain_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch):
     """The results were written only after the peers (slow, and they may fail): jspec's runs were lost with them.
     Now they are written first (peers_pending names the peers still to run)."""
-    import bench_spec_vs_plain as bench
-
     from jspec.bench import suite
+
+    bench = load_example("bench_spec_vs_plain")
 
     plain, ngram = _specs()
     monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
@@ -450,9 +446,9 @@ def test_sweeps_write_each_group_with_its_own_prompt_set_and_take_the_median_pas
     prompt set for every batch group (which serve more requests at a large batch), and its points took pass 1
     where the headline gives the median: plain runs 10 tok/s in every pass, n-gram 30, 20 and 25 (ratios 3, 2,
     2.5: median 2.5; pass 1 alone 3)."""
-    import bench_sweeps
-
     from jspec.bench import suite
+
+    bench_sweeps = load_example("bench_sweeps")
 
     plain, ngram = _specs()
     monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
@@ -490,9 +486,9 @@ def test_sweeps_write_each_group_with_its_own_prompt_set_and_take_the_median_pas
 def test_sweeps_record_a_large_batch_groups_own_prompt_set(tmp_path, monkeypatch):
     """At batch 16 with 4 workloads the batch sweep serves 8 requests per workload (2 x batch in all), not
     --n 2: its group records that set, not the K sweep's."""
-    import bench_sweeps
-
     from jspec.bench import suite
+
+    bench_sweeps = load_example("bench_sweeps")
 
     monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
     monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {"n_per_workload": cfg.n_per_workload}))
@@ -516,9 +512,9 @@ def test_sampled_runs_give_no_end_to_end_ratio():
     their end-to-end rates are not over the same work (python -m jspec generate --compare says 'not like for
     like'): no end-to-end ratio in the headline, the results table, the cost table, against a peer, or in a
     sweep point; the decode ratio stays. The same runs at temperature 0 keep both (the control)."""
-    import bench_sweeps
-
     from jspec.bench import peers, report, suite
+
+    bench_sweeps = load_example("bench_sweeps")
 
     plain, ngram = _specs()
     peer = peers.PeerRun("transformers", "prompt_lookup", "transformers prompt-lookup K=4", True,
@@ -556,7 +552,7 @@ def test_bench_selfspec_sizes_its_cache_from_the_prompts_before_any_training(mon
     """bench_selfspec decoded into a hidden 256-slot cache: a longer prompt + --max-new-tokens failed in prepare,
     after --train had trained the adapters. The cache now holds the longest prompt + --max-new-tokens, and a
     request past the model's context (or an exit layer past its layers) is refused before any training."""
-    import bench_selfspec
+    bench_selfspec = load_example("bench_selfspec")
 
     def trained(*a, **kw):
         raise AssertionError("an adapter was looked up or trained")
@@ -590,8 +586,7 @@ def test_bench_selfspec_sizes_its_cache_from_the_prompts_before_any_training(mon
 
 
 def test_bench_selfspec_refusals_name_their_flags(monkeypatch, capsys):
-    import bench_selfspec
-
+    bench_selfspec = load_example("bench_selfspec")
     tok = SimpleNamespace(encode_chat=lambda messages: [1] * 300)
     cfg = SimpleNamespace(num_layers=30, eos_ids=(0,), name="fake", max_positions=350, vocab_size=1000)
     monkeypatch.setattr(bench_selfspec, "load", lambda *a, **kw: (cfg, {}, None, tok))

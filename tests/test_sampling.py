@@ -173,12 +173,9 @@ def test_filters_keep_tie_groups_whole_and_match_the_reference_on_vocab_rows():
 
 def test_bench_sampler_agrees_with_its_sort_based_reference(capsys):
     """examples/bench_sampler.py checks that both filters keep the same tokens before it times them."""
-    import os
-    import sys
+    from example_scripts import load_example
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import bench_sampler
-
+    bench_sampler = load_example("bench_sampler")
     assert bench_sampler.main(["--vocab", "300", "--shapes", "2x3,1x1", "--repeats", "1"]) == 0
     assert len([line for line in capsys.readouterr().out.splitlines() if line.strip().endswith("x")]) == 6
 

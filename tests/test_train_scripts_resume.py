@@ -1,5 +1,5 @@
 """The draft and early-exit trainers resume a checkpoint, or reuse a finished result, only when it was made with
-the same settings (as train_eagle.py does), and the early-exit trainer holds out whole sequences and counts its
+the same settings (as the EAGLE trainer does), and the early-exit trainer holds out whole sequences and counts its
 head rows on training text only. No training runs here: the checks, the split and the count are called directly.
 """
 
@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from models.training import draft as train_draft
+from models.training import eagle as train_eagle
+from models.training import early_exit as T
+from models.training import runs as RS
+from models.training.prompts import DRAFT_EVAL_PROMPTS
 
 
 def _no_model(*args, **kwargs):
@@ -26,8 +29,6 @@ def _no_model(*args, **kwargs):
 def test_a_checkpoint_folder_without_a_finished_step_holds_nothing(tmp_path):
     """ocp.CheckpointManager creates its folder before the first save, and writes a step under a temporary name
     until it is complete: only a folder named by its step number is a checkpoint to resume."""
-    import _run_settings as RS
-
     ckpt = tmp_path / "ckpt"
     assert not RS.has_checkpoint(str(ckpt))
     ckpt.mkdir()
@@ -38,15 +39,13 @@ def test_a_checkpoint_folder_without_a_finished_step_holds_nothing(tmp_path):
     assert RS.has_checkpoint(str(ckpt))
 
 
-# ---------------------------------------------------------------- train_draft.py
+# ---------------------------------------------------------------- the draft trainer
 
 
 def test_draft_trainer_refuses_a_checkpoint_or_draft_made_with_other_settings(tmp_path):
     """A checkpoint under --name was resumed, and a finished draft reused, whatever settings made them; now the
     first run records its settings and a later one with other values is refused, naming each (recorded value
     first), unless only settings that leave the draft unchanged differ."""
-    import train_draft
-
     P = train_draft.parse_args
     out = str(tmp_path / "run")
     train_draft.check_same_run(P(["--lr", "5e-4"]), out)  # nothing saved: recorded
@@ -81,8 +80,6 @@ def test_draft_trainer_refuses_a_checkpoint_or_draft_made_with_other_settings(tm
 def test_draft_trainer_main_refuses_before_loading_the_model(tmp_path, monkeypatch):
     """A finished draft under the name was printed as this run's result (and a checkpoint resumed) with any
     settings: main now refuses before it loads the target."""
-    import train_draft
-
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(train_draft.registry, "load", _no_model)
     run = tmp_path / "draft" / "mine"
@@ -107,8 +104,6 @@ def test_a_finished_draft_is_evaluated_again_not_retrained(tmp_path, monkeypatch
     or --eval-max-new this run gave. Now a finished draft is never retrained: it is evaluated (the saved draft,
     with this run's settings) when it has no evaluation or one made with other settings, and --no-eval only
     prints what there is. Its training report (draft.json) stands in for a missing eval.json."""
-    import train_draft
-
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
     run = tmp_path / "draft" / "run"
     (run / "draft").mkdir(parents=True)
@@ -138,9 +133,7 @@ def test_a_finished_draft_is_evaluated_again_not_retrained(tmp_path, monkeypatch
     assert report["kl_start"] == 2.5 and report["train_seconds"] == 120.0 and report["val"] == kept["val"]
     saved = json.loads((run / "eval.json").read_text())
     assert saved["eval"] == _fake_draft_eval(3) and saved["eval_settings"]["gamma"] == 3
-    assert (
-        saved["eval_settings"]["eval_max_new"] == 64 and saved["eval_settings"]["prompts"] == train_draft.EVAL_PROMPTS
-    )
+    assert saved["eval_settings"]["eval_max_new"] == 64 and saved["eval_settings"]["prompts"] == DRAFT_EVAL_PROMPTS
     assert json.loads((run / "draft" / "draft.json").read_text()) == meta  # not retrained
 
     train_draft.main(["--name", "run"])  # evaluated with these settings: printed only
@@ -171,11 +164,11 @@ def test_a_resumed_draft_run_keeps_the_metrics_of_the_steps_before_it(tmp_path):
     agree_end. Now the metrics and seconds are kept next to each checkpoint and read back on a resume (train, on a
     tiny target: 4 steps, then a rerun that resumes at step 4)."""
     import jax
-    import train_draft
 
     from models.llama import LlamaConfig, init_random_params
 
-    # The history file's helpers (_run_settings, shared with train_eagle.py) are tested in test_train_eagle_cache.
+    # The history file's helpers (models.training.runs, shared with the EAGLE trainer) are tested in
+    # test_train_eagle_cache.
     hist = [{"kl": float(v), "agree": v / 10, "support": 1.0} for v in range(1, 5)]  # steps 0-3
     none = train_draft.training_summary([], 4)
     assert none["kl_start"] is None and none["metrics_steps"] == 0
@@ -213,12 +206,10 @@ def test_a_resumed_draft_run_keeps_the_metrics_of_the_steps_before_it(tmp_path):
     assert train_draft.training_summary(again, from_step) == first and first["kl_start"] == history[0]["kl"]
 
 
-# ---------------------------------------------------------------- train_early_exit.py
+# ---------------------------------------------------------------- the early-exit trainer
 
 
 def test_early_exit_trainer_refuses_features_checkpoints_or_a_result_made_with_other_settings(tmp_path):
-    import train_early_exit as T
-
     P = T.parse_args
     out = str(tmp_path / "smollm2-E4-F512-N8192")
     work = out + ".work"
@@ -262,8 +253,6 @@ def test_early_exit_trainer_refuses_features_checkpoints_or_a_result_made_with_o
 
 def test_early_exit_trainer_main_refuses_a_cached_result_before_loading_the_model(tmp_path, monkeypatch):
     """A cached adapter was evaluated as this run's result whatever --steps/--lr/... this run asked for."""
-    import train_early_exit as T
-
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(T, "load", _no_model)
     out = tmp_path / "early_exit" / "smollm2-E4-F512-N8192"
@@ -278,8 +267,6 @@ def test_early_exit_text_cache_follows_gen_batch_and_is_written_atomically(tmp_p
     padding, seed and order): a run with another one read text it would not have written. And the file was written
     in place: a run stopped while writing it left a half file that every later run failed to read. Now the name
     has the batch and the file appears whole (written to .tmp, then renamed)."""
-    import train_early_exit as T
-
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
     calls = []
 
@@ -308,7 +295,7 @@ def test_early_exit_text_cache_follows_gen_batch_and_is_written_atomically(tmp_p
 def test_early_exit_holds_out_whole_sequences():
     """The held-out tokens were the last max(256, M // 10) token positions, a cut that fell inside a sequence
     (its start trained on, its end held out); now they are the fewest last whole sequences that hold as many."""
-    from train_early_exit import heldout_split
+    from models.training.early_exit import heldout_split
 
     # 19 tokens, at least 6 held out: the last sequence (4) is short of 6, the last two (3 + 4) are not.
     assert heldout_split([5, 7, 3, 4], min_tokens=6) == 2
@@ -325,7 +312,7 @@ def test_early_exit_holds_out_whole_sequences():
 def test_early_exit_head_rows_are_counted_on_training_text_only():
     """The head rows were counted on every generated sequence, held-out ones included, and on every stdlib
     paragraph, those quoted by held-out prompts included."""
-    from train_early_exit import split_and_head_rows, training_paragraphs
+    from models.training.early_exit import split_and_head_rows, training_paragraphs
 
     seqs = [[1, 1, 1, 2], [3, 3, 1], [4, 4, 4, 4, 4], [5, 5, 5]]  # 3 + 2 + 4 + 2 = 11 positions with a next token
     texts = ["chat a", "chat b", "Summarize:\n\nBETA para", "chat d"]
@@ -343,14 +330,13 @@ def test_early_exit_head_rows_are_counted_on_training_text_only():
     np.testing.assert_array_equal(ids, [0, 1, 2, 3, 6, 9])
 
 
-# ---------------------------------------------------------------- train_eagle.py, on the shared helper
+# ---------------------------------------------------------------- the EAGLE trainer, on the shared helper
 
 
 def test_eagle_trainer_check_on_the_shared_helper(tmp_path):
-    """train_eagle.check_same_run now calls examples/_run_settings.py: the same behaviour, including a head
-    made before args.json existed, compared with the arguments in its eval.json (and not recorded over)."""
-    import train_eagle
-
+    """train_eagle.check_same_run calls models.training.runs (once examples/_run_settings.py): the same behaviour,
+    including a head made before args.json existed, compared with the arguments in its eval.json (and not recorded
+    over)."""
     P = train_eagle.parse_args
     out, ev = str(tmp_path / "run"), str(tmp_path / "run" / "eval.json")
     train_eagle.check_same_run(P(["--lr", "5e-4"]), out, ev)

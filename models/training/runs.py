@@ -1,10 +1,11 @@
-"""The settings a training script's run was made with, recorded next to what it saves, so that a rerun under the
-same name resumes (or reuses) only a run with the same settings and refuses, by name, one made with others.
+"""The settings a trainer's run was made with, recorded next to what it saves, so that a rerun under the same name
+resumes (or reuses) only a run with the same settings and refuses, by name, one made with others; the resumable
+checkpoint manager, and the per-step metrics kept next to each checkpoint.
 
-Used by ``train_eagle.py``, ``train_draft.py`` and ``train_early_exit.py``: each says which of its arguments do not
-change the result (checkpoint frequency, evaluation-only flags, the name that is the output's identity) and what
-counts as saved state (a checkpoint, a finished result). Also the per-step metrics kept next to each checkpoint
-(``save_history`` / ``resumed_history``), so that a resumed run reports the whole run's.
+Used by the three trainers (``eagle``, ``draft``, ``early_exit``): each says which of its arguments do not change
+the result (checkpoint frequency, evaluation-only flags, the name that is the output's identity) and what counts
+as saved state (a checkpoint, a finished result). The per-step metrics (``save_history`` / ``resumed_history``)
+let a resumed run report the whole run's.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable
+
+import orbax.checkpoint as ocp
 
 
 def settings(args_dict: dict, ignore: Iterable[str]) -> dict:
@@ -117,3 +120,22 @@ def no_metrics_line(name: str, from_step: int) -> str:
 def since_step(from_step: int) -> str:
     """' since step N' for metrics that cover only the steps after a resume at N, else ''."""
     return f" since step {from_step}" if from_step else ""
+
+
+def checkpoint_manager(out_dir: str) -> ocp.CheckpointManager:
+    """The run's ``out_dir/ckpt``: the last checkpoint is kept, saved at the steps the trainer chooses."""
+    return ocp.CheckpointManager(
+        os.path.abspath(os.path.join(out_dir, "ckpt")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=1, save_interval_steps=1),
+    )
+
+
+def restore_latest(mgr: ocp.CheckpointManager, state: dict, total: int) -> tuple[int, dict]:
+    """(the step to start at, the state there): ``state`` itself at step 0 when ``mgr`` holds no checkpoint, else
+    the latest checkpoint restored into ``state``'s structure (said, with the run's ``total`` steps)."""
+    start = mgr.latest_step()
+    if start is None:
+        return 0, state
+    state = mgr.restore(start, args=ocp.args.StandardRestore(state))
+    print(f"resumed from step {start}/{total}")
+    return start, state
