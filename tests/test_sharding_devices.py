@@ -1,6 +1,6 @@
 """Sharded decoding on 8 fake CPU devices and over two jax.distributed processes, against one device.
 
-Everything multi-device runs in subprocesses (``python -m sharding.selfcheck``), so the fake devices never
+Everything multi-device runs in subprocesses (``python tests/sharding_selfcheck.py``), so the fake devices never
 reach this process or the rest of the suite. One module fixture runs three jobs, overlapping them on the
 two CPU cores: A (meshes 2x4, 4x2, the single-device reference, error messages), B (meshes 8x1, 1x8 and
 the checkpoint round trip) and, once B is done, the 2-process x 4-device run. Each job has a timeout, so a
@@ -22,6 +22,7 @@ from conftest import TEST_XLA_FLAGS
 from sharding.launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
+SELFCHECK = ROOT / "tests" / "sharding_selfcheck.py"
 TIMEOUT = 900  # seconds per job; the whole module takes ~2-3 minutes on 2 cores
 MESHES_A, MESHES_B = ("2x4", "4x2"), ("8x1", "1x8")
 MESHES = MESHES_A + MESHES_B
@@ -49,7 +50,7 @@ def _env() -> dict[str, str]:
 
 def _selfcheck(tmp: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path, Path]:
     out, log = tmp / f"{name}.json", tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "sharding.selfcheck", *args, "--out", str(out)]
+    cmd = [sys.executable, str(SELFCHECK), *args, "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
     return proc, out, log
 
@@ -68,7 +69,7 @@ def _collect(job) -> dict:
 
 
 def _multiprocess() -> dict:
-    cmd = [sys.executable, "-m", "sharding.selfcheck", "multiprocess"]
+    cmd = [sys.executable, str(SELFCHECK), "multiprocess"]
     codes, outs = launch(cmd, 2, 4, timeout=TIMEOUT, env=_env(), cwd=str(ROOT), echo=False)
     res: dict = {"codes": codes, "outputs": [o[-3000:] for o in outs], "processes": {}}
     for o in outs:

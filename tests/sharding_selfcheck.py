@@ -1,4 +1,5 @@
-"""Sharded decoding must give the single-device tokens: the runnable check behind tests/test_sharding*.py.
+"""Sharded decoding must give the single-device tokens: the runnable check behind tests/test_sharding_devices.py,
+which starts it in subprocesses (the fake devices must be set before JAX starts).
 
 Scenarios (each prints one JSON document, or writes it to --out):
   decode       8 fake CPU devices; meshes 2x4, 4x2, 8x1, 1x8 (data x model, preset data_tensor); plain,
@@ -8,11 +9,11 @@ Scenarios (each prints one JSON document, or writes it to --out):
                single-device decode: logprobs=True with eos_ids and per-row stop_token_ids (STOPS_MESH), and a
                draft-model tree in a cache sized by cache_need (TREE_MESH).
   checkpoint   params saved from a 2x4 mesh, restored onto 4x2 and onto one device; logits compared.
-  multiprocess run under ``python -m sharding.launch -n 2 --cpu-devices 4 -- python -m sharding.selfcheck
+  multiprocess run under ``python -m sharding.launch -n 2 --cpu-devices 4 -- python tests/sharding_selfcheck.py
                multiprocess``: the same speculative decode over jax.distributed, inputs built per process.
   reference    the single-device tokens only.
 
-    python -m sharding.selfcheck decode --devices 8
+    python tests/sharding_selfcheck.py decode --devices 8
 
 Every jitted program here is one call that is blocked on before the next (the CPU collective deadlock in
 docs: many un-blocked dispatches of collective programs hang XLA:CPU).
