@@ -31,7 +31,7 @@ import time
 
 from bench_spec_vs_plain import check_draft_layers, distilled_draft, truncated_draft
 
-from jspec.bench import report, serving_record, suite
+from jspec.bench import plotting, serving_record, suite
 from jspec.bench.args import add_common_args, config_from_args, int_list, list_flag, make_out_dir
 from jspec.bench.runner import Load, Spec
 from jspec.drafters import DynamicTreeDrafter, ModelDrafter, TreeModelDrafter
@@ -256,8 +256,8 @@ def main(argv=None) -> int:
     pl = suite.payload("chain_vs_tree", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd,
                        markdown_extra=[f"Draft model: {draft_name}. {_budget_note(args.ngram)}"])  # fmt: skip
     plots = [
-        ("chain_vs_tree_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
-        ("chain_vs_tree_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
+        ("chain_vs_tree_acceptance.png", lambda path: plotting.plot_acceptance_by_position(pl, path)),
+        ("chain_vs_tree_latency_c1.png", lambda path: plotting.plot_latency(pl, path, loads[0].name)),
     ]
     record_path = serving_record.finish(rec, headline=lines, draft=draft_name)
     paths, _ = suite.write_results(args.out, "chain_vs_tree", pl, plots)  # results first, then the plots

@@ -18,7 +18,7 @@ import argparse
 import re
 import time
 
-from jspec.bench import report, serving_record, suite
+from jspec.bench import plotting, serving_record, suite
 from jspec.bench.args import add_common_args, config_from_args, int_list, make_out_dir, rate_list
 from jspec.bench.runner import Load
 
@@ -56,7 +56,9 @@ def main(argv=None) -> int:
     plots = []
     for load in loads:
         slug = re.sub(r"[^a-z0-9]+", "_", load.name.lower()).strip("_")
-        plots.append((f"serving_latency_{slug}.png", lambda path, name=load.name: report.plot_latency(pl, path, name)))
+        plots.append(
+            (f"serving_latency_{slug}.png", lambda path, name=load.name: plotting.plot_latency(pl, path, name))
+        )
     record_path = serving_record.finish(rec, headline=lines)
     paths, _ = suite.write_results(args.out, "serving", pl, plots)  # results first, then the plots
     print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))

@@ -24,7 +24,7 @@ import time
 
 import jax
 
-from jspec.bench import report, serving_record, suite
+from jspec.bench import plotting, serving_record, suite
 from jspec.bench.args import add_common_args, add_peer_args, config_from_args, make_out_dir, peer_names
 from jspec.bench.runner import Load
 
@@ -159,8 +159,8 @@ def main(argv=None) -> int:
     pl = suite.payload("spec_vs_plain", None, meta, results, peer_runs, headline=lines, command=cmd)
     record_path = serving_record.finish(rec, peer_runs, headline=lines)
     plots = [
-        ("spec_vs_plain_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
-        ("spec_vs_plain_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
+        ("spec_vs_plain_latency_c1.png", lambda path: plotting.plot_latency(pl, path, loads[0].name)),
+        ("spec_vs_plain_acceptance.png", lambda path: plotting.plot_acceptance_by_position(pl, path)),
     ]
     paths, _ = suite.write_results(args.out, "spec_vs_plain", pl, plots)  # results first, then the plots
     print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))

@@ -31,7 +31,7 @@ import time
 
 from bench_spec_vs_plain import check_draft_layers, truncated_draft
 
-from jspec.bench import report, serving_record, suite
+from jspec.bench import plotting, ratios, serving_record, suite, tables
 from jspec.bench.args import add_common_args, config_from_args, int_list, make_out_dir
 from jspec.bench.runner import Load
 
@@ -55,20 +55,20 @@ def _point(series, r, plain, key, value):
     """The K sweep plots the decode-phase speedup (what the cost model describes); the batch sweep the
     end-to-end output rate (saturation throughput). Both ratios are kept in every point, unless the two runs
     served different requests (a wall limit or deadlines cut them differently) or one of them none
-    (``report.no_ratio``): then there is no ratio, and ``different_requests`` says why. At temperature > 0 there
-    is no end-to-end ratio (``report.sampled_note``: the two sides sampled other outputs), ``end_to_end_note``
+    (``ratios.no_ratio``): then there is no ratio, and ``different_requests`` says why. At temperature > 0 there
+    is no end-to-end ratio (``ratios.sampled_note``: the two sides sampled other outputs), ``end_to_end_note``
     says so; the decode ratio stays.
 
     With --passes N each ratio is the median of the per-pass ratios (``suite.pass_ratios``, over the passes in
     which both runs served the same requests, as the headline's median) and ``tokens_per_s`` the median of the
     passes' rates; ``passes`` says how many. Acceptance and tokens per round are the first pass's.
 
-    At temperature 0 a run whose greedy outputs are not plain decoding's (``report.outputs_differ``) keeps its
+    At temperature 0 a run whose greedy outputs are not plain decoding's (``ratios.outputs_differ``) keeps its
     ratios, flagged: ``outputs_differ`` says why, and the tables mark them as the suite's do."""
     per = suite.pass_ratios(r, plain)
     dec = e2e = None
     if per is None:
-        why = report.no_ratio(r.summary, plain.summary)
+        why = ratios.no_ratio(r.summary, plain.summary)
         if not why:
             rd, pd = r.summary["decode_tokens_per_s"], plain.summary["decode_tokens_per_s"]
             dec = rd / pd if rd > 0 and pd > 0 else None  # nothing decoded after the first tokens: no decode ratio
@@ -76,11 +76,11 @@ def _point(series, r, plain, key, value):
     else:
         dec, e2e = _median(per["decode"]), _median(per["output"])
         # No pass with a ratio: every pass served other requests on the two sides (or one side none).
-        why = None if e2e is not None else report.no_ratio(r.extra["passes"][0], plain.extra["passes"][0])
-    sampled = report.sampled_note(r.sampling.temperature)
+        why = None if e2e is not None else ratios.no_ratio(r.extra["passes"][0], plain.extra["passes"][0])
+    sampled = ratios.sampled_note(r.sampling.temperature)
     if sampled:
         e2e = None
-    differ = None if why else report.outputs_differ(r.quality, r.summary, plain.summary, r.sampling.temperature)
+    differ = None if why else ratios.outputs_differ(r.quality, r.summary, plain.summary, r.sampling.temperature)
     sp = dec if key == "k" else e2e
     cm = (r.cost_model or {}).get("measured_rounds") or {}
     seed = (r.cost_model or {}).get("seed") or {}
@@ -187,12 +187,12 @@ def main(argv=None) -> int:
     how = f", median of {cfg.passes} passes" if cfg.passes > 1 else ""
     if k_points:
         title = f"{target.name}, closed loop c={args.k_concurrency}{how}"
-        plots.append(("speedup_vs_k.png", lambda path: report.plot_speedup_vs_k(k_points, path, title)))
+        plots.append(("speedup_vs_k.png", lambda path: plotting.plot_speedup_vs_k(k_points, path, title)))
         kpl = dict(pl, runs=[r.to_json(False) for r in results if r.extra.get("group") == K_GROUP])
-        plots.append(("acceptance_by_position.png", lambda path: report.plot_acceptance_by_position(kpl, path)))
+        plots.append(("acceptance_by_position.png", lambda path: plotting.plot_acceptance_by_position(kpl, path)))
     if b_points:
         btitle = f"{target.name}{how}"
-        plots.append(("batch_sweep.png", lambda path: report.plot_batch_sweep(b_points, path, btitle)))
+        plots.append(("batch_sweep.png", lambda path: plotting.plot_batch_sweep(b_points, path, btitle)))
     paths, _ = suite.write_results(args.out, "sweeps", pl, plots)  # results first, then the plots
     print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
@@ -209,23 +209,23 @@ def _sweep_tables(k_points, b_points, passes: int = 1) -> str:
         out.append("## K sweep\n")
         rows = [[p["series"], p["k"], _x(p["speedup"], p), _x(p.get("predicted")), _x(p.get("predicted_seed")),
                  f"{p['tokens_per_round']:.2f}", f"{100 * p['acceptance_rate']:.0f}%"] for p in k_points]  # fmt: skip
-        out.append(report._table(["drafter", "K", "measured (decode)", "cost model (whole rounds)", "seed model",
+        out.append(tables._table(["drafter", "K", "measured (decode)", "cost model (whole rounds)", "seed model",
                                   "tokens/round", "acceptance"], rows))  # fmt: skip
     if b_points:
         out.append("\n## Batch sweep\n")
         rows = [[p["series"], p["batch"], p.get("n_per_workload", "-"), f"{p['tokens_per_s']:.1f}",
                  _x(p.get("speedup_end_to_end"), p, p.get("end_to_end_note")), _x(p.get("speedup_decode"), p)]
                 for p in b_points]  # fmt: skip
-        out.append(report._table(["config", "batch", "requests per workload", "out tok/s", "vs plain (end-to-end)",
+        out.append(tables._table(["config", "batch", "requests per workload", "out tok/s", "vs plain (end-to-end)",
                                   "vs plain (decode)"], rows))  # fmt: skip
     return "\n".join(out)
 
 
 def _x(v, point=None, no_ratio_note=None) -> str:
     if v is None and point is not None and point.get("different_requests"):
-        return report.no_ratio_cell(point["different_requests"])
+        return ratios.no_ratio_cell(point["different_requests"])
     if v is None and no_ratio_note:
-        return report.SAMPLED_CELL
+        return ratios.SAMPLED_CELL
     if v is not None and point is not None and point.get("outputs_differ"):
         return f"{v:.2f}x (outputs differ)"
     return "-" if v is None else f"{v:.2f}x"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_decode_core import DRAFT_PARAMS, DRAFTER, TARGET, TARGET_PARAMS
 
-from jspec.bench import metrics, peers, report, runner, workloads
+from jspec.bench import metrics, peers, plotting, ratios, report, runner, tables, workloads
 from jspec.bench.runner import Job, Load, Spec
 from jspec.state import DecodeConfig
 from jspec.validate import check_prompts, sampling_params
@@ -294,9 +294,9 @@ def test_report_writes_json_markdown_and_plots(closed_runs, tmp_path):
           "runs": [r.to_json() for r in runs], "peers": [skipped.to_json()], "headline": ["toy: 1.00x"]}  # fmt: skip
     js = report.write_json(str(tmp_path / "toy.json"), pl)
     assert json.load(open(js))["runs"][0]["spec"]["label"] == "plain"
-    png = report.plot_latency(pl, str(tmp_path / "lat.png"))
-    acc = report.plot_acceptance_by_position(pl, str(tmp_path / "acc.png"))
-    k = report.plot_speedup_vs_k([{"series": "m", "k": 1, "speedup": 1.1, "predicted": 1.2}], str(tmp_path / "k.png"))
+    png = plotting.plot_latency(pl, str(tmp_path / "lat.png"))
+    acc = plotting.plot_acceptance_by_position(pl, str(tmp_path / "acc.png"))
+    k = plotting.plot_speedup_vs_k([{"series": "m", "k": 1, "speedup": 1.1, "predicted": 1.2}], str(tmp_path / "k.png"))
     md = report.markdown(pl, [png, acc, k])
     assert "| plain |" in md and "model K=3" in md and "skipped: not installed" in md
     assert "## Headline\n\n- toy: 1.00x" in md
@@ -847,9 +847,9 @@ def test_peer_ratios_only_like_for_like_in_headline_and_table():
     assert "transformers(unchecked) prompt-lookup K=3: no ratio (not checked against jspec's precision" in line
     assert line.count("x end-to-end") == 1
     adaptive = dataclasses.replace(spec, adaptive=True)
-    assert "jspec adapts K (up to 3)" in report.ratio_blockers(_TORCH_INFO | {"not_like_for_like": []},
+    assert "jspec adapts K (up to 3)" in ratios.ratio_blockers(_TORCH_INFO | {"not_like_for_like": []},
                                                                "prompt_lookup", adaptive.describe())  # fmt: skip
-    table = report.peers_table([r.to_json(False) for r in results], [p.to_json(False) for p in runs])
+    table = tables.peers_table([r.to_json(False) for r in results], [p.to_json(False) for p in runs])
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
     assert "| 2.00x | 3.00x |" in rows["transformers prompt-lookup K=3"]
     assert (
@@ -1064,14 +1064,14 @@ def test_no_ratio_between_runs_that_served_different_requests():
     assert _outcome_summary(full, 1, 1)["request_set"] == _outcome_summary(full, 5, 5)["request_set"]
     # Same counts, other requests: still different work.
     a, b = _outcome_summary(["finished", "not_run"], 1, 1), _outcome_summary(["not_run", "finished"], 1, 1)
-    assert "the same counts but other requests" in report.requests_differ(a, b)
-    assert report.requests_differ({"finished": 2}, {"finished": 2}) is None  # older results: counts only
+    assert "the same counts but other requests" in ratios.requests_differ(a, b)
+    assert ratios.requests_differ({"finished": 2}, {"finished": 2}) is None  # older results: counts only
     plain = _fake_result(PLAIN, _outcome_summary(full, 10.0, 10.0))
     spec = _fake_result(CHAIN, _outcome_summary(cut, 20.0, 20.0))
     (line,) = suite.headline([plain, spec])
     assert "no ratio to plain in pass 1 (different requests served (this run 1/2 finished, 1 not run, plain 2/2" in line
     assert "x plain" not in line and "2.00x" not in line
-    table = report.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
+    table = tables.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
     row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
     assert row.count("no ratio: different requests") == 2 and "2.00x" not in row
     cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
@@ -1100,7 +1100,7 @@ def test_no_ratio_between_runs_that_served_different_requests():
     peer.summary.update(_outcome_summary(full, 5.0, 5.0))
     (line,) = suite.headline([plain, spec], [peer])
     assert "vs transformers assisted K=3: no ratio (different requests served (jspec 1/2" in line
-    table = report.peers_table([plain.to_json(False), spec.to_json(False)], [peer.to_json(False)])
+    table = tables.peers_table([plain.to_json(False), spec.to_json(False)], [peer.to_json(False)])
     assert "no ratio: different requests served" in table and "4.00x" not in table
 
 
@@ -1121,7 +1121,7 @@ def test_peer_ratio_takes_the_median_of_jspecs_passes():
     (line,) = suite.headline([plain, ng], [peer])
     assert ("vs transformers prompt-lookup K=3: 2.00x end-to-end, 2.00x decode (jspec: median of 3 passes; the "
             "peer: its one run)") in line  # fmt: skip
-    table = report.peers_table([plain.to_json(False), ng.to_json(False)], [peer.to_json(False)])
+    table = tables.peers_table([plain.to_json(False), ng.to_json(False)], [peer.to_json(False)])
     row = table.splitlines()[2]
     assert "| 60.0 (median of 3 passes) | 2.00x | 2.00x |" in row
     assert "jspec out tok/s (median of its passes)" in table.splitlines()[0]
@@ -1140,7 +1140,7 @@ def test_open_loop_prints_no_end_to_end_ratio():
     (line,) = suite.headline([plain, spec])
     assert line.startswith("model K=3 @ open 2/s rows=2: 2.50x plain decode (end-to-end: arrival-bound")
     assert "end-to-end," not in line and "1.00x" not in line
-    table = report.results_table([plain.to_json(False), spec.to_json(False)], load.name)
+    table = tables.results_table([plain.to_json(False), spec.to_json(False)], load.name)
     row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
     assert "| - (arrival-bound) |" in row and "| 2.50x |" in row
     cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
@@ -1361,8 +1361,8 @@ def test_write_results_draws_plots_after_the_results(tmp_path):
     """With matplotlib, each plot is drawn once the JSON and Markdown are on disk, and linked from the Markdown."""
     from jspec.bench import suite
 
-    if report.plotting_unavailable():
-        pytest.skip(report.plotting_unavailable())
+    if plotting.plotting_unavailable():
+        pytest.skip(plotting.plotting_unavailable())
     seen = []
 
     def draw(path):
@@ -1390,7 +1390,7 @@ def test_runs_that_finished_nothing_get_no_ratio():
     (line,) = suite.headline([plain, spec])
     assert "no ratio to plain in pass 1 (this run finished no requests (0/2 finished, 2 failed))" in line, line
     assert "0.00x" not in line
-    table = report.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
+    table = tables.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
     row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
     assert row.count("no ratio: nothing served") == 2 and "0.00x" not in row
     cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
@@ -1535,10 +1535,10 @@ def test_greedy_outputs_that_differ_from_plain_are_flagged():
     assert line.startswith("ngram K=4 @ closed c=1: 3.00x plain end-to-end, 2.50x decode [outputs differ from plain: "
                            "1 of 2 requests: the ratios compare other outputs]")  # fmt: skip
     runs = [plain.to_json(False), spec.to_json(False)]
-    row = next(r for r in report.results_table(runs, "closed c=1").splitlines() if r.startswith("| ngram K=4"))
+    row = next(r for r in tables.results_table(runs, "closed c=1").splitlines() if r.startswith("| ngram K=4"))
     assert "| 3.00x (outputs differ) |" in row and "| 2.50x (outputs differ) |" in row
     assert "| 50% (outputs differ from plain: 1 of 2 requests) |" in row
-    cost = report.cost_table(runs).splitlines()[2]
+    cost = tables.cost_table(runs).splitlines()[2]
     assert "| 3.00x (outputs differ) | 2.50x (outputs differ) |" in cost
     sweeps = _examples_module("bench_sweeps")  # the sweeps' points and tables too
     point = sweeps._point("ngram", spec, plain, "k", 4)
@@ -1549,15 +1549,15 @@ def test_greedy_outputs_that_differ_from_plain_are_flagged():
     (line,) = suite.headline([plain, same])
     assert "differ" not in line
     runs = [plain.to_json(False), same.to_json(False)]
-    assert "differ" not in report.results_table(runs, "closed c=1") and "differ" not in report.cost_table(runs)
+    assert "differ" not in tables.results_table(runs, "closed c=1") and "differ" not in tables.cost_table(runs)
     # Every finished request the same, other totals of output tokens.
     same.summary = {**same.summary, "output_tokens": 40}
     plain.summary = {**plain.summary, "output_tokens": 36}
     (line,) = suite.headline([plain, same])
     assert "[outputs differ from plain: 40 vs 36 output tokens: the ratios compare other outputs]" in line
     # Sampled: other outputs are expected (sampled_note says so instead).
-    assert report.outputs_differ(q, spec.summary, plain.summary, 0.8) is None
-    assert report.outputs_differ({"exact_match_vs_plain": 0.75, "exact_match_n": 4}, {}, {}) == (
+    assert ratios.outputs_differ(q, spec.summary, plain.summary, 0.8) is None
+    assert ratios.outputs_differ({"exact_match_vs_plain": 0.75, "exact_match_n": 4}, {}, {}) == (
         "outputs differ from plain: 1 of 4 requests"  # a result written before the count was recorded
     )
 
@@ -1584,7 +1584,7 @@ def test_a_peer_whose_greedy_outputs_differ_gets_no_ratio(monkeypatch):
                             decode_tokens_per_s=10.0)  # fmt: skip
         monkeypatch.setattr(peers, "run_peers", lambda *a, peer=peer, **k: [peer])
         (p,) = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, plain, log=lambda *a: None)
-        row = report.peers_table([plain.to_json(False)], [p.to_json(False)]).splitlines()[2]
+        row = tables.peers_table([plain.to_json(False)], [p.to_json(False)]).splitlines()[2]
         if expect == "differ":
             assert p.info["not_like_for_like"] == ["outputs differ from jspec's plain: 1 of 2 requests"]
             assert "no ratio: outputs differ from jspec's plain: 1 of 2 requests (not like for like)" in row
@@ -1719,7 +1719,7 @@ def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_be
         "not interleaved: the peer ran 300 s after jspec's run]" in line
     )
     runs = [plain.to_json(False), ng.to_json(False)]
-    table = report.peers_table(runs, [pl.to_json(False), pp.to_json(False)])
+    table = tables.peers_table(runs, [pl.to_json(False), pp.to_json(False)])
     rows = {r.split(" | ")[0].lstrip("| "): r for r in table.splitlines()[2:]}
     assert "| 2.00 / 1.50 | different lookup policy (jspec: most recent match" in rows["transformers prompt-lookup K=4"]
     assert "not interleaved: the peer ran 300 s after jspec's run |" in rows["transformers prompt-lookup K=4"]

@@ -518,7 +518,7 @@ def test_sampled_runs_give_no_end_to_end_ratio():
     sweep point; the decode ratio stays. The same runs at temperature 0 keep both (the control)."""
     import bench_sweeps
 
-    from jspec.bench import peers, report, suite
+    from jspec.bench import peers, suite, tables
 
     plain, ngram = _specs()
     peer = peers.PeerRun("transformers", "prompt_lookup", "transformers prompt-lookup K=4", True,
@@ -530,9 +530,9 @@ def test_sampled_runs_give_no_end_to_end_ratio():
         s.cost_model = {"measured_output_speedup": 3.0, "measured_speedup": 2.5}
         (line,) = suite.headline([p, s], [peer])
         runs = [p.to_json(False), s.to_json(False)]
-        row = next(r for r in report.results_table(runs, "closed c=1").splitlines() if r.startswith("| ngram K=4"))
-        cost = report.cost_table(runs).splitlines()[2]
-        peer_row = report.peers_table(runs, [peer.to_json(False)]).splitlines()[2]
+        row = next(r for r in tables.results_table(runs, "closed c=1").splitlines() if r.startswith("| ngram K=4"))
+        cost = tables.cost_table(runs).splitlines()[2]
+        peer_row = tables.peers_table(runs, [peer.to_json(False)]).splitlines()[2]
         point = bench_sweeps._point("ngram", s, p, "batch", 1)
         if t == 0:
             assert line.startswith("ngram K=4 @ closed c=1: 3.00x plain end-to-end, 2.50x decode")

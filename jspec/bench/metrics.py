@@ -207,7 +207,7 @@ def timed_region_gc(freeze: bool = True):
 def request_set(records: Sequence[RequestRecord]) -> str:
     """A digest of which requests a run served and how each ended (id and ``outcome``): two runs with the
     same digest finished, timed out and left unrun the same requests, so their throughputs are over the same
-    work (``report.requests_differ``); a wall limit (--max-wall-s) or deadlines (--timeout-s) can cut two
+    work (``ratios.requests_differ``); a wall limit (--max-wall-s) or deadlines (--timeout-s) can cut two
     runs of the same jobs differently."""
     lines = sorted(f"{r.id}\t{r.outcome}" for r in records)
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]

@@ -13,10 +13,10 @@ or the GGUF types a runner kept, e.g. "Q4_1+F32+Q8_0"), ``device``, ``threads`` 
 llama.cpp's ``n_threads`` and ``n_threads_batch``) and, for speculative techniques, ``gamma`` (K).
 ``suite.run_peer_set`` gives both peers one thread count (jspec's XLA pool size unless told another), compares
 what they recorded with jspec's run and records the differences as ``not_like_for_like`` (a greedy run whose
-outputs are not jspec plain's too); ``report.ratio_blockers`` adds the K check, and the headline and the peers
+outputs are not jspec plain's too); ``ratios.ratio_blockers`` adds the K check, and the headline and the peers
 table print no ratio where either finds one.
 
-Prompt lookup is not the same policy on both sides (``LOOKUP_POLICY``; jspec's: ``report.LOOKUP_POLICY_JSPEC``):
+Prompt lookup is not the same policy on both sides (``LOOKUP_POLICY``; jspec's: ``ratios.LOOKUP_POLICY_JSPEC``):
 jspec's n-gram drafter takes the most recent earlier match and repeats its continuation up to K, transformers and
 llama-cpp-python take the first (leftmost) match and stop at the history's end. The ratio is labelled "different
 lookup policy", next to each side's tokens per verify round where the peer's is observable (``tokens_per_round``:
@@ -162,7 +162,7 @@ def _serve_sequentially(
     the record's emissions and tokens (times relative to the run start via ``rec.arrival``). The Python heap
     is frozen for the timed part as for jspec's runs (``metrics.timed_region_gc``; stats in
     ``run.info["gc"]``); the timed part's wall-clock start and end (Unix seconds) go to ``run.info["wall_clock"]``
-    (how long after jspec's runs the peer ran: ``report.peer_gap_s``)."""
+    (how long after jspec's runs the peer ran: ``ratios.peer_gap_s``)."""
     start = time.time()
     with metrics.timed_region_gc(freeze_gc) as gc_stats:
         out = _serve_jobs(jobs, generate_one, max_wall_s)
@@ -206,8 +206,8 @@ def _finalize(run: PeerRun, records, wall, jobs, decode_text, scorer):
     run.summary = metrics.summarize_requests(records, wall)
 
 
-# Prompt lookup as each peer implements it; jspec's n-gram drafter is ``report.LOOKUP_POLICY_JSPEC`` (the most
-# recent match, its continuation repeated up to K). ``report.peer_caveats`` labels a ratio between the two.
+# Prompt lookup as each peer implements it; jspec's n-gram drafter is ``ratios.LOOKUP_POLICY_JSPEC`` (the most
+# recent match, its continuation repeated up to K). ``ratios.peer_caveats`` labels a ratio between the two.
 LOOKUP_POLICY = {
     "transformers": "first (leftmost) match, up to K tokens, stopping at the history's end",
     "llama-cpp-python": "first (leftmost) match, up to K tokens, stopping at the history's end",

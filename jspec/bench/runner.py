@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jspec import cost_model
-from jspec.bench import metrics, report
+from jspec.bench import metrics, ratios
 from jspec.bench.metrics import RequestRecord
 from jspec.serve import Engine
 from jspec.state import StopReason
@@ -618,7 +618,7 @@ def quality_summary(result: RunResult, reference: RunResult | None = None) -> di
         same = sum(mine[i] == ref[i] for i in both)
         out["exact_match_vs_plain"] = same / len(both) if both else None
         out["exact_match_n"] = len(both)
-        out["differ_from_plain_n"] = len(both) - same  # ``report.outputs_differ`` flags the ratios of such a run
+        out["differ_from_plain_n"] = len(both) - same  # ``ratios.outputs_differ`` flags the ratios of such a run
     return out
 
 
@@ -659,7 +659,7 @@ def cost_model_check(spec_run: RunResult, plain_run: RunResult, phases: dict, pl
       of the sum of its pieces: what the loop really runs, branching and buffer copies included.
     ratio = predicted / measured (1: the model explains the measurement; > 1: overheads it leaves out).
 
-    The two runs must have served the same requests, and some (``report.no_ratio``): otherwise nothing measured
+    The two runs must have served the same requests, and some (``ratios.no_ratio``): otherwise nothing measured
     is compared (measured speedups None, ``different_requests`` says why); the predictions are still given. An
     open loop's end-to-end ratio is not recorded (its wall time follows the arrivals: ``output_speedup_note``)."""
     # The model describes the decode loop, so it is checked against the decode-phase rate (prefill and
@@ -669,13 +669,13 @@ def cost_model_check(spec_run: RunResult, plain_run: RunResult, phases: dict, pl
     ds = spec_run.decode_stats
     base = plain_phases["round_ms"]
     out: dict[str, Any] = {"baseline_ms": base}
-    differ = report.no_ratio(spec_run.summary, plain_run.summary)
+    differ = ratios.no_ratio(spec_run.summary, plain_run.summary)
     if differ:
         measured = end_to_end = None
         out["different_requests"] = differ
     elif getattr(getattr(spec_run, "load", None), "mode", "closed") == "open":
         end_to_end = None
-        out["output_speedup_note"] = report.open_loop_note()
+        out["output_speedup_note"] = ratios.open_loop_note()
     out.update(measured_speedup=measured, measured_output_speedup=end_to_end)
     d, v, s = phases.get("draft_ms") or 0.0, phases.get("verify_ms") or 0.0, phases.get("state_ms") or 0.0
     k = phases.get("gamma") or spec_run.spec.gamma

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jspec.bench import metrics, peers, report, runner, serving_record, workloads
+from jspec.bench import metrics, peers, plotting, ratios, report, runner, serving_record, workloads
 from jspec.bench.args import add_common_args, add_peer_args, config_from_args, make_out_dir, peer_names
 from jspec.bench.runner import Load, RunResult, Sampling, Spec
 from jspec.loaders import end_ids
@@ -126,8 +126,8 @@ def ngram_spec(target: Target, gamma: int = 4, max_ngram: int = 3, min_ngram: in
     variant = (max_ngram, min_ngram) != (3, 1)
     label = f"ngram K={gamma}" + (f" n={max_ngram}..{min_ngram}" if variant else "")
     # Compared with the peers' prompt lookup only when configured like it (n-grams 3..1); K is checked where the
-    # peers' K is known: ``headline`` and ``report.peers_table`` give no ratio against a peer that ran another K
-    # (``report.ratio_blockers``).
+    # peers' K is known: ``headline`` and ``tables.peers_table`` give no ratio against a peer that ran another K
+    # (``ratios.ratio_blockers``).
     spec = Spec(label, d, gamma, None, adaptive=adaptive, peer=None if variant else "prompt_lookup")
     return dataclasses.replace(spec, label=label + " adaptive") if spec.adaptive is not None else spec
 
@@ -289,8 +289,8 @@ def run_specs(
     whichever configuration ran in the fast spell. The tables report the first pass; each result keeps every
     pass's throughput in ``extra["passes"]`` (with whether its tokens equal the first pass's), from which
     ``headline`` gives each pass's ratio and their median. A peer runs once: its ratio takes the median of
-    jspec's passes (``report.jspec_rates``). Each pass records its wall clock (start and end of the run, warm-up
-    included, Unix seconds), from which ``report.peer_gap_s`` gives how long after it a peer ran."""
+    jspec's passes (``ratios.jspec_rates``). Each pass records its wall clock (start and end of the run, warm-up
+    included, Unix seconds), from which ``ratios.peer_gap_s`` gives how long after it a peer ran."""
     results: list[RunResult] = []
     ctx = int(np.median([len(j.prompt) for j in jobs if j.prompt is not None]) + cfg.max_new_tokens // 2)
     if cfg.passes < 1:
@@ -329,7 +329,7 @@ def run_specs(
 def _pass_summary(r: RunResult, first: RunResult) -> dict[str, Any]:
     s = r.summary
     return {
-        # Which requests this pass served (``report.requests_differ``): a wall limit can cut passes differently.
+        # Which requests this pass served (``ratios.requests_differ``): a wall limit can cut passes differently.
         **{k: s.get(k) for k in ("request_set", "submitted", "finished", "errors", "timeouts", "not_run")},
         "output_tokens": s["output_tokens"],
         "wall_s": s["wall_s"],
@@ -344,12 +344,12 @@ def _pass_summary(r: RunResult, first: RunResult) -> dict[str, Any]:
 
 def pass_ratios(r: RunResult, plain: RunResult) -> dict[str, list[float | None]] | None:
     """Per pass: r's end-to-end and decode throughput over plain's in the same pass (None for one pass); a
-    pass in which the two served different requests, or one of them none (``report.no_ratio``), has None: no
+    pass in which the two served different requests, or one of them none (``ratios.no_ratio``), has None: no
     ratio."""
     a, b = r.extra.get("passes") or [], plain.extra.get("passes") or []
     if min(len(a), len(b)) < 2:
         return None
-    same = [report.no_ratio(x, y) is None for x, y in zip(a, b)]
+    same = [ratios.no_ratio(x, y) is None for x, y in zip(a, b)]
 
     def ratio(x, y, key):  # no decode ratio where a side emitted nothing after its first tokens (as headline)
         rx, ry = x[f"{key}_tokens_per_s"], y[f"{key}_tokens_per_s"]
@@ -385,13 +385,13 @@ def run_peer_set(
 ) -> list[peers.PeerRun]:
     """The named peers on the same checkpoint file and jobs; each available run records how it differs from
     jspec's run (weights' and KV cache's precision, device, thread count: ``peers.like_for_like_problems``; at
-    temperature 0 greedy outputs other than ``plain``'s: ``report.outputs_differ``) as
+    temperature 0 greedy outputs other than ``plain``'s: ``ratios.outputs_differ``) as
     ``info["not_like_for_like"]``, where ``headline`` and the report look before printing a ratio.
 
     Both peers get one thread count: ``cfg.peer_threads``, else jspec's (``metrics.jspec_threads``: XLA's pool),
     recorded in ``info["jspec"]``. ``jspec_runs``: jspec's runs, for ``info["after_jspec_s"]``: per jspec run the
     peer is compared with (its technique, closed loop at concurrency 1), the seconds from the end of its last pass
-    to the start of the peer's timed run (``report.peer_gap_s``): the peers run after jspec's runs, not
+    to the start of the peer's timed run (``ratios.peer_gap_s``): the peers run after jspec's runs, not
     interleaved with them."""
     if not names:
         return []
@@ -438,12 +438,12 @@ def run_peer_set(
         p.quality = runner.quality_summary(as_run, plain)
         differ = None
         if plain is not None:
-            differ = report.outputs_differ(p.quality, p.summary, plain.summary, cfg.sampling.temperature,
+            differ = ratios.outputs_differ(p.quality, p.summary, plain.summary, cfg.sampling.temperature,
                                            ref="jspec's plain")  # fmt: skip
         if differ:  # not the same outputs: a ratio would compare other work
             p.info["not_like_for_like"].append(differ)
         mates = [r for r in jspec_runs if _peer_mate(r, p.technique)]
-        gaps = {r.spec.label: report.peer_gap_s({"passes": r.extra.get("passes")}, p.info) for r in mates}
+        gaps = {r.spec.label: ratios.peer_gap_s({"passes": r.extra.get("passes")}, p.info) for r in mates}
         p.info["after_jspec_s"] = {k: v for k, v in gaps.items() if v is not None}
         note = f"  (not like for like: {'; '.join(p.info['not_like_for_like'])})" if p.info["not_like_for_like"] else ""
         log(f"  {p.label:<28} {'closed c=1':<18} {p.summary['output_tokens_per_s']:7.1f} tok/s{note}")
@@ -497,7 +497,7 @@ def write_results(
     paths = write_outputs(out_dir, name, pl)
     if not plots:
         return paths, []
-    missing = report.plotting_unavailable()
+    missing = plotting.plotting_unavailable()
     if missing:
         log(f"plots skipped: {missing}")
         return paths, []
@@ -509,17 +509,17 @@ def write_results(
 def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = ()) -> list[str]:
     """One line per speculative run: its speedup over plain at the same load in the same run group
     (``run_specs(group=...)``), and its ratio to the peers of its technique where they are like for like
-    (``report.ratio_blockers``: same weights' and cache's precision, same device, same K), else why not.
+    (``ratios.ratio_blockers``: same weights' and cache's precision, same device, same K), else why not.
 
-    No ratio is printed between runs that served different requests (``report.requests_differ``: a wall limit
-    or deadlines cut them differently) or where a side finished no request (``report.nothing_served``: every
+    No ratio is printed between runs that served different requests (``ratios.requests_differ``: a wall limit
+    or deadlines cut them differently) or where a side finished no request (``ratios.nothing_served``: every
     request failed, e.g. refused by the engine), and an open loop's end-to-end ratio is not printed (its wall
     time is the arrivals' span, whatever the decoding speed): its decode ratio is. Nor is one at temperature > 0
-    (``report.sampled_note``: the two sides sampled other outputs, as ``python -m jspec generate --compare`` says),
+    (``ratios.sampled_note``: the two sides sampled other outputs, as ``python -m jspec generate --compare`` says),
     against plain or a peer: the decode ratio is. At temperature 0 a run whose outputs differ from plain's is
-    flagged (``report.outputs_differ``): its ratios compare other outputs. Against a peer (one run), jspec's side
-    is the median over its passes (``report.jspec_rates``), as the line says, and what the ratio still compares
-    besides the implementations follows it (``report.peer_caveats``: another prompt-lookup policy, with each
+    flagged (``ratios.outputs_differ``): its ratios compare other outputs. Against a peer (one run), jspec's side
+    is the median over its passes (``ratios.jspec_rates``), as the line says, and what the ratio still compares
+    besides the implementations follows it (``ratios.peer_caveats``: another prompt-lookup policy, with each
     side's tokens per verify round; the time between the two runs, which are not interleaved)."""
     lines = []
     for r in results:
@@ -537,18 +537,18 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
         # No decode ratio when a side decoded nothing after its first tokens (every request ended at its first).
         dsp = f"{rd / pd:.2f}x" if rd > 0 and pd > 0 else "no ratio (no tokens after the first)"
         where = f"{r.load.name}, {group}" if group else r.load.name
-        sampled = report.sampled_note(r.sampling.temperature)
+        sampled = ratios.sampled_note(r.sampling.temperature)
         # Why no end-to-end ratio is given though the two runs served the same requests: an open loop's wall time
         # is its arrivals'; at temperature > 0 the two sides sampled other outputs.
-        no_e2e = "; ".join(filter(None, [report.open_loop_note() if r.load.mode == "open" else None, sampled]))
-        why = report.no_ratio(r.summary, plain.summary)
+        no_e2e = "; ".join(filter(None, [ratios.open_loop_note() if r.load.mode == "open" else None, sampled]))
+        why = ratios.no_ratio(r.summary, plain.summary)
         if why:
             line = f"{r.spec.label} @ {where}: no ratio to plain in pass 1 ({why})"
         elif no_e2e:
             line = f"{r.spec.label} @ {where}: {dsp} plain decode (end-to-end: {no_e2e})"
         else:
             line = f"{r.spec.label} @ {where}: {sp:.2f}x plain end-to-end, {dsp} decode"
-        differ = None if why else report.outputs_differ(r.quality, r.summary, plain.summary, r.sampling.temperature)
+        differ = None if why else ratios.outputs_differ(r.quality, r.summary, plain.summary, r.sampling.temperature)
         if differ:  # greedy speculation reproduces plain decoding: these ratios compare other outputs
             line += f" [{differ}: the ratios compare other outputs]"
         per = pass_ratios(r, plain)
@@ -574,11 +574,11 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
             for p in peer_runs:
                 ps = p.summary
                 if p.available and p.technique == (r.spec.peer or r.spec.kind) and ps.get("decode_tokens_per_s"):
-                    blocked = report.ratio_blockers(p.info, p.technique, r.spec.describe())
+                    blocked = ratios.ratio_blockers(p.info, p.technique, r.spec.describe())
                     if blocked:
                         line += f"; vs {p.label}: no ratio ({blocked}: not like for like)"
                         continue
-                    jt, jd, how = report.jspec_rates({"summary": r.summary, "passes": r.extra.get("passes")}, ps)
+                    jt, jd, how = ratios.jspec_rates({"summary": r.summary, "passes": r.extra.get("passes")}, ps)
                     if jt is None:
                         line += f"; vs {p.label}: no ratio ({how})"
                         continue
@@ -591,7 +591,7 @@ def headline(results: Sequence[RunResult], peer_runs: Sequence[peers.PeerRun] = 
                             line += f", {jd / ps['decode_tokens_per_s']:.2f}x decode"
                     if how != "one pass":
                         line += f" (jspec: {how}; the peer: its one run)"
-                    caveats = report.peer_caveats({"spec": r.spec.describe(), "passes": r.extra.get("passes")},
+                    caveats = ratios.peer_caveats({"spec": r.spec.describe(), "passes": r.extra.get("passes")},
                                                   p.technique, p.info)  # fmt: skip
                     if p.technique != "plain":  # next to the lookup policy, when there is one
                         ptr = p.info.get("tokens_per_round")
@@ -654,8 +654,8 @@ def _run_suite(args, argv: Sequence[str] | None, names, cfg, target, t0: float, 
     pl = payload(args.name, None, meta_d, results, peer_runs, headline=lines, command=cmd)
     record_path = serving_record.finish(rec, peer_runs, headline=lines)
     plots = [
-        (f"{args.name}_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
-        (f"{args.name}_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
+        (f"{args.name}_latency_c1.png", lambda path: plotting.plot_latency(pl, path, loads[0].name)),
+        (f"{args.name}_acceptance.png", lambda path: plotting.plot_acceptance_by_position(pl, path)),
     ]
     paths, drawn = write_results(args.out, args.name, pl, plots)
     print("\n".join(["", *lines]))
