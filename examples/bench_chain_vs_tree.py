@@ -33,7 +33,7 @@ from bench_spec_vs_plain import check_draft_layers, distilled_draft, truncated_d
 
 from jspec.bench import plotting, serving_record, suite
 from jspec.bench.args import add_common_args, config_from_args, int_list, list_flag, make_out_dir
-from jspec.bench.runner import Load, Spec
+from jspec.bench.runspec import Load, Spec
 from jspec.drafters import DynamicTreeDrafter, ModelDrafter, TreeModelDrafter
 from jspec.tree import TreeRule, TreeSpec, check_dynamic_tree
 

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jspec import cost_model  # noqa: E402
 from jspec import decode as dec  # noqa: E402
 from jspec.bench import metrics  # noqa: E402
-from jspec.bench.runner import predict_k_rounds  # noqa: E402
+from jspec.bench.checks import predict_k_rounds  # noqa: E402
 from jspec.loaders import wants_unstacked  # noqa: E402
 from jspec.sampling import distribution, sample  # noqa: E402
 from jspec.validate import sampling_params

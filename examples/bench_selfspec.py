@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.bench import metrics
+from jspec.bench.checks import predict_k_rounds
 from jspec.bench.metrics import fresh
-from jspec.bench.runner import predict_k_rounds
 from jspec.cost_model import conditional_rates_from_stats, survival_from_stats
 from jspec.decode import prepare
 from jspec.drafters import DraftContext

@@ -20,7 +20,7 @@ import time
 
 from jspec.bench import plotting, serving_record, suite
 from jspec.bench.args import add_common_args, config_from_args, int_list, make_out_dir, rate_list
-from jspec.bench.runner import Load
+from jspec.bench.runspec import Load
 
 
 def main(argv=None) -> int:

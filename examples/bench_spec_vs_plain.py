@@ -26,7 +26,7 @@ import jax
 
 from jspec.bench import plotting, serving_record, suite
 from jspec.bench.args import add_common_args, add_peer_args, config_from_args, make_out_dir, peer_names
-from jspec.bench.runner import Load
+from jspec.bench.runspec import Load
 
 
 def check_draft_layers(layers: int, num_layers: int | None = None) -> None:

@@ -33,7 +33,7 @@ from bench_spec_vs_plain import check_draft_layers, truncated_draft
 
 from jspec.bench import plotting, ratios, serving_record, suite, tables
 from jspec.bench.args import add_common_args, config_from_args, int_list, make_out_dir
-from jspec.bench.runner import Load
+from jspec.bench.runspec import Load
 
 K_GROUP = "K sweep"
 

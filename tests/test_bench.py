@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from test_decode_core import DRAFT_PARAMS, DRAFTER, TARGET, TARGET_PARAMS
 
-from jspec.bench import metrics, peers, plotting, ratios, report, runner, tables, workloads
-from jspec.bench.runner import Job, Load, Spec
+from jspec.bench import checks, metrics, peers, plotting, ratios, report, runner, runspec, tables, workloads
+from jspec.bench.runspec import Job, Load, Spec
 from jspec.state import DecodeConfig
 from jspec.validate import check_prompts, sampling_params
 
@@ -94,7 +94,7 @@ def test_speculative_run_is_speculative_and_matches_plain(closed_runs):
     assert ds["proposed"] > 0 and 0 < ds["acceptance_rate"] < 1 and ds["tokens_per_round"] > 1
     assert ds["rounds"] < plain.decode_stats["rounds"]
     assert plain.decode_stats["proposed"] == 0 and plain.decode_stats["tokens_per_round"] == 1.0
-    q = runner.quality_summary(spec, plain)
+    q = checks.quality_summary(spec, plain)
     assert q["exact_match_vs_plain"] == 1.0 and q["exact_match_n"] == 8  # greedy: identical tokens
     zero_gaps = [x for r in spec.records if r.ok for x in r.itl() if x == 0.0]
     assert zero_gaps  # some round emitted a burst of several tokens
@@ -250,7 +250,7 @@ def test_cost_model_check_arithmetic():
     )
     plain_run = NS(summary={"decode_tokens_per_s": 100.0, "output_tokens_per_s": 112.0})
     phases = dict(draft_ms=3.0, verify_ms=12.0, state_ms=1.0, round_ms=17.0, round_narrow_ms=13.0, gamma=3)
-    cm = runner.cost_model_check(spec_run, plain_run, phases, {"round_ms": 10.0, "plain_step_ms": 8.0})
+    cm = checks.cost_model_check(spec_run, plain_run, phases, {"round_ms": 10.0, "plain_step_ms": 8.0})
     assert cm["measured_speedup"] == pytest.approx(1.5) and cm["measured_output_speedup"] == pytest.approx(1.25)
     assert cm["seed"]["accept_at"] == pytest.approx([0.8, 0.5, 0.5])
     assert cm["seed"]["expected_tokens"] == pytest.approx(2.4) and cm["seed"]["cycle_ms"] == pytest.approx(16.0)
@@ -262,7 +262,7 @@ def test_cost_model_check_arithmetic():
     assert cm["measured_rounds"]["cycle_ms"] == pytest.approx(16.0)
     assert cm["measured_rounds"]["speedup"] == pytest.approx(1.5625)
     # A tree verifies its N nodes every round: the whole cycle is the wide one whatever the fraction says.
-    tree = runner.cost_model_check(
+    tree = checks.cost_model_check(
         NS(summary=spec_run.summary, decode_stats=stats, spec=NS(kind="tree", gamma=3)),
         plain_run,
         phases,
@@ -279,7 +279,7 @@ def test_phase_costs_and_cost_model(closed_runs):
     for key in ("draft_ms", "verify_ms", "state_ms", "round_ms", "plain_step_ms"):
         assert ph[key] > 0, key
     assert ph["verify_positions"] == 4 and "how" in ph
-    cm = runner.cost_model_check(closed_runs["model K=3"], closed_runs["plain"], ph, plain_ph)
+    cm = checks.cost_model_check(closed_runs["model K=3"], closed_runs["plain"], ph, plain_ph)
     assert cm["measured_speedup"] > 0
     assert cm["seed"]["speedup"] > 0 and cm["seed"]["ratio_to_measured"] > 0
     assert cm["measured_en"]["expected_tokens"] == closed_runs["model K=3"].decode_stats["tokens_per_round"]
@@ -288,7 +288,7 @@ def test_phase_costs_and_cost_model(closed_runs):
 
 def test_report_writes_json_markdown_and_plots(closed_runs, tmp_path):
     runs = list(closed_runs.values())
-    runs[1].quality = runner.quality_summary(runs[1], runs[0])
+    runs[1].quality = checks.quality_summary(runs[1], runs[0])
     skipped = peers.PeerRun("llama-cpp-python", "plain", "llama-cpp-python plain", False, "not installed")
     pl = {"suite": "toy", "command": "pytest", "meta": {"environment": metrics.environment()},
           "runs": [r.to_json() for r in runs], "peers": [skipped.to_json()], "headline": ["toy: 1.00x"]}  # fmt: skip
@@ -386,7 +386,7 @@ def test_warmup_compiles_everything_the_timed_run_calls():
     eos, max_new, load = (2,), 9, Load.closed(2)
     jobs = [j for j in _jobs() if j.prompt is not None and len(j.prompt) + max_new <= MAX_LEN]
     lens = [len(j.prompt) for j in jobs]
-    runner._warm(TARGET, TARGET_PARAMS, CHAIN, load, MAX_LEN, eos, 64, lens, max_new, runner.Sampling())
+    runner._warm(TARGET, TARGET_PARAMS, CHAIN, load, MAX_LEN, eos, 64, lens, max_new, runspec.Sampling())
     config = runner._engine(TARGET, TARGET_PARAMS, CHAIN, load.concurrency, MAX_LEN, eos, 0, 64).config
     fns = _engine_fns(TARGET, DRAFTER, config, 1)
     before = [f._cache_size() for f in fns]
@@ -405,7 +405,7 @@ def test_warmup_compiles_the_clamped_last_bucket():
 
     eos, max_new, load, bucket = (2,), 2, Load.closed(1), 30
     jobs = [Job("long", "a", (1,) * 62)]  # 62 tokens + 2 new = max_len
-    runner._warm(TARGET, TARGET_PARAMS, PLAIN, load, MAX_LEN, eos, bucket, [62], max_new, runner.Sampling())
+    runner._warm(TARGET, TARGET_PARAMS, PLAIN, load, MAX_LEN, eos, bucket, [62], max_new, runspec.Sampling())
     config = runner._engine(TARGET, TARGET_PARAMS, PLAIN, load.concurrency, MAX_LEN, eos, 0, bucket).config
     fns = _engine_fns(TARGET, None, config, 1)
     before = [f._cache_size() for f in fns]
@@ -686,7 +686,7 @@ def test_run_settings_are_checked_before_any_request():
         (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
         (dict(max_new_tokens=4, max_len=0), "max_len must be an integer >= 1, got 0"),
         (dict(max_new_tokens=4, max_wall_s=-1), "max_wall_s must be >= 0 seconds"),
-        (dict(max_new_tokens=4, sampling=runner.Sampling(top_p=1.5)), r"top_p must be in \(0, 1\]"),
+        (dict(max_new_tokens=4, sampling=runspec.Sampling(top_p=1.5)), r"top_p must be in \(0, 1\]"),
     ]
     for kw, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -808,8 +808,8 @@ def _fake_run(spec, out, dec, group=None):
     load = Load.closed(1)
     summary = {**metrics.summarize_requests([], 1.0), "output_tokens_per_s": out, "decode_tokens_per_s": dec}
     extra = {"group": group} if group else {}
-    return runner.RunResult(spec, load, runner.Sampling(), 8, [], summary, {"tokens_per_round": 1.0}, {}, {},
-                            extra=extra)  # fmt: skip
+    return runspec.RunResult(spec, load, runspec.Sampling(), 8, [], summary, {"tokens_per_round": 1.0}, {}, {},
+                             extra=extra)  # fmt: skip
 
 
 def _fake_peer(label, technique, out, dec, info, problems):
@@ -1048,8 +1048,8 @@ def _fake_result(spec, summary, load=None, passes=None):
     stats = {"tokens_per_round": 1.0, "acceptance_rate": 0.5}
     extra = {"passes": passes} if passes is not None else {}
     stats.update(accepted_at=[1, 1, 1], proposed_at=[2, 2, 2])
-    return runner.RunResult(spec, load or Load.closed(1), runner.Sampling(), 8, [], summary, stats, {}, {},
-                            extra=extra)  # fmt: skip
+    return runspec.RunResult(spec, load or Load.closed(1), runspec.Sampling(), 8, [], summary, stats, {}, {},
+                             extra=extra)  # fmt: skip
 
 
 def test_no_ratio_between_runs_that_served_different_requests():
@@ -1074,7 +1074,7 @@ def test_no_ratio_between_runs_that_served_different_requests():
     table = tables.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
     row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
     assert row.count("no ratio: different requests") == 2 and "2.00x" not in row
-    cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
+    cm = checks.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
                                  {"round_ms": 10.0, "plain_step_ms": 8.0})  # fmt: skip
     assert cm["measured_speedup"] is None and cm["measured_output_speedup"] is None
     assert "different requests" in cm["different_requests"] and cm["measured_rounds"]["ratio_to_measured"] is None
@@ -1143,7 +1143,7 @@ def test_open_loop_prints_no_end_to_end_ratio():
     table = tables.results_table([plain.to_json(False), spec.to_json(False)], load.name)
     row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
     assert "| - (arrival-bound) |" in row and "| 2.50x |" in row
-    cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
+    cm = checks.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
                                  {"round_ms": 10.0, "plain_step_ms": 8.0})  # fmt: skip
     assert cm["measured_output_speedup"] is None and cm["measured_speedup"] == pytest.approx(2.5)
     assert "arrival-bound" in cm["output_speedup_note"]
@@ -1162,13 +1162,13 @@ def test_cost_model_prices_the_k_the_rounds_drafted():
                   spec=NS(kind="chain", gamma=4))  # fmt: skip
     plain_run = NS(summary={"decode_tokens_per_s": 100.0, "output_tokens_per_s": 112.0})
     phases = dict(draft_ms=4.0, verify_ms=12.0, state_ms=1.0, round_ms=17.0, gamma=4)
-    cm = runner.cost_model_check(spec_run, plain_run, phases, {"round_ms": 10.0, "plain_step_ms": 8.0})
+    cm = checks.cost_model_check(spec_run, plain_run, phases, {"round_ms": 10.0, "plain_step_ms": 8.0})
     assert cm["seed"]["cycle_ms"] == pytest.approx(17.0) and cm["seed"]["expected_tokens"] == pytest.approx(2.2)
     assert cm["seed"]["accept_at"] == pytest.approx([0.8, 0.5, 0.0, 0.0])
     assert cm["seed"]["speedup"] == pytest.approx(10 * 2.2 / 17)
-    pred = runner.predict_k_rounds(10.0, 1.0, 12.0, [0.8, 0.5], 4, 1.0)
+    pred = checks.predict_k_rounds(10.0, 1.0, 12.0, [0.8, 0.5], 4, 1.0)
     assert pred.gamma == 4 and pred.cycle_ms == pytest.approx(17.0)
-    assert runner.predict_k_rounds(10.0, 1.0, 12.0, [0.8, 0.5, 0.5], 2).accept_at == (0.8, 0.5)
+    assert checks.predict_k_rounds(10.0, 1.0, 12.0, [0.8, 0.5, 0.5], 2).accept_at == (0.8, 0.5)
 
 
 def test_run_memory_says_the_device_peak_is_the_processs(closed_runs):
@@ -1393,7 +1393,7 @@ def test_runs_that_finished_nothing_get_no_ratio():
     table = tables.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
     row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
     assert row.count("no ratio: nothing served") == 2 and "0.00x" not in row
-    cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
+    cm = checks.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
                                  {"round_ms": 10.0, "plain_step_ms": 8.0})  # fmt: skip
     assert cm["measured_speedup"] is None and "finished no requests" in cm["different_requests"]
 
@@ -1525,11 +1525,11 @@ def test_greedy_outputs_that_differ_from_plain_are_flagged():
     plain = _with_records(_tabled(_fake_run(PLAIN, 10.0, 20.0)), {"r0": [1, 2, 3], "r1": [4, 5]})
     spec = _with_records(_tabled(_fake_run(_ngram_spec(), 30.0, 50.0)), {"r0": [1, 2, 3], "r1": [4, 6]})
     same = _with_records(_tabled(_fake_run(_ngram_spec(), 30.0, 50.0)), {"r0": [1, 2, 3], "r1": [4, 5]})
-    q = runner.quality_summary(spec, plain)
+    q = checks.quality_summary(spec, plain)
     assert (q["exact_match_vs_plain"], q["exact_match_n"], q["differ_from_plain_n"]) == (0.5, 2, 1)
-    assert runner.quality_summary(same, plain)["differ_from_plain_n"] == 0
+    assert checks.quality_summary(same, plain)["differ_from_plain_n"] == 0
     for r in (spec, same):
-        r.quality = runner.quality_summary(r, plain)
+        r.quality = checks.quality_summary(r, plain)
         r.cost_model = {"measured_output_speedup": 3.0, "measured_speedup": 2.5}
     (line,) = suite.headline([plain, spec])
     assert line.startswith("ngram K=4 @ closed c=1: 3.00x plain end-to-end, 2.50x decode [outputs differ from plain: "

@@ -401,18 +401,18 @@ _MEMORY = dict(params_bytes=0, draft_params_bytes=0, cache_bytes=0, draft_state_
 
 def _run(spec, out, dec, load=None, temperature=0.0, passes=None, group=None):
     """A finished run at canned rates (output, decode tok/s); ``passes``: [(output, decode)] per pass."""
-    from jspec.bench import runner
+    from jspec.bench import runspec
 
     extra = {} if group is None else {"group": group}
     if passes is not None:
         extra["passes"] = [{"output_tokens_per_s": o, "decode_tokens_per_s": d} for o, d in passes]
     stats = {"tokens_per_round": 2.0, "acceptance_rate": 0.5, "accepted_at": [1], "proposed_at": [2]}
-    return runner.RunResult(spec, load or runner.Load.closed(1), runner.Sampling(temperature), 8, [],
-                            _summary(out, dec), stats, dict(_MEMORY), {}, extra=extra)  # fmt: skip
+    return runspec.RunResult(spec, load or runspec.Load.closed(1), runspec.Sampling(temperature), 8, [],
+                             _summary(out, dec), stats, dict(_MEMORY), {}, extra=extra)  # fmt: skip
 
 
 def _specs():
-    from jspec.bench.runner import Spec
+    from jspec.bench.runspec import Spec
     from jspec.ngram import NgramDrafter
 
     return Spec("plain", peer="plain"), Spec("ngram K=4", NgramDrafter(vocab_size=100), 4, peer="prompt_lookup")

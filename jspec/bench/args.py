@@ -208,7 +208,7 @@ def config_from_args(args, **counts: int | None) -> SuiteConfig:
     script's own ``counts``), then the compilation cache switched on."""
     import jax
 
-    from jspec.bench.runner import Sampling
+    from jspec.bench.runspec import Sampling
     from jspec.bench.suite import SuiteConfig
     from jspec.loaders import compile_cache_flag
 

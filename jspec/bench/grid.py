@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jspec.bench import metrics, peers, record, runner, workloads
+from jspec.bench import metrics, peers, record, runspec, workloads
 
 MAX_NEW_TOKENS = {"edit": 256, "chat": 128}  # edit answers copy the prompt's function: long
 REQUESTS: dict[str, Callable[[int, int], list]] = {
@@ -229,7 +229,7 @@ def cell_prompts(target, workload: str, batch: int, settings: GridSettings) -> t
     """The cell's batches of prompt ids (``prompts`` rounded up to whole batches of ``batch``) and its labels."""
     n_batches = math.ceil(max(settings.prompts, batch) / batch)
     reqs = REQUESTS[workload](n_batches * batch, settings.seed)
-    jobs = runner.make_jobs(reqs, target.tokenizer, chat_template=True)
+    jobs = runspec.make_jobs(reqs, target.tokenizer, chat_template=True)
     failed = [j for j in jobs if j.prompt is None]
     if failed:
         raise ValueError(f"{workload}: prompt {failed[0].id} could not be tokenised: {failed[0].error}")

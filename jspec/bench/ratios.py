@@ -97,7 +97,7 @@ def outputs_differ(
     or None when they are the same (or not compared: at temperature > 0 ``sampled_note`` applies). Greedy
     speculation reproduces plain decoding token for token, so a difference is a bug or another numerical target,
     and a throughput ratio then compares other outputs: 'outputs differ from plain: N of M requests' (from the
-    exact match ``runner.quality_summary`` records), else, every finished request the same, the totals of
+    exact match ``checks.quality_summary`` records), else, every finished request the same, the totals of
     output tokens when they differ (requests that timed out or failed count their tokens too)."""
     if temperature:
         return None

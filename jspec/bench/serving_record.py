@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jspec.bench import ratios, record
-from jspec.bench.runner import RunResult
+from jspec.bench.runspec import RunResult
 
 SIZE_FLAGS = ("n", "max_new_tokens", "passes")  # below their defaults: a smoke run
 _RAW = ("position", "output_tokens", "wall_s")  # what ``suite.run_specs`` records of each pass

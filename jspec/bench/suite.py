@@ -33,9 +33,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jspec.bench import metrics, peers, plotting, ratios, report, runner, serving_record, workloads
+from jspec.bench import checks, metrics, peers, plotting, ratios, report, runner, runspec, serving_record, workloads
 from jspec.bench.args import add_common_args, add_peer_args, config_from_args, make_out_dir, peer_names
-from jspec.bench.runner import Load, RunResult, Sampling, Spec
+from jspec.bench.runspec import Load, RunResult, Sampling, Spec
 from jspec.loaders import end_ids
 
 
@@ -164,10 +164,10 @@ class SuiteConfig:
     peer_threads: int | None = None  # both peers' thread count; None: jspec's (``metrics.jspec_threads``)
 
 
-def prepare_jobs(target: Target, cfg: SuiteConfig) -> tuple[list[runner.Job], dict[str, Any]]:
+def prepare_jobs(target: Target, cfg: SuiteConfig) -> tuple[list[runspec.Job], dict[str, Any]]:
     """Build and tokenise the prompt sets; returns the jobs and the workload description for the result."""
     reqs = workloads.build(cfg.workloads, cfg.n_per_workload, cfg.seed)
-    jobs = runner.make_jobs(reqs, target.tokenizer, cfg.chat_template)
+    jobs = runspec.make_jobs(reqs, target.tokenizer, cfg.chat_template)
     per: dict[str, Any] = {}
     for w in cfg.workloads:
         lens = [len(j.prompt) for j in jobs if j.workload == w and j.prompt is not None]
@@ -319,9 +319,9 @@ def run_specs(
             free_compiled()
         plain = next((r for r in done if r.spec.kind == "plain"), None)
         for r in done:
-            r.quality = runner.quality_summary(r, plain if r is not plain else None)
+            r.quality = checks.quality_summary(r, plain if r is not plain else None)
             if plain is not None and r is not plain and r.phases and plain.phases:
-                r.cost_model = runner.cost_model_check(r, plain, r.phases, plain.phases)
+                r.cost_model = checks.cost_model_check(r, plain, r.phases, plain.phases)
         results += done
     return results
 
@@ -435,7 +435,7 @@ def run_peer_set(
         as_run = RunResult(
             plain_spec(), Load.closed(1), cfg.sampling, cfg.max_new_tokens, p.records, p.summary, {}, {}, {}
         )
-        p.quality = runner.quality_summary(as_run, plain)
+        p.quality = checks.quality_summary(as_run, plain)
         differ = None
         if plain is not None:
             differ = ratios.outputs_differ(p.quality, p.summary, plain.summary, cfg.sampling.temperature,
