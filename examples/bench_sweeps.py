@@ -7,7 +7,7 @@
   each batch serves max(--n x workloads, 2 x batch) requests so the rows stay full; output tokens/s and the
   speedup over plain at the same batch.
 
-The two sweeps are separate run groups (``suite.run_specs(group=...)``): where they share a load (the K sweep's
+The two sweeps are separate run groups (``suite_runs.run_specs(group=...)``): where they share a load (the K sweep's
 concurrency is one of the batches) every ratio, in the headline and the tables, is still taken against the
 plain run of the run's own group, measured with it on the same jobs.
 
@@ -31,7 +31,7 @@ import time
 
 from bench_spec_vs_plain import check_draft_layers, truncated_draft
 
-from jspec.bench import plotting, ratios, serving_record, suite, tables
+from jspec.bench import headlines, plotting, ratios, report, runspec, serving_record, suite_runs, tables, targets
 from jspec.bench.args import add_common_args, config_from_args, int_list, make_out_dir
 from jspec.bench.runspec import Load
 
@@ -59,13 +59,13 @@ def _point(series, r, plain, key, value):
     is no end-to-end ratio (``ratios.sampled_note``: the two sides sampled other outputs), ``end_to_end_note``
     says so; the decode ratio stays.
 
-    With --passes N each ratio is the median of the per-pass ratios (``suite.pass_ratios``, over the passes in
+    With --passes N each ratio is the median of the per-pass ratios (``headlines.pass_ratios``, over the passes in
     which both runs served the same requests, as the headline's median) and ``tokens_per_s`` the median of the
     passes' rates; ``passes`` says how many. Acceptance and tokens per round are the first pass's.
 
     At temperature 0 a run whose greedy outputs are not plain decoding's (``ratios.outputs_differ``) keeps its
     ratios, flagged: ``outputs_differ`` says why, and the tables mark them as the suite's do."""
-    per = suite.pass_ratios(r, plain)
+    per = headlines.pass_ratios(r, plain)
     dec = e2e = None
     if per is None:
         why = ratios.no_ratio(r.summary, plain.summary)
@@ -129,55 +129,57 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
-    target = suite.load_target(args.model, args.dtype, args.layers)
+    target = targets.load_target(args.model, args.dtype, args.layers)
     if args.draft_layers:
         try:
             check_draft_layers(args.draft_layers, target.config.num_layers)
         except ValueError as e:
             ap.error(str(e))
-    jobs, desc = suite.prepare_jobs(target, cfg)
+    jobs, desc = suite_runs.prepare_jobs(target, cfg)
     cmd = rec.data["command"]
-    meta = suite.meta(target, cfg, desc)
+    meta = suite_runs.meta(target, cfg, desc)
     # Each group's own prompt set: the batch sweep serves more requests at a large batch (see the module's doc).
     meta["workloads_by_group"] = {}
     results, k_points, b_points = [], [], []
 
     def payload():
-        pl = suite.payload("sweeps", None, meta, results, headline=suite.headline(results), command=cmd,
+        pl = report.payload("sweeps", None, meta, results, headline=headlines.headline(results), command=cmd,
                            sweeps={"k": k_points, "batch": b_points})  # fmt: skip
         pl["markdown_extra"] = [_sweep_tables(k_points, b_points, cfg.passes)]
         return pl
 
     if not args.skip_k:
         print("K sweep")
-        specs = [suite.plain_spec()] + [suite.ngram_spec(target, k) for k in ks]
+        specs = [runspec.plain_spec()] + [runspec.ngram_spec(target, k) for k in ks]
         draft = truncated_draft(target, args.draft_layers) if args.draft_layers else None
         if draft is not None:
-            specs += [suite.model_spec(f"draft {args.draft_layers}L K={k}", *draft, k) for k in ks]
-        rs = suite.run_specs(target, specs, [Load.closed(args.k_concurrency, cfg.timeout_s)], jobs, cfg, group=K_GROUP)
+            specs += [runspec.model_spec(f"draft {args.draft_layers}L K={k}", *draft, k) for k in ks]
+        rs = suite_runs.run_specs(
+            target, specs, [Load.closed(args.k_concurrency, cfg.timeout_s)], jobs, cfg, group=K_GROUP
+        )
         meta["workloads_by_group"][K_GROUP] = desc
         plain = rs[0]
         for r in rs[1:]:
             series = "ngram" if r.spec.label.startswith("ngram") else f"draft {args.draft_layers}L"
             k_points.append(_point(series, r, plain, "k", r.spec.gamma))
         results += rs
-        suite.write_outputs(args.out, "sweeps", payload())  # each group's results as soon as it is done
+        report.write_outputs(args.out, "sweeps", payload())  # each group's results as soon as it is done
 
     if not args.skip_batch:
         print("batch sweep")
         for b in batches:
             n_needed = max(cfg.n_per_workload, -(-2 * b // len(cfg.workloads)))
             bcfg = dataclasses.replace(cfg, n_per_workload=n_needed)
-            bjobs, bdesc = suite.prepare_jobs(target, bcfg)
+            bjobs, bdesc = suite_runs.prepare_jobs(target, bcfg)
             group = f"batch sweep b={b}"
-            bspecs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma)]
-            rs = suite.run_specs(target, bspecs, [Load.closed(b, cfg.timeout_s)], bjobs, bcfg, group=group)
+            bspecs = [runspec.plain_spec(), runspec.ngram_spec(target, args.gamma)]
+            rs = suite_runs.run_specs(target, bspecs, [Load.closed(b, cfg.timeout_s)], bjobs, bcfg, group=group)
             meta["workloads_by_group"][group] = bdesc
             plain = rs[0]
             b_points.append({"series": "plain", "batch": b, "n_per_workload": n_needed, "tokens_per_s": _rate(plain)})
             b_points.append(dict(_point(f"ngram K={args.gamma}", rs[1], plain, "batch", b), n_per_workload=n_needed))
             results += rs
-            suite.write_outputs(args.out, "sweeps", payload())
+            report.write_outputs(args.out, "sweeps", payload())
 
     pl = payload()
     lines = pl["headline"]
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
     if b_points:
         btitle = f"{target.name}{how}"
         plots.append(("batch_sweep.png", lambda path: plotting.plot_batch_sweep(b_points, path, btitle)))
-    paths, _ = suite.write_results(args.out, "sweeps", pl, plots)  # results first, then the plots
+    paths, _ = report.write_results(args.out, "sweeps", pl, plots)  # results first, then the plots
     print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 

@@ -306,7 +306,7 @@ def test_report_writes_json_markdown_and_plots(closed_runs, tmp_path):
 def test_passes_alternate_the_order_and_give_each_pass_ratio(closed_runs, monkeypatch):
     """--passes: A B, B A, A B; the first pass's results are reported, every pass's throughput is kept and the
     headline ratios are taken pass by pass (the canned speeds below give exact ratios)."""
-    from jspec.bench import suite
+    from jspec.bench import headlines, suite_runs
 
     speeds = iter([(10.0, 20.0), (30.0, 60.0), (40.0, 100.0), (8.0, 10.0), (12.0, 30.0), (24.0, 45.0)])
     order = []
@@ -318,28 +318,30 @@ def test_passes_alternate_the_order_and_give_each_pass_ratio(closed_runs, monkey
         summary = {**base.summary, "output_tokens_per_s": out, "decode_tokens_per_s": dec}
         return dataclasses.replace(base, summary=summary, extra={})
 
-    monkeypatch.setattr(suite, "run_one", fake_run_one)
-    monkeypatch.setattr(suite, "free_compiled", lambda: None)
-    cfg = suite.SuiteConfig(measure_phases=False, passes=3)
+    monkeypatch.setattr(suite_runs, "run_one", fake_run_one)
+    monkeypatch.setattr(suite_runs, "free_compiled", lambda: None)
+    cfg = suite_runs.SuiteConfig(measure_phases=False, passes=3)
     jobs = _jobs()
-    res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(2)], jobs, cfg, log=lambda *a: None)
+    res = suite_runs.run_specs(None, [PLAIN, CHAIN], [Load.closed(2)], jobs, cfg, log=lambda *a: None)
     assert order == ["plain", "model K=3", "model K=3", "plain", "plain", "model K=3"]
     plain, chain = res
     assert plain.summary["output_tokens_per_s"] == 10.0 and chain.summary["output_tokens_per_s"] == 30.0
-    per = suite.pass_ratios(chain, plain)
+    per = headlines.pass_ratios(chain, plain)
     assert per["output"] == pytest.approx([3.0, 5.0, 2.0]) and per["decode"] == pytest.approx([3.0, 10.0, 1.5])
     assert all(p["same_tokens_as_first_pass"] for p in chain.extra["passes"])
-    line = suite.headline(res)[0]
+    line = headlines.headline(res)[0]
     assert "median 3.00x / 3.00x" in line and "passes: 3.00, 5.00, 2.00 end-to-end" in line
     with pytest.raises(ValueError, match="passes must be >= 1"):
-        suite.run_specs(None, [PLAIN], [Load.closed(2)], jobs, suite.SuiteConfig(passes=0), log=lambda *a: None)
+        suite_runs.run_specs(
+            None, [PLAIN], [Load.closed(2)], jobs, suite_runs.SuiteConfig(passes=0), log=lambda *a: None
+        )
 
 
 def test_suite_passes_go_into_the_result_file_with_their_positions(closed_runs, monkeypatch):
     """Every pass of ``run_specs`` becomes a pass of the run's result file (``serving_record``): each config's
     tokens over its run's wall time, at its position in that pass's order (A B, B A, ...), and the ratio to plain
     is the median of the per-pass ratios (canned rates: 3, 5, 2, 4, 1.5 -> median 3)."""
-    from jspec.bench import record, serving_record, suite
+    from jspec.bench import record, serving_record, suite_runs
 
     rates = [(10.0, 30.0), (10.0, 50.0), (20.0, 40.0), (10.0, 40.0), (20.0, 30.0)]  # (plain, model) per pass
     calls = []
@@ -351,10 +353,10 @@ def test_suite_passes_go_into_the_result_file_with_their_positions(closed_runs, 
         summary = {**base.summary, "output_tokens_per_s": rate, "wall_s": base.summary["output_tokens"] / rate}
         return dataclasses.replace(base, summary=summary, extra={})
 
-    monkeypatch.setattr(suite, "run_one", fake_run_one)
-    monkeypatch.setattr(suite, "free_compiled", lambda: None)
-    cfg = suite.SuiteConfig(measure_phases=False, passes=5)
-    res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(2)], _jobs(), cfg, log=lambda *a: None)
+    monkeypatch.setattr(suite_runs, "run_one", fake_run_one)
+    monkeypatch.setattr(suite_runs, "free_compiled", lambda: None)
+    cfg = suite_runs.SuiteConfig(measure_phases=False, passes=5)
+    res = suite_runs.run_specs(None, [PLAIN, CHAIN], [Load.closed(2)], _jobs(), cfg, log=lambda *a: None)
     rec = record.Record("suite", "python -m jspec bench --passes 5", {"smoke": []}, "unused.json")
     serving_record.add_runs(rec, res)
     rec.finish()
@@ -440,15 +442,14 @@ def test_spec_takes_adaptive_as_decode_does():
     from types import SimpleNamespace
 
     from jspec.adaptive import AdaptiveK
-    from jspec.bench import suite
 
     on = Spec("chain", DRAFTER, 3, DRAFT_PARAMS, adaptive=True)
     assert on.adaptive == AdaptiveK() and on.describe()["adaptive"] == dataclasses.asdict(AdaptiveK())
     assert Spec("chain", DRAFTER, 3, DRAFT_PARAMS, adaptive=False).adaptive is None
     assert Spec("chain", DRAFTER, 3, DRAFT_PARAMS, adaptive=np.True_).adaptive == AdaptiveK()
     target = SimpleNamespace(model=TARGET)
-    assert suite.ngram_spec(target, adaptive=False).label == "ngram K=4"
-    assert suite.ngram_spec(target, adaptive=True).label == "ngram K=4 adaptive"
+    assert runspec.ngram_spec(target, adaptive=False).label == "ngram K=4"
+    assert runspec.ngram_spec(target, adaptive=True).label == "ngram K=4 adaptive"
 
 
 def test_chain_vs_tree_budgets():
@@ -515,17 +516,17 @@ def test_ngram_variants_parse_and_label():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import bench_spec_vs_plain as bench
 
-    from jspec.bench import suite
+    from jspec.bench import targets
 
     assert bench.ngram_variant("12") == (12, 3, 1)
     assert bench.ngram_variant("8,4,2") == (8, 4, 2)
     for bad in ("8,4", "x", "8,1,2", "0"):
         with pytest.raises(SystemExit, match="--ngram-variants"):
             bench.ngram_variant(bad)
-    target = suite.Target("toy", None, None, TARGET, None, None, "float32")
-    labels = [suite.ngram_spec(target, *bench.ngram_variant(v)).label for v in ("8", "8,4,2")]
+    target = targets.Target("toy", None, None, TARGET, None, None, "float32")
+    labels = [runspec.ngram_spec(target, *bench.ngram_variant(v)).label for v in ("8", "8,4,2")]
     assert labels == ["ngram K=8", "ngram K=8 n=4..2"]
-    spec = suite.ngram_spec(target, 8, 4, 2)
+    spec = runspec.ngram_spec(target, 8, 4, 2)
     assert (spec.gamma, spec.drafter.max_ngram, spec.drafter.min_ngram) == (8, 4, 2)
 
 
@@ -705,13 +706,13 @@ def test_peer_ratios_compare_like_with_like():
     import argparse
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import suite_peers, suite_runs
     from jspec.bench.args import add_common_args, config_from_args
 
     target = SimpleNamespace(model=SimpleNamespace(vocab_size=8), dtype="bfloat16", eos_ids=(2,), path="x.gguf")
-    assert suite.ngram_spec(target, 4).peer == "prompt_lookup"
-    assert suite.ngram_spec(target, 4, 8, 4).peer is None
-    skipped = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, None)
+    assert runspec.ngram_spec(target, 4).peer == "prompt_lookup"
+    assert runspec.ngram_spec(target, 4, 8, 4).peer is None
+    skipped = suite_peers.run_peer_set(target, ["transformers"], [], suite_runs.SuiteConfig(), 4, None)
     assert not skipped[0].available and "jspec runs bfloat16 here, transformers float32" in skipped[0].reason
     ap = argparse.ArgumentParser()
     add_common_args(ap)
@@ -834,9 +835,9 @@ def test_peer_ratios_only_like_for_like_in_headline_and_table():
         _fake_peer("transformers prompt-lookup K=4", "prompt_lookup", 10.0, 10.0, {**_TORCH_INFO, "gamma": 4}, []),
         _fake_peer("transformers(unchecked) prompt-lookup K=3", "prompt_lookup", 5.0, 5.0, _TORCH_INFO, None),
     ]
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
-    (line,) = suite.headline(results, runs)
+    (line,) = headlines.headline(results, runs)
     assert "vs transformers prompt-lookup K=3: 2.00x end-to-end, 3.00x decode" in line
     assert (
         "vs llama-cpp-python prompt-lookup K=3: no ratio (native Q4_1+F32+Q8_0 weights; float16 KV cache; "
@@ -865,7 +866,7 @@ def test_run_peer_set_records_what_is_not_like_for_like(monkeypatch):
     ran on another count (llama.cpp's prompts on 4 threads; transformers on 3 when told 3) is not like for like."""
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import suite_peers, suite_runs
 
     fake = [
         _fake_peer("llama-cpp-python plain", "plain", 20.0, 20.0, {**_LLAMA_INFO, "threads": 2, "threads_batch": 4},
@@ -877,7 +878,9 @@ def test_run_peer_set_records_what_is_not_like_for_like(monkeypatch):
     monkeypatch.setattr(metrics, "jspec_threads", lambda: {"threads": 2, "how": "two CPUs"})
     target = SimpleNamespace(dtype="float32", eos_ids=(2,), path="x.gguf", decode_text=None)
     logged = []
-    out = suite.run_peer_set(target, ["llama_cpp", "transformers"], [], suite.SuiteConfig(), 4, None, log=logged.append)
+    out = suite_peers.run_peer_set(
+        target, ["llama_cpp", "transformers"], [], suite_runs.SuiteConfig(), 4, None, log=logged.append
+    )
     backend = jax.default_backend()
     assert given["threads"] == 2
     assert out[0].info["jspec"] == {"dtype": "float32", "backend": backend, "threads": 2, "threads_how": "two CPUs"}
@@ -888,7 +891,9 @@ def test_run_peer_set_records_what_is_not_like_for_like(monkeypatch):
                                                                              "jspec runs float32"])  # fmt: skip
     assert "not like for like: native Q4_1" in logged[0]
     fake[1].info.update(threads=3)  # what torch reports after set_num_threads(3)
-    out = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(peer_threads=3), 4, None, log=print)
+    out = suite_peers.run_peer_set(
+        target, ["transformers"], [], suite_runs.SuiteConfig(peer_threads=3), 4, None, log=print
+    )
     assert given["threads"] == 3
     if backend == "cpu":
         assert out[1].info["not_like_for_like"] == ["peer on 3 threads, jspec on 2", "jspec runs float32"]
@@ -978,7 +983,7 @@ def test_sweep_groups_pair_each_run_with_its_own_plain(closed_runs, monkeypatch)
     """bench_sweeps' K sweep and batch sweep both run at closed c=1 (other jobs, other moments): each
     n-gram run is divided by the plain run of its own sweep. Canned speeds: K sweep plain 10 / chain 30 tok/s
     (3.00x), batch sweep plain 20 / chain 30 (1.50x); the old pairing divided both by the K sweep's plain."""
-    from jspec.bench import suite
+    from jspec.bench import headlines, suite_runs
 
     speeds = iter([10.0, 30.0, 20.0, 30.0])
 
@@ -988,13 +993,13 @@ def test_sweep_groups_pair_each_run_with_its_own_plain(closed_runs, monkeypatch)
         summary = {**base.summary, "output_tokens_per_s": v, "decode_tokens_per_s": v}
         return dataclasses.replace(base, load=load, summary=summary, extra={})
 
-    monkeypatch.setattr(suite, "run_one", fake_run_one)
-    monkeypatch.setattr(suite, "free_compiled", lambda: None)
-    cfg = suite.SuiteConfig(measure_phases=False)
+    monkeypatch.setattr(suite_runs, "run_one", fake_run_one)
+    monkeypatch.setattr(suite_runs, "free_compiled", lambda: None)
+    cfg = suite_runs.SuiteConfig(measure_phases=False)
     quiet = dict(log=lambda *a: None)
-    res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, group="K sweep", **quiet)
-    res += suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, group="batch sweep b=1", **quiet)
-    lines = suite.headline(res)
+    res = suite_runs.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, group="K sweep", **quiet)
+    res += suite_runs.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, group="batch sweep b=1", **quiet)
+    lines = headlines.headline(res)
     assert lines[0].startswith("model K=3 @ closed c=1, K sweep: 3.00x plain end-to-end")
     assert lines[1].startswith("model K=3 @ closed c=1, batch sweep b=1: 1.50x plain end-to-end")
     md = report.markdown({"runs": [r.to_json(False) for r in res], "meta": {}})
@@ -1057,7 +1062,7 @@ def test_no_ratio_between_runs_that_served_different_requests():
     speculative run r0 only (r1 not run). Their rates are over different work, so no speedup is printed (the old
     headline said 2.00x), in the headline, the results table, the cost-model check, a pass's ratio, the sweeps'
     points and against a peer."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
     full, cut = ["finished", "finished"], ["finished", "not_run"]
     assert _outcome_summary(full, 1, 1)["request_set"] != _outcome_summary(cut, 1, 1)["request_set"]
@@ -1068,7 +1073,7 @@ def test_no_ratio_between_runs_that_served_different_requests():
     assert ratios.requests_differ({"finished": 2}, {"finished": 2}) is None  # older results: counts only
     plain = _fake_result(PLAIN, _outcome_summary(full, 10.0, 10.0))
     spec = _fake_result(CHAIN, _outcome_summary(cut, 20.0, 20.0))
-    (line,) = suite.headline([plain, spec])
+    (line,) = headlines.headline([plain, spec])
     assert "no ratio to plain in pass 1 (different requests served (this run 1/2 finished, 1 not run, plain 2/2" in line
     assert "x plain" not in line and "2.00x" not in line
     table = tables.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
@@ -1091,14 +1096,14 @@ def test_no_ratio_between_runs_that_served_different_requests():
           dict(same, output_tokens_per_s=20.0, decode_tokens_per_s=20.0)]  # fmt: skip
     p3 = _fake_result(PLAIN, _outcome_summary(full, 10.0, 10.0), passes=pp)
     s3 = _fake_result(CHAIN, _outcome_summary(full, 30.0, 30.0), passes=sp)
-    assert suite.pass_ratios(s3, p3)["output"] == [3.0, None, 2.0]
-    (line,) = suite.headline([p3, s3])
+    assert headlines.pass_ratios(s3, p3)["output"] == [3.0, None, 2.0]
+    (line,) = headlines.headline([p3, s3])
     assert "passes: 3.00, -, 2.00 end-to-end" in line and "median 2.50x / 2.50x" in line
     assert "'-': that pass's runs served different requests" in line
     # A peer that served both requests against jspec's run that served one.
     peer = _fake_peer("transformers assisted K=3", "assisted", 5.0, 5.0, _TORCH_INFO, [])
     peer.summary.update(_outcome_summary(full, 5.0, 5.0))
-    (line,) = suite.headline([plain, spec], [peer])
+    (line,) = headlines.headline([plain, spec], [peer])
     assert "vs transformers assisted K=3: no ratio (different requests served (jspec 1/2" in line
     table = tables.peers_table([plain.to_json(False), spec.to_json(False)], [peer.to_json(False)])
     assert "no ratio: different requests served" in table and "4.00x" not in table
@@ -1107,7 +1112,7 @@ def test_no_ratio_between_runs_that_served_different_requests():
 def test_peer_ratio_takes_the_median_of_jspecs_passes():
     """A peer runs once; jspec with --passes 3 ran at 30 (pass 1), 90 and 60 tok/s. The ratio to the peer's 30
     tok/s is the median pass, 60 / 30 = 2.00x, labelled as such (the old ratio took pass 1: 1.00x)."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
     spec = Spec("ngram K=3", DRAFTER, 3, DRAFT_PARAMS, peer="prompt_lookup")
     full = ["finished", "finished"]
@@ -1118,7 +1123,7 @@ def test_peer_ratio_takes_the_median_of_jspecs_passes():
     ng = _fake_result(spec, base, passes=passes)
     peer = _fake_peer("transformers prompt-lookup K=3", "prompt_lookup", 30.0, 30.0, _TORCH_INFO, [])
     peer.summary.update(_outcome_summary(full, 30.0, 30.0))
-    (line,) = suite.headline([plain, ng], [peer])
+    (line,) = headlines.headline([plain, ng], [peer])
     assert ("vs transformers prompt-lookup K=3: 2.00x end-to-end, 2.00x decode (jspec: median of 3 passes; the "
             "peer: its one run)") in line  # fmt: skip
     table = tables.peers_table([plain.to_json(False), ng.to_json(False)], [peer.to_json(False)])
@@ -1131,13 +1136,13 @@ def test_open_loop_prints_no_end_to_end_ratio():
     """An open loop's wall time is the arrivals' span whatever the decoding speed: its end-to-end ratio (here
     1.00x) says nothing about speculation, so only the decode ratio is printed, in the headline, the table and
     the cost-model check."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
     load = Load.open(2.0, rows=2)
     full = ["finished", "finished"]
     plain = _fake_result(PLAIN, _outcome_summary(full, 10.0, 20.0), load)
     spec = _fake_result(CHAIN, _outcome_summary(full, 10.0, 50.0), load)
-    (line,) = suite.headline([plain, spec])
+    (line,) = headlines.headline([plain, spec])
     assert line.startswith("model K=3 @ open 2/s rows=2: 2.50x plain decode (end-to-end: arrival-bound")
     assert "end-to-end," not in line and "1.00x" not in line
     table = tables.results_table([plain.to_json(False), spec.to_json(False)], load.name)
@@ -1337,15 +1342,15 @@ def test_suite_writes_its_results_before_plots_and_without_matplotlib(closed_run
     import sys
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import suite, suite_runs, targets
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
-    monkeypatch.setattr(suite, "load_target", lambda *a: SimpleNamespace(model=TARGET))
-    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: (_jobs(), {"input_len": {"median": 2.0}}))
-    monkeypatch.setattr(suite, "meta", lambda *a: {})
+    monkeypatch.setattr(targets, "load_target", lambda *a: SimpleNamespace(model=TARGET))
+    monkeypatch.setattr(suite_runs, "prepare_jobs", lambda target, cfg: (_jobs(), {"input_len": {"median": 2.0}}))
+    monkeypatch.setattr(suite_runs, "meta", lambda *a: {})
     runs = [dataclasses.replace(r, load=Load.closed(1), extra={}) for r in closed_runs.values()]
-    monkeypatch.setattr(suite, "run_specs", lambda *a, **k: runs)
+    monkeypatch.setattr(suite_runs, "run_specs", lambda *a, **k: runs)
     out = tmp_path / "out"
     argv = ["--out", str(out), "--name", "toy", "--peers", "none", "--compile-cache", "none", "--concurrency", "1",
             "--record", str(tmp_path / "r.json")]  # fmt: skip
@@ -1359,7 +1364,6 @@ def test_suite_writes_its_results_before_plots_and_without_matplotlib(closed_run
 
 def test_write_results_draws_plots_after_the_results(tmp_path):
     """With matplotlib, each plot is drawn once the JSON and Markdown are on disk, and linked from the Markdown."""
-    from jspec.bench import suite
 
     if plotting.plotting_unavailable():
         pytest.skip(plotting.plotting_unavailable())
@@ -1370,7 +1374,7 @@ def test_write_results_draws_plots_after_the_results(tmp_path):
         open(path, "w").close()
         return path
 
-    paths, drawn = suite.write_results(str(tmp_path), "x", {"suite": "x", "runs": []}, [("x_plot.png", draw)])
+    paths, drawn = report.write_results(str(tmp_path), "x", {"suite": "x", "runs": []}, [("x_plot.png", draw)])
     assert seen == [["x.json", "x.md"]] and drawn == [str(tmp_path / "x_plot.png")]
     assert "![x_plot.png](x_plot.png)" in (tmp_path / "x.md").read_text()
 
@@ -1379,7 +1383,7 @@ def test_runs_that_finished_nothing_get_no_ratio():
     """max_new_tokens past max_len: every request was refused by Engine.add, both runs finished 0 of N and the
     headline printed "0.00x plain". runner.run refuses the setting up front, and a run that finished no request
     gets no ratio (headline, results table, cost-model check)."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
     from jspec.bench.metrics import RequestRecord
 
     with pytest.raises(ValueError, match=r"max_new_tokens \(65\) must be <= max_len \(64\): no request could fit"):
@@ -1387,7 +1391,7 @@ def test_runs_that_finished_nothing_get_no_ratio():
     failed = [RequestRecord(f"r{i}", "a", 2, 0.0, stop_reason="error", error="ValueError: must fit") for i in range(2)]
     summary = metrics.summarize_requests(failed, 1.0)
     plain, spec = _fake_result(PLAIN, summary), _fake_result(CHAIN, dict(summary))
-    (line,) = suite.headline([plain, spec])
+    (line,) = headlines.headline([plain, spec])
     assert "no ratio to plain in pass 1 (this run finished no requests (0/2 finished, 2 failed))" in line, line
     assert "0.00x" not in line
     table = tables.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
@@ -1400,12 +1404,12 @@ def test_runs_that_finished_nothing_get_no_ratio():
 
 def test_bench_scripts_refuse_bad_settings_before_loading_a_model(monkeypatch, capsys):
     """The example suite scripts share the suite's checks (``args.config_from_args``) and their own counts."""
-    from jspec.bench import suite
+    from jspec.bench import targets
 
     def no_load(*_, **__):
         raise AssertionError("the settings must be refused before a model is loaded")
 
-    monkeypatch.setattr(suite, "load_target", no_load)
+    monkeypatch.setattr(targets, "load_target", no_load)
     for name, argv, message in (
         ("bench_serving", ["--phase-repeats", "0"], "--phase-repeats 0: must be >= 1"),
         ("bench_serving", ["--rows", "0"], "--rows 0: must be >= 1"),
@@ -1424,16 +1428,16 @@ def test_bench_scripts_refuse_bad_settings_before_loading_a_model(monkeypatch, c
 def test_a_pass_that_decoded_nothing_after_the_first_tokens_has_no_decode_ratio():
     """max_new_tokens=1: every token is a request's first, so decode rates are 0 on both sides; the per-pass
     decode ratios were 0 / 1e-9 = 0.00x while the headline said "no ratio". Output ratios stay (10 / 5 = 2)."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
     def passes(out, dec):
         return [{"output_tokens_per_s": out, "decode_tokens_per_s": dec} for _ in range(2)]
 
     spec, plain = _fake_result(CHAIN, {}, passes=passes(10.0, 0.0)), _fake_result(PLAIN, {}, passes=passes(5.0, 0.0))
-    assert suite.pass_ratios(spec, plain) == {"output": [2.0, 2.0], "decode": [None, None]}
+    assert headlines.pass_ratios(spec, plain) == {"output": [2.0, 2.0], "decode": [None, None]}
     spec = _fake_result(CHAIN, {}, passes=passes(10.0, 3.0))
     plain = _fake_result(PLAIN, {}, passes=passes(5.0, 1.5))
-    assert suite.pass_ratios(spec, plain) == {"output": [2.0, 2.0], "decode": [2.0, 2.0]}
+    assert headlines.pass_ratios(spec, plain) == {"output": [2.0, 2.0], "decode": [2.0, 2.0]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1460,19 +1464,19 @@ def test_suite_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch):
     the peers'. Canned rates: plain 10 / 10 tok/s, n-gram 20 / 30 (2.00x end to end, 3.00x decode)."""
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import suite, suite_peers, suite_runs, targets
 
     runs = [_tabled(_fake_run(PLAIN, 10.0, 10.0)), _tabled(_fake_run(_ngram_spec(), 20.0, 30.0))]
-    monkeypatch.setattr(suite, "load_target", lambda *a: SimpleNamespace(model=TARGET))
-    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {"input_len": {"median": 2.0}}))
-    monkeypatch.setattr(suite, "meta", lambda *a: {})
-    monkeypatch.setattr(suite, "run_specs", lambda *a, **k: runs)
-    monkeypatch.setattr(suite, "write_results", lambda out, name, pl, plots: (suite.write_outputs(out, name, pl), []))
+    monkeypatch.setattr(targets, "load_target", lambda *a: SimpleNamespace(model=TARGET))
+    monkeypatch.setattr(suite_runs, "prepare_jobs", lambda target, cfg: ([], {"input_len": {"median": 2.0}}))
+    monkeypatch.setattr(suite_runs, "meta", lambda *a: {})
+    monkeypatch.setattr(suite_runs, "run_specs", lambda *a, **k: runs)
+    monkeypatch.setattr(report, "write_results", lambda out, name, pl, plots: (report.write_outputs(out, name, pl), []))
 
     def peers_fail(*a, **kw):
         raise KeyboardInterrupt  # stopped while the peers ran
 
-    monkeypatch.setattr(suite, "run_peer_set", peers_fail)
+    monkeypatch.setattr(suite_peers, "run_peer_set", peers_fail)
     out = tmp_path / "out"
     argv = [
         "--out",
@@ -1495,7 +1499,7 @@ def test_suite_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch):
     assert "| ngram K=4 |" in (out / "s.md").read_text()
     peer = _fake_peer("transformers plain", "plain", 5.0, 5.0, _TORCH_INFO, [])
     given = {}
-    monkeypatch.setattr(suite, "run_peer_set", lambda *a, **kw: given.update(kw, cfg=a[3]) or [peer])
+    monkeypatch.setattr(suite_peers, "run_peer_set", lambda *a, **kw: given.update(kw, cfg=a[3]) or [peer])
     assert suite.main([*argv, "--peer-threads", "3", "--record", str(tmp_path / "r2.json")]) == 0
     res = json.loads((out / "s.json").read_text())
     assert [p["label"] for p in res["peers"]] == ["transformers plain"] and "peers_pending" not in res
@@ -1520,7 +1524,7 @@ def test_greedy_outputs_that_differ_from_plain_are_flagged():
     ratios (3.00x end to end, 2.50x decode) are flagged in the headline, the results table and the cost table. So
     is a run with every finished request equal but other totals of output tokens (40 vs 36: a timed-out request's
     tokens count too). The control (the same tokens) and a sampled run (T = 0.8) are not flagged."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
     plain = _with_records(_tabled(_fake_run(PLAIN, 10.0, 20.0)), {"r0": [1, 2, 3], "r1": [4, 5]})
     spec = _with_records(_tabled(_fake_run(_ngram_spec(), 30.0, 50.0)), {"r0": [1, 2, 3], "r1": [4, 6]})
@@ -1531,7 +1535,7 @@ def test_greedy_outputs_that_differ_from_plain_are_flagged():
     for r in (spec, same):
         r.quality = checks.quality_summary(r, plain)
         r.cost_model = {"measured_output_speedup": 3.0, "measured_speedup": 2.5}
-    (line,) = suite.headline([plain, spec])
+    (line,) = headlines.headline([plain, spec])
     assert line.startswith("ngram K=4 @ closed c=1: 3.00x plain end-to-end, 2.50x decode [outputs differ from plain: "
                            "1 of 2 requests: the ratios compare other outputs]")  # fmt: skip
     runs = [plain.to_json(False), spec.to_json(False)]
@@ -1546,14 +1550,14 @@ def test_greedy_outputs_that_differ_from_plain_are_flagged():
     assert "x (outputs differ)" in sweeps._sweep_tables([point], [])
     assert sweeps._point("ngram", same, plain, "k", 4)["outputs_differ"] is None
     # The same tokens: nothing flagged.
-    (line,) = suite.headline([plain, same])
+    (line,) = headlines.headline([plain, same])
     assert "differ" not in line
     runs = [plain.to_json(False), same.to_json(False)]
     assert "differ" not in tables.results_table(runs, "closed c=1") and "differ" not in tables.cost_table(runs)
     # Every finished request the same, other totals of output tokens.
     same.summary = {**same.summary, "output_tokens": 40}
     plain.summary = {**plain.summary, "output_tokens": 36}
-    (line,) = suite.headline([plain, same])
+    (line,) = headlines.headline([plain, same])
     assert "[outputs differ from plain: 40 vs 36 output tokens: the ratios compare other outputs]" in line
     # Sampled: other outputs are expected (sampled_note says so instead).
     assert ratios.outputs_differ(q, spec.summary, plain.summary, 0.8) is None
@@ -1568,7 +1572,7 @@ def test_a_peer_whose_greedy_outputs_differ_gets_no_ratio(monkeypatch):
     others. The same peer with plain's tokens keeps its ratio (2.00x: 20 / 10 tok/s)."""
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import suite_peers, suite_runs
 
     if jax.default_backend() != "cpu":
         pytest.skip("the fake peer runs on the CPU")
@@ -1583,7 +1587,9 @@ def test_a_peer_whose_greedy_outputs_differ_gets_no_ratio(monkeypatch):
         peer.summary.update(metrics.summarize_requests(peer.records, 1.0), output_tokens_per_s=10.0,
                             decode_tokens_per_s=10.0)  # fmt: skip
         monkeypatch.setattr(peers, "run_peers", lambda *a, peer=peer, **k: [peer])
-        (p,) = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, plain, log=lambda *a: None)
+        (p,) = suite_peers.run_peer_set(
+            target, ["transformers"], [], suite_runs.SuiteConfig(), 4, plain, log=lambda *a: None
+        )
         row = tables.peers_table([plain.to_json(False)], [p.to_json(False)]).splitlines()[2]
         if expect == "differ":
             assert p.info["not_like_for_like"] == ["outputs differ from jspec's plain: 1 of 2 requests"]
@@ -1697,7 +1703,7 @@ def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_be
     gets no lookup label."""
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import headlines, suite_peers, suite_runs
 
     spec = _ngram_spec()
     passes = [{"output_tokens_per_s": 20.0, "decode_tokens_per_s": 20.0, "wall_clock": [100.0, 110.0]},
@@ -1710,7 +1716,7 @@ def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_be
             "wall_clock": [430.0, 500.0]}  # fmt: skip
     pl = _fake_peer("transformers prompt-lookup K=4", "prompt_lookup", 10.0, 10.0, info, [])
     pp = _fake_peer("transformers plain", "plain", 10.0, 10.0, {**_TORCH_INFO, "wall_clock": [330.0, 400.0]}, [])
-    lines = suite.headline([plain, ng], [pl, pp])
+    lines = headlines.headline([plain, ng], [pl, pp])
     (line,) = lines
     assert "vs transformers prompt-lookup K=4: 2.00x end-to-end, 2.00x decode" in line
     assert (
@@ -1730,15 +1736,15 @@ def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_be
     import unittest.mock
 
     with unittest.mock.patch.object(peers, "run_peers", lambda *a, **k: [pl]):
-        (p,) = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, None, log=lambda *a: None,
-                                  jspec_runs=[plain, ng])  # fmt: skip
+        (p,) = suite_peers.run_peer_set(target, ["transformers"], [], suite_runs.SuiteConfig(), 4, None,
+                                        log=lambda *a: None, jspec_runs=[plain, ng])  # fmt: skip
     assert p.info["after_jspec_s"] == {"ngram K=4": 300.0}
 
 
 def test_runs_and_peers_record_their_wall_clock():
     """Every jspec pass records its wall-clock start and end; a peer's timed part too: the peers run after jspec's
     runs, and the report gives the time between."""
-    from jspec.bench import suite
+    from jspec.bench import suite_runs
 
     def fake_run_one(target, spec, load, jobs, cfg, log):
         return _fake_run(spec, 10.0, 10.0)
@@ -1746,10 +1752,10 @@ def test_runs_and_peers_record_their_wall_clock():
     import unittest.mock
 
     before = time.time()
-    with unittest.mock.patch.object(suite, "run_one", fake_run_one), \
-            unittest.mock.patch.object(suite, "free_compiled", lambda: None):  # fmt: skip
-        res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), suite.SuiteConfig(measure_phases=False,
-                              passes=2), log=lambda *a: None)  # fmt: skip
+    with unittest.mock.patch.object(suite_runs, "run_one", fake_run_one), \
+            unittest.mock.patch.object(suite_runs, "free_compiled", lambda: None):  # fmt: skip
+        cfg = suite_runs.SuiteConfig(measure_phases=False, passes=2)
+        res = suite_runs.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, log=lambda *a: None)
     clocks = [p["wall_clock"] for r in res for p in r.extra["passes"]]
     assert len(clocks) == 4 and all(before <= a <= b <= time.time() for a, b in clocks)
     run = peers.PeerRun("fake", "plain", "fake plain", True)

@@ -315,9 +315,9 @@ BAD_SUITE = [
 
 @pytest.mark.parametrize("script, argv, flag", BAD_SUITE, ids=[f"{s}{' '.join(['', *a])}" for s, a, _ in BAD_SUITE])
 def test_bench_lists_and_flags_are_refused_before_the_model_loads(script, argv, flag, tmp_path, monkeypatch, capsys):
-    from jspec.bench import suite
+    from jspec.bench import targets
 
-    monkeypatch.setattr(suite, "load_target", _no_model)
+    monkeypatch.setattr(targets, "load_target", _no_model)
     test_bad_counts_are_refused_when_parsed(script, argv, flag, tmp_path, monkeypatch, capsys)
 
 
@@ -348,11 +348,11 @@ def _jobs_prepared(*a, **kw):
 def test_draft_layers_are_checked_against_the_target_as_soon_as_it_loads(script, tmp_path, monkeypatch, capsys):
     """--draft-layers L >= the target's layers made a 'draft' of the whole target (or failed deep in the runs):
     refused once the target is known, before anything runs; L = layers - 1 passes the check."""
-    from jspec.bench import suite
+    from jspec.bench import suite_runs, targets
 
     mod = importlib.import_module(script)
-    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target(30))
-    monkeypatch.setattr(suite, "prepare_jobs", _jobs_prepared)
+    monkeypatch.setattr(targets, "load_target", lambda *a, **kw: _fake_target(30))
+    monkeypatch.setattr(suite_runs, "prepare_jobs", _jobs_prepared)
     argv = ["--compile-cache", "none", "--out", str(tmp_path / "out"), "--peers", "none"]
     argv = argv if script == "bench_spec_vs_plain" else argv[:-2]
     with pytest.raises(SystemExit) as e:
@@ -367,10 +367,10 @@ def test_draft_layers_are_checked_against_the_target_as_soon_as_it_loads(script,
 def test_an_unusable_out_is_refused_before_the_model_loads(script, tmp_path, monkeypatch, capsys):
     """--out was created only when the results were written, after every run: a file in its place lost them.
     Now it is created (or refused) first, as python -m jspec bench does."""
-    from jspec.bench import suite
+    from jspec.bench import targets
 
     mod = importlib.import_module(script)
-    monkeypatch.setattr(suite, "load_target", _no_model)
+    monkeypatch.setattr(targets, "load_target", _no_model)
     blocked = tmp_path / "a_file"
     blocked.write_text("")
     with pytest.raises(SystemExit) as e:
@@ -384,7 +384,7 @@ def test_an_unusable_out_is_refused_before_the_model_loads(script, tmp_path, mon
         assert (tmp_path / "fresh").is_dir()  # made before the model loads
         raise Loaded
 
-    monkeypatch.setattr(suite, "load_target", load)
+    monkeypatch.setattr(targets, "load_target", load)
     with pytest.raises(Loaded):
         mod.main(["--compile-cache", "none", "--out", str(tmp_path / "fresh")])
 
@@ -423,18 +423,18 @@ def test_spec_vs_plain_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch
     Now they are written first (peers_pending names the peers still to run)."""
     import bench_spec_vs_plain as bench
 
-    from jspec.bench import suite
+    from jspec.bench import suite_peers, suite_runs, targets
 
     plain, ngram = _specs()
-    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
-    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {}))
-    monkeypatch.setattr(suite, "meta", lambda *a: {})
-    monkeypatch.setattr(suite, "run_specs", lambda *a, **kw: [_run(plain, 10.0, 10.0), _run(ngram, 20.0, 30.0)])
+    monkeypatch.setattr(targets, "load_target", lambda *a, **kw: _fake_target())
+    monkeypatch.setattr(suite_runs, "prepare_jobs", lambda target, cfg: ([], {}))
+    monkeypatch.setattr(suite_runs, "meta", lambda *a: {})
+    monkeypatch.setattr(suite_runs, "run_specs", lambda *a, **kw: [_run(plain, 10.0, 10.0), _run(ngram, 20.0, 30.0)])
 
     def peers_fail(*a, **kw):
         raise RuntimeError("the peers failed")
 
-    monkeypatch.setattr(suite, "run_peer_set", peers_fail)
+    monkeypatch.setattr(suite_peers, "run_peer_set", peers_fail)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="peers failed"):
         bench.main(["--compile-cache", "none", "--out", str(out), "--peers", "transformers", "--concurrency", "1",
@@ -452,12 +452,12 @@ def test_sweeps_write_each_group_with_its_own_prompt_set_and_take_the_median_pas
     2.5: median 2.5; pass 1 alone 3)."""
     import bench_sweeps
 
-    from jspec.bench import suite
+    from jspec.bench import suite_runs, targets
 
     plain, ngram = _specs()
-    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
-    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {"n_per_workload": cfg.n_per_workload}))
-    monkeypatch.setattr(suite, "meta", lambda target, cfg, desc: {"workloads": desc})
+    monkeypatch.setattr(targets, "load_target", lambda *a, **kw: _fake_target())
+    monkeypatch.setattr(suite_runs, "prepare_jobs", lambda target, cfg: ([], {"n_per_workload": cfg.n_per_workload}))
+    monkeypatch.setattr(suite_runs, "meta", lambda target, cfg, desc: {"workloads": desc})
     groups = []
 
     def run_specs(target, specs, loads, jobs, cfg, group=None):
@@ -470,7 +470,7 @@ def test_sweeps_write_each_group_with_its_own_prompt_set_and_take_the_median_pas
             *[_run(s, 30.0, 60.0, loads[0], passes=passes, group=group) for s in specs[1:]],
         ]
 
-    monkeypatch.setattr(suite, "run_specs", run_specs)
+    monkeypatch.setattr(suite_runs, "run_specs", run_specs)
     out = tmp_path / "out"
     argv = ["--compile-cache", "none", "--out", str(out), "--ks", "2", "--batches", "1,16", "--passes", "3", "--n", "2"]
     with pytest.raises(RuntimeError, match="b=16 group failed"):
@@ -492,17 +492,17 @@ def test_sweeps_record_a_large_batch_groups_own_prompt_set(tmp_path, monkeypatch
     --n 2: its group records that set, not the K sweep's."""
     import bench_sweeps
 
-    from jspec.bench import suite
+    from jspec.bench import report, suite_runs, targets
 
-    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
-    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {"n_per_workload": cfg.n_per_workload}))
-    monkeypatch.setattr(suite, "meta", lambda target, cfg, desc: {"workloads": desc})
-    monkeypatch.setattr(suite, "write_results", lambda out, name, pl, plots: ({"markdown": "-"}, []))  # no plots
+    monkeypatch.setattr(targets, "load_target", lambda *a, **kw: _fake_target())
+    monkeypatch.setattr(suite_runs, "prepare_jobs", lambda target, cfg: ([], {"n_per_workload": cfg.n_per_workload}))
+    monkeypatch.setattr(suite_runs, "meta", lambda target, cfg, desc: {"workloads": desc})
+    monkeypatch.setattr(report, "write_results", lambda out, name, pl, plots: ({"markdown": "-"}, []))  # no plots
 
     def run_specs(target, specs, loads, jobs, cfg, group=None):
         return [_run(s, 10.0, 10.0, loads[0], group=group) for s in specs]
 
-    monkeypatch.setattr(suite, "run_specs", run_specs)
+    monkeypatch.setattr(suite_runs, "run_specs", run_specs)
     out = tmp_path / "out"
     argv = ["--compile-cache", "none", "--out", str(out), "--skip-k", "--batches", "16", "--n", "2"]
     assert bench_sweeps.main([*argv, "--record", str(tmp_path / "r.json")]) == 0
@@ -518,7 +518,7 @@ def test_sampled_runs_give_no_end_to_end_ratio():
     sweep point; the decode ratio stays. The same runs at temperature 0 keep both (the control)."""
     import bench_sweeps
 
-    from jspec.bench import peers, suite, tables
+    from jspec.bench import headlines, peers, tables
 
     plain, ngram = _specs()
     peer = peers.PeerRun("transformers", "prompt_lookup", "transformers prompt-lookup K=4", True,
@@ -528,7 +528,7 @@ def test_sampled_runs_give_no_end_to_end_ratio():
     for t in (0.0, 0.8):
         p, s = _run(plain, 10.0, 20.0, temperature=t), _run(ngram, 30.0, 50.0, temperature=t)
         s.cost_model = {"measured_output_speedup": 3.0, "measured_speedup": 2.5}
-        (line,) = suite.headline([p, s], [peer])
+        (line,) = headlines.headline([p, s], [peer])
         runs = [p.to_json(False), s.to_json(False)]
         row = next(r for r in tables.results_table(runs, "closed c=1").splitlines() if r.startswith("| ngram K=4"))
         cost = tables.cost_table(runs).splitlines()[2]

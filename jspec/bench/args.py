@@ -14,7 +14,7 @@ from jspec.bench import peers, workloads
 from jspec.loaders import COMPILE_CACHE_DEFAULT
 
 if TYPE_CHECKING:
-    from jspec.bench.suite import SuiteConfig
+    from jspec.bench.suite_runs import SuiteConfig
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
@@ -209,7 +209,7 @@ def config_from_args(args, **counts: int | None) -> SuiteConfig:
     import jax
 
     from jspec.bench.runspec import Sampling
-    from jspec.bench.suite import SuiteConfig
+    from jspec.bench.suite_runs import SuiteConfig
     from jspec.loaders import compile_cache_flag
 
     check_args(args, **counts)

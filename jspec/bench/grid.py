@@ -331,7 +331,7 @@ class Peer:
 
 def run_cell(rec: record.Record, target, configs, workload: str, batch: int, settings: GridSettings, peer, log=print):
     """Measure one cell into ``rec``; returns the mismatches with plain decoding found."""
-    from jspec.bench.suite import free_compiled
+    from jspec.bench.suite_runs import free_compiled
 
     cell = f"{workload} b={batch}"
     jobs_by_batch, labels = cell_prompts(target, workload, batch, settings)
@@ -426,7 +426,7 @@ def load_peer(target, settings: GridSettings, log=print) -> Peer | None:
 def run(settings: GridSettings, command: str, out: str | None = None, log=print) -> tuple[str, list[dict]]:
     """Every cell of the grid into one result file (written after each cell). Returns its path and the
     greedy mismatches with plain decoding (none expected)."""
-    from jspec.bench.suite import load_target, tokenizer_info
+    from jspec.bench.targets import load_target, tokenizer_info
 
     rec = record.Record("grid", command, settings.to_json(), out)
     log(f"loading {settings.model} (float32) ...")

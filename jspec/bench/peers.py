@@ -11,7 +11,7 @@
 Every run records what it computed with in its ``info``: ``weights_dtype`` and ``kv_cache_dtype`` ("float32",
 or the GGUF types a runner kept, e.g. "Q4_1+F32+Q8_0"), ``device``, ``threads`` (torch's intra-op threads,
 llama.cpp's ``n_threads`` and ``n_threads_batch``) and, for speculative techniques, ``gamma`` (K).
-``suite.run_peer_set`` gives both peers one thread count (jspec's XLA pool size unless told another), compares
+``suite_peers.run_peer_set`` gives both peers one thread count (jspec's XLA pool size unless told another), compares
 what they recorded with jspec's run and records the differences as ``not_like_for_like`` (a greedy run whose
 outputs are not jspec plain's too); ``ratios.ratio_blockers`` adds the K check, and the headline and the peers
 table print no ratio where either finds one.

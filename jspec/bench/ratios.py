@@ -119,7 +119,7 @@ DIFFER_SUFFIX = " (outputs differ)"  # a table's ratio between runs whose greedy
 
 def peer_gap_s(run: dict[str, Any], peer_info: dict[str, Any]) -> float | None:
     """Seconds from the end of jspec's last pass of ``run`` (its ``passes``' wall clocks, recorded by
-    ``suite.run_specs``) to the start of the peer's timed run (``peer_info["wall_clock"]``), or None when either
+    ``suite_runs.run_specs``) to the start of the peer's timed run (``peer_info["wall_clock"]``), or None when either
     was not recorded. The peers run after all of jspec's runs, not interleaved with them as jspec's passes are:
     the machine's speed can drift over that gap."""
     ends = [p["wall_clock"][1] for p in run.get("passes") or () if p.get("wall_clock")]
@@ -183,7 +183,7 @@ def _median(xs: Sequence[float]) -> float:
 def ratio_blockers(peer_info: dict[str, Any], technique: str, spec: dict[str, Any]) -> str | None:
     """Why jspec's run of ``spec`` (``Spec.describe()``) and a peer run are not like for like, or None when
     they are. What the peer ran, judged against jspec's dtype and device when it was measured
-    (``peers.like_for_like_problems``, recorded by ``suite.run_peer_set`` as ``not_like_for_like``: its weights'
+    (``peers.like_for_like_problems``, recorded by ``suite_peers.run_peer_set`` as ``not_like_for_like``: its weights'
     precision, its KV cache's, its device), and the draft length: a peer's speculative technique drafts a fixed
     K (``gamma`` in its info), so a jspec run at another K, or one that adapts K, is another configuration."""
     problems = peer_info.get("not_like_for_like")

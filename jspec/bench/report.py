@@ -4,17 +4,25 @@ The payload every script writes is one dict:
 ``{"suite", "command", "meta": {environment, model, tokenizer, sampling, stop rules, workloads}, "runs":
 [RunResult.to_json()], "peers": [PeerRun.to_json()], "sweeps": {...}}``. ``markdown(payload)`` renders it from
 the tables of ``tables`` and the notes that explain them; the plots (``plotting``) take the same payload (or
-sweep points) and write PNGs.
+sweep points) and write PNGs. ``payload`` builds it from the runs, ``write_outputs`` writes the JSON and the
+Markdown, and ``write_results`` then the plots, linked from the Markdown.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
-from typing import Any
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
+from jspec.bench import plotting
 from jspec.bench.tables import cost_table, memory_table, meta_block, peers_table, quality_table, results_table
+
+if TYPE_CHECKING:
+    from jspec.bench.peers import PeerRun
+    from jspec.bench.runspec import RunResult
 
 
 def write_json(path: str, payload: dict[str, Any]) -> str:
@@ -128,3 +136,54 @@ def write_markdown(path: str, payload: dict[str, Any], plots: Sequence[str] = ()
     with open(path, "w") as f:
         f.write(markdown(payload, plots))
     return path
+
+
+def payload(
+    name: str,
+    argv: Sequence[str] | None,
+    meta_d: dict,
+    results: Sequence[RunResult],
+    peer_runs: Sequence[PeerRun] = (),
+    **extra,
+) -> dict[str, Any]:
+    cmd = None
+    if argv is not None:
+        cmd = " ".join(shlex.quote(a) for a in [os.path.basename(sys.argv[0]) or "python", *argv])
+    return {
+        "suite": name,
+        "command": extra.pop("command", None) or cmd,
+        "meta": meta_d,
+        "runs": [r.to_json() for r in results],
+        "peers": [p.to_json() for p in peer_runs],
+        **extra,
+    }
+
+
+def write_outputs(out_dir: str, name: str, pl: dict[str, Any], plots: Sequence[str] = ()) -> dict[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    js = write_json(os.path.join(out_dir, f"{name}.json"), pl)
+    md = write_markdown(os.path.join(out_dir, f"{name}.md"), pl, plots)
+    return {"json": js, "markdown": md}
+
+
+def write_results(
+    out_dir: str,
+    name: str,
+    pl: dict[str, Any],
+    plots: Sequence[tuple[str, Callable[[str], str]]] = (),
+    log=print,
+) -> tuple[dict[str, str], list[str]]:
+    """``<out_dir>/<name>.json`` and ``.md`` first, then the plots: each (file name, draw(path) -> path), drawn
+    into ``out_dir`` and linked from the Markdown, which is written again with them. Without matplotlib (an
+    optional dependency) the plots are skipped with a note: a finished benchmark never loses its results to a
+    plot. Returns the paths written ({"json", "markdown"}) and the plots drawn."""
+    paths = write_outputs(out_dir, name, pl)
+    if not plots:
+        return paths, []
+    missing = plotting.plotting_unavailable()
+    if missing:
+        log(f"plots skipped: {missing}")
+        return paths, []
+    drawn = [draw(os.path.join(out_dir, file)) for file, draw in plots]
+    write_markdown(paths["markdown"], pl, drawn)
+    return paths, drawn

@@ -5,17 +5,21 @@ A run serves ``Job``s (tokenised ``workloads.Request``s: ``make_jobs``) with one
 a closed loop of c clients, or Poisson arrivals at a rate into c engine rows), every request sampled the same
 way (``Sampling``). ``runner.run`` serves them and returns a ``RunResult``: the per-request records, the run's
 summary, decode statistics, memory and engine details, to which the suite adds phases, quality and the
-cost-model check; ``RunResult.to_json`` is what the result files hold of it.
+cost-model check; ``RunResult.to_json`` is what the result files hold of it. ``plain_spec``, ``ngram_spec`` and
+``model_spec`` make the configurations the suites compare.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jspec.bench.metrics import RequestRecord
 from jspec.validate import DEFAULT_GAMMA, adaptive_policy
+
+if TYPE_CHECKING:
+    from jspec.bench.targets import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,3 +199,26 @@ class RunResult:
             # Pooled inter-token intervals (ms) for the latency-distribution plots.
             out["itl_ms_all"] = [round(x, 3) for x in self.itl_ms()]
         return out
+
+
+def plain_spec() -> Spec:
+    return Spec("plain", peer="plain")
+
+
+def ngram_spec(target: Target, gamma: int = 4, max_ngram: int = 3, min_ngram: int = 1, adaptive=None) -> Spec:
+    from jspec.ngram import NgramDrafter
+
+    d = NgramDrafter(max_ngram, min_ngram, vocab_size=target.model.vocab_size)
+    variant = (max_ngram, min_ngram) != (3, 1)
+    label = f"ngram K={gamma}" + (f" n={max_ngram}..{min_ngram}" if variant else "")
+    # Compared with the peers' prompt lookup only when configured like it (n-grams 3..1); K is checked where the
+    # peers' K is known: ``headline`` and ``tables.peers_table`` give no ratio against a peer that ran another K
+    # (``ratios.ratio_blockers``).
+    spec = Spec(label, d, gamma, None, adaptive=adaptive, peer=None if variant else "prompt_lookup")
+    return dataclasses.replace(spec, label=label + " adaptive") if spec.adaptive is not None else spec
+
+
+def model_spec(label: str, draft_model, draft_params, gamma: int = 4, peer: str | None = "assisted") -> Spec:
+    from jspec.drafters import ModelDrafter
+
+    return Spec(label, ModelDrafter(draft_model), gamma, draft_params, peer=peer)

@@ -1,4 +1,4 @@
-"""The request-serving runs of the suite commands (``suite.run_specs``: ``python -m jspec bench``,
+"""The request-serving runs of the suite commands (``suite_runs.run_specs``: ``python -m jspec bench``,
 ``examples/bench_spec_vs_plain.py``, ``bench_chain_vs_tree.py``, ``bench_sweeps.py``, ``bench_serving.py``) as a
 result file (``record.Record``).
 
@@ -19,7 +19,7 @@ from jspec.bench import ratios, record
 from jspec.bench.runspec import RunResult
 
 SIZE_FLAGS = ("n", "max_new_tokens", "passes")  # below their defaults: a smoke run
-_RAW = ("position", "output_tokens", "wall_s")  # what ``suite.run_specs`` records of each pass
+_RAW = ("position", "output_tokens", "wall_s")  # what ``suite_runs.run_specs`` records of each pass
 
 
 def start(bench: str, prog: str, argv: Sequence[str] | None, args: argparse.Namespace, ap: argparse.ArgumentParser):
