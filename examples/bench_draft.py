@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jspec import cost_model  # noqa: E402
 from jspec import decode as dec  # noqa: E402
-from jspec.bench import metrics  # noqa: E402
+from jspec.bench import metrics, phase_costs  # noqa: E402
 from jspec.bench.checks import predict_k_rounds  # noqa: E402
 from jspec.loaders import wants_unstacked  # noqa: E402
 from jspec.sampling import distribution, sample  # noqa: E402
@@ -77,7 +77,7 @@ def get_draft(name: str, target, model: str, unstacked: bool = False):
 
 
 def _median_ms(fn, *args, n: int = 15) -> float:
-    return metrics.median_ms(lambda: fn(*args), repeats=n)
+    return phase_costs.median_ms(lambda: fn(*args), repeats=n)
 
 
 def measure_costs(target, drafts, gammas, slots: int, ctx: int) -> dict:

@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jspec import decode as dec  # noqa: E402
 from jspec.bench import metrics  # noqa: E402
 from jspec.bench.checks import predict_k_rounds  # noqa: E402
-from jspec.bench.metrics import fresh  # noqa: E402
+from jspec.bench.phase_costs import fresh  # noqa: E402
 from jspec.cost_model import conditional_rates_from_stats  # noqa: E402
 from jspec.drafters import DraftContext  # noqa: E402
 from jspec.loaders import wants_unstacked  # noqa: E402

@@ -273,8 +273,10 @@ def test_cost_model_check_arithmetic():
 
 
 def test_phase_costs_and_cost_model(closed_runs):
+    from jspec.bench import phase_costs
+
     config = DecodeConfig(3, MAX_LEN)
-    ph = metrics.measure_phases(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, config, 2, 6, repeats=2)
+    ph = phase_costs.measure_phases(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, config, 2, 6, repeats=2)
     plain_ph = {"round_ms": ph["plain_step_ms"], "plain_step_ms": ph["plain_step_ms"]}  # saves compiling plain
     for key in ("draft_ms", "verify_ms", "state_ms", "round_ms", "plain_step_ms"):
         assert ph[key] > 0, key
@@ -657,7 +659,7 @@ def test_phase_pieces_compose_to_the_round_for_every_drafter_path():
     EAGLE verifies through its own call (the piece timed a plain target call the round never makes), and a
     greedy batch verifies on argmax ids (the pieces built [B, T, V] distributions). Composed, the pieces
     must commit exactly the sequence the real round commits; sampled, they must run."""
-    from jspec.bench.metrics import _phase_fns, fresh
+    from jspec.bench.phase_costs import _phase_fns, fresh
 
     rows = np.asarray([[1, 5, 9, 3, 7, 2], [2, 4, 6, 8, 10, 12]], np.int32)
     for name, target, tp, drafter, dp, k in _phase_drafters():

@@ -83,7 +83,7 @@ def predict_k_rounds(
 def cost_model_check(spec_run: RunResult, plain_run: RunResult, phases: dict, plain_phases: dict) -> dict[str, Any]:
     """The seed's cost model next to the measured decode speedup (same load, same jobs).
 
-    baseline = the plain round (ms per token per row); measured costs from ``measure_phases``.
+    baseline = the plain round (ms per token per row); measured costs from ``phase_costs.measure_phases``.
     - "seed": speedup = baseline * E[N] / (K d + verify + state), E[N] from the measured per-position
       acceptance (chains only; ``cost_model.predict``).
     - "measured_en": E[N] = the measured tokens per round, and a cycle that mixes wide rounds (draft + verify

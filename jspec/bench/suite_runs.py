@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jspec.bench import checks, metrics, runner, runspec, workloads
+from jspec.bench import checks, metrics, phase_costs, runner, runspec, workloads
 from jspec.bench.runspec import Load, RunResult, Sampling, Spec
 from jspec.bench.targets import Target, tokenizer_info
 
@@ -114,7 +114,7 @@ def run_one(target: Target, spec: Spec, load: Load, jobs, cfg: SuiteConfig, log=
 
 
 def attach_phases(target: Target, group: Sequence[RunResult], cfg: SuiteConfig, context_len: int) -> None:
-    """Per-phase costs of every run of one load, sampled interleaved (see ``metrics.PhaseTimer``)."""
+    """Per-phase costs of every run of one load, sampled interleaved (see ``phase_costs.PhaseTimer``)."""
     from jspec.serve import engine_slots
     from jspec.state import DecodeConfig
 
@@ -124,11 +124,11 @@ def attach_phases(target: Target, group: Sequence[RunResult], cfg: SuiteConfig, 
         slots = engine_slots(target.model, spec.drafter, cfg.max_len)  # the engine's own cache, tree scratch included
         config = DecodeConfig(res.engine["gamma"], slots, target.eos_ids, False, spec.adaptive, spec.block_verify)
         timers.append(
-            metrics.PhaseTimer(target.model, target.params, spec.drafter, spec.draft_params, config,
+            phase_costs.PhaseTimer(target.model, target.params, spec.drafter, spec.draft_params, config,
                                res.load.concurrency, context_len, temperature=cfg.sampling.temperature,
                                top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p, min_p=cfg.sampling.min_p)
         )  # fmt: skip
-    for res, ph in zip(group, metrics.measure_phases_interleaved(timers, cfg.phase_repeats)):
+    for res, ph in zip(group, phase_costs.measure_phases_interleaved(timers, cfg.phase_repeats)):
         res.phases = ph
         scratch = ph.get("round_scratch_bytes")
         if scratch is not None:
