@@ -373,12 +373,18 @@ def test_suite_passes_go_into_the_result_file_with_their_positions(closed_runs, 
 
 
 def test_missing_peer_is_skipped_with_a_reason(monkeypatch):
+    from jspec.bench import suite_peers
+
     monkeypatch.setattr(peers, "_missing", lambda mods: list(mods))
-    out = peers.run_peers(["llama_cpp", "transformers", "vllm"], "/x/model.gguf", [], max_new_tokens=4, eos_ids=[2])
+    out = suite_peers.run_peers(
+        ["llama_cpp", "transformers", "vllm"], "/x/model.gguf", [], max_new_tokens=4, eos_ids=[2]
+    )
     assert [p.available for p in out] == [False] * len(out)
     assert all(p.reason for p in out)
     assert any("unknown peer" in p.reason for p in out)
-    assert peers.run_peers(["transformers"], None, [], max_new_tokens=4, eos_ids=[2])[0].reason.startswith("needs")
+    assert suite_peers.run_peers(["transformers"], None, [], max_new_tokens=4, eos_ids=[2])[0].reason.startswith(
+        "needs"
+    )
 
 
 def test_warmup_compiles_everything_the_timed_run_calls():
@@ -608,7 +614,7 @@ def test_peer_emissions_are_cut_with_their_tokens_at_eos():
     """transformers' streamer pushes tokens past EOS; they are cut from the record, and so must their bursts be
     (else zero gaps for dropped tokens pull the peer's inter-token intervals towards 0)."""
     from jspec.bench.metrics import RequestRecord
-    from jspec.bench.peers import _trim_emissions
+    from jspec.bench.peer_transformers import _trim_emissions
 
     rec = RequestRecord("r", "a", 0, 0.0)
     rec.emissions = [(0.1, 1), (0.2, 3), (0.3, 2)]
@@ -766,14 +772,16 @@ def test_peer_runs_record_their_weights_cache_and_device(tmp_path, monkeypatch):
     """llama.cpp runs the GGUF's own types (the default model: 210 Q4_1 tensors, 61 F32, 1 Q8_0) and an f16 KV
     cache; transformers falls back to the CPU when torch sees no GPU. Each is recorded, and compared with
     jspec's dtype and JAX's backend, every difference is named."""
+    from jspec.bench import peer_llama_cpp, peer_transformers
+
     w = peers.gguf_weights(_tiny_gguf(tmp_path / "t.gguf"))
     assert w == {"file_type": "MOSTLY_Q4_1", "tensor_types": {"Q4_1": 1, "F32": 2}, "dtype": "F32+Q4_1"}
     from types import SimpleNamespace
 
     ctx = SimpleNamespace(type_k=1, type_v=1)  # llama.cpp's default context: GGML_TYPE_F16 keys and values
-    info = peers.llama_cpp_info(str(tmp_path / "t.gguf"), SimpleNamespace(context_params=ctx), False)
+    info = peer_llama_cpp.llama_cpp_info(str(tmp_path / "t.gguf"), SimpleNamespace(context_params=ctx), False)
     assert info["weights_dtype"] == "F32+Q4_1" and info["kv_cache_dtype"] == "float16" and info["device"] == "cpu"
-    assert peers.llama_cpp_info(str(tmp_path / "t.gguf"), SimpleNamespace(), True)["kv_cache_dtype"] is None
+    assert peer_llama_cpp.llama_cpp_info(str(tmp_path / "t.gguf"), SimpleNamespace(), True)["kv_cache_dtype"] is None
     assert peers.like_for_like_problems(_LLAMA_INFO, dtype="float32", backend="cpu") == [
         "native Q4_1+F32+Q8_0 weights",
         "float16 KV cache",
@@ -793,7 +801,7 @@ def test_peer_runs_record_their_weights_cache_and_device(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    dev = peers._torch_device(None)
+    dev = peer_transformers._torch_device(None)
     assert dev == "cpu"
     assert "peer on cpu, jspec on gpu" in peers.like_for_like_problems({**_TORCH_INFO, "device": dev},
                                                                         dtype="float32", backend="gpu")  # fmt: skip
@@ -876,7 +884,7 @@ def test_run_peer_set_records_what_is_not_like_for_like(monkeypatch):
         _fake_peer("transformers plain", "plain", 20.0, 20.0, {**_TORCH_INFO, "threads": 2}, None),
     ]  # fmt: skip
     given = {}
-    monkeypatch.setattr(peers, "run_peers", lambda *a, **k: given.update(k) or fake)
+    monkeypatch.setattr(suite_peers, "run_peers", lambda *a, **k: given.update(k) or fake)
     monkeypatch.setattr(metrics, "jspec_threads", lambda: {"threads": 2, "how": "two CPUs"})
     target = SimpleNamespace(dtype="float32", eos_ids=(2,), path="x.gguf", decode_text=None)
     logged = []
@@ -1588,7 +1596,7 @@ def test_a_peer_whose_greedy_outputs_differ_gets_no_ratio(monkeypatch):
                                         None), tokens)  # fmt: skip
         peer.summary.update(metrics.summarize_requests(peer.records, 1.0), output_tokens_per_s=10.0,
                             decode_tokens_per_s=10.0)  # fmt: skip
-        monkeypatch.setattr(peers, "run_peers", lambda *a, peer=peer, **k: [peer])
+        monkeypatch.setattr(suite_peers, "run_peers", lambda *a, peer=peer, **k: [peer])
         (p,) = suite_peers.run_peer_set(
             target, ["transformers"], [], suite_runs.SuiteConfig(), 4, plain, log=lambda *a: None
         )
@@ -1652,6 +1660,8 @@ def test_llama_cpp_gets_one_thread_count_for_generation_and_prompts(monkeypatch)
     import sys
     import types
 
+    from jspec.bench import peer_llama_cpp
+
     made = []
 
     class Llama:
@@ -1669,7 +1679,7 @@ def test_llama_cpp_gets_one_thread_count_for_generation_and_prompts(monkeypatch)
     fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
     fake.Llama = Llama
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
-    (run,) = peers.run_llama_cpp("/x/m.gguf", [Job("p", "a", (1, 2))], techniques=("plain",), max_new_tokens=4,
+    (run,) = peer_llama_cpp.run_llama_cpp("/x/m.gguf", [Job("p", "a", (1, 2))], techniques=("plain",), max_new_tokens=4,
                                  max_len=32, eos_ids=(2,), threads=3)  # fmt: skip
     assert run.available, run.reason
     assert (made[0]["n_threads"], made[0]["n_threads_batch"]) == (3, 3)
@@ -1682,19 +1692,20 @@ def test_peer_tokens_per_round_come_from_the_streamers_pushes():
     2 tokens are 3 rounds; the first (the prefill, which verified a first draft too) is left out as jspec's
     tokens/round leaves out its prefill: 3 tokens in 2 rounds, 1.5. A second request pushing 1 then 4 adds 4
     tokens in 1 round: (3 + 4) / (2 + 1) = 7/3. A request with one push has no round after its first."""
+    from jspec.bench import peer_transformers
     from jspec.bench.metrics import RequestRecord
 
     rec = RequestRecord("p", "a", 2, 0.0, admitted=0.0)
-    s = peers._TimingStreamer(rec, time.perf_counter())
+    s = peer_transformers._TimingStreamer(rec, time.perf_counter())
     for push in ([[9, 9]], [[1, 2, 3]], [[4]], [[5, 6]]):  # the prompt, then three rounds
         s.put(np.asarray(push))
     rec.finished = 1.0
     assert [k for _, k in rec.emissions] == [3, 1, 2] and rec.tokens == [1, 2, 3, 4, 5, 6]
-    assert peers.tokens_per_round([rec]) == pytest.approx(1.5)
+    assert peer_transformers.tokens_per_round([rec]) == pytest.approx(1.5)
     other = RequestRecord("q", "a", 2, 0.0, admitted=0.0, emissions=[(0.1, 1), (0.2, 4)], tokens=[1] * 5, finished=1.0)
     once = RequestRecord("r", "a", 2, 0.0, admitted=0.0, emissions=[(0.1, 3)], tokens=[1] * 3, finished=1.0)
-    assert peers.tokens_per_round([rec, other, once]) == pytest.approx(7 / 3)
-    assert peers.tokens_per_round([once]) is None
+    assert peer_transformers.tokens_per_round([rec, other, once]) == pytest.approx(7 / 3)
+    assert peer_transformers.tokens_per_round([once]) is None
 
 
 def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_between():
@@ -1737,7 +1748,7 @@ def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_be
     target = SimpleNamespace(dtype="float32", eos_ids=(2,), path="x.gguf", decode_text=None)
     import unittest.mock
 
-    with unittest.mock.patch.object(peers, "run_peers", lambda *a, **k: [pl]):
+    with unittest.mock.patch.object(suite_peers, "run_peers", lambda *a, **k: [pl]):
         (p,) = suite_peers.run_peer_set(target, ["transformers"], [], suite_runs.SuiteConfig(), 4, None,
                                         log=lambda *a: None, jspec_runs=[plain, ng])  # fmt: skip
     assert p.info["after_jspec_s"] == {"ngram K=4": 300.0}

@@ -13,7 +13,7 @@ a difference is recorded, and ``run`` reports it (the script exits 1).
 
 At batch 1 a peer can run in the same rotation: transformers' plain greedy ``generate`` and its prompt lookup
 (``prompt_lookup_num_tokens``), on the same GGUF file and the same prompt ids, one prompt at a time
-(``peers.run_transformers``). "vs best peer" is a drafter's tokens/s over the faster of the peer's two
+(``peer_transformers.run_transformers``). "vs best peer" is a drafter's tokens/s over the faster of the peer's two
 configurations in the same pass.
 
 Drafters (``parse_drafter``): ``ngram[:K]`` (``jspec.ngram.NgramDrafter``, K = 4), ``eagle[:K]`` (the EAGLE head
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jspec.bench import metrics, peers, record, runspec, workloads
+from jspec.bench import metrics, peer_transformers, peers, record, runspec, workloads
 
 MAX_NEW_TOKENS = {"edit": 256, "chat": 128}  # edit answers copy the prompt's function: long
 REQUESTS: dict[str, Callable[[int, int], list]] = {
@@ -314,9 +314,9 @@ class Peer:
         return {"transformers plain": "plain", f"transformers prompt-lookup K={self.k}": "prompt_lookup"}
 
     def time(self, name: str, jobs, batches: Sequence[Batch], max_new: int, eos_ids, position: int):
-        (run,) = peers.run_transformers(self.path, jobs, techniques=(self.configs[name],), gamma=self.k, max_ngram=3,
-                                        max_new_tokens=max_new, eos_ids=list(eos_ids), threads=self.threads,
-                                        model=self.model)  # fmt: skip
+        (run,) = peer_transformers.run_transformers(self.path, jobs, techniques=(self.configs[name],), gamma=self.k,
+                                                    max_ngram=3, max_new_tokens=max_new, eos_ids=list(eos_ids),
+                                                    threads=self.threads, model=self.model)  # fmt: skip
         if not run.available:
             raise RuntimeError(f"{name}: {run.reason}")
         s = run.summary
@@ -420,7 +420,7 @@ def load_peer(target, settings: GridSettings, log=print) -> Peer | None:
         torch.set_num_threads(threads)
     log(f"loading transformers' model of {target.path} ...")
     k = next((d.k for d in settings.drafters if d.kind == "ngram"), DRAFTER_KINDS["ngram"])
-    return Peer(target.path, peers.load_transformers(target.path), int(k), threads)
+    return Peer(target.path, peer_transformers.load_transformers(target.path), int(k), threads)
 
 
 def run(settings: GridSettings, command: str, out: str | None = None, log=print) -> tuple[str, list[dict]]:

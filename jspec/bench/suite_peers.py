@@ -1,10 +1,11 @@
 """The peers' runs of a suite, and how each differs from jspec's run it is compared with.
 
-``run_peer_set`` runs the named peer libraries (``peers.run_peers``) on the same checkpoint file and jobs as
-jspec's runs, after them, with one thread count for both, and records in each peer run's info what makes it not
-like for like with jspec's (precision, device, threads: ``peers.like_for_like_problems``; greedy outputs other
-than jspec's plain run: ``ratios.outputs_differ``), its quality, and how long after jspec's runs it ran. The
-headline and the peers table read those records before giving a ratio.
+``run_peers`` runs the named peer libraries (``PEER_NAMES``: ``peer_transformers``, ``peer_llama_cpp``);
+``run_peer_set`` runs them on the same checkpoint file and jobs as jspec's runs, after them, with one thread count
+for both, and records in each peer run's info what makes it not like for like with jspec's (precision, device,
+threads: ``peers.like_for_like_problems``; greedy outputs other than jspec's plain run: ``ratios.outputs_differ``),
+its quality, and how long after jspec's runs it ran. The headline and the peers table read those records before
+giving a ratio.
 """
 
 from __future__ import annotations
@@ -13,10 +14,37 @@ from collections.abc import Sequence
 
 import jax
 
-from jspec.bench import checks, metrics, peers, ratios
+from jspec.bench import checks, metrics, peer_llama_cpp, peer_transformers, peers, ratios
 from jspec.bench.runspec import Load, RunResult, plain_spec
 from jspec.bench.suite_runs import SuiteConfig, _scorer
 from jspec.bench.targets import Target
+
+PEER_NAMES = ("transformers", "llama_cpp", "llama-cpp-python")  # what ``run_peers`` knows
+
+
+def run_peers(
+    names: Sequence[str], gguf_path: str | None, jobs, *, assistant_layers: int | None = None, **kw
+) -> list[peers.PeerRun]:
+    """Run the named peer libraries ("transformers", "llama_cpp"); unknown names and a missing checkpoint
+    path are recorded as skipped."""
+    max_len = kw.pop("max_len", 2048)  # llama.cpp's context size; transformers sizes its cache itself
+    out: list[peers.PeerRun] = []
+    for name in names:
+        if gguf_path is None or not str(gguf_path).endswith(".gguf"):
+            out.append(
+                peers.PeerRun(name, "plain", f"{name}", False, f"needs the GGUF checkpoint path, got {gguf_path}")
+            )
+            continue
+        if name == "transformers":
+            techniques = ["plain", "prompt_lookup"] + (["assisted"] if assistant_layers else [])
+            out += peer_transformers.run_transformers(
+                gguf_path, jobs, techniques=techniques, assistant_layers=assistant_layers, **kw
+            )
+        elif name in ("llama_cpp", "llama-cpp-python"):
+            out += peer_llama_cpp.run_llama_cpp(gguf_path, jobs, max_len=max_len, **kw)
+        else:
+            out.append(peers.PeerRun(name, "plain", name, False, f"unknown peer {name!r} (transformers, llama_cpp)"))
+    return out
 
 
 def run_peer_set(
@@ -50,7 +78,7 @@ def run_peer_set(
         return [peers.PeerRun(n, "plain", n, False, why) for n in names]
     ours = metrics.jspec_threads()
     threads = cfg.peer_threads or ours["threads"]
-    runs = peers.run_peers(
+    runs = run_peers(
         names,
         target.path,
         jobs,

@@ -49,7 +49,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def tokens_per_round_text(run: dict[str, Any], peer_info: dict[str, Any]) -> str:
-    """jspec's tokens per verify round and the peer's (where observable: ``peers.tokens_per_round``)."""
+    """jspec's tokens per verify round and the peer's (where observable: ``peer_transformers.tokens_per_round``)."""
     ours = (run.get("decode_stats") or {}).get("tokens_per_round")
     return f"{_f(ours, 2)} / {_f(peer_info.get('tokens_per_round'), 2)}"
 
