@@ -29,9 +29,9 @@ import argparse
 import math
 import time
 
-from jspec.bench import report, serving_record, suite
+from jspec.bench import headlines, plotting, report, runspec, serving_record, suite_runs, targets
 from jspec.bench.args import add_common_args, config_from_args, int_list, list_flag, make_out_dir
-from jspec.bench.runner import Load, Spec
+from jspec.bench.runspec import Load, Spec
 from jspec.drafters import DynamicTreeDrafter, ModelDrafter, TreeModelDrafter
 from jspec.tree import TreeRule, TreeSpec, check_dynamic_tree
 from models.bench_drafts import check_draft_layers, distilled_draft, truncated_draft
@@ -222,14 +222,14 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
-    target = suite.load_target(args.model, args.dtype, args.layers)
+    target = targets.load_target(args.model, args.dtype, args.layers)
     if mode is None and not args.draft:
         try:
             check_draft_layers(args.draft_layers, target.config.num_layers)
         except ValueError as e:
             ap.error(str(e))
-    jobs, desc = suite.prepare_jobs(target, cfg)
-    specs = [suite.plain_spec()]
+    jobs, desc = suite_runs.prepare_jobs(target, cfg)
+    specs = [runspec.plain_spec()]
     if args.ngram:
         for n in budgets:
             specs += [s for s in ngram_specs_for_budget(target, n) if s.label not in {t.label for t in specs}]
@@ -241,8 +241,8 @@ def main(argv=None) -> int:
         for n in budgets:
             specs += specs_for_budget(*draft, n, widths, dynamic=not args.no_dynamic, rules=rules)
     loads = [Load.closed(1, cfg.timeout_s)] + [Load.closed(c, cfg.timeout_s) for c in batches]
-    results = suite.run_specs(target, specs, loads, jobs, cfg)
-    lines = suite.headline(results)
+    results = suite_runs.run_specs(target, specs, loads, jobs, cfg)
+    lines = headlines.headline(results)
     cmd = rec.data["command"]
     serving_record.add_runs(rec, results)
     draft_name = (
@@ -252,14 +252,14 @@ def main(argv=None) -> int:
         if args.layerskip
         else args.draft or f"first {args.draft_layers} layers of the target"
     )
-    pl = suite.payload("chain_vs_tree", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd,
+    pl = report.payload("chain_vs_tree", None, suite_runs.meta(target, cfg, desc), results, headline=lines, command=cmd,
                        markdown_extra=[f"Draft model: {draft_name}. {_budget_note(args.ngram)}"])  # fmt: skip
     plots = [
-        ("chain_vs_tree_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
-        ("chain_vs_tree_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
+        ("chain_vs_tree_acceptance.png", lambda path: plotting.plot_acceptance_by_position(pl, path)),
+        ("chain_vs_tree_latency_c1.png", lambda path: plotting.plot_latency(pl, path, loads[0].name)),
     ]
     record_path = serving_record.finish(rec, headline=lines, draft=draft_name)
-    paths, _ = suite.write_results(args.out, "chain_vs_tree", pl, plots)  # results first, then the plots
+    paths, _ = report.write_results(args.out, "chain_vs_tree", pl, plots)  # results first, then the plots
     print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 

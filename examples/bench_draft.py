@@ -35,8 +35,8 @@ import numpy as np
 
 from jspec import cost_model
 from jspec import decode as dec
-from jspec.bench import metrics
-from jspec.bench.runner import predict_k_rounds
+from jspec.bench import metrics, phase_costs
+from jspec.bench.checks import predict_k_rounds
 from jspec.loaders import wants_unstacked
 from jspec.sampling import distribution, sample
 from jspec.validate import sampling_params
@@ -72,7 +72,7 @@ def get_draft(name: str, target, model: str, unstacked: bool = False):
 
 
 def _median_ms(fn, *args, n: int = 15) -> float:
-    return metrics.median_ms(lambda: fn(*args), repeats=n)
+    return phase_costs.median_ms(lambda: fn(*args), repeats=n)
 
 
 def measure_costs(target, drafts, gammas, slots: int, ctx: int) -> dict:

@@ -54,8 +54,8 @@ import numpy as np
 
 from jspec import decode as dec
 from jspec.bench import metrics
-from jspec.bench.metrics import fresh
-from jspec.bench.runner import predict_k_rounds
+from jspec.bench.checks import predict_k_rounds
+from jspec.bench.phase_costs import fresh
 from jspec.cost_model import conditional_rates_from_stats
 from jspec.drafters import DraftContext
 from jspec.loaders import wants_unstacked

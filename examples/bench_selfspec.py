@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.bench import metrics
-from jspec.bench.metrics import fresh
-from jspec.bench.runner import predict_k_rounds
+from jspec.bench import phase_costs
+from jspec.bench.checks import predict_k_rounds
+from jspec.bench.phase_costs import fresh
 from jspec.cost_model import conditional_rates_from_stats, survival_from_stats
 from jspec.decode import prepare
 from jspec.drafters import DraftContext
@@ -75,7 +75,7 @@ def exit_params_for(args, cfg, exit_layer: int, train: bool):
 
 def time_ms(fn, args, n: int = 10) -> float:
     """Median ms of ``fn(*args())``, the arguments made before each call's clock starts."""
-    return metrics.median_ms(fn, repeats=n, args=args)
+    return phase_costs.median_ms(fn, repeats=n, args=args)
 
 
 def component_parts(cfg, params, model, drafter, dparams, k: int, prompt: list[int], slots: int) -> dict:

@@ -18,9 +18,9 @@ import argparse
 import re
 import time
 
-from jspec.bench import report, serving_record, suite
+from jspec.bench import headlines, plotting, report, runspec, serving_record, suite_runs, targets
 from jspec.bench.args import add_common_args, config_from_args, int_list, make_out_dir, rate_list
-from jspec.bench.runner import Load
+from jspec.bench.runspec import Load
 
 
 def main(argv=None) -> int:
@@ -43,22 +43,24 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
-    target = suite.load_target(args.model, args.dtype, args.layers)
-    jobs, desc = suite.prepare_jobs(target, cfg)
+    target = targets.load_target(args.model, args.dtype, args.layers)
+    jobs, desc = suite_runs.prepare_jobs(target, cfg)
     loads = [Load.closed(c, cfg.timeout_s) for c in closed]
     loads += [Load.open(r, args.rows, args.seed, cfg.timeout_s) for r in rates]
-    specs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma)]
-    results = suite.run_specs(target, specs, loads, jobs, cfg)
-    lines = suite.headline(results)
+    specs = [runspec.plain_spec(), runspec.ngram_spec(target, args.gamma)]
+    results = suite_runs.run_specs(target, specs, loads, jobs, cfg)
+    lines = headlines.headline(results)
     cmd = rec.data["command"]
     serving_record.add_runs(rec, results)
-    pl = suite.payload("serving", None, suite.meta(target, cfg, desc), results, headline=lines, command=cmd)
+    pl = report.payload("serving", None, suite_runs.meta(target, cfg, desc), results, headline=lines, command=cmd)
     plots = []
     for load in loads:
         slug = re.sub(r"[^a-z0-9]+", "_", load.name.lower()).strip("_")
-        plots.append((f"serving_latency_{slug}.png", lambda path, name=load.name: report.plot_latency(pl, path, name)))
+        plots.append(
+            (f"serving_latency_{slug}.png", lambda path, name=load.name: plotting.plot_latency(pl, path, name))
+        )
     record_path = serving_record.finish(rec, headline=lines)
-    paths, _ = suite.write_results(args.out, "serving", pl, plots)  # results first, then the plots
+    paths, _ = report.write_results(args.out, "serving", pl, plots)  # results first, then the plots
     print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 

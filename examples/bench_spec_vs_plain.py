@@ -22,20 +22,20 @@ import argparse
 import dataclasses
 import time
 
-from jspec.bench import report, serving_record, suite
+from jspec.bench import headlines, plotting, report, runspec, serving_record, suite_peers, suite_runs, targets
 from jspec.bench.args import add_common_args, add_peer_args, config_from_args, make_out_dir, peer_names
-from jspec.bench.runner import Load
+from jspec.bench.runspec import Load
 from models.bench_drafts import check_draft_layers, distilled_draft, truncated_draft
 
 
-def draft_specs(target: suite.Target, args, gamma: int) -> list:
+def draft_specs(target: targets.Target, args, gamma: int) -> list:
     specs = []
     if getattr(args, "draft_layers", 0):
         m, p = truncated_draft(target, args.draft_layers)
-        specs.append(suite.model_spec(f"draft {args.draft_layers}L K={gamma}", m, p, gamma, peer="assisted"))
+        specs.append(runspec.model_spec(f"draft {args.draft_layers}L K={gamma}", m, p, gamma, peer="assisted"))
     if getattr(args, "draft", None):
         m, p = distilled_draft(target, args.draft)
-        specs.append(suite.model_spec(f"draft {args.draft} K={gamma}", m, p, gamma, peer="assisted_distilled"))
+        specs.append(runspec.model_spec(f"draft {args.draft} K={gamma}", m, p, gamma, peer="assisted_distilled"))
     return specs
 
 
@@ -93,39 +93,39 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # an unusable --compile-cache too
         ap.error(str(e))
     t0 = time.perf_counter()
-    target = suite.load_target(args.model, args.dtype, args.layers)
+    target = targets.load_target(args.model, args.dtype, args.layers)
     if args.draft_layers:
         try:
             check_draft_layers(args.draft_layers, target.config.num_layers)
         except ValueError as e:
             ap.error(str(e))
-    jobs, desc = suite.prepare_jobs(target, cfg)
-    specs = [suite.plain_spec(), suite.ngram_spec(target, args.gamma), *draft_specs(target, args, args.gamma)]
-    variants = [suite.ngram_spec(target, *v) for v in variant_args]
+    jobs, desc = suite_runs.prepare_jobs(target, cfg)
+    specs = [runspec.plain_spec(), runspec.ngram_spec(target, args.gamma), *draft_specs(target, args, args.gamma)]
+    variants = [runspec.ngram_spec(target, *v) for v in variant_args]
     # A variant is compared with the peers' prompt lookup only at the peers' K (--gamma).
     specs[2:2] = [v if v.gamma == args.gamma else dataclasses.replace(v, peer=None) for v in variants]
     loads = [Load.closed(1, cfg.timeout_s)] + ([Load.closed(args.concurrency, cfg.timeout_s)] * (args.concurrency > 1))
-    results = suite.run_specs(target, specs, loads, jobs, cfg)
+    results = suite_runs.run_specs(target, specs, loads, jobs, cfg)
     cmd = rec.data["command"]
     serving_record.add_runs(rec, results)
     rec.write()  # jspec's runs, unfinished until the peers have run
-    meta = suite.meta(target, cfg, desc)
+    meta = suite_runs.meta(target, cfg, desc)
     if names:  # jspec's runs first: the peers below are slow, and may fail or be stopped
-        pl = suite.payload("spec_vs_plain", None, meta, results, headline=suite.headline(results), command=cmd,
-                           peers_pending=names)  # fmt: skip
-        paths = suite.write_outputs(args.out, "spec_vs_plain", pl)
+        pl = report.payload("spec_vs_plain", None, meta, results, headline=headlines.headline(results), command=cmd,
+                            peers_pending=names)  # fmt: skip
+        paths = report.write_outputs(args.out, "spec_vs_plain", pl)
         print(f"jspec's runs written to {paths['json']} (the peers' runs follow)")
     plain1 = results[0]
-    peer_runs = suite.run_peer_set(target, names, jobs, cfg, args.gamma, plain1, assistant_layers=args.draft_layers,
-                                   jspec_runs=results)  # fmt: skip
-    lines = suite.headline(results, peer_runs)
-    pl = suite.payload("spec_vs_plain", None, meta, results, peer_runs, headline=lines, command=cmd)
+    peer_runs = suite_peers.run_peer_set(target, names, jobs, cfg, args.gamma, plain1,
+                                         assistant_layers=args.draft_layers, jspec_runs=results)  # fmt: skip
+    lines = headlines.headline(results, peer_runs)
+    pl = report.payload("spec_vs_plain", None, meta, results, peer_runs, headline=lines, command=cmd)
     record_path = serving_record.finish(rec, peer_runs, headline=lines)
     plots = [
-        ("spec_vs_plain_latency_c1.png", lambda path: report.plot_latency(pl, path, loads[0].name)),
-        ("spec_vs_plain_acceptance.png", lambda path: report.plot_acceptance_by_position(pl, path)),
+        ("spec_vs_plain_latency_c1.png", lambda path: plotting.plot_latency(pl, path, loads[0].name)),
+        ("spec_vs_plain_acceptance.png", lambda path: plotting.plot_acceptance_by_position(pl, path)),
     ]
-    paths, _ = suite.write_results(args.out, "spec_vs_plain", pl, plots)  # results first, then the plots
+    paths, _ = report.write_results(args.out, "spec_vs_plain", pl, plots)  # results first, then the plots
     print("\n".join(["", *lines, "", f"wrote {record_path}, {paths['markdown']} ({time.perf_counter() - t0:.0f} s)"]))
     return 0
 

@@ -1,4 +1,4 @@
-"""Draft models the benchmark scripts build for a loaded target (``jspec.bench.suite.Target``: config, params,
+"""Draft models the benchmark scripts build for a loaded target (``jspec.bench.targets.Target``: config, params,
 tokenizer): the target's own first L layers (no training), or a distilled draft by name."""
 
 from __future__ import annotations

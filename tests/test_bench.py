@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from test_decode_core import DRAFT_PARAMS, DRAFTER, TARGET, TARGET_PARAMS
 
-from jspec.bench import metrics, peers, report, runner, workloads
-from jspec.bench.runner import Job, Load, Spec
+from jspec.bench import checks, metrics, peers, plotting, ratios, report, runner, runspec, tables, workloads
+from jspec.bench.runspec import Job, Load, Spec
 from jspec.state import DecodeConfig
 from jspec.validate import check_prompts, sampling_params
 
@@ -94,7 +94,7 @@ def test_speculative_run_is_speculative_and_matches_plain(closed_runs):
     assert ds["proposed"] > 0 and 0 < ds["acceptance_rate"] < 1 and ds["tokens_per_round"] > 1
     assert ds["rounds"] < plain.decode_stats["rounds"]
     assert plain.decode_stats["proposed"] == 0 and plain.decode_stats["tokens_per_round"] == 1.0
-    q = runner.quality_summary(spec, plain)
+    q = checks.quality_summary(spec, plain)
     assert q["exact_match_vs_plain"] == 1.0 and q["exact_match_n"] == 8  # greedy: identical tokens
     zero_gaps = [x for r in spec.records if r.ok for x in r.itl() if x == 0.0]
     assert zero_gaps  # some round emitted a burst of several tokens
@@ -250,7 +250,7 @@ def test_cost_model_check_arithmetic():
     )
     plain_run = NS(summary={"decode_tokens_per_s": 100.0, "output_tokens_per_s": 112.0})
     phases = dict(draft_ms=3.0, verify_ms=12.0, state_ms=1.0, round_ms=17.0, round_narrow_ms=13.0, gamma=3)
-    cm = runner.cost_model_check(spec_run, plain_run, phases, {"round_ms": 10.0, "plain_step_ms": 8.0})
+    cm = checks.cost_model_check(spec_run, plain_run, phases, {"round_ms": 10.0, "plain_step_ms": 8.0})
     assert cm["measured_speedup"] == pytest.approx(1.5) and cm["measured_output_speedup"] == pytest.approx(1.25)
     assert cm["seed"]["accept_at"] == pytest.approx([0.8, 0.5, 0.5])
     assert cm["seed"]["expected_tokens"] == pytest.approx(2.4) and cm["seed"]["cycle_ms"] == pytest.approx(16.0)
@@ -262,7 +262,7 @@ def test_cost_model_check_arithmetic():
     assert cm["measured_rounds"]["cycle_ms"] == pytest.approx(16.0)
     assert cm["measured_rounds"]["speedup"] == pytest.approx(1.5625)
     # A tree verifies its N nodes every round: the whole cycle is the wide one whatever the fraction says.
-    tree = runner.cost_model_check(
+    tree = checks.cost_model_check(
         NS(summary=spec_run.summary, decode_stats=stats, spec=NS(kind="tree", gamma=3)),
         plain_run,
         phases,
@@ -273,13 +273,15 @@ def test_cost_model_check_arithmetic():
 
 
 def test_phase_costs_and_cost_model(closed_runs):
+    from jspec.bench import phase_costs
+
     config = DecodeConfig(3, MAX_LEN)
-    ph = metrics.measure_phases(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, config, 2, 6, repeats=2)
+    ph = phase_costs.measure_phases(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, config, 2, 6, repeats=2)
     plain_ph = {"round_ms": ph["plain_step_ms"], "plain_step_ms": ph["plain_step_ms"]}  # saves compiling plain
     for key in ("draft_ms", "verify_ms", "state_ms", "round_ms", "plain_step_ms"):
         assert ph[key] > 0, key
     assert ph["verify_positions"] == 4 and "how" in ph
-    cm = runner.cost_model_check(closed_runs["model K=3"], closed_runs["plain"], ph, plain_ph)
+    cm = checks.cost_model_check(closed_runs["model K=3"], closed_runs["plain"], ph, plain_ph)
     assert cm["measured_speedup"] > 0
     assert cm["seed"]["speedup"] > 0 and cm["seed"]["ratio_to_measured"] > 0
     assert cm["measured_en"]["expected_tokens"] == closed_runs["model K=3"].decode_stats["tokens_per_round"]
@@ -288,15 +290,15 @@ def test_phase_costs_and_cost_model(closed_runs):
 
 def test_report_writes_json_markdown_and_plots(closed_runs, tmp_path):
     runs = list(closed_runs.values())
-    runs[1].quality = runner.quality_summary(runs[1], runs[0])
+    runs[1].quality = checks.quality_summary(runs[1], runs[0])
     skipped = peers.PeerRun("llama-cpp-python", "plain", "llama-cpp-python plain", False, "not installed")
     pl = {"suite": "toy", "command": "pytest", "meta": {"environment": metrics.environment()},
           "runs": [r.to_json() for r in runs], "peers": [skipped.to_json()], "headline": ["toy: 1.00x"]}  # fmt: skip
     js = report.write_json(str(tmp_path / "toy.json"), pl)
     assert json.load(open(js))["runs"][0]["spec"]["label"] == "plain"
-    png = report.plot_latency(pl, str(tmp_path / "lat.png"))
-    acc = report.plot_acceptance_by_position(pl, str(tmp_path / "acc.png"))
-    k = report.plot_speedup_vs_k([{"series": "m", "k": 1, "speedup": 1.1, "predicted": 1.2}], str(tmp_path / "k.png"))
+    png = plotting.plot_latency(pl, str(tmp_path / "lat.png"))
+    acc = plotting.plot_acceptance_by_position(pl, str(tmp_path / "acc.png"))
+    k = plotting.plot_speedup_vs_k([{"series": "m", "k": 1, "speedup": 1.1, "predicted": 1.2}], str(tmp_path / "k.png"))
     md = report.markdown(pl, [png, acc, k])
     assert "| plain |" in md and "model K=3" in md and "skipped: not installed" in md
     assert "## Headline\n\n- toy: 1.00x" in md
@@ -306,7 +308,7 @@ def test_report_writes_json_markdown_and_plots(closed_runs, tmp_path):
 def test_passes_alternate_the_order_and_give_each_pass_ratio(closed_runs, monkeypatch):
     """--passes: A B, B A, A B; the first pass's results are reported, every pass's throughput is kept and the
     headline ratios are taken pass by pass (the canned speeds below give exact ratios)."""
-    from jspec.bench import suite
+    from jspec.bench import headlines, suite_runs
 
     speeds = iter([(10.0, 20.0), (30.0, 60.0), (40.0, 100.0), (8.0, 10.0), (12.0, 30.0), (24.0, 45.0)])
     order = []
@@ -318,28 +320,30 @@ def test_passes_alternate_the_order_and_give_each_pass_ratio(closed_runs, monkey
         summary = {**base.summary, "output_tokens_per_s": out, "decode_tokens_per_s": dec}
         return dataclasses.replace(base, summary=summary, extra={})
 
-    monkeypatch.setattr(suite, "run_one", fake_run_one)
-    monkeypatch.setattr(suite, "free_compiled", lambda: None)
-    cfg = suite.SuiteConfig(measure_phases=False, passes=3)
+    monkeypatch.setattr(suite_runs, "run_one", fake_run_one)
+    monkeypatch.setattr(suite_runs, "free_compiled", lambda: None)
+    cfg = suite_runs.SuiteConfig(measure_phases=False, passes=3)
     jobs = _jobs()
-    res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(2)], jobs, cfg, log=lambda *a: None)
+    res = suite_runs.run_specs(None, [PLAIN, CHAIN], [Load.closed(2)], jobs, cfg, log=lambda *a: None)
     assert order == ["plain", "model K=3", "model K=3", "plain", "plain", "model K=3"]
     plain, chain = res
     assert plain.summary["output_tokens_per_s"] == 10.0 and chain.summary["output_tokens_per_s"] == 30.0
-    per = suite.pass_ratios(chain, plain)
+    per = headlines.pass_ratios(chain, plain)
     assert per["output"] == pytest.approx([3.0, 5.0, 2.0]) and per["decode"] == pytest.approx([3.0, 10.0, 1.5])
     assert all(p["same_tokens_as_first_pass"] for p in chain.extra["passes"])
-    line = suite.headline(res)[0]
+    line = headlines.headline(res)[0]
     assert "median 3.00x / 3.00x" in line and "passes: 3.00, 5.00, 2.00 end-to-end" in line
     with pytest.raises(ValueError, match="passes must be >= 1"):
-        suite.run_specs(None, [PLAIN], [Load.closed(2)], jobs, suite.SuiteConfig(passes=0), log=lambda *a: None)
+        suite_runs.run_specs(
+            None, [PLAIN], [Load.closed(2)], jobs, suite_runs.SuiteConfig(passes=0), log=lambda *a: None
+        )
 
 
 def test_suite_passes_go_into_the_result_file_with_their_positions(closed_runs, monkeypatch):
     """Every pass of ``run_specs`` becomes a pass of the run's result file (``serving_record``): each config's
     tokens over its run's wall time, at its position in that pass's order (A B, B A, ...), and the ratio to plain
     is the median of the per-pass ratios (canned rates: 3, 5, 2, 4, 1.5 -> median 3)."""
-    from jspec.bench import record, serving_record, suite
+    from jspec.bench import record, serving_record, suite_runs
 
     rates = [(10.0, 30.0), (10.0, 50.0), (20.0, 40.0), (10.0, 40.0), (20.0, 30.0)]  # (plain, model) per pass
     calls = []
@@ -351,10 +355,10 @@ def test_suite_passes_go_into_the_result_file_with_their_positions(closed_runs, 
         summary = {**base.summary, "output_tokens_per_s": rate, "wall_s": base.summary["output_tokens"] / rate}
         return dataclasses.replace(base, summary=summary, extra={})
 
-    monkeypatch.setattr(suite, "run_one", fake_run_one)
-    monkeypatch.setattr(suite, "free_compiled", lambda: None)
-    cfg = suite.SuiteConfig(measure_phases=False, passes=5)
-    res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(2)], _jobs(), cfg, log=lambda *a: None)
+    monkeypatch.setattr(suite_runs, "run_one", fake_run_one)
+    monkeypatch.setattr(suite_runs, "free_compiled", lambda: None)
+    cfg = suite_runs.SuiteConfig(measure_phases=False, passes=5)
+    res = suite_runs.run_specs(None, [PLAIN, CHAIN], [Load.closed(2)], _jobs(), cfg, log=lambda *a: None)
     rec = record.Record("suite", "python -m jspec bench --passes 5", {"smoke": []}, "unused.json")
     serving_record.add_runs(rec, res)
     rec.finish()
@@ -369,12 +373,18 @@ def test_suite_passes_go_into_the_result_file_with_their_positions(closed_runs, 
 
 
 def test_missing_peer_is_skipped_with_a_reason(monkeypatch):
+    from jspec.bench import suite_peers
+
     monkeypatch.setattr(peers, "_missing", lambda mods: list(mods))
-    out = peers.run_peers(["llama_cpp", "transformers", "vllm"], "/x/model.gguf", [], max_new_tokens=4, eos_ids=[2])
+    out = suite_peers.run_peers(
+        ["llama_cpp", "transformers", "vllm"], "/x/model.gguf", [], max_new_tokens=4, eos_ids=[2]
+    )
     assert [p.available for p in out] == [False] * len(out)
     assert all(p.reason for p in out)
     assert any("unknown peer" in p.reason for p in out)
-    assert peers.run_peers(["transformers"], None, [], max_new_tokens=4, eos_ids=[2])[0].reason.startswith("needs")
+    assert suite_peers.run_peers(["transformers"], None, [], max_new_tokens=4, eos_ids=[2])[0].reason.startswith(
+        "needs"
+    )
 
 
 def test_warmup_compiles_everything_the_timed_run_calls():
@@ -386,7 +396,7 @@ def test_warmup_compiles_everything_the_timed_run_calls():
     eos, max_new, load = (2,), 9, Load.closed(2)
     jobs = [j for j in _jobs() if j.prompt is not None and len(j.prompt) + max_new <= MAX_LEN]
     lens = [len(j.prompt) for j in jobs]
-    runner._warm(TARGET, TARGET_PARAMS, CHAIN, load, MAX_LEN, eos, 64, lens, max_new, runner.Sampling())
+    runner._warm(TARGET, TARGET_PARAMS, CHAIN, load, MAX_LEN, eos, 64, lens, max_new, runspec.Sampling())
     config = runner._engine(TARGET, TARGET_PARAMS, CHAIN, load.concurrency, MAX_LEN, eos, 0, 64).config
     fns = _engine_fns(TARGET, DRAFTER, config, 1)
     before = [f._cache_size() for f in fns]
@@ -405,7 +415,7 @@ def test_warmup_compiles_the_clamped_last_bucket():
 
     eos, max_new, load, bucket = (2,), 2, Load.closed(1), 30
     jobs = [Job("long", "a", (1,) * 62)]  # 62 tokens + 2 new = max_len
-    runner._warm(TARGET, TARGET_PARAMS, PLAIN, load, MAX_LEN, eos, bucket, [62], max_new, runner.Sampling())
+    runner._warm(TARGET, TARGET_PARAMS, PLAIN, load, MAX_LEN, eos, bucket, [62], max_new, runspec.Sampling())
     config = runner._engine(TARGET, TARGET_PARAMS, PLAIN, load.concurrency, MAX_LEN, eos, 0, bucket).config
     fns = _engine_fns(TARGET, None, config, 1)
     before = [f._cache_size() for f in fns]
@@ -440,15 +450,14 @@ def test_spec_takes_adaptive_as_decode_does():
     from types import SimpleNamespace
 
     from jspec.adaptive import AdaptiveK
-    from jspec.bench import suite
 
     on = Spec("chain", DRAFTER, 3, DRAFT_PARAMS, adaptive=True)
     assert on.adaptive == AdaptiveK() and on.describe()["adaptive"] == dataclasses.asdict(AdaptiveK())
     assert Spec("chain", DRAFTER, 3, DRAFT_PARAMS, adaptive=False).adaptive is None
     assert Spec("chain", DRAFTER, 3, DRAFT_PARAMS, adaptive=np.True_).adaptive == AdaptiveK()
     target = SimpleNamespace(model=TARGET)
-    assert suite.ngram_spec(target, adaptive=False).label == "ngram K=4"
-    assert suite.ngram_spec(target, adaptive=True).label == "ngram K=4 adaptive"
+    assert runspec.ngram_spec(target, adaptive=False).label == "ngram K=4"
+    assert runspec.ngram_spec(target, adaptive=True).label == "ngram K=4 adaptive"
 
 
 def test_chain_vs_tree_budgets():
@@ -500,7 +509,7 @@ def test_ngram_variants_parse_and_label():
     """bench_spec_vs_plain --ngram-variants: 'K' keeps the default 3..1 n-gram range, 'K,MAX,MIN' sets it, and
     the spec's label names a non-default range (specs in one run need distinct labels); malformed values are
     an error naming the flag."""
-    from jspec.bench import suite
+    from jspec.bench import targets
 
     bench = _examples_module("bench_spec_vs_plain")
 
@@ -509,10 +518,10 @@ def test_ngram_variants_parse_and_label():
     for bad in ("8,4", "x", "8,1,2", "0"):
         with pytest.raises(SystemExit, match="--ngram-variants"):
             bench.ngram_variant(bad)
-    target = suite.Target("toy", None, None, TARGET, None, None, "float32")
-    labels = [suite.ngram_spec(target, *bench.ngram_variant(v)).label for v in ("8", "8,4,2")]
+    target = targets.Target("toy", None, None, TARGET, None, None, "float32")
+    labels = [runspec.ngram_spec(target, *bench.ngram_variant(v)).label for v in ("8", "8,4,2")]
     assert labels == ["ngram K=8", "ngram K=8 n=4..2"]
-    spec = suite.ngram_spec(target, 8, 4, 2)
+    spec = runspec.ngram_spec(target, 8, 4, 2)
     assert (spec.gamma, spec.drafter.max_ngram, spec.drafter.min_ngram) == (8, 4, 2)
 
 
@@ -592,7 +601,7 @@ def test_peer_emissions_are_cut_with_their_tokens_at_eos():
     """transformers' streamer pushes tokens past EOS; they are cut from the record, and so must their bursts be
     (else zero gaps for dropped tokens pull the peer's inter-token intervals towards 0)."""
     from jspec.bench.metrics import RequestRecord
-    from jspec.bench.peers import _trim_emissions
+    from jspec.bench.peer_transformers import _trim_emissions
 
     rec = RequestRecord("r", "a", 0, 0.0)
     rec.emissions = [(0.1, 1), (0.2, 3), (0.3, 2)]
@@ -643,7 +652,7 @@ def test_phase_pieces_compose_to_the_round_for_every_drafter_path():
     EAGLE verifies through its own call (the piece timed a plain target call the round never makes), and a
     greedy batch verifies on argmax ids (the pieces built [B, T, V] distributions). Composed, the pieces
     must commit exactly the sequence the real round commits; sampled, they must run."""
-    from jspec.bench.metrics import _phase_fns, fresh
+    from jspec.bench.phase_costs import _phase_fns, fresh
 
     rows = np.asarray([[1, 5, 9, 3, 7, 2], [2, 4, 6, 8, 10, 12]], np.int32)
     for name, target, tp, drafter, dp, k in _phase_drafters():
@@ -673,7 +682,7 @@ def test_run_settings_are_checked_before_any_request():
         (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
         (dict(max_new_tokens=4, max_len=0), "max_len must be an integer >= 1, got 0"),
         (dict(max_new_tokens=4, max_wall_s=-1), "max_wall_s must be >= 0 seconds"),
-        (dict(max_new_tokens=4, sampling=runner.Sampling(top_p=1.5)), r"top_p must be in \(0, 1\]"),
+        (dict(max_new_tokens=4, sampling=runspec.Sampling(top_p=1.5)), r"top_p must be in \(0, 1\]"),
     ]
     for kw, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -692,13 +701,13 @@ def test_peer_ratios_compare_like_with_like():
     import argparse
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import suite_peers, suite_runs
     from jspec.bench.args import add_common_args, config_from_args
 
     target = SimpleNamespace(model=SimpleNamespace(vocab_size=8), dtype="bfloat16", eos_ids=(2,), path="x.gguf")
-    assert suite.ngram_spec(target, 4).peer == "prompt_lookup"
-    assert suite.ngram_spec(target, 4, 8, 4).peer is None
-    skipped = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, None)
+    assert runspec.ngram_spec(target, 4).peer == "prompt_lookup"
+    assert runspec.ngram_spec(target, 4, 8, 4).peer is None
+    skipped = suite_peers.run_peer_set(target, ["transformers"], [], suite_runs.SuiteConfig(), 4, None)
     assert not skipped[0].available and "jspec runs bfloat16 here, transformers float32" in skipped[0].reason
     ap = argparse.ArgumentParser()
     add_common_args(ap)
@@ -742,14 +751,16 @@ def test_peer_runs_record_their_weights_cache_and_device(tmp_path, monkeypatch):
     """llama.cpp runs the GGUF's own types (the default model: 210 Q4_1 tensors, 61 F32, 1 Q8_0) and an f16 KV
     cache; transformers falls back to the CPU when torch sees no GPU. Each is recorded, and compared with
     jspec's dtype and JAX's backend, every difference is named."""
+    from jspec.bench import peer_llama_cpp, peer_transformers
+
     w = peers.gguf_weights(_tiny_gguf(tmp_path / "t.gguf"))
     assert w == {"file_type": "MOSTLY_Q4_1", "tensor_types": {"Q4_1": 1, "F32": 2}, "dtype": "F32+Q4_1"}
     from types import SimpleNamespace
 
     ctx = SimpleNamespace(type_k=1, type_v=1)  # llama.cpp's default context: GGML_TYPE_F16 keys and values
-    info = peers.llama_cpp_info(str(tmp_path / "t.gguf"), SimpleNamespace(context_params=ctx), False)
+    info = peer_llama_cpp.llama_cpp_info(str(tmp_path / "t.gguf"), SimpleNamespace(context_params=ctx), False)
     assert info["weights_dtype"] == "F32+Q4_1" and info["kv_cache_dtype"] == "float16" and info["device"] == "cpu"
-    assert peers.llama_cpp_info(str(tmp_path / "t.gguf"), SimpleNamespace(), True)["kv_cache_dtype"] is None
+    assert peer_llama_cpp.llama_cpp_info(str(tmp_path / "t.gguf"), SimpleNamespace(), True)["kv_cache_dtype"] is None
     assert peers.like_for_like_problems(_LLAMA_INFO, dtype="float32", backend="cpu") == [
         "native Q4_1+F32+Q8_0 weights",
         "float16 KV cache",
@@ -769,7 +780,7 @@ def test_peer_runs_record_their_weights_cache_and_device(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    dev = peers._torch_device(None)
+    dev = peer_transformers._torch_device(None)
     assert dev == "cpu"
     assert "peer on cpu, jspec on gpu" in peers.like_for_like_problems({**_TORCH_INFO, "device": dev},
                                                                         dtype="float32", backend="gpu")  # fmt: skip
@@ -787,8 +798,8 @@ def _fake_run(spec, out, dec, group=None):
     load = Load.closed(1)
     summary = {**metrics.summarize_requests([], 1.0), "output_tokens_per_s": out, "decode_tokens_per_s": dec}
     extra = {"group": group} if group else {}
-    return runner.RunResult(spec, load, runner.Sampling(), 8, [], summary, {"tokens_per_round": 1.0}, {}, {},
-                            extra=extra)  # fmt: skip
+    return runspec.RunResult(spec, load, runspec.Sampling(), 8, [], summary, {"tokens_per_round": 1.0}, {}, {},
+                             extra=extra)  # fmt: skip
 
 
 def _fake_peer(label, technique, out, dec, info, problems):
@@ -813,9 +824,9 @@ def test_peer_ratios_only_like_for_like_in_headline_and_table():
         _fake_peer("transformers prompt-lookup K=4", "prompt_lookup", 10.0, 10.0, {**_TORCH_INFO, "gamma": 4}, []),
         _fake_peer("transformers(unchecked) prompt-lookup K=3", "prompt_lookup", 5.0, 5.0, _TORCH_INFO, None),
     ]
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
-    (line,) = suite.headline(results, runs)
+    (line,) = headlines.headline(results, runs)
     assert "vs transformers prompt-lookup K=3: 2.00x end-to-end, 3.00x decode" in line
     assert (
         "vs llama-cpp-python prompt-lookup K=3: no ratio (native Q4_1+F32+Q8_0 weights; float16 KV cache; "
@@ -826,9 +837,9 @@ def test_peer_ratios_only_like_for_like_in_headline_and_table():
     assert "transformers(unchecked) prompt-lookup K=3: no ratio (not checked against jspec's precision" in line
     assert line.count("x end-to-end") == 1
     adaptive = dataclasses.replace(spec, adaptive=True)
-    assert "jspec adapts K (up to 3)" in report.ratio_blockers(_TORCH_INFO | {"not_like_for_like": []},
+    assert "jspec adapts K (up to 3)" in ratios.ratio_blockers(_TORCH_INFO | {"not_like_for_like": []},
                                                                "prompt_lookup", adaptive.describe())  # fmt: skip
-    table = report.peers_table([r.to_json(False) for r in results], [p.to_json(False) for p in runs])
+    table = tables.peers_table([r.to_json(False) for r in results], [p.to_json(False) for p in runs])
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
     assert "| 2.00x | 3.00x |" in rows["transformers prompt-lookup K=3"]
     assert (
@@ -844,7 +855,7 @@ def test_run_peer_set_records_what_is_not_like_for_like(monkeypatch):
     ran on another count (llama.cpp's prompts on 4 threads; transformers on 3 when told 3) is not like for like."""
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import suite_peers, suite_runs
 
     fake = [
         _fake_peer("llama-cpp-python plain", "plain", 20.0, 20.0, {**_LLAMA_INFO, "threads": 2, "threads_batch": 4},
@@ -852,11 +863,13 @@ def test_run_peer_set_records_what_is_not_like_for_like(monkeypatch):
         _fake_peer("transformers plain", "plain", 20.0, 20.0, {**_TORCH_INFO, "threads": 2}, None),
     ]  # fmt: skip
     given = {}
-    monkeypatch.setattr(peers, "run_peers", lambda *a, **k: given.update(k) or fake)
+    monkeypatch.setattr(suite_peers, "run_peers", lambda *a, **k: given.update(k) or fake)
     monkeypatch.setattr(metrics, "jspec_threads", lambda: {"threads": 2, "how": "two CPUs"})
     target = SimpleNamespace(dtype="float32", eos_ids=(2,), path="x.gguf", decode_text=None)
     logged = []
-    out = suite.run_peer_set(target, ["llama_cpp", "transformers"], [], suite.SuiteConfig(), 4, None, log=logged.append)
+    out = suite_peers.run_peer_set(
+        target, ["llama_cpp", "transformers"], [], suite_runs.SuiteConfig(), 4, None, log=logged.append
+    )
     backend = jax.default_backend()
     assert given["threads"] == 2
     assert out[0].info["jspec"] == {"dtype": "float32", "backend": backend, "threads": 2, "threads_how": "two CPUs"}
@@ -867,7 +880,9 @@ def test_run_peer_set_records_what_is_not_like_for_like(monkeypatch):
                                                                              "jspec runs float32"])  # fmt: skip
     assert "not like for like: native Q4_1" in logged[0]
     fake[1].info.update(threads=3)  # what torch reports after set_num_threads(3)
-    out = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(peer_threads=3), 4, None, log=print)
+    out = suite_peers.run_peer_set(
+        target, ["transformers"], [], suite_runs.SuiteConfig(peer_threads=3), 4, None, log=print
+    )
     assert given["threads"] == 3
     if backend == "cpu":
         assert out[1].info["not_like_for_like"] == ["peer on 3 threads, jspec on 2", "jspec runs float32"]
@@ -957,7 +972,7 @@ def test_sweep_groups_pair_each_run_with_its_own_plain(closed_runs, monkeypatch)
     """bench_sweeps' K sweep and batch sweep both run at closed c=1 (other jobs, other moments): each
     n-gram run is divided by the plain run of its own sweep. Canned speeds: K sweep plain 10 / chain 30 tok/s
     (3.00x), batch sweep plain 20 / chain 30 (1.50x); the old pairing divided both by the K sweep's plain."""
-    from jspec.bench import suite
+    from jspec.bench import headlines, suite_runs
 
     speeds = iter([10.0, 30.0, 20.0, 30.0])
 
@@ -967,13 +982,13 @@ def test_sweep_groups_pair_each_run_with_its_own_plain(closed_runs, monkeypatch)
         summary = {**base.summary, "output_tokens_per_s": v, "decode_tokens_per_s": v}
         return dataclasses.replace(base, load=load, summary=summary, extra={})
 
-    monkeypatch.setattr(suite, "run_one", fake_run_one)
-    monkeypatch.setattr(suite, "free_compiled", lambda: None)
-    cfg = suite.SuiteConfig(measure_phases=False)
+    monkeypatch.setattr(suite_runs, "run_one", fake_run_one)
+    monkeypatch.setattr(suite_runs, "free_compiled", lambda: None)
+    cfg = suite_runs.SuiteConfig(measure_phases=False)
     quiet = dict(log=lambda *a: None)
-    res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, group="K sweep", **quiet)
-    res += suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, group="batch sweep b=1", **quiet)
-    lines = suite.headline(res)
+    res = suite_runs.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, group="K sweep", **quiet)
+    res += suite_runs.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, group="batch sweep b=1", **quiet)
+    lines = headlines.headline(res)
     assert lines[0].startswith("model K=3 @ closed c=1, K sweep: 3.00x plain end-to-end")
     assert lines[1].startswith("model K=3 @ closed c=1, batch sweep b=1: 1.50x plain end-to-end")
     md = report.markdown({"runs": [r.to_json(False) for r in res], "meta": {}})
@@ -1027,8 +1042,8 @@ def _fake_result(spec, summary, load=None, passes=None):
     stats = {"tokens_per_round": 1.0, "acceptance_rate": 0.5}
     extra = {"passes": passes} if passes is not None else {}
     stats.update(accepted_at=[1, 1, 1], proposed_at=[2, 2, 2])
-    return runner.RunResult(spec, load or Load.closed(1), runner.Sampling(), 8, [], summary, stats, {}, {},
-                            extra=extra)  # fmt: skip
+    return runspec.RunResult(spec, load or Load.closed(1), runspec.Sampling(), 8, [], summary, stats, {}, {},
+                             extra=extra)  # fmt: skip
 
 
 def test_no_ratio_between_runs_that_served_different_requests():
@@ -1036,24 +1051,24 @@ def test_no_ratio_between_runs_that_served_different_requests():
     speculative run r0 only (r1 not run). Their rates are over different work, so no speedup is printed (the old
     headline said 2.00x), in the headline, the results table, the cost-model check, a pass's ratio, the sweeps'
     points and against a peer."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
     full, cut = ["finished", "finished"], ["finished", "not_run"]
     assert _outcome_summary(full, 1, 1)["request_set"] != _outcome_summary(cut, 1, 1)["request_set"]
     assert _outcome_summary(full, 1, 1)["request_set"] == _outcome_summary(full, 5, 5)["request_set"]
     # Same counts, other requests: still different work.
     a, b = _outcome_summary(["finished", "not_run"], 1, 1), _outcome_summary(["not_run", "finished"], 1, 1)
-    assert "the same counts but other requests" in report.requests_differ(a, b)
-    assert report.requests_differ({"finished": 2}, {"finished": 2}) is None  # older results: counts only
+    assert "the same counts but other requests" in ratios.requests_differ(a, b)
+    assert ratios.requests_differ({"finished": 2}, {"finished": 2}) is None  # older results: counts only
     plain = _fake_result(PLAIN, _outcome_summary(full, 10.0, 10.0))
     spec = _fake_result(CHAIN, _outcome_summary(cut, 20.0, 20.0))
-    (line,) = suite.headline([plain, spec])
+    (line,) = headlines.headline([plain, spec])
     assert "no ratio to plain in pass 1 (different requests served (this run 1/2 finished, 1 not run, plain 2/2" in line
     assert "x plain" not in line and "2.00x" not in line
-    table = report.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
+    table = tables.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
     row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
     assert row.count("no ratio: different requests") == 2 and "2.00x" not in row
-    cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
+    cm = checks.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
                                  {"round_ms": 10.0, "plain_step_ms": 8.0})  # fmt: skip
     assert cm["measured_speedup"] is None and cm["measured_output_speedup"] is None
     assert "different requests" in cm["different_requests"] and cm["measured_rounds"]["ratio_to_measured"] is None
@@ -1070,23 +1085,23 @@ def test_no_ratio_between_runs_that_served_different_requests():
           dict(same, output_tokens_per_s=20.0, decode_tokens_per_s=20.0)]  # fmt: skip
     p3 = _fake_result(PLAIN, _outcome_summary(full, 10.0, 10.0), passes=pp)
     s3 = _fake_result(CHAIN, _outcome_summary(full, 30.0, 30.0), passes=sp)
-    assert suite.pass_ratios(s3, p3)["output"] == [3.0, None, 2.0]
-    (line,) = suite.headline([p3, s3])
+    assert headlines.pass_ratios(s3, p3)["output"] == [3.0, None, 2.0]
+    (line,) = headlines.headline([p3, s3])
     assert "passes: 3.00, -, 2.00 end-to-end" in line and "median 2.50x / 2.50x" in line
     assert "'-': that pass's runs served different requests" in line
     # A peer that served both requests against jspec's run that served one.
     peer = _fake_peer("transformers assisted K=3", "assisted", 5.0, 5.0, _TORCH_INFO, [])
     peer.summary.update(_outcome_summary(full, 5.0, 5.0))
-    (line,) = suite.headline([plain, spec], [peer])
+    (line,) = headlines.headline([plain, spec], [peer])
     assert "vs transformers assisted K=3: no ratio (different requests served (jspec 1/2" in line
-    table = report.peers_table([plain.to_json(False), spec.to_json(False)], [peer.to_json(False)])
+    table = tables.peers_table([plain.to_json(False), spec.to_json(False)], [peer.to_json(False)])
     assert "no ratio: different requests served" in table and "4.00x" not in table
 
 
 def test_peer_ratio_takes_the_median_of_jspecs_passes():
     """A peer runs once; jspec with --passes 3 ran at 30 (pass 1), 90 and 60 tok/s. The ratio to the peer's 30
     tok/s is the median pass, 60 / 30 = 2.00x, labelled as such (the old ratio took pass 1: 1.00x)."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
     spec = Spec("ngram K=3", DRAFTER, 3, DRAFT_PARAMS, peer="prompt_lookup")
     full = ["finished", "finished"]
@@ -1097,10 +1112,10 @@ def test_peer_ratio_takes_the_median_of_jspecs_passes():
     ng = _fake_result(spec, base, passes=passes)
     peer = _fake_peer("transformers prompt-lookup K=3", "prompt_lookup", 30.0, 30.0, _TORCH_INFO, [])
     peer.summary.update(_outcome_summary(full, 30.0, 30.0))
-    (line,) = suite.headline([plain, ng], [peer])
+    (line,) = headlines.headline([plain, ng], [peer])
     assert ("vs transformers prompt-lookup K=3: 2.00x end-to-end, 2.00x decode (jspec: median of 3 passes; the "
             "peer: its one run)") in line  # fmt: skip
-    table = report.peers_table([plain.to_json(False), ng.to_json(False)], [peer.to_json(False)])
+    table = tables.peers_table([plain.to_json(False), ng.to_json(False)], [peer.to_json(False)])
     row = table.splitlines()[2]
     assert "| 60.0 (median of 3 passes) | 2.00x | 2.00x |" in row
     assert "jspec out tok/s (median of its passes)" in table.splitlines()[0]
@@ -1110,19 +1125,19 @@ def test_open_loop_prints_no_end_to_end_ratio():
     """An open loop's wall time is the arrivals' span whatever the decoding speed: its end-to-end ratio (here
     1.00x) says nothing about speculation, so only the decode ratio is printed, in the headline, the table and
     the cost-model check."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
     load = Load.open(2.0, rows=2)
     full = ["finished", "finished"]
     plain = _fake_result(PLAIN, _outcome_summary(full, 10.0, 20.0), load)
     spec = _fake_result(CHAIN, _outcome_summary(full, 10.0, 50.0), load)
-    (line,) = suite.headline([plain, spec])
+    (line,) = headlines.headline([plain, spec])
     assert line.startswith("model K=3 @ open 2/s rows=2: 2.50x plain decode (end-to-end: arrival-bound")
     assert "end-to-end," not in line and "1.00x" not in line
-    table = report.results_table([plain.to_json(False), spec.to_json(False)], load.name)
+    table = tables.results_table([plain.to_json(False), spec.to_json(False)], load.name)
     row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
     assert "| - (arrival-bound) |" in row and "| 2.50x |" in row
-    cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
+    cm = checks.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
                                  {"round_ms": 10.0, "plain_step_ms": 8.0})  # fmt: skip
     assert cm["measured_output_speedup"] is None and cm["measured_speedup"] == pytest.approx(2.5)
     assert "arrival-bound" in cm["output_speedup_note"]
@@ -1141,13 +1156,13 @@ def test_cost_model_prices_the_k_the_rounds_drafted():
                   spec=NS(kind="chain", gamma=4))  # fmt: skip
     plain_run = NS(summary={"decode_tokens_per_s": 100.0, "output_tokens_per_s": 112.0})
     phases = dict(draft_ms=4.0, verify_ms=12.0, state_ms=1.0, round_ms=17.0, gamma=4)
-    cm = runner.cost_model_check(spec_run, plain_run, phases, {"round_ms": 10.0, "plain_step_ms": 8.0})
+    cm = checks.cost_model_check(spec_run, plain_run, phases, {"round_ms": 10.0, "plain_step_ms": 8.0})
     assert cm["seed"]["cycle_ms"] == pytest.approx(17.0) and cm["seed"]["expected_tokens"] == pytest.approx(2.2)
     assert cm["seed"]["accept_at"] == pytest.approx([0.8, 0.5, 0.0, 0.0])
     assert cm["seed"]["speedup"] == pytest.approx(10 * 2.2 / 17)
-    pred = runner.predict_k_rounds(10.0, 1.0, 12.0, [0.8, 0.5], 4, 1.0)
+    pred = checks.predict_k_rounds(10.0, 1.0, 12.0, [0.8, 0.5], 4, 1.0)
     assert pred.gamma == 4 and pred.cycle_ms == pytest.approx(17.0)
-    assert runner.predict_k_rounds(10.0, 1.0, 12.0, [0.8, 0.5, 0.5], 2).accept_at == (0.8, 0.5)
+    assert checks.predict_k_rounds(10.0, 1.0, 12.0, [0.8, 0.5, 0.5], 2).accept_at == (0.8, 0.5)
 
 
 def test_run_memory_says_the_device_peak_is_the_processs(closed_runs):
@@ -1316,15 +1331,15 @@ def test_suite_writes_its_results_before_plots_and_without_matplotlib(closed_run
     import sys
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import suite, suite_runs, targets
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
-    monkeypatch.setattr(suite, "load_target", lambda *a: SimpleNamespace(model=TARGET))
-    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: (_jobs(), {"input_len": {"median": 2.0}}))
-    monkeypatch.setattr(suite, "meta", lambda *a: {})
+    monkeypatch.setattr(targets, "load_target", lambda *a: SimpleNamespace(model=TARGET))
+    monkeypatch.setattr(suite_runs, "prepare_jobs", lambda target, cfg: (_jobs(), {"input_len": {"median": 2.0}}))
+    monkeypatch.setattr(suite_runs, "meta", lambda *a: {})
     runs = [dataclasses.replace(r, load=Load.closed(1), extra={}) for r in closed_runs.values()]
-    monkeypatch.setattr(suite, "run_specs", lambda *a, **k: runs)
+    monkeypatch.setattr(suite_runs, "run_specs", lambda *a, **k: runs)
     out = tmp_path / "out"
     argv = ["--out", str(out), "--name", "toy", "--peers", "none", "--compile-cache", "none", "--concurrency", "1",
             "--record", str(tmp_path / "r.json")]  # fmt: skip
@@ -1338,10 +1353,9 @@ def test_suite_writes_its_results_before_plots_and_without_matplotlib(closed_run
 
 def test_write_results_draws_plots_after_the_results(tmp_path):
     """With matplotlib, each plot is drawn once the JSON and Markdown are on disk, and linked from the Markdown."""
-    from jspec.bench import suite
 
-    if report.plotting_unavailable():
-        pytest.skip(report.plotting_unavailable())
+    if plotting.plotting_unavailable():
+        pytest.skip(plotting.plotting_unavailable())
     seen = []
 
     def draw(path):
@@ -1349,7 +1363,7 @@ def test_write_results_draws_plots_after_the_results(tmp_path):
         open(path, "w").close()
         return path
 
-    paths, drawn = suite.write_results(str(tmp_path), "x", {"suite": "x", "runs": []}, [("x_plot.png", draw)])
+    paths, drawn = report.write_results(str(tmp_path), "x", {"suite": "x", "runs": []}, [("x_plot.png", draw)])
     assert seen == [["x.json", "x.md"]] and drawn == [str(tmp_path / "x_plot.png")]
     assert "![x_plot.png](x_plot.png)" in (tmp_path / "x.md").read_text()
 
@@ -1358,7 +1372,7 @@ def test_runs_that_finished_nothing_get_no_ratio():
     """max_new_tokens past max_len: every request was refused by Engine.add, both runs finished 0 of N and the
     headline printed "0.00x plain". runner.run refuses the setting up front, and a run that finished no request
     gets no ratio (headline, results table, cost-model check)."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
     from jspec.bench.metrics import RequestRecord
 
     with pytest.raises(ValueError, match=r"max_new_tokens \(65\) must be <= max_len \(64\): no request could fit"):
@@ -1366,25 +1380,25 @@ def test_runs_that_finished_nothing_get_no_ratio():
     failed = [RequestRecord(f"r{i}", "a", 2, 0.0, stop_reason="error", error="ValueError: must fit") for i in range(2)]
     summary = metrics.summarize_requests(failed, 1.0)
     plain, spec = _fake_result(PLAIN, summary), _fake_result(CHAIN, dict(summary))
-    (line,) = suite.headline([plain, spec])
+    (line,) = headlines.headline([plain, spec])
     assert "no ratio to plain in pass 1 (this run finished no requests (0/2 finished, 2 failed))" in line, line
     assert "0.00x" not in line
-    table = report.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
+    table = tables.results_table([plain.to_json(False), spec.to_json(False)], "closed c=1")
     row = next(r for r in table.splitlines() if r.startswith("| model K=3 |"))
     assert row.count("no ratio: nothing served") == 2 and "0.00x" not in row
-    cm = runner.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
+    cm = checks.cost_model_check(spec, plain, {"draft_ms": 3.0, "verify_ms": 12.0, "state_ms": 1.0, "round_ms": 17.0},
                                  {"round_ms": 10.0, "plain_step_ms": 8.0})  # fmt: skip
     assert cm["measured_speedup"] is None and "finished no requests" in cm["different_requests"]
 
 
 def test_bench_scripts_refuse_bad_settings_before_loading_a_model(monkeypatch, capsys):
     """The example suite scripts share the suite's checks (``args.config_from_args``) and their own counts."""
-    from jspec.bench import suite
+    from jspec.bench import targets
 
     def no_load(*_, **__):
         raise AssertionError("the settings must be refused before a model is loaded")
 
-    monkeypatch.setattr(suite, "load_target", no_load)
+    monkeypatch.setattr(targets, "load_target", no_load)
     for name, argv, message in (
         ("bench_serving", ["--phase-repeats", "0"], "--phase-repeats 0: must be >= 1"),
         ("bench_serving", ["--rows", "0"], "--rows 0: must be >= 1"),
@@ -1403,16 +1417,16 @@ def test_bench_scripts_refuse_bad_settings_before_loading_a_model(monkeypatch, c
 def test_a_pass_that_decoded_nothing_after_the_first_tokens_has_no_decode_ratio():
     """max_new_tokens=1: every token is a request's first, so decode rates are 0 on both sides; the per-pass
     decode ratios were 0 / 1e-9 = 0.00x while the headline said "no ratio". Output ratios stay (10 / 5 = 2)."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
     def passes(out, dec):
         return [{"output_tokens_per_s": out, "decode_tokens_per_s": dec} for _ in range(2)]
 
     spec, plain = _fake_result(CHAIN, {}, passes=passes(10.0, 0.0)), _fake_result(PLAIN, {}, passes=passes(5.0, 0.0))
-    assert suite.pass_ratios(spec, plain) == {"output": [2.0, 2.0], "decode": [None, None]}
+    assert headlines.pass_ratios(spec, plain) == {"output": [2.0, 2.0], "decode": [None, None]}
     spec = _fake_result(CHAIN, {}, passes=passes(10.0, 3.0))
     plain = _fake_result(PLAIN, {}, passes=passes(5.0, 1.5))
-    assert suite.pass_ratios(spec, plain) == {"output": [2.0, 2.0], "decode": [2.0, 2.0]}
+    assert headlines.pass_ratios(spec, plain) == {"output": [2.0, 2.0], "decode": [2.0, 2.0]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1439,19 +1453,19 @@ def test_suite_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch):
     the peers'. Canned rates: plain 10 / 10 tok/s, n-gram 20 / 30 (2.00x end to end, 3.00x decode)."""
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import suite, suite_peers, suite_runs, targets
 
     runs = [_tabled(_fake_run(PLAIN, 10.0, 10.0)), _tabled(_fake_run(_ngram_spec(), 20.0, 30.0))]
-    monkeypatch.setattr(suite, "load_target", lambda *a: SimpleNamespace(model=TARGET))
-    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {"input_len": {"median": 2.0}}))
-    monkeypatch.setattr(suite, "meta", lambda *a: {})
-    monkeypatch.setattr(suite, "run_specs", lambda *a, **k: runs)
-    monkeypatch.setattr(suite, "write_results", lambda out, name, pl, plots: (suite.write_outputs(out, name, pl), []))
+    monkeypatch.setattr(targets, "load_target", lambda *a: SimpleNamespace(model=TARGET))
+    monkeypatch.setattr(suite_runs, "prepare_jobs", lambda target, cfg: ([], {"input_len": {"median": 2.0}}))
+    monkeypatch.setattr(suite_runs, "meta", lambda *a: {})
+    monkeypatch.setattr(suite_runs, "run_specs", lambda *a, **k: runs)
+    monkeypatch.setattr(report, "write_results", lambda out, name, pl, plots: (report.write_outputs(out, name, pl), []))
 
     def peers_fail(*a, **kw):
         raise KeyboardInterrupt  # stopped while the peers ran
 
-    monkeypatch.setattr(suite, "run_peer_set", peers_fail)
+    monkeypatch.setattr(suite_peers, "run_peer_set", peers_fail)
     out = tmp_path / "out"
     argv = [
         "--out",
@@ -1474,7 +1488,7 @@ def test_suite_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch):
     assert "| ngram K=4 |" in (out / "s.md").read_text()
     peer = _fake_peer("transformers plain", "plain", 5.0, 5.0, _TORCH_INFO, [])
     given = {}
-    monkeypatch.setattr(suite, "run_peer_set", lambda *a, **kw: given.update(kw, cfg=a[3]) or [peer])
+    monkeypatch.setattr(suite_peers, "run_peer_set", lambda *a, **kw: given.update(kw, cfg=a[3]) or [peer])
     assert suite.main([*argv, "--peer-threads", "3", "--record", str(tmp_path / "r2.json")]) == 0
     res = json.loads((out / "s.json").read_text())
     assert [p["label"] for p in res["peers"]] == ["transformers plain"] and "peers_pending" not in res
@@ -1499,25 +1513,25 @@ def test_greedy_outputs_that_differ_from_plain_are_flagged():
     ratios (3.00x end to end, 2.50x decode) are flagged in the headline, the results table and the cost table. So
     is a run with every finished request equal but other totals of output tokens (40 vs 36: a timed-out request's
     tokens count too). The control (the same tokens) and a sampled run (T = 0.8) are not flagged."""
-    from jspec.bench import suite
+    from jspec.bench import headlines
 
     plain = _with_records(_tabled(_fake_run(PLAIN, 10.0, 20.0)), {"r0": [1, 2, 3], "r1": [4, 5]})
     spec = _with_records(_tabled(_fake_run(_ngram_spec(), 30.0, 50.0)), {"r0": [1, 2, 3], "r1": [4, 6]})
     same = _with_records(_tabled(_fake_run(_ngram_spec(), 30.0, 50.0)), {"r0": [1, 2, 3], "r1": [4, 5]})
-    q = runner.quality_summary(spec, plain)
+    q = checks.quality_summary(spec, plain)
     assert (q["exact_match_vs_plain"], q["exact_match_n"], q["differ_from_plain_n"]) == (0.5, 2, 1)
-    assert runner.quality_summary(same, plain)["differ_from_plain_n"] == 0
+    assert checks.quality_summary(same, plain)["differ_from_plain_n"] == 0
     for r in (spec, same):
-        r.quality = runner.quality_summary(r, plain)
+        r.quality = checks.quality_summary(r, plain)
         r.cost_model = {"measured_output_speedup": 3.0, "measured_speedup": 2.5}
-    (line,) = suite.headline([plain, spec])
+    (line,) = headlines.headline([plain, spec])
     assert line.startswith("ngram K=4 @ closed c=1: 3.00x plain end-to-end, 2.50x decode [outputs differ from plain: "
                            "1 of 2 requests: the ratios compare other outputs]")  # fmt: skip
     runs = [plain.to_json(False), spec.to_json(False)]
-    row = next(r for r in report.results_table(runs, "closed c=1").splitlines() if r.startswith("| ngram K=4"))
+    row = next(r for r in tables.results_table(runs, "closed c=1").splitlines() if r.startswith("| ngram K=4"))
     assert "| 3.00x (outputs differ) |" in row and "| 2.50x (outputs differ) |" in row
     assert "| 50% (outputs differ from plain: 1 of 2 requests) |" in row
-    cost = report.cost_table(runs).splitlines()[2]
+    cost = tables.cost_table(runs).splitlines()[2]
     assert "| 3.00x (outputs differ) | 2.50x (outputs differ) |" in cost
     sweeps = _examples_module("bench_sweeps")  # the sweeps' points and tables too
     point = sweeps._point("ngram", spec, plain, "k", 4)
@@ -1525,18 +1539,18 @@ def test_greedy_outputs_that_differ_from_plain_are_flagged():
     assert "x (outputs differ)" in sweeps._sweep_tables([point], [])
     assert sweeps._point("ngram", same, plain, "k", 4)["outputs_differ"] is None
     # The same tokens: nothing flagged.
-    (line,) = suite.headline([plain, same])
+    (line,) = headlines.headline([plain, same])
     assert "differ" not in line
     runs = [plain.to_json(False), same.to_json(False)]
-    assert "differ" not in report.results_table(runs, "closed c=1") and "differ" not in report.cost_table(runs)
+    assert "differ" not in tables.results_table(runs, "closed c=1") and "differ" not in tables.cost_table(runs)
     # Every finished request the same, other totals of output tokens.
     same.summary = {**same.summary, "output_tokens": 40}
     plain.summary = {**plain.summary, "output_tokens": 36}
-    (line,) = suite.headline([plain, same])
+    (line,) = headlines.headline([plain, same])
     assert "[outputs differ from plain: 40 vs 36 output tokens: the ratios compare other outputs]" in line
     # Sampled: other outputs are expected (sampled_note says so instead).
-    assert report.outputs_differ(q, spec.summary, plain.summary, 0.8) is None
-    assert report.outputs_differ({"exact_match_vs_plain": 0.75, "exact_match_n": 4}, {}, {}) == (
+    assert ratios.outputs_differ(q, spec.summary, plain.summary, 0.8) is None
+    assert ratios.outputs_differ({"exact_match_vs_plain": 0.75, "exact_match_n": 4}, {}, {}) == (
         "outputs differ from plain: 1 of 4 requests"  # a result written before the count was recorded
     )
 
@@ -1547,7 +1561,7 @@ def test_a_peer_whose_greedy_outputs_differ_gets_no_ratio(monkeypatch):
     others. The same peer with plain's tokens keeps its ratio (2.00x: 20 / 10 tok/s)."""
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import suite_peers, suite_runs
 
     if jax.default_backend() != "cpu":
         pytest.skip("the fake peer runs on the CPU")
@@ -1561,9 +1575,11 @@ def test_a_peer_whose_greedy_outputs_differ_gets_no_ratio(monkeypatch):
                                         None), tokens)  # fmt: skip
         peer.summary.update(metrics.summarize_requests(peer.records, 1.0), output_tokens_per_s=10.0,
                             decode_tokens_per_s=10.0)  # fmt: skip
-        monkeypatch.setattr(peers, "run_peers", lambda *a, peer=peer, **k: [peer])
-        (p,) = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, plain, log=lambda *a: None)
-        row = report.peers_table([plain.to_json(False)], [p.to_json(False)]).splitlines()[2]
+        monkeypatch.setattr(suite_peers, "run_peers", lambda *a, peer=peer, **k: [peer])
+        (p,) = suite_peers.run_peer_set(
+            target, ["transformers"], [], suite_runs.SuiteConfig(), 4, plain, log=lambda *a: None
+        )
+        row = tables.peers_table([plain.to_json(False)], [p.to_json(False)]).splitlines()[2]
         if expect == "differ":
             assert p.info["not_like_for_like"] == ["outputs differ from jspec's plain: 1 of 2 requests"]
             assert "no ratio: outputs differ from jspec's plain: 1 of 2 requests (not like for like)" in row
@@ -1623,6 +1639,8 @@ def test_llama_cpp_gets_one_thread_count_for_generation_and_prompts(monkeypatch)
     import sys
     import types
 
+    from jspec.bench import peer_llama_cpp
+
     made = []
 
     class Llama:
@@ -1640,7 +1658,7 @@ def test_llama_cpp_gets_one_thread_count_for_generation_and_prompts(monkeypatch)
     fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
     fake.Llama = Llama
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
-    (run,) = peers.run_llama_cpp("/x/m.gguf", [Job("p", "a", (1, 2))], techniques=("plain",), max_new_tokens=4,
+    (run,) = peer_llama_cpp.run_llama_cpp("/x/m.gguf", [Job("p", "a", (1, 2))], techniques=("plain",), max_new_tokens=4,
                                  max_len=32, eos_ids=(2,), threads=3)  # fmt: skip
     assert run.available, run.reason
     assert (made[0]["n_threads"], made[0]["n_threads_batch"]) == (3, 3)
@@ -1653,19 +1671,20 @@ def test_peer_tokens_per_round_come_from_the_streamers_pushes():
     2 tokens are 3 rounds; the first (the prefill, which verified a first draft too) is left out as jspec's
     tokens/round leaves out its prefill: 3 tokens in 2 rounds, 1.5. A second request pushing 1 then 4 adds 4
     tokens in 1 round: (3 + 4) / (2 + 1) = 7/3. A request with one push has no round after its first."""
+    from jspec.bench import peer_transformers
     from jspec.bench.metrics import RequestRecord
 
     rec = RequestRecord("p", "a", 2, 0.0, admitted=0.0)
-    s = peers._TimingStreamer(rec, time.perf_counter())
+    s = peer_transformers._TimingStreamer(rec, time.perf_counter())
     for push in ([[9, 9]], [[1, 2, 3]], [[4]], [[5, 6]]):  # the prompt, then three rounds
         s.put(np.asarray(push))
     rec.finished = 1.0
     assert [k for _, k in rec.emissions] == [3, 1, 2] and rec.tokens == [1, 2, 3, 4, 5, 6]
-    assert peers.tokens_per_round([rec]) == pytest.approx(1.5)
+    assert peer_transformers.tokens_per_round([rec]) == pytest.approx(1.5)
     other = RequestRecord("q", "a", 2, 0.0, admitted=0.0, emissions=[(0.1, 1), (0.2, 4)], tokens=[1] * 5, finished=1.0)
     once = RequestRecord("r", "a", 2, 0.0, admitted=0.0, emissions=[(0.1, 3)], tokens=[1] * 3, finished=1.0)
-    assert peers.tokens_per_round([rec, other, once]) == pytest.approx(7 / 3)
-    assert peers.tokens_per_round([once]) is None
+    assert peer_transformers.tokens_per_round([rec, other, once]) == pytest.approx(7 / 3)
+    assert peer_transformers.tokens_per_round([once]) is None
 
 
 def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_between():
@@ -1676,7 +1695,7 @@ def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_be
     gets no lookup label."""
     from types import SimpleNamespace
 
-    from jspec.bench import suite
+    from jspec.bench import headlines, suite_peers, suite_runs
 
     spec = _ngram_spec()
     passes = [{"output_tokens_per_s": 20.0, "decode_tokens_per_s": 20.0, "wall_clock": [100.0, 110.0]},
@@ -1689,7 +1708,7 @@ def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_be
             "wall_clock": [430.0, 500.0]}  # fmt: skip
     pl = _fake_peer("transformers prompt-lookup K=4", "prompt_lookup", 10.0, 10.0, info, [])
     pp = _fake_peer("transformers plain", "plain", 10.0, 10.0, {**_TORCH_INFO, "wall_clock": [330.0, 400.0]}, [])
-    lines = suite.headline([plain, ng], [pl, pp])
+    lines = headlines.headline([plain, ng], [pl, pp])
     (line,) = lines
     assert "vs transformers prompt-lookup K=4: 2.00x end-to-end, 2.00x decode" in line
     assert (
@@ -1698,7 +1717,7 @@ def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_be
         "not interleaved: the peer ran 300 s after jspec's run]" in line
     )
     runs = [plain.to_json(False), ng.to_json(False)]
-    table = report.peers_table(runs, [pl.to_json(False), pp.to_json(False)])
+    table = tables.peers_table(runs, [pl.to_json(False), pp.to_json(False)])
     rows = {r.split(" | ")[0].lstrip("| "): r for r in table.splitlines()[2:]}
     assert "| 2.00 / 1.50 | different lookup policy (jspec: most recent match" in rows["transformers prompt-lookup K=4"]
     assert "not interleaved: the peer ran 300 s after jspec's run |" in rows["transformers prompt-lookup K=4"]
@@ -1708,16 +1727,16 @@ def test_prompt_lookup_ratio_names_the_policies_tokens_per_round_and_the_time_be
     target = SimpleNamespace(dtype="float32", eos_ids=(2,), path="x.gguf", decode_text=None)
     import unittest.mock
 
-    with unittest.mock.patch.object(peers, "run_peers", lambda *a, **k: [pl]):
-        (p,) = suite.run_peer_set(target, ["transformers"], [], suite.SuiteConfig(), 4, None, log=lambda *a: None,
-                                  jspec_runs=[plain, ng])  # fmt: skip
+    with unittest.mock.patch.object(suite_peers, "run_peers", lambda *a, **k: [pl]):
+        (p,) = suite_peers.run_peer_set(target, ["transformers"], [], suite_runs.SuiteConfig(), 4, None,
+                                        log=lambda *a: None, jspec_runs=[plain, ng])  # fmt: skip
     assert p.info["after_jspec_s"] == {"ngram K=4": 300.0}
 
 
 def test_runs_and_peers_record_their_wall_clock():
     """Every jspec pass records its wall-clock start and end; a peer's timed part too: the peers run after jspec's
     runs, and the report gives the time between."""
-    from jspec.bench import suite
+    from jspec.bench import suite_runs
 
     def fake_run_one(target, spec, load, jobs, cfg, log):
         return _fake_run(spec, 10.0, 10.0)
@@ -1725,10 +1744,10 @@ def test_runs_and_peers_record_their_wall_clock():
     import unittest.mock
 
     before = time.time()
-    with unittest.mock.patch.object(suite, "run_one", fake_run_one), \
-            unittest.mock.patch.object(suite, "free_compiled", lambda: None):  # fmt: skip
-        res = suite.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), suite.SuiteConfig(measure_phases=False,
-                              passes=2), log=lambda *a: None)  # fmt: skip
+    with unittest.mock.patch.object(suite_runs, "run_one", fake_run_one), \
+            unittest.mock.patch.object(suite_runs, "free_compiled", lambda: None):  # fmt: skip
+        cfg = suite_runs.SuiteConfig(measure_phases=False, passes=2)
+        res = suite_runs.run_specs(None, [PLAIN, CHAIN], [Load.closed(1)], _jobs(), cfg, log=lambda *a: None)
     clocks = [p["wall_clock"] for r in res for p in r.extra["passes"]]
     assert len(clocks) == 4 and all(before <= a <= b <= time.time() for a, b in clocks)
     run = peers.PeerRun("fake", "plain", "fake plain", True)

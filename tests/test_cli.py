@@ -217,7 +217,7 @@ def test_an_explicit_compile_cache_wins_over_the_environment(command, jax_cache_
     """With JAX_COMPILATION_CACHE_DIR set, --compile-cache DIR and --compile-cache none were ignored, and the
     minimum compile time to cache (JAX's 1 s) was left as it was. A given flag wins; without it the environment's
     directory is used; either way every program is cached."""
-    from jspec.bench import suite
+    from jspec.bench import targets
 
     jax = jax_cache_config
     env_dir, flag_dir = str(tmp_path / "env"), str(tmp_path / "flag")
@@ -227,7 +227,7 @@ def test_an_explicit_compile_cache_wins_over_the_environment(command, jax_cache_
         raise _Loaded
 
     monkeypatch.setattr(cli, "model_loader", loader)
-    monkeypatch.setattr(suite, "load_target", loader)
+    monkeypatch.setattr(targets, "load_target", loader)
     argv = ["generate", "--prompt", "hi"] if command == "generate" else ["bench", "--out", str(tmp_path / "out")]
     for flags, want in (([], env_dir), (["--compile-cache", flag_dir], flag_dir), (["--compile-cache", "none"], None)):
         jax.config.update("jax_compilation_cache_dir", env_dir)  # as JAX takes it from the environment at import
@@ -271,12 +271,12 @@ def test_bench_refuses_bad_settings_before_loading_a_model(flags, message, monke
     """`python -m jspec bench` checked nothing: --phase-repeats 0 failed after every run, --bucket 0 on a division
     by zero, --workloads '' on a KeyError, --concurrency 0 dropped the saturation run, a filter at temperature 0
     was ignored. Each is now an `error:` line and exit status 2, before any model is loaded."""
-    from jspec.bench import suite
+    from jspec.bench import targets
 
     def no_load(*_, **__):
         raise AssertionError("the settings must be refused before a model is loaded")
 
-    monkeypatch.setattr(suite, "load_target", no_load)
+    monkeypatch.setattr(targets, "load_target", no_load)
     monkeypatch.setattr(cli, "model_loader", no_load)
     assert cli.main(["bench", "--compile-cache", "none", *flags]) == 2
     err = capsys.readouterr().err

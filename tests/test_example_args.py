@@ -311,9 +311,9 @@ BAD_SUITE = [
 
 @pytest.mark.parametrize("script, argv, flag", BAD_SUITE, ids=[f"{s}{' '.join(['', *a])}" for s, a, _ in BAD_SUITE])
 def test_bench_lists_and_flags_are_refused_before_the_model_loads(script, argv, flag, tmp_path, monkeypatch, capsys):
-    from jspec.bench import suite
+    from jspec.bench import targets
 
-    monkeypatch.setattr(suite, "load_target", _no_model)
+    monkeypatch.setattr(targets, "load_target", _no_model)
     test_bad_counts_are_refused_when_parsed(script, argv, flag, tmp_path, monkeypatch, capsys)
 
 
@@ -344,11 +344,11 @@ def _jobs_prepared(*a, **kw):
 def test_draft_layers_are_checked_against_the_target_as_soon_as_it_loads(script, tmp_path, monkeypatch, capsys):
     """--draft-layers L >= the target's layers made a 'draft' of the whole target (or failed deep in the runs):
     refused once the target is known, before anything runs; L = layers - 1 passes the check."""
-    from jspec.bench import suite
+    from jspec.bench import suite_runs, targets
 
     mod = load_example(script)
-    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target(30))
-    monkeypatch.setattr(suite, "prepare_jobs", _jobs_prepared)
+    monkeypatch.setattr(targets, "load_target", lambda *a, **kw: _fake_target(30))
+    monkeypatch.setattr(suite_runs, "prepare_jobs", _jobs_prepared)
     argv = ["--compile-cache", "none", "--out", str(tmp_path / "out"), "--peers", "none"]
     argv = argv if script == "bench_spec_vs_plain" else argv[:-2]
     with pytest.raises(SystemExit) as e:
@@ -363,10 +363,10 @@ def test_draft_layers_are_checked_against_the_target_as_soon_as_it_loads(script,
 def test_an_unusable_out_is_refused_before_the_model_loads(script, tmp_path, monkeypatch, capsys):
     """--out was created only when the results were written, after every run: a file in its place lost them.
     Now it is created (or refused) first, as python -m jspec bench does."""
-    from jspec.bench import suite
+    from jspec.bench import targets
 
     mod = load_example(script)
-    monkeypatch.setattr(suite, "load_target", _no_model)
+    monkeypatch.setattr(targets, "load_target", _no_model)
     blocked = tmp_path / "a_file"
     blocked.write_text("")
     with pytest.raises(SystemExit) as e:
@@ -380,7 +380,7 @@ def test_an_unusable_out_is_refused_before_the_model_loads(script, tmp_path, mon
         assert (tmp_path / "fresh").is_dir()  # made before the model loads
         raise Loaded
 
-    monkeypatch.setattr(suite, "load_target", load)
+    monkeypatch.setattr(targets, "load_target", load)
     with pytest.raises(Loaded):
         mod.main(["--compile-cache", "none", "--out", str(tmp_path / "fresh")])
 
@@ -397,18 +397,18 @@ _MEMORY = dict(params_bytes=0, draft_params_bytes=0, cache_bytes=0, draft_state_
 
 def _run(spec, out, dec, load=None, temperature=0.0, passes=None, group=None):
     """A finished run at canned rates (output, decode tok/s); ``passes``: [(output, decode)] per pass."""
-    from jspec.bench import runner
+    from jspec.bench import runspec
 
     extra = {} if group is None else {"group": group}
     if passes is not None:
         extra["passes"] = [{"output_tokens_per_s": o, "decode_tokens_per_s": d} for o, d in passes]
     stats = {"tokens_per_round": 2.0, "acceptance_rate": 0.5, "accepted_at": [1], "proposed_at": [2]}
-    return runner.RunResult(spec, load or runner.Load.closed(1), runner.Sampling(temperature), 8, [],
-                            _summary(out, dec), stats, dict(_MEMORY), {}, extra=extra)  # fmt: skip
+    return runspec.RunResult(spec, load or runspec.Load.closed(1), runspec.Sampling(temperature), 8, [],
+                             _summary(out, dec), stats, dict(_MEMORY), {}, extra=extra)  # fmt: skip
 
 
 def _specs():
-    from jspec.bench.runner import Spec
+    from jspec.bench.runspec import Spec
     from jspec.ngram import NgramDrafter
 
     return Spec("plain", peer="plain"), Spec("ngram K=4", NgramDrafter(vocab_size=100), 4, peer="prompt_lookup")
@@ -417,20 +417,20 @@ def _specs():
 def test_spec_vs_plain_writes_jspecs_runs_before_the_peers(tmp_path, monkeypatch):
     """The results were written only after the peers (slow, and they may fail): jspec's runs were lost with them.
     Now they are written first (peers_pending names the peers still to run)."""
-    from jspec.bench import suite
+    from jspec.bench import suite_peers, suite_runs, targets
 
     bench = load_example("bench_spec_vs_plain")
 
     plain, ngram = _specs()
-    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
-    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {}))
-    monkeypatch.setattr(suite, "meta", lambda *a: {})
-    monkeypatch.setattr(suite, "run_specs", lambda *a, **kw: [_run(plain, 10.0, 10.0), _run(ngram, 20.0, 30.0)])
+    monkeypatch.setattr(targets, "load_target", lambda *a, **kw: _fake_target())
+    monkeypatch.setattr(suite_runs, "prepare_jobs", lambda target, cfg: ([], {}))
+    monkeypatch.setattr(suite_runs, "meta", lambda *a: {})
+    monkeypatch.setattr(suite_runs, "run_specs", lambda *a, **kw: [_run(plain, 10.0, 10.0), _run(ngram, 20.0, 30.0)])
 
     def peers_fail(*a, **kw):
         raise RuntimeError("the peers failed")
 
-    monkeypatch.setattr(suite, "run_peer_set", peers_fail)
+    monkeypatch.setattr(suite_peers, "run_peer_set", peers_fail)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="peers failed"):
         bench.main(["--compile-cache", "none", "--out", str(out), "--peers", "transformers", "--concurrency", "1",
@@ -446,14 +446,14 @@ def test_sweeps_write_each_group_with_its_own_prompt_set_and_take_the_median_pas
     prompt set for every batch group (which serve more requests at a large batch), and its points took pass 1
     where the headline gives the median: plain runs 10 tok/s in every pass, n-gram 30, 20 and 25 (ratios 3, 2,
     2.5: median 2.5; pass 1 alone 3)."""
-    from jspec.bench import suite
+    from jspec.bench import suite_runs, targets
 
     bench_sweeps = load_example("bench_sweeps")
 
     plain, ngram = _specs()
-    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
-    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {"n_per_workload": cfg.n_per_workload}))
-    monkeypatch.setattr(suite, "meta", lambda target, cfg, desc: {"workloads": desc})
+    monkeypatch.setattr(targets, "load_target", lambda *a, **kw: _fake_target())
+    monkeypatch.setattr(suite_runs, "prepare_jobs", lambda target, cfg: ([], {"n_per_workload": cfg.n_per_workload}))
+    monkeypatch.setattr(suite_runs, "meta", lambda target, cfg, desc: {"workloads": desc})
     groups = []
 
     def run_specs(target, specs, loads, jobs, cfg, group=None):
@@ -466,7 +466,7 @@ def test_sweeps_write_each_group_with_its_own_prompt_set_and_take_the_median_pas
             *[_run(s, 30.0, 60.0, loads[0], passes=passes, group=group) for s in specs[1:]],
         ]
 
-    monkeypatch.setattr(suite, "run_specs", run_specs)
+    monkeypatch.setattr(suite_runs, "run_specs", run_specs)
     out = tmp_path / "out"
     argv = ["--compile-cache", "none", "--out", str(out), "--ks", "2", "--batches", "1,16", "--passes", "3", "--n", "2"]
     with pytest.raises(RuntimeError, match="b=16 group failed"):
@@ -486,19 +486,19 @@ def test_sweeps_write_each_group_with_its_own_prompt_set_and_take_the_median_pas
 def test_sweeps_record_a_large_batch_groups_own_prompt_set(tmp_path, monkeypatch):
     """At batch 16 with 4 workloads the batch sweep serves 8 requests per workload (2 x batch in all), not
     --n 2: its group records that set, not the K sweep's."""
-    from jspec.bench import suite
+    from jspec.bench import report, suite_runs, targets
 
     bench_sweeps = load_example("bench_sweeps")
 
-    monkeypatch.setattr(suite, "load_target", lambda *a, **kw: _fake_target())
-    monkeypatch.setattr(suite, "prepare_jobs", lambda target, cfg: ([], {"n_per_workload": cfg.n_per_workload}))
-    monkeypatch.setattr(suite, "meta", lambda target, cfg, desc: {"workloads": desc})
-    monkeypatch.setattr(suite, "write_results", lambda out, name, pl, plots: ({"markdown": "-"}, []))  # no plots
+    monkeypatch.setattr(targets, "load_target", lambda *a, **kw: _fake_target())
+    monkeypatch.setattr(suite_runs, "prepare_jobs", lambda target, cfg: ([], {"n_per_workload": cfg.n_per_workload}))
+    monkeypatch.setattr(suite_runs, "meta", lambda target, cfg, desc: {"workloads": desc})
+    monkeypatch.setattr(report, "write_results", lambda out, name, pl, plots: ({"markdown": "-"}, []))  # no plots
 
     def run_specs(target, specs, loads, jobs, cfg, group=None):
         return [_run(s, 10.0, 10.0, loads[0], group=group) for s in specs]
 
-    monkeypatch.setattr(suite, "run_specs", run_specs)
+    monkeypatch.setattr(suite_runs, "run_specs", run_specs)
     out = tmp_path / "out"
     argv = ["--compile-cache", "none", "--out", str(out), "--skip-k", "--batches", "16", "--n", "2"]
     assert bench_sweeps.main([*argv, "--record", str(tmp_path / "r.json")]) == 0
@@ -512,7 +512,7 @@ def test_sampled_runs_give_no_end_to_end_ratio():
     their end-to-end rates are not over the same work (python -m jspec generate --compare says 'not like for
     like'): no end-to-end ratio in the headline, the results table, the cost table, against a peer, or in a
     sweep point; the decode ratio stays. The same runs at temperature 0 keep both (the control)."""
-    from jspec.bench import peers, report, suite
+    from jspec.bench import headlines, peers, tables
 
     bench_sweeps = load_example("bench_sweeps")
 
@@ -524,11 +524,11 @@ def test_sampled_runs_give_no_end_to_end_ratio():
     for t in (0.0, 0.8):
         p, s = _run(plain, 10.0, 20.0, temperature=t), _run(ngram, 30.0, 50.0, temperature=t)
         s.cost_model = {"measured_output_speedup": 3.0, "measured_speedup": 2.5}
-        (line,) = suite.headline([p, s], [peer])
+        (line,) = headlines.headline([p, s], [peer])
         runs = [p.to_json(False), s.to_json(False)]
-        row = next(r for r in report.results_table(runs, "closed c=1").splitlines() if r.startswith("| ngram K=4"))
-        cost = report.cost_table(runs).splitlines()[2]
-        peer_row = report.peers_table(runs, [peer.to_json(False)]).splitlines()[2]
+        row = next(r for r in tables.results_table(runs, "closed c=1").splitlines() if r.startswith("| ngram K=4"))
+        cost = tables.cost_table(runs).splitlines()[2]
+        peer_row = tables.peers_table(runs, [peer.to_json(False)]).splitlines()[2]
         point = bench_sweeps._point("ngram", s, p, "batch", 1)
         if t == 0:
             assert line.startswith("ngram K=4 @ closed c=1: 3.00x plain end-to-end, 2.50x decode")

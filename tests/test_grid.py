@@ -89,7 +89,7 @@ def test_a_cell_measures_every_config_in_rotating_passes_and_checks_outputs(monk
     jobs = [[SimpleNamespace(id=f"p{b}{i}", prompt=(0, 1, 2, 1)[: 2 + i + b]) for i in range(2)] for b in range(2)]
     labels = {"workload": "toy", "batch": 2, "prompts": 4, "distinct_prompts": 4, "max_new_tokens": 9}
     monkeypatch.setattr(grid, "cell_prompts", lambda *a: (jobs, labels))
-    monkeypatch.setattr("jspec.bench.suite.free_compiled", lambda: None)
+    monkeypatch.setattr("jspec.bench.suite_runs.free_compiled", lambda: None)
     configs = [
         grid.Config("plain"),
         grid.Config("ngram K=3", NgramDrafter(vocab_size=VOCAB), None, 3, 4),

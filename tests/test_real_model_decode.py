@@ -355,7 +355,7 @@ def test_layers_auto_is_unstacked_on_cpu_and_gpu_only(monkeypatch):
         wants_unstacked("fused")
     # The benchmark suite's loader (default --layers auto) passes the resolved layout to the model loader.
     from jspec import cli
-    from jspec.bench import suite
+    from jspec.bench import targets
 
     seen = []
     monkeypatch.setattr(
@@ -363,8 +363,8 @@ def test_layers_auto_is_unstacked_on_cpu_and_gpu_only(monkeypatch):
         "model_loader",
         lambda *a, **k: lambda name, dtype, unstacked: seen.append(unstacked) or (None, None, None, object()),
     )
-    suite.load_target("m", layers="auto")
+    targets.load_target("m", layers="auto")
     assert seen == [False]  # default_backend is "tpu" here
     with pytest.raises(ValueError, match="got 'fused'"):
-        suite.load_target("m", layers="fused")
+        targets.load_target("m", layers="fused")
     assert seen == [False]  # refused before loading

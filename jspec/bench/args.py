@@ -10,11 +10,11 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from jspec.bench import peers, workloads
+from jspec.bench import suite_peers, workloads
 from jspec.loaders import COMPILE_CACHE_DEFAULT
 
 if TYPE_CHECKING:
-    from jspec.bench.suite import SuiteConfig
+    from jspec.bench.suite_runs import SuiteConfig
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
@@ -193,13 +193,15 @@ def make_out_dir(path: str) -> str:
 
 
 def peer_names(text: str) -> list[str]:
-    """--peers: comma-separated names of ``peers.PEER_NAMES``, or '' / 'none' for none."""
+    """--peers: comma-separated names of ``suite_peers.PEER_NAMES``, or '' / 'none' for none."""
     if text in ("", "none"):
         return []
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in peers.PEER_NAMES]
+    unknown = [n for n in names if n not in suite_peers.PEER_NAMES]
     if unknown:
-        raise ValueError(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(peers.PEER_NAMES)} or none")
+        raise ValueError(
+            f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(suite_peers.PEER_NAMES)} or none"
+        )
     return names
 
 
@@ -208,8 +210,8 @@ def config_from_args(args, **counts: int | None) -> SuiteConfig:
     script's own ``counts``), then the compilation cache switched on."""
     import jax
 
-    from jspec.bench.runner import Sampling
-    from jspec.bench.suite import SuiteConfig
+    from jspec.bench.runspec import Sampling
+    from jspec.bench.suite_runs import SuiteConfig
     from jspec.loaders import compile_cache_flag
 
     check_args(args, **counts)

@@ -13,7 +13,7 @@ a difference is recorded, and ``run`` reports it (the script exits 1).
 
 At batch 1 a peer can run in the same rotation: transformers' plain greedy ``generate`` and its prompt lookup
 (``prompt_lookup_num_tokens``), on the same GGUF file and the same prompt ids, one prompt at a time
-(``peers.run_transformers``). "vs best peer" is a drafter's tokens/s over the faster of the peer's two
+(``peer_transformers.run_transformers``). "vs best peer" is a drafter's tokens/s over the faster of the peer's two
 configurations in the same pass.
 
 Drafters (``parse_drafter``): ``ngram[:K]`` (``jspec.ngram.NgramDrafter``, K = 4), ``eagle[:K]`` (the EAGLE head
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jspec.bench import metrics, peers, record, runner, workloads
+from jspec.bench import metrics, peer_transformers, peers, record, runspec, workloads
 
 MAX_NEW_TOKENS = {"edit": 256, "chat": 128}  # edit answers copy the prompt's function: long
 REQUESTS: dict[str, Callable[[int, int], list]] = {
@@ -229,7 +229,7 @@ def cell_prompts(target, workload: str, batch: int, settings: GridSettings) -> t
     """The cell's batches of prompt ids (``prompts`` rounded up to whole batches of ``batch``) and its labels."""
     n_batches = math.ceil(max(settings.prompts, batch) / batch)
     reqs = REQUESTS[workload](n_batches * batch, settings.seed)
-    jobs = runner.make_jobs(reqs, target.tokenizer, chat_template=True)
+    jobs = runspec.make_jobs(reqs, target.tokenizer, chat_template=True)
     failed = [j for j in jobs if j.prompt is None]
     if failed:
         raise ValueError(f"{workload}: prompt {failed[0].id} could not be tokenised: {failed[0].error}")
@@ -314,9 +314,9 @@ class Peer:
         return {"transformers plain": "plain", f"transformers prompt-lookup K={self.k}": "prompt_lookup"}
 
     def time(self, name: str, jobs, batches: Sequence[Batch], max_new: int, eos_ids, position: int):
-        (run,) = peers.run_transformers(self.path, jobs, techniques=(self.configs[name],), gamma=self.k, max_ngram=3,
-                                        max_new_tokens=max_new, eos_ids=list(eos_ids), threads=self.threads,
-                                        model=self.model)  # fmt: skip
+        (run,) = peer_transformers.run_transformers(self.path, jobs, techniques=(self.configs[name],), gamma=self.k,
+                                                    max_ngram=3, max_new_tokens=max_new, eos_ids=list(eos_ids),
+                                                    threads=self.threads, model=self.model)  # fmt: skip
         if not run.available:
             raise RuntimeError(f"{name}: {run.reason}")
         s = run.summary
@@ -331,7 +331,7 @@ class Peer:
 
 def run_cell(rec: record.Record, target, configs, workload: str, batch: int, settings: GridSettings, peer, log=print):
     """Measure one cell into ``rec``; returns the mismatches with plain decoding found."""
-    from jspec.bench.suite import free_compiled
+    from jspec.bench.suite_runs import free_compiled
 
     cell = f"{workload} b={batch}"
     jobs_by_batch, labels = cell_prompts(target, workload, batch, settings)
@@ -420,13 +420,13 @@ def load_peer(target, settings: GridSettings, log=print) -> Peer | None:
         torch.set_num_threads(threads)
     log(f"loading transformers' model of {target.path} ...")
     k = next((d.k for d in settings.drafters if d.kind == "ngram"), DRAFTER_KINDS["ngram"])
-    return Peer(target.path, peers.load_transformers(target.path), int(k), threads)
+    return Peer(target.path, peer_transformers.load_transformers(target.path), int(k), threads)
 
 
 def run(settings: GridSettings, command: str, out: str | None = None, log=print) -> tuple[str, list[dict]]:
     """Every cell of the grid into one result file (written after each cell). Returns its path and the
     greedy mismatches with plain decoding (none expected)."""
-    from jspec.bench.suite import load_target, tokenizer_info
+    from jspec.bench.targets import load_target, tokenizer_info
 
     rec = record.Record("grid", command, settings.to_json(), out)
     log(f"loading {settings.model} (float32) ...")

@@ -19,7 +19,6 @@ the next request, and the tokens it got up to that step are kept.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -28,116 +27,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jspec import cost_model
-from jspec.bench import metrics, report
+from jspec.bench import metrics
 from jspec.bench.metrics import RequestRecord
+from jspec.bench.runspec import Job, Load, RunResult, Sampling, Spec
 from jspec.serve import Engine
 from jspec.state import StopReason
-from jspec.validate import DEFAULT_GAMMA, adaptive_policy, sampling_params
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Sampling of every request in a run (temperature 0 = greedy)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Spec:
-    """One decoding configuration: the drafter (None = plain decoding) and its static options.
-
-    ``drafter`` must be hashable (it is a static argument of the jitted loop); ``draft_params`` is its pytree
-    (excluded from equality and hashing). ``kind`` is "plain", "chain" or "tree"; ``label`` names the row in
-    tables ("ngram K=4"); ``peer`` maps to the peer technique measured against it ("plain", "prompt_lookup",
-    "assisted")."""
-
-    label: str
-    drafter: Any = None
-    gamma: int | None = None
-    draft_params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
-    adaptive: Any = None
-    block_verify: bool = False
-    peer: str | None = None
-
-    def __post_init__(self):  # adaptive as decode and Engine take it: True = the default AdaptiveK, False = none
-        object.__setattr__(self, "adaptive", adaptive_policy(self.adaptive))
-        if self.gamma is None:  # the K decode takes when none is given: 0 plain, a tree's depth, else 4
-            d = self.drafter
-            k = 0 if d is None else d.max_depth if d.is_tree else DEFAULT_GAMMA
-            object.__setattr__(self, "gamma", k)
-
-    @property
-    def kind(self) -> str:
-        if self.drafter is None:
-            return "plain"
-        return "tree" if self.drafter.is_tree else "chain"
-
-    def describe(self) -> dict[str, Any]:
-        d = self.drafter
-        return {
-            "label": self.label,
-            "kind": self.kind,
-            "drafter": None if d is None else type(d).__name__,
-            "drafter_repr": None if d is None else _short_repr(d),
-            "gamma": self.gamma if d is not None else 0,
-            "adaptive": None if self.adaptive is None else dataclasses.asdict(self.adaptive),
-            "block_verify": self.block_verify,
-            "peer": self.peer,
-        }
-
-
-def _short_repr(obj) -> str:
-    if dataclasses.is_dataclass(obj):
-        parts = []
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            parts.append(f"{f.name}={getattr(v, 'name', None) or v!r}" if f.name == "model" else f"{f.name}={v!r}")
-        return f"{type(obj).__name__}({', '.join(parts)})"[:300]
-    return repr(obj)[:300]
-
-
-@dataclasses.dataclass(frozen=True)
-class Load:
-    """The offered load. mode "closed": ``concurrency`` clients; mode "open": Poisson arrivals at ``rate``
-    requests/s served by ``concurrency`` engine rows. ``timeout_s``: per-request deadline from arrival."""
-
-    mode: str
-    concurrency: int
-    rate: float | None = None
-    seed: int = 0
-    timeout_s: float | None = None
-
-    @classmethod
-    def closed(cls, concurrency: int, timeout_s: float | None = None) -> Load:
-        return cls("closed", concurrency, None, 0, timeout_s)
-
-    @classmethod
-    def open(cls, rate: float, rows: int, seed: int = 0, timeout_s: float | None = None) -> Load:
-        return cls("open", rows, rate, seed, timeout_s)
-
-    def __post_init__(self):
-        if self.mode not in ("closed", "open"):
-            raise ValueError(f"mode must be 'closed' or 'open', got {self.mode!r}")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency (engine rows) must be >= 1, got {self.concurrency}")
-        if self.mode == "open" and not (self.rate and self.rate > 0):
-            raise ValueError(f"an open loop needs a rate > 0 requests/s, got {self.rate}")
-        if self.timeout_s is not None and not self.timeout_s >= 0:  # 0: every request times out (a test of that)
-            raise ValueError(f"timeout_s (the per-request deadline) must be >= 0 seconds or None, got {self.timeout_s}")
-
-    @property
-    def name(self) -> str:
-        if self.mode == "closed":
-            return f"closed c={self.concurrency}"
-        return f"open {self.rate:g}/s rows={self.concurrency}"
+from jspec.validate import sampling_params
 
 
 def poisson_arrivals(rate: float, n: int, seed: int) -> np.ndarray:
@@ -147,81 +42,6 @@ def poisson_arrivals(rate: float, n: int, seed: int) -> np.ndarray:
         raise ValueError(f"rate must be > 0, got {rate}")
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
     return np.cumsum(gaps)
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """A tokenised request: ``prompt`` ids (None if building it failed, with ``error``)."""
-
-    id: str
-    workload: str
-    prompt: tuple[int, ...] | None
-    error: str | None = None
-    request: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
-
-
-def make_jobs(requests: Sequence, tokenizer, chat_template: bool = True) -> list[Job]:
-    """Tokenise ``workloads.Request`` objects with the target's chat template (or raw text). A request whose
-    tokenisation raises becomes a job carrying that error, recorded as a failed request by the run."""
-    jobs = []
-    for r in requests:
-        try:
-            ids = tokenizer.encode_chat(list(r.messages)) if chat_template else tokenizer.encode(r.prompt_text())
-            jobs.append(Job(r.id, r.workload, tuple(int(i) for i in ids), None, r))
-        except Exception as e:
-            jobs.append(Job(r.id, r.workload, None, f"{type(e).__name__}: {e}", r))
-    return jobs
-
-
-@dataclasses.dataclass
-class RunResult:
-    """One run: configuration, per-request records, run summary, decode statistics, memory."""
-
-    spec: Spec
-    load: Load
-    sampling: Sampling
-    max_new_tokens: int
-    records: list[RequestRecord]
-    summary: dict[str, Any]
-    decode_stats: dict[str, Any]
-    memory: dict[str, Any]
-    engine: dict[str, Any]
-    phases: dict[str, Any] | None = None
-    cost_model: dict[str, Any] | None = None
-    quality: dict[str, Any] | None = None
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        return self.spec.label
-
-    def tokens_by_id(self) -> dict[str, list[int]]:
-        return {r.id: r.tokens for r in self.records if r.ok}
-
-    def itl_ms(self) -> list[float]:
-        return [x * 1e3 for r in self.records if r.ok for x in r.itl()]
-
-    def to_json(self, with_requests: bool = True) -> dict[str, Any]:
-        out = {
-            "spec": self.spec.describe(),
-            "load": dataclasses.asdict(self.load),
-            "load_name": self.load.name,
-            "sampling": dataclasses.asdict(self.sampling),
-            "max_new_tokens": self.max_new_tokens,
-            "summary": self.summary,
-            "decode_stats": self.decode_stats,
-            "memory": self.memory,
-            "engine": self.engine,
-            "phases": self.phases,
-            "cost_model": self.cost_model,
-            "quality": self.quality,
-            **self.extra,
-        }
-        if with_requests:
-            out["requests"] = [r.to_json() for r in self.records]
-            # Pooled inter-token intervals (ms) for the latency-distribution plots.
-            out["itl_ms_all"] = [round(x, 3) for x in self.itl_ms()]
-        return out
 
 
 def _engine(
@@ -304,7 +124,7 @@ def run(
     *,
     max_new_tokens: int,
     max_len: int,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = Sampling(),  # noqa: B008 (frozen: an immutable default)
     eos_ids: Sequence[int] = (),
     seed: int = 0,
     bucket: int = 64,
@@ -577,144 +397,3 @@ def run(
         "gc": gc_stats,
     }
     return RunResult(spec, load, sampling, max_new_tokens, records, summary, decode_stats, memory, engine_info)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Quality across runs, and the cost-model check
-
-
-def quality_summary(result: RunResult, reference: RunResult | None = None) -> dict[str, Any]:
-    """Task quality of a run; with ``reference`` (plain greedy on the same jobs) also the exact-match rate
-    (``exact_match_vs_plain`` over the ``exact_match_n`` requests both finished, ``differ_from_plain_n`` of them
-    with other tokens).
-
-    math: answer accuracy; code: ``ast.parse`` validity, defines the function, property check; grounded:
-    exact copy/edit rate, mean similarity to the expected text, grounding; all: completion rate (EOS)."""
-    by_w: dict[str, list[RequestRecord]] = {}
-    for r in result.records:
-        if r.ok:
-            by_w.setdefault(r.workload, []).append(r)
-    out: dict[str, Any] = {}
-    for w, recs in sorted(by_w.items()):
-        q = [r.quality for r in recs]
-        d: dict[str, Any] = {"n": len(recs), "completion_rate": sum(r.stop_reason == "eos" for r in recs) / len(recs)}
-        if w == "math":
-            d["accuracy"] = _mean([x.get("correct") for x in q])
-        elif w == "code":
-            d["parses"] = _mean([x.get("parses") for x in q])
-            d["defines_function"] = _mean([x.get("defines_function") for x in q])
-            d["property_check"] = _mean([x.get("correct") for x in q])
-        elif w == "grounded":
-            d["exact"] = _mean([x.get("correct") for x in q if "correct" in x])
-            d["similarity"] = _mean([x.get("similarity") for x in q if "similarity" in x])
-            d["grounding"] = _mean([x.get("grounding") for x in q])
-        else:
-            d["nonempty"] = _mean([x.get("nonempty") for x in q])
-        out[w] = d
-    if reference is not None and result.sampling.greedy and reference.sampling.greedy:
-        ref = reference.tokens_by_id()
-        mine = result.tokens_by_id()
-        both = [i for i in mine if i in ref]
-        same = sum(mine[i] == ref[i] for i in both)
-        out["exact_match_vs_plain"] = same / len(both) if both else None
-        out["exact_match_n"] = len(both)
-        out["differ_from_plain_n"] = len(both) - same  # ``report.outputs_differ`` flags the ratios of such a run
-    return out
-
-
-def _mean(xs) -> float | None:
-    xs = [float(x) for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
-def predict_k_rounds(
-    baseline_ms: float, draft_step_ms: float, verify_ms: float, rates, k: int, state_ms: float = 0.0
-) -> cost_model.CostModelResult:
-    """``cost_model.predict`` for rounds that draft K candidates and verify K + 1 positions, as the costs were
-    timed: gamma = K, whatever positions the decode measured. ``rates`` (``conditional_rates_from_stats``)
-    stop at the last position any round proposed; the positions past it were drafted and never accepted
-    (rate 0), so they must not shorten the cycle (``predict`` would take gamma = len(rates) < K, pricing
-    fewer draft steps than the rounds ran)."""
-    rates = [float(x) for x in rates][:k]
-    return cost_model.predict(
-        baseline_ms_per_token=baseline_ms,
-        draft_ms=draft_step_ms,
-        verify_ms=verify_ms,
-        state_ms=state_ms,
-        gamma=k,
-        accept_at=rates + [0.0] * (k - len(rates)),
-    )
-
-
-def cost_model_check(spec_run: RunResult, plain_run: RunResult, phases: dict, plain_phases: dict) -> dict[str, Any]:
-    """The seed's cost model next to the measured decode speedup (same load, same jobs).
-
-    baseline = the plain round (ms per token per row); measured costs from ``measure_phases``.
-    - "seed": speedup = baseline * E[N] / (K d + verify + state), E[N] from the measured per-position
-      acceptance (chains only; ``cost_model.predict``).
-    - "measured_en": E[N] = the measured tokens per round, and a cycle that mixes wide rounds (draft + verify
-      + state) with rounds where no row proposed (draft + plain step + state), weighted by their measured
-      share.
-    - "measured_rounds": the same E[N] and share, with the whole fused round timed (wide and narrow) instead
-      of the sum of its pieces: what the loop really runs, branching and buffer copies included.
-    ratio = predicted / measured (1: the model explains the measurement; > 1: overheads it leaves out).
-
-    The two runs must have served the same requests, and some (``report.no_ratio``): otherwise nothing measured
-    is compared (measured speedups None, ``different_requests`` says why); the predictions are still given. An
-    open loop's end-to-end ratio is not recorded (its wall time follows the arrivals: ``output_speedup_note``)."""
-    # The model describes the decode loop, so it is checked against the decode-phase rate (prefill and
-    # queueing excluded); the end-to-end output rate ratio is recorded next to it.
-    measured = spec_run.summary["decode_tokens_per_s"] / max(plain_run.summary["decode_tokens_per_s"], 1e-12)
-    end_to_end = spec_run.summary["output_tokens_per_s"] / max(plain_run.summary["output_tokens_per_s"], 1e-12)
-    ds = spec_run.decode_stats
-    base = plain_phases["round_ms"]
-    out: dict[str, Any] = {"baseline_ms": base}
-    differ = report.no_ratio(spec_run.summary, plain_run.summary)
-    if differ:
-        measured = end_to_end = None
-        out["different_requests"] = differ
-    elif getattr(getattr(spec_run, "load", None), "mode", "closed") == "open":
-        end_to_end = None
-        out["output_speedup_note"] = report.open_loop_note()
-    out.update(measured_speedup=measured, measured_output_speedup=end_to_end)
-    d, v, s = phases.get("draft_ms") or 0.0, phases.get("verify_ms") or 0.0, phases.get("state_ms") or 0.0
-    k = phases.get("gamma") or spec_run.spec.gamma
-    if spec_run.spec.kind == "chain" and k:
-        try:
-            # The pieces were timed drafting K and verifying K + 1 positions, as every wide round does: the cycle
-            # is K draft steps (d / K each), whatever positions were measured (``predict_k_rounds``).
-            rates = cost_model.conditional_rates_from_stats(ds["accepted_at"], ds["proposed_at"])
-            pred = predict_k_rounds(base, d / k, v, rates, k, s)
-            out["seed"] = {
-                "expected_tokens": pred.expected_tokens,
-                "cycle_ms": pred.cycle_ms,
-                "speedup": pred.speedup,
-                "ratio_to_measured": pred.ratio_to(measured) if measured else None,
-                "accept_at": list(pred.accept_at),
-                # The seed formula assumes every round drafts K and verifies K + 1: with rounds that proposed
-                # nothing (an n-gram miss) it predicts another configuration than the one measured.
-                "all_rounds_wide": ds.get("wide_verify_fraction") is None or ds["wide_verify_fraction"] >= 1.0,
-            }
-        except ValueError as e:  # e.g. no position was ever proposed
-            out["seed"] = {"error": str(e)}
-    en = ds["tokens_per_round"]
-    f = ds.get("wide_verify_fraction")
-    # A tree round always verifies its N nodes (no 1-token fallback), so its cycle is always the wide one.
-    f = 1.0 if f is None or spec_run.spec.kind == "tree" else f
-    if en >= 1:
-        # Pieces: the seed's cycle, with rounds where nothing was proposed costing a 1-token step instead.
-        cycle = f * (d + v + s) + (1 - f) * (d + plain_phases["plain_step_ms"] + s)
-        # Whole rounds: the fused round as the loop runs it, wide and narrow, so branching and copies count.
-        narrow = phases.get("round_narrow_ms") or phases["round_ms"]
-        cycle_round = f * phases["round_ms"] + (1 - f) * narrow
-        for name, cyc in (("measured_en", cycle), ("measured_rounds", cycle_round)):
-            if cyc > 0:
-                sp = base * en / cyc
-                out[name] = {
-                    "expected_tokens": en,
-                    "wide_fraction": f,
-                    "cycle_ms": cyc,
-                    "speedup": sp,
-                    "ratio_to_measured": sp / measured if measured else None,
-                }
-    return out

@@ -1,11 +1,11 @@
-"""The request-serving runs of the suite commands (``suite.run_specs``: ``python -m jspec bench``,
+"""The request-serving runs of the suite commands (``suite_runs.run_specs``: ``python -m jspec bench``,
 ``examples/bench_spec_vs_plain.py``, ``bench_chain_vs_tree.py``, ``bench_sweeps.py``, ``bench_serving.py``) as a
 result file (``record.Record``).
 
 A cell is one load (closed loop at a concurrency, or an open loop) of one run group; its configs are the specs,
 each pass's entry a spec's output tokens over the run's wall time in that pass, at its position in the pass's
 order. A cell gets "X vs plain" ratios only where an end-to-end ratio means something: a closed loop, greedy,
-every pass of both runs serving the same requests (``report.no_ratio``). Peers, which run once after jspec's
+every pass of both runs serving the same requests (``ratios.no_ratio``). Peers, which run once after jspec's
 passes, are kept in ``extra["peers"]`` without a ratio (a ratio needs ``record.MIN_PASSES`` passes in rotation).
 """
 
@@ -15,11 +15,11 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from jspec.bench import record, report
-from jspec.bench.runner import RunResult
+from jspec.bench import ratios, record
+from jspec.bench.runspec import RunResult
 
 SIZE_FLAGS = ("n", "max_new_tokens", "passes")  # below their defaults: a smoke run
-_RAW = ("position", "output_tokens", "wall_s")  # what ``suite.run_specs`` records of each pass
+_RAW = ("position", "output_tokens", "wall_s")  # what ``suite_runs.run_specs`` records of each pass
 
 
 def start(bench: str, prog: str, argv: Sequence[str] | None, args: argparse.Namespace, ap: argparse.ArgumentParser):
@@ -70,7 +70,7 @@ def add_runs(rec: record.Record, results: Sequence[RunResult]) -> None:
             continue
         plain_passes = passes[runs.index(plain)]
         for r, p in zip(runs, passes):
-            same_work = all(report.no_ratio(a, b) is None for a, b in zip(p[:usable], plain_passes[:usable]))
+            same_work = all(ratios.no_ratio(a, b) is None for a, b in zip(p[:usable], plain_passes[:usable]))
             if r is not plain and same_work:
                 rec.ratio(cell, r.label, [plain.label], f"{r.label} vs plain")
 
