@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jspec-installed
 
-.PHONY: run test lint setup bench clean
+.PHONY: run test test-fast lint setup bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# A few minutes: every verification path (chains, block, trees, n-gram, EAGLE, LayerSkip, the engine) greedily on
+# small models, the sampling and acceptance rules, validation and the results' rendering.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m fast
 
 bench: $(STAMP)
 	$(PY) -m jspec bench

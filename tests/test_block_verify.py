@@ -81,6 +81,7 @@ def test_block_whole_sequence_distribution(gamma):
     assert blk.stats["tokens_per_round"] > tok.stats["tokens_per_round"] + 0.01, (blk.stats, tok.stats)
 
 
+@pytest.mark.fast
 def test_block_greedy_equals_plain():
     plain = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=20)
     blk = dec.decode(

@@ -7,6 +7,8 @@ import pytest
 
 from jspec import cli, loaders
 
+pytestmark = pytest.mark.fast  # the fast tier: make test-fast
+
 
 @pytest.mark.parametrize(
     "flags, message",

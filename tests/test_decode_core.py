@@ -50,6 +50,7 @@ PROMPT = [2, 0, 1]
 DIST_SLOTS = 16
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_whole_sequence_distribution_equals_target(gamma):
     """>= 100k sampled sequences per sampling setting, all settings in ONE jitted call, vs the exact
@@ -110,6 +111,7 @@ def test_distribution_test_has_power():
 PROMPTS = [[0, 1, 2, 0, 1], [2], [1, 1, 0, 2, 2, 1, 0, 0, 1], [0, 2]]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_greedy_speculative_equals_greedy_plain(gamma):
     plain = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=20)
@@ -341,6 +343,7 @@ def test_a_stopped_sampled_row_leaves_the_batch_on_the_greedy_path(monkeypatch):
     assert calls
 
 
+@pytest.mark.fast
 def test_target_cache_equals_fresh_prefill():
     """After generation the committed cache holds exactly what a fresh prefill of the final sequence
     computes: no rejected candidate leaked into a committed slot."""

@@ -24,6 +24,7 @@ RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(0, 64, size=n).tolist() for n in (3, 11, 1, 7)]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "drafter",
     [

@@ -14,6 +14,8 @@ from models.eagle import EagleConfig, EagleDrafter
 from models.layerskip import LayerSkipDrafter
 from models.llama import LlamaConfig, make_model
 
+pytestmark = pytest.mark.fast  # the fast tier: make test-fast
+
 CFG = LlamaConfig(
     vocab_size=16, hidden=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, ffn=16, name="protocol-tiny"
 )

@@ -101,6 +101,7 @@ def test_frequent_tokens():
         frequent_tokens(counts, 0)
 
 
+@pytest.mark.fast
 def test_greedy_identical_to_plain_tiny():
     mnew = [24, 30, 17]
     plain = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=mnew)
@@ -419,6 +420,7 @@ def test_rollout_check_detects_shifted_pairing():
 # ---- candidate trees ----
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "spec,rules",
     [

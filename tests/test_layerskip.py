@@ -228,6 +228,7 @@ def test_verify_hook_equals_full_target_pass(exit_layer, adapter, head_tokens, t
         assert not np.isin(np.asarray(prop.tokens), outside).any()
 
 
+@pytest.mark.fast
 def test_greedy_identical_to_plain_decoding():
     plain = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, max_new_tokens=[24, 30, 17])
     for exit_layer, k, adapter, head_tokens in [(3, 4, False, 0), (1, 2, True, 40)]:

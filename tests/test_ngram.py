@@ -218,6 +218,7 @@ def test_drafter_is_static_and_validated():
 # ---- greedy: speculative output == plain output ----
 
 
+@pytest.mark.fast
 def test_greedy_identical_to_plain_decoding():
     # Period 1: the greedy next token is a function of the last two tokens, so the output falls into a cycle
     # that the lookups find, and also leaves it where the prompt misleads them (rejections).

@@ -16,6 +16,8 @@ from models import eagle as E
 from models import layerskip as LS
 from models.llama import LlamaConfig, init_random_params
 
+pytestmark = pytest.mark.fast  # the fast tier: make test-fast
+
 TARGET = LlamaConfig(
     vocab_size=48, hidden=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, ffn=64, name="tiny-target"
 )

@@ -14,6 +14,8 @@ import pytest
 
 from jspec.bench import record, render
 
+pytestmark = pytest.mark.fast  # the fast tier: make test-fast
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 COMMITTED = sorted(glob.glob(os.path.join(ROOT, "docs", "results", "*.json")))
 

@@ -9,6 +9,8 @@ from toy_models import ref_transform
 from jspec.sampling import distribution, sample, sample_from
 from jspec.validate import sampling_params
 
+pytestmark = pytest.mark.fast  # the fast tier: make test-fast
+
 CASES = [
     dict(temperature=1.0),
     dict(temperature=0.7),
@@ -171,13 +173,18 @@ def test_filters_keep_tie_groups_whole_and_match_the_reference_on_vocab_rows():
     assert 1 < np.count_nonzero(got[0, 0]) < 50  # top-p 0.9 cut inside the top 50 of a broad row
 
 
-def test_bench_sampler_agrees_with_its_sort_based_reference(capsys):
+def test_bench_sampler_agrees_with_its_sort_based_reference(capsys, tmp_path):
     """examples/bench_sampler.py checks that both filters keep the same tokens before it times them."""
+    import re
+
     from example_scripts import load_example
 
     bench_sampler = load_example("bench_sampler")
-    assert bench_sampler.main(["--vocab", "300", "--shapes", "2x3,1x1", "--repeats", "1"]) == 0
-    assert len([line for line in capsys.readouterr().out.splitlines() if line.strip().endswith("x")]) == 6
+    argv = ["--vocab", "300", "--shapes", "2x3,1x1", "--repeats", "1", "--out", str(tmp_path / "sampler.json")]
+    assert bench_sampler.main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if re.search(r"\d+x \(\d", line)]
+    assert len(rows) == 6  # 2 shapes x 3 filter settings, each with its speed-up (min-max)
+    assert (tmp_path / "sampler.json").exists()
 
 
 def test_a_row_without_filters_is_the_same_whatever_its_batch_filters():

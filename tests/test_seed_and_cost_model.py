@@ -22,6 +22,8 @@ from hypothesis import given, settings
 from jspec import cost_model as cm
 from jspec.verify import acceptance_prob, accepted_mass, residual, verify_chain
 
+pytestmark = pytest.mark.fast  # the fast tier: make test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The seed's example, as exact fractions.

@@ -44,6 +44,7 @@ def _serve(engine, logprobs=None, tops=None):
     return [out[i] for i in range(len(REQUESTS))]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("speculative", [False, True])
 def test_continuous_batching_matches_single_requests(speculative):
     kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3) if speculative else {}

@@ -20,6 +20,8 @@ from sharding.launch import launch
 from sharding.mesh import make_mesh, parse_shape, resolve_shape
 from sharding.rules import PRESETS, TABLE, describe, fit_rules, rules, spec
 
+pytestmark = pytest.mark.fast  # the fast tier: make test-fast
+
 
 def _mesh(data: int, model: int):
     # spec/fit_rules only read axis sizes, so a stand-in works without 8 devices in this process.

@@ -84,6 +84,7 @@ def test_ancestor_mask_and_children():
     assert kids[0].tolist() == [1, 2] and kids[3].tolist() == [7, -1] and kids[10].tolist() == [-1, -1]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("rule", list(TreeRule))
 def test_greedy_tree_verification_fast_path(rule):
     """``verify_tree_greedy`` (token ids only) equals ``verify_tree`` on one-hot p under every rule, and a plain
@@ -127,6 +128,7 @@ def test_greedy_tree_verification_fast_path(rule):
 
 # Greedy rounds verify with verify_tree_greedy whatever the rule (test_greedy_tree_verification_fast_path shows
 # it equals verify_tree under each rule, duplicate and invalid siblings included), so one rule decodes here.
+@pytest.mark.fast
 @pytest.mark.parametrize("rule", [TreeRule.DETERMINISTIC])
 def test_greedy_tree_equals_greedy_plain(rule):
     plain = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=20)
@@ -243,6 +245,7 @@ def test_tree_distribution_check_has_power(name):
         assert stat > critical, (name, g, stat, critical)
 
 
+@pytest.mark.fast
 def test_tree_target_cache_equals_fresh_prefill():
     """Accepted paths are moved from scratch slots into committed slots; nothing of a rejected branch stays."""
     prepared = dec.prepare(
