@@ -251,7 +251,7 @@ def decode(target: Model, target_params, prompts, *, stop=None, detokenize=None,
     debug_checks, logprobs (``DecodeOutput.logprobs``: the target's log-probability of each generated token),
     top_logprobs (N <= 20, with logprobs=True: ``DecodeOutput.top_logprobs``, the N most likely (id,
     log-probability) pairs at each generated position, most likely first).
-    Returns generated tokens per row, the stop reason per row and statistics (defined in the module doc). Sampling
+    Returns generated tokens per row, the stop reason per row and statistics (defined in ``jspec.state``). Sampling
     parameters, stop token ids, min_tokens, logit biases, the seed or key and the budgets are arrays: new values
     reuse the compiled loop as long as the batch, the padded prompt width (a multiple of 16), max_len, the longest
     row's stop-id count and logit_bias size (each rounded up to a multiple of 4) and the kind of seed (one, or one

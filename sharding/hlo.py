@@ -5,7 +5,7 @@ once per layer, one inside the decode ``while`` once per round. ``analyze`` ther
 from the entry computation, multiplying by known trip counts (XLA records ``known_trip_count`` for scans),
 taking the larger branch of a conditional (the worst-case round), and reporting the data-dependent loop
 (the decode loop: no known trip count) separately as "per round". A while loop whose metadata carries
-``jspec.decode.AT_MOST_ONCE`` is a branch written as a loop of 0 or 1 trips: counted as one trip, like the
+``jspec.rounds.AT_MOST_ONCE`` is a branch written as a loop of 0 or 1 trips: counted as one trip, like the
 taken branch of a conditional.
 """
 
@@ -121,7 +121,7 @@ def analyze(hlo: str) -> Analysis:
                     once += _scale(body_once + cond_once, int(trip.group(1)))
                     per += body_per + cond_per
                     loops += bl + cl
-                elif AT_MOST_ONCE in line:  # a branch as a loop (``jspec.decode._cond_in_place``): worst case
+                elif AT_MOST_ONCE in line:  # a branch as a loop (``jspec.rounds.cond_in_place``): worst case
                     once += body_once + cond_once
                     per += body_per + cond_per
                     loops += bl + cl

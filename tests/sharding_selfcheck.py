@@ -312,7 +312,7 @@ def _stops_check(model, tp, dp, stp, sdp, plan, drafter, base) -> dict:
 def _tree_check(model, tp, dp, stp, sdp, plan, dcfg) -> dict:
     """A draft-model tree (``TREE_SPEC``, children sampled without replacement, per-row seeds), all-greedy and
     mixed greedy / sampled rows (one compilation serves both), on ``plan``'s mesh with a cache of exactly
-    ``cache_need`` slots (the rows' P + N - 1 and the tree's scratch, ``jspec.decode.tree_scratch``) and on one
+    ``cache_need`` slots (the rows' P + N - 1 and the tree's scratch, ``jspec.validate.tree_scratch``) and on one
     device with decode's default cache (rounded up to 128 slots): the tokens must be equal, which they would not
     be if the mesh's cache lacked the scratch (row 6's last rounds would verify fewer nodes: other draws)."""
     from jspec.decode import prepare

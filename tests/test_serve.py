@@ -132,7 +132,7 @@ def test_engine_takes_adaptive_as_decode_does():
 
 
 def test_engine_checks_its_drafter_like_decode():
-    """Engine and decode share one check of the draft settings (jspec.decode.check_drafter)."""
+    """Engine and decode share one check of the draft settings (jspec.validate.check_drafter)."""
     from jspec.drafters import TreeModelDrafter
     from jspec.ngram import NgramDrafter, NgramTreeDrafter
     from jspec.tree import TreeRule, TreeSpec
