@@ -599,11 +599,14 @@ def test_gamma_unset_is_the_drafters_own_and_a_given_one_is_what_runs():
 
 
 @dataclasses.dataclass(frozen=True)
-class _Capped:
+class _Capped(Drafter):
     """A chain drafter that states the largest K it serves (its state is sized for it): refused on the host."""
 
     vocab_size: int = VOCAB
     max_draft: int = 3
+
+    def propose(self, params, state, ctx, key, k):
+        raise AssertionError("refused before it is traced")
 
 
 def test_adaptive_policies_are_checked():

@@ -226,7 +226,7 @@ def test_demo_main_job_speculates_on_code_editing(smollm2, monkeypatch, capsys):
 
 def test_cli_bad_input_is_a_clear_error(smollm2_path):
     r = _cli("--prompt", "hi", "--temperature", "1", "--top-p", "1.5", "--max-new-tokens", "4")
-    assert r.returncode == 2 and "top_p" in r.stderr
+    assert r.returncode == 2 and "--top-p must be in (0, 1]" in r.stderr
     r = _cli("--prompt", "hi", "--model", "no-such-model")
     assert r.returncode != 0 and "unknown model" in r.stderr
 
@@ -354,12 +354,12 @@ def test_layers_auto_is_unstacked_on_cpu_and_gpu_only(monkeypatch):
     with pytest.raises(ValueError, match="--layers must be one of auto, stacked, unstacked, got 'fused'"):
         wants_unstacked("fused")
     # The benchmark suite's loader (default --layers auto) passes the resolved layout to the model loader.
-    from jspec import cli
+    from jspec import loaders
     from jspec.bench import targets
 
     seen = []
     monkeypatch.setattr(
-        cli,
+        loaders,
         "model_loader",
         lambda *a, **k: lambda name, dtype, unstacked: seen.append(unstacked) or (None, None, None, object()),
     )
