@@ -101,8 +101,11 @@ def check_flags(args) -> None:
         raise ValueError("--tree-budget applies to --tree")
     if args.tree_rule is not None and args.tree is None:
         raise ValueError("--tree-rule applies to --tree (an --dynamic-tree chooses its children deterministically)")
-    if args.drafter == "none" and (args.adaptive or args.block_verify):
-        raise ValueError("--adaptive and --block-verify need a drafter (--drafter none decodes plainly)")
+    if args.drafter == "none" and (args.adaptive or args.block_verify or args.goodput):
+        raise ValueError("--adaptive, --block-verify and --goodput need a drafter (--drafter none decodes plainly)")
+    if args.goodput and (args.gamma is not None or args.adaptive):
+        flag = "--gamma (a fixed K)" if args.gamma is not None else "--adaptive"
+        raise ValueError(f"--goodput chooses K each round, which {flag} excludes")
     if args.drafter == "none" and (args.gamma is not None or args.compare):
         flag = "--gamma" if args.gamma is not None else "--compare"
         raise ValueError(f"{flag} needs a drafter (--drafter none decodes plainly)")
@@ -290,6 +293,7 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, 
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
         adaptive=args.adaptive and drafter is not None,  # --compare's plain run has no draft to adapt
+        goodput=args.goodput and drafter is not None,
         block_verify=args.block_verify and drafter is not None,
         logprobs=args.logprobs,  # on both sides of --compare, so that they time the same work
         top_logprobs=args.top_logprobs,
@@ -305,6 +309,8 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, 
         "new_tokens": st["new_tokens"][0],  # decoded (with --stop, tokens past the string too)
         "kept_tokens": len(out.tokens[0]),
         "gamma": prepared.config.gamma,  # the K the loop ran: a tree's depth for tree drafters
+        "draft_lengths": list(prepared.config.draft_lengths),  # the K a round could choose (--goodput: several)
+        "k_rounds": st["k_rounds"],  # rounds at each of them
         "cache_slots": prepared.config.slots,
         "rounds": st["rounds"][0],
         "tokens_per_round": st["tokens_per_round"],
@@ -418,6 +424,8 @@ def generate(args) -> int:
 
 def _stats_line(name, s) -> str:
     acc = "" if name in ("none", "plain") else f", acceptance {s['acceptance_rate']:.2f}"
+    if len(s.get("draft_lengths", ())) > 1:  # --goodput: how often each K was chosen
+        acc += ", rounds at K " + " ".join(f"{k}:{n}" for k, n in zip(s["draft_lengths"], s["k_rounds"]))
     return (
         f"[{name}: {s['new_tokens']} tokens in {s['rounds']} rounds ({s['tokens_per_round']:.2f}/round{acc}), "
         f"{s['seconds']:.2f} s, {s['tokens_per_s']:.1f} tok/s, compile {s['compile_seconds']:.1f} s, "
@@ -435,6 +443,10 @@ def main(argv=None) -> int:
         from jspec.bench.render import main as report_main
 
         return report_main(argv[1:])
+    if argv[:1] == ["costs"]:  # the measured round costs a goodput policy chooses K from
+        from jspec.costs import main as costs_main
+
+        return costs_main(argv[1:])
     if argv[:1] == ["demo"]:  # make run: speculative against plain decoding on a code-editing request
         from jspec.demo import main as demo_main
 
@@ -442,6 +454,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jspec", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="run the default benchmark suite (python -m jspec bench --help)")
+    sub.add_parser("costs", help="measure and print round costs at each K (python -m jspec costs --help)")
     sub.add_parser("demo", help="speculative vs plain decoding on a code-editing request (python -m jspec demo --help)")
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf file or HF directory")
@@ -463,6 +476,11 @@ def main(argv=None) -> int:
         help=f"K, candidates per round of a chain drafter (default {DEFAULT_GAMMA}); --drafter ngram-tree: its depth",
     )
     g.add_argument("--adaptive", action="store_true", help="per row, draft K or nothing, from the measured acceptance")
+    g.add_argument(
+        "--goodput",
+        action="store_true",
+        help="each round, the K (0, 1, 2 or 4) that commits most tokens per second, from measured round costs",
+    )
     g.add_argument("--block-verify", action="store_true", help="block verification of chains (Sun et al.)")
     g.add_argument(
         "--tree", default=None, help="static tree (model drafters, LayerSkip, EAGLE): branching per depth, e.g. 3,2,1"

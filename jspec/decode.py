@@ -25,7 +25,9 @@ from jax.experimental import checkify
 
 from jspec import validate as V
 from jspec.adaptive import AdaptiveK
+from jspec.costs import CostTable, goodput_policy
 from jspec.drafters import Drafter
+from jspec.goodput import GoodputK
 from jspec.loop import decode_round, generate_arrays, prefill
 from jspec.model import Model
 from jspec.sampling import SamplingParams
@@ -164,16 +166,20 @@ def prepare(
     top_logprobs: int = 0,
     penalties: bool | None = None,
     stop_strings: Sequence[bool] | None = None,
+    goodput: GoodputK | CostTable | bool | None = None,
 ) -> PreparedDecode:
     """Validate the inputs of ``decode`` (raising a ValueError that names the problem) and build the call.
     penalties: None (the default) keeps token counts when some row has a penalty; True keeps them anyway (a
     sharded decode whose other processes' rows have penalties compiles the same program); False with a row that
     has a penalty is refused (the penalty would be ignored). stop_strings: per row, whether the caller looks for
-    stop strings in it (``decode(stop=...)``), which min_tokens then holds back too."""
+    stop strings in it (``decode(stop=...)``), which min_tokens then holds back too. goodput: True, a
+    ``jspec.costs.CostTable`` or a ``jspec.goodput.GoodputK`` chooses the batch's draft length each round from
+    measured costs (``jspec.costs.goodput_policy``); None or False (the default): a fixed K."""
     logprobs = V.check_flag("logprobs", logprobs)
     top_logprobs = V.check_top_logprobs(top_logprobs, logprobs, target.vocab_size)
     block_verify = V.check_flag("block_verify", block_verify)
     debug_checks = V.check_flag("debug_checks", debug_checks)
+    gamma_given = gamma is not None
     gamma = V.check_drafter(target, drafter, gamma, adaptive, block_verify, draft_params, target_params)
     prompt, plen, mnew, slots = V.check_prompts(target, prompts, max_new_tokens, max_len, V.tree_scratch(drafter))
     V.check_draft_context(drafter, plen + mnew - 1 if max_new_tokens is not None else np.full_like(plen, slots))
@@ -206,16 +212,24 @@ def prepare(
                 "token counts: pass penalties=None (the default) or True"
             )
         counts = asked
+    policy = V.adaptive_policy(adaptive)
+    chooser = goodput_policy(
+        goodput, target, target_params, drafter, draft_params, gamma=gamma, gamma_given=gamma_given,
+        adaptive=policy, batch=len(plen), slots=slots, prompts=(prompt, plen), objective="makespan",
+    )  # fmt: skip
+    if chooser is not None:  # the loop's K is the policy's largest, which the drafter must serve
+        gamma = V.check_drafter(target, drafter, chooser.k_max, None, block_verify, draft_params, target_params)
     config = DecodeConfig(
         gamma,
         slots,
         eos,
         debug_checks,
-        V.adaptive_policy(adaptive),
+        policy,
         block_verify,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         penalties=counts,
+        goodput=chooser,
     )
     inputs = DecodeInputs(jnp.asarray(prompt), jnp.asarray(plen), jnp.asarray(mnew), sampling, key)
     return PreparedDecode(

@@ -322,6 +322,11 @@ class TreeModelDrafter(StaticTreeShape, Drafter):
         pend = seq_len - 1
         return take_rows(logits, pend - start), cache.commit(seq_len - start)  # through the pending token
 
+    def observe(self, params, cache, ctx: DraftContext):
+        # A round without a tree (a plain step): the cache catches up with the committed tokens every round, so
+        # the gap to the pending token never outgrows one catch-up block.
+        return self._catch_up(params, cache, ctx.seq, ctx.seq_len)[1]
+
     def propose_tree(self, params, cache, ctx, key) -> TreeProposal:
         parent_np, depth_np, _ = self.spec.arrays
         n = len(parent_np)

@@ -11,16 +11,18 @@ row has stopped; ``generate_arrays`` is the whole pure decode that ``jspec.decod
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
 from jspec import adaptive as adapt
+from jspec import goodput
 from jspec.cache import set_rows, take_rows
 from jspec.drafters import always_wide
 from jspec.model import Model
-from jspec.rounds import chain_step, tree_step
+from jspec.rounds import RoundStep, chain_step, switch_in_place, tree_step
 from jspec.sampling import (
     SamplingParams,
     distribution,
@@ -150,6 +152,7 @@ def prefill(
         proposed_at=jnp.zeros((k,), jnp.int32),
         loop_rounds=jnp.zeros((), jnp.int32),
         wide_rounds=jnp.zeros((), jnp.int32),
+        k_rounds=jnp.zeros((len(config.draft_lengths),), jnp.int32),
     )
     one = jnp.ones((b,), jnp.int32)
     stop = stop_reason(config, sampling.stop_ids, first[:, None], one, one, max_new, prompt_len, zeros)
@@ -165,7 +168,7 @@ def prefill(
         stop=stop,
         stats=stats,
         bad_proposal=jnp.zeros((), bool),
-        accept_ema=adapt.init(config.adaptive, b),
+        accept_ema=adapt.init(config.adaptive or config.goodput, b),
         logprob=logprob,
         top_ids=top_ids,
         top_logprob=top_lp,
@@ -174,11 +177,57 @@ def prefill(
     )
 
 
+def _step_at(target, drafter, config, target_params, draft_params, st, pending, committed, max_draft, keys, k_index):
+    """The round's draft and verification at the goodput policy's ``ks[k_index]``: one step per K in the set, the
+    chosen one run (``switch_in_place``: the caches stay in place). Every step has the same shapes (config.gamma
+    wide); a tree drafter's set is a plain step (K = 0) and its tree."""
+    policy = config.goodput
+    tree = drafter.is_tree
+    b, k, v = pending.shape[0], config.gamma, target.vocab_size
+
+    def branch(k_i):
+        step_fn = tree_step if tree and k_i > 0 else functools.partial(chain_step, k=k_i)
+
+        def run(c: RoundStep) -> RoundStep:
+            sub = dataclasses.replace(st, cache=c.cache, draft_state=c.draft_state)
+            out = step_fn(
+                target, drafter, config, target_params, draft_params, sub, pending, committed, max_draft, keys
+            )
+            return (
+                out
+                if out.path is not None or not tree
+                else dataclasses.replace(out, path=jnp.zeros((b, k + 1), jnp.int32))
+            )
+
+        return run
+
+    zeros = jnp.zeros((b,), jnp.int32)
+    init = RoundStep(
+        path_tokens=jnp.zeros((b, k), jnp.int32),
+        n_accepted=zeros,
+        next_token=zeros,
+        path=jnp.zeros((b, k + 1), jnp.int32) if tree else None,
+        cache=st.cache,
+        draft_state=st.draft_state,
+        proposed_at=jnp.zeros((b, k), jnp.int32),
+        bad=jnp.zeros((b,), bool),
+        emitted_logits=jnp.zeros((b, k + 1, v), jnp.float32) if config.logprobs else None,
+    )
+    return switch_in_place(k_index, [branch(k_i) for k_i in policy.ks], init)
+
+
 def decode_round(
-    target: Model, drafter, config: DecodeConfig, target_params, draft_params, st: DecodeState
+    target: Model,
+    drafter,
+    config: DecodeConfig,
+    target_params,
+    draft_params,
+    st: DecodeState,
+    k_index: jax.Array | None = None,
 ) -> tuple[DecodeState, jax.Array, jax.Array]:
     """One round for every row: draft -> verify K+1 positions in one target call -> accept -> commit.
-    Returns the new state, the tokens emitted this round [B, K+1] and how many per row [B]."""
+    Returns the new state, the tokens emitted this round [B, K+1] and how many per row [B]. With a goodput policy
+    the round's K is the policy's choice, or ``ks[k_index]`` when given (the cost profiler times each K so)."""
     k = config.gamma
     s = config.slots
     b = st.seq.shape[0]
@@ -195,6 +244,13 @@ def decode_round(
 
     if config.adaptive is not None:
         max_draft = jnp.minimum(max_draft, adapt.choose_k(config.adaptive, st.accept_ema, k, always_wide(drafter)))
+    policy = config.goodput
+    if policy is not None:
+        if k_index is None:
+            k_index = goodput.choose(policy, st.accept_ema, active, st.max_new - n_gen)
+        max_draft = jnp.minimum(max_draft, jnp.asarray(policy.ks, jnp.int32)[k_index])
+    else:
+        k_index = jnp.zeros((), jnp.int32)
     # A row that has ended proposes nothing: otherwise it alone could make the batch draft and verify K+1
     # wide while the running rows asked for no candidates (and the stats, counting running rows, hide it).
     max_draft = jnp.where(active, max_draft, 0)
@@ -205,10 +261,24 @@ def decode_round(
     rst = dataclasses.replace(st, sampling=dataclasses.replace(st.sampling, temperature=temperature))
 
     pending = take_rows(st.seq, committed)
-    step_fn = tree_step if drafter is not None and drafter.is_tree else chain_step
-    step = step_fn(
-        target, drafter, config, target_params, draft_params, rst, pending, committed, max_draft, (k_draft, k_verify)
+    args = (
+        target,
+        drafter,
+        config,
+        target_params,
+        draft_params,
+        rst,
+        pending,
+        committed,
+        max_draft,
+        (k_draft, k_verify),
     )
+    if policy is not None:
+        step = _step_at(*args, k_index)
+    elif drafter is not None and drafter.is_tree:
+        step = tree_step(*args)
+    else:
+        step = chain_step(*args)
     n_acc = step.n_accepted
 
     # Emit the accepted candidates and the correction/bonus token, up to the first end token and the budget.
@@ -255,11 +325,17 @@ def decode_round(
         proposed_at=st.stats.proposed_at + jnp.sum(proposed_at, axis=0, dtype=jnp.int32),
         loop_rounds=st.stats.loop_rounds + 1,
         wide_rounds=st.stats.wide_rounds + (jnp.any(n_draft > 0) | always_wide(drafter)).astype(jnp.int32),
+        k_rounds=st.stats.k_rounds.at[k_index].add(1),
     )
     bad = st.bad_proposal | jnp.any(step.bad & active)
     ema = st.accept_ema
     if config.adaptive is not None:
         ema = adapt.update(config.adaptive, ema, n_acc, n_draft, active)
+    if policy is not None:
+        # A row that could propose and found nothing (a prompt lookup that missed) kept one token of the K + 1 the
+        # round cost: a failed test, not an idle round that would drift back to the prior.
+        tried = jnp.where(max_draft > 0, jnp.maximum(n_draft, 1), n_draft)
+        ema = adapt.update(policy, ema, n_acc, tried, active)
     new = dataclasses.replace(
         st,
         accept_ema=ema,

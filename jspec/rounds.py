@@ -26,6 +26,7 @@ from jspec.tree import TreeProposal, TreeRule, ancestor_mask, verify_tree_greedy
 from jspec.verify import verify_chain_greedy, verify_chain_key
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RoundStep:
     """What a round's draft and verification decided, per row, before anything is committed.
@@ -110,12 +111,12 @@ def greedy_ids(target: Model, logits: jax.Array, sampling: SamplingParams, proc)
 AT_MOST_ONCE = "at_most_once"
 
 
-def cond_in_place(pred: jax.Array, true_fn, false_fn, carry):
-    """``lax.cond(pred, true_fn, false_fn, carry)`` for branches that rewrite a large buffer of ``carry`` (the KV
-    cache): run as two while loops of 0 or 1 trips. XLA updates while-loop carries in place, whereas a cond
-    copied k and v into or out of the taken branch and again after it (SmolLM2, n-gram K=4: 4 whole-cache
-    copies per round in the optimised HLO; 48.1 -> 46.4 ms per round without them). Both functions map
-    ``carry`` to a value of its structure."""
+def switch_in_place(index: jax.Array, fns, carry):
+    """``lax.switch(index, fns, carry)`` for branches that rewrite a large buffer of ``carry`` (the KV cache): one
+    while loop of 0 or 1 trips per branch. XLA updates while-loop carries in place, whereas a cond copied k and v
+    into or out of the taken branch and again after it (SmolLM2, n-gram K=4: 4 whole-cache copies per round in the
+    optimised HLO; 48.1 -> 46.4 ms per round without them). Every function maps ``carry`` to a value of its
+    structure; exactly the one at ``index`` runs."""
 
     def once(fn, go):
         def body(c):
@@ -126,16 +127,22 @@ def cond_in_place(pred: jax.Array, true_fn, false_fn, carry):
     # The scope name marks these loops in the compiled HLO, so analyses (``sharding.hlo``) can count them as
     # branches taken at most once rather than as data-dependent loops.
     with jax.named_scope(AT_MOST_ONCE):
-        carry = once(false_fn, jnp.where(pred, 0, 1))(carry)
-        return once(true_fn, jnp.where(pred, 1, 0))(carry)
+        for i, fn in enumerate(fns):
+            carry = once(fn, jnp.where(index == i, 1, 0))(carry)
+    return carry
 
 
-def _draft_chain(drafter: Drafter, config, draft_params, st: DecodeState, max_draft, key, v: int) -> Proposal:
-    """The round's chain proposal, n_draft capped at ``max_draft`` (q over the target's V tokens). When no row may
-    propose (adaptive K at 0, or the budget nearly spent) the drafter only keeps its state in step (``observe``)
-    instead of rolling out K steps. The returned ``target_cache`` is the target's cache, with the drafter's writes
-    if it shares it."""
-    b, k = st.seq.shape[0], config.gamma
+def cond_in_place(pred: jax.Array, true_fn, false_fn, carry):
+    """``lax.cond(pred, true_fn, false_fn, carry)`` for branches that rewrite the KV cache (``switch_in_place``)."""
+    return switch_in_place(jnp.where(pred, 1, 0), (false_fn, true_fn), carry)
+
+
+def _draft_chain(drafter: Drafter, k: int, draft_params, st: DecodeState, max_draft, key, v: int) -> Proposal:
+    """The round's chain of ``k`` proposals, n_draft capped at ``max_draft`` (q over the target's V tokens). When
+    no row may propose (adaptive K at 0, or the budget nearly spent) the drafter only keeps its state in step
+    (``observe``) instead of rolling out K steps. The returned ``target_cache`` is the target's cache, with the
+    drafter's writes if it shares it."""
+    b = st.seq.shape[0]
     shares = drafter.shares_target_cache
     ctx = DraftContext(st.seq, st.seq_len, max_draft, st.sampling, st.cache if shares else None)
 
@@ -164,21 +171,37 @@ def _draft_chain(drafter: Drafter, config, draft_params, st: DecodeState, max_dr
 
 
 def chain_step(
-    target: Model, drafter, config: DecodeConfig, target_params, draft_params, st, pending, committed, max_draft, keys
+    target: Model,
+    drafter,
+    config: DecodeConfig,
+    target_params,
+    draft_params,
+    st,
+    pending,
+    committed,
+    max_draft,
+    keys,
+    k: int | None = None,
 ) -> RoundStep:
-    """Draft a chain, verify its K+1 positions in one target call, accept. ``keys``: (draft key, verify key)."""
+    """Draft a chain of ``k`` (static; default ``config.gamma``), verify its K+1 positions in one target call,
+    accept. ``keys``: (draft key, verify key). The step's arrays are ``config.gamma`` wide whatever its k (a round
+    that chooses among several K, ``jspec.goodput``, switches between steps of one shape)."""
     k_draft, k_verify = keys
-    k = config.gamma
+    k = config.gamma if k is None else k
     b = pending.shape[0]
     proc = request_logits(config, st)
-    if k == 0:  # plain decoding: one target step
+    if k == 0:  # one plain target step; a drafter's state keeps up with the committed tokens
         logits, cache = target.apply(target_params, pending[:, None], committed[:, None], st.cache)
         none = jnp.zeros((b, 0), jnp.int32)
-        prop = Proposal(none, jnp.zeros((b, 0, 1), jnp.float32), jnp.zeros((b,), jnp.int32), st.draft_state)
-        ver = _Verified(logits, greedy_ids(target, logits, st.sampling, proc), cache, st.draft_state)
+        state = st.draft_state
+        if drafter is not None:
+            ctx = DraftContext(st.seq, st.seq_len, jnp.zeros_like(max_draft), st.sampling)
+            state = drafter.observe(draft_params, state, ctx)
+        prop = Proposal(none, jnp.zeros((b, 0, 1), jnp.float32), jnp.zeros((b,), jnp.int32), state)
+        ver = _Verified(logits, greedy_ids(target, logits, st.sampling, proc), cache, state)
         proc_wide = proc
     else:
-        prop = _draft_chain(drafter, config, draft_params, st, max_draft, k_draft, target.vocab_size)
+        prop = _draft_chain(drafter, k, draft_params, st, max_draft, k_draft, target.vocab_size)
         tokens = jnp.concatenate([pending[:, None], prop.tokens], axis=1)  # [B, K+1]
         # Position j follows the pending token and drafts 1..j (what the penalties count besides the output).
         history = jnp.broadcast_to(jnp.tril(jnp.ones((k + 1, k + 1), bool)), (b, k + 1, k + 1))
@@ -225,16 +248,19 @@ def chain_step(
 
     res = jax.lax.cond(jnp.all(st.sampling.temperature == 0), greedy, sampled, None)
     proposed_at = (jnp.arange(k)[None, :] < prop.n_draft[:, None]).astype(jnp.int32)
+    # Every step is config.gamma wide: positions past this step's k hold nothing (never accepted, never emitted).
+    wide = config.gamma - k
     return RoundStep(
-        path_tokens=prop.tokens,
+        path_tokens=jnp.pad(prop.tokens, ((0, 0), (0, wide))),
         n_accepted=res.n_accepted,
         next_token=res.next_token,
         path=None,
         cache=ver.cache,
         draft_state=ver.state,
-        proposed_at=proposed_at,
+        proposed_at=jnp.pad(proposed_at, ((0, 0), (0, wide))),
         bad=res.bad_proposal,
-        emitted_logits=ver.logits if config.logprobs else None,  # position j predicts the j-th emitted token
+        # Position j predicts the j-th emitted token.
+        emitted_logits=jnp.pad(ver.logits, ((0, 0), (0, wide), (0, 0))) if config.logprobs else None,
     )
 
 

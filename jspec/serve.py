@@ -18,6 +18,7 @@ import numpy as np
 
 from jspec import validate as V
 from jspec.adaptive import AdaptiveK
+from jspec.costs import goodput_policy
 from jspec.loop import decode_round, prefill
 from jspec.model import Model
 from jspec.state import DecodeConfig, DecodeState, StopReason, top_pairs
@@ -145,6 +146,7 @@ class Engine:
     top_logprobs: int = 0
     penalties: bool = False
     detokenize: Callable[[list[int]], str] | None = None
+    goodput: object = None  # True, a CostTable or a GoodputK: the batch's K chosen each round (see decode's)
 
     def __post_init__(self):
         self.logprobs = V.check_flag("logprobs", self.logprobs)
@@ -158,6 +160,7 @@ class Engine:
         V.check_count("max_stop_ids", self.max_stop_ids, least=0)  # 0: no per-request ids / biases
         V.check_count("max_logit_bias", self.max_logit_bias, least=0)
         self.adaptive = V.adaptive_policy(self.adaptive)
+        gamma_given = self.gamma is not None
         gamma = V.check_drafter(
             self.target,
             self.drafter,
@@ -167,9 +170,18 @@ class Engine:
             self.draft_params,
             self.target_params,
         )
+        slots = engine_slots(self.target, self.drafter, self.max_len)
+        chooser = goodput_policy(
+            self.goodput, self.target, self.target_params, self.drafter, self.draft_params, gamma=gamma,
+            gamma_given=gamma_given, adaptive=self.adaptive, batch=self.batch, slots=slots,
+        )  # fmt: skip
+        if chooser is not None:  # the loop's K is the policy's largest, which the drafter must serve
+            gamma = V.check_drafter(
+                self.target, self.drafter, chooser.k_max, None, self.block_verify, self.draft_params, self.target_params
+            )
         self.config = DecodeConfig(
             gamma,
-            engine_slots(self.target, self.drafter, self.max_len),
+            slots,
             V.check_eos(self.eos_ids, self.target.vocab_size),
             False,
             self.adaptive,
@@ -177,6 +189,7 @@ class Engine:
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
             penalties=self.penalties,
+            goodput=chooser,
         )
         self._prefill, self._insert, self._step = _engine_fns(
             self.target, self.drafter, self.config, self.rounds_per_sync

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from jspec.adaptive import AdaptiveK
+from jspec.goodput import GoodputK
 from jspec.sampling import SamplingParams
 
 
@@ -45,6 +46,8 @@ class DecodeConfig:
     eos_ids: token ids that end a row (the EOS token is emitted, nothing after it).
     debug_checks: check invariants on device (a proposal with q(x) == 0 raises).
     adaptive: per-row draft length policy (``jspec.adaptive.AdaptiveK``); None = always K.
+    goodput: the batch's draft length chosen each round from a static set by measured costs
+      (``jspec.goodput.GoodputK``; gamma is its largest K); None = always K.
     block_verify: verify chains jointly (``jspec.verify.verify_block``) instead of token by token.
     logprobs: keep the target's log-probability of every generated token (``DecodeOutput.logprobs``).
     top_logprobs: N, also keep the N most likely tokens and their log-probabilities at every generated position
@@ -66,10 +69,18 @@ class DecodeConfig:
     logprobs: bool = False
     top_logprobs: int = 0
     penalties: bool = False
+    goodput: GoodputK | None = None
 
     def __post_init__(self):
         if self.top_logprobs and not self.logprobs:  # the alternatives are read from the logprobs' logits
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
+        if self.goodput is not None and (self.goodput.k_max != self.gamma or self.adaptive is not None):
+            raise ValueError("a goodput policy's largest K is the loop's gamma, and it replaces the adaptive policy")
+
+    @property
+    def draft_lengths(self) -> tuple[int, ...]:
+        """The K a round may run: the goodput policy's set, else gamma alone."""
+        return self.goodput.ks if self.goodput is not None else (self.gamma,)
 
 
 @jax.tree_util.register_dataclass
@@ -95,6 +106,7 @@ class DecodeStats:
     proposed_at: jax.Array  # [K]
     loop_rounds: jax.Array  # [] while-loop iterations (max over rows of rounds)
     wide_rounds: jax.Array  # [] iterations that verified wide (K+1 positions, or a tree's N nodes)
+    k_rounds: jax.Array  # [J] iterations run at each draft length of ``DecodeConfig.draft_lengths``
 
 
 @jax.tree_util.register_dataclass
@@ -181,6 +193,7 @@ def to_output(st: DecodeState) -> DecodeOutput:
         "acceptance_rate": accepted / proposed if proposed else 0.0,
         "accepted_at": stats.accepted_at.tolist(),
         "proposed_at": stats.proposed_at.tolist(),
+        "k_rounds": stats.k_rounds.tolist(),  # loop rounds at each draft length the loop may choose
     }
     tops = None
     if top is not None:

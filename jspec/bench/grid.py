@@ -60,12 +60,13 @@ class DrafterChoice:
     kind: str
     k: int | None = None
     tree: tuple[int, ...] | None = None
+    goodput: bool = False  # K chosen each round up to ``k`` from measured costs (jspec.goodput)
 
     @property
     def name(self) -> str:
         if self.kind == "eagle-tree":
             return f"eagle tree ({','.join(map(str, self.tree or ()))})"
-        return f"{self.kind} K={self.k}"
+        return f"{self.kind} goodput K<={self.k}" if self.goodput else f"{self.kind} K={self.k}"
 
     @property
     def depth(self) -> int:
@@ -87,7 +88,8 @@ DRAFTER_KINDS = {"ngram": 4, "eagle": 2, "eagle-tree": (4, 1)}  # kind -> its de
 
 def parse_drafter(text: str) -> DrafterChoice:
     """``ngram``, ``ngram:K``, ``eagle``, ``eagle:K``, ``eagle-tree`` or ``eagle-tree:B1xB2x...`` (or
-    ``B1,B2,...``); ValueError naming what is wrong."""
+    ``B1,B2,...``); ``ngram:goodput`` / ``eagle:goodput``: K chosen each round from measured costs, up to the
+    kind's default K. ValueError naming what is wrong."""
     kind, _, arg = text.strip().partition(":")
     if kind not in DRAFTER_KINDS:
         raise ValueError(f"unknown drafter {kind!r}; choose from {', '.join(DRAFTER_KINDS)} (e.g. ngram:4, eagle:2, "
@@ -98,6 +100,8 @@ def parse_drafter(text: str) -> DrafterChoice:
         if not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
             raise ValueError(f"{text!r}: a tree is branching factors >= 1 per level, e.g. eagle-tree:4x1")
         return DrafterChoice(kind, tree=tuple(int(p) for p in parts))
+    if arg.strip() == "goodput":
+        return DrafterChoice(kind, k=default, goodput=True)
     if arg and not (arg.strip().isdigit() and int(arg) >= 1):
         raise ValueError(f"{text!r}: K must be an integer >= 1 (e.g. {kind}:4)")
     return DrafterChoice(kind, k=int(arg) if arg else default)
@@ -184,6 +188,7 @@ class Config:
     draft_params: Any = None
     gamma: int | None = None
     nodes: int = 1  # positions a round verifies
+    goodput: bool = False  # the K of each round chosen from measured costs (gamma unset)
 
 
 def build_configs(target, choices: Sequence[DrafterChoice]) -> list[Config]:
@@ -197,14 +202,16 @@ def build_configs(target, choices: Sequence[DrafterChoice]) -> list[Config]:
     eagle_k = max([c.k or 1 for c in choices if c.kind == "eagle"] + [1])
     head = None
     for c in choices:
+        gamma = None if c.goodput else c.k
         if c.kind == "ngram":
-            configs.append(Config(c.name, NgramDrafter(vocab_size=target.model.vocab_size), None, c.k, 1 + c.k))
+            ngram = NgramDrafter(vocab_size=target.model.vocab_size)
+            configs.append(Config(c.name, ngram, None, gamma, 1 + c.k, c.goodput))
             continue
         if head is None:
             head = model_loader("jspec.drafter_loaders", "eagle")(None, target, eagle_k)
         drafter, dparams = head
         if c.kind == "eagle":
-            configs.append(Config(c.name, drafter, dparams, c.k, 1 + c.k))
+            configs.append(Config(c.name, drafter, dparams, gamma, 1 + c.k, c.goodput))
         else:
             tree = drafter.as_tree(TreeSpec(c.tree), TreeRule.DETERMINISTIC)
             configs.append(Config(c.name, tree, dparams, None, c.tree_nodes()))
@@ -260,7 +267,7 @@ def prepare_cell(target, configs: Sequence[Config], batches: Sequence[Batch], ma
         for c in configs:
             prep = prepare(target.model, target.params, [list(p) for p in b.prompts], drafter=c.drafter,
                            draft_params=c.draft_params, gamma=c.gamma, max_new_tokens=max_new,
-                           eos_ids=target.eos_ids, max_len=max_len)  # fmt: skip
+                           eos_ids=target.eos_ids, max_len=max_len, goodput=c.goodput)  # fmt: skip
             t0 = time.perf_counter()
             b.compiled[c.name] = prep.compile()
             t1 = time.perf_counter()
@@ -281,6 +288,7 @@ def time_config(name: str, batches: Sequence[Batch], position: int) -> dict[str,
     tokens = rounds = 0
     seconds = emitted = proposed = accepted = 0.0
     same = True
+    k_rounds: dict[str, int] = {}  # loop rounds at each K the config could choose (a goodput config: several)
     for b in batches:
         prep = b.prepared[name]
         t0 = time.perf_counter()
@@ -294,9 +302,11 @@ def time_config(name: str, batches: Sequence[Batch], position: int) -> dict[str,
         proposed += s["proposed"]
         accepted += s["accepted"]
         same = same and out.tokens == b.plain_tokens
+        for k, n in zip(prep.config.draft_lengths, s["k_rounds"]):
+            k_rounds[str(k)] = k_rounds.get(str(k), 0) + n
     return record.run_entry(
         name, position, tokens, seconds, rounds, emitted / rounds if rounds else None,
-        acceptance=accepted / proposed if proposed else None, same_as_plain=same,
+        acceptance=accepted / proposed if proposed else None, same_as_plain=same, k_rounds=k_rounds,
     )  # fmt: skip
 
 

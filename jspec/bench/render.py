@@ -37,7 +37,8 @@ README_ROWS: tuple[tuple[str, str, str], ...] = (
     ("grid", "chat b=1", "eagle K=2"),
     ("grid", "chat b=1", "eagle tree (4,1)"),
     ("grid", "edit b=8", "ngram K=4"),
-    ("grid", "chat b=8", "eagle tree (4,1)"),
+    ("grid", "chat b=8", "ngram K=4"),
+    ("grid", "chat b=8", "eagle K=2"),
 )
 
 

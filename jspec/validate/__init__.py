@@ -10,10 +10,13 @@ By subject: ``values`` (numbers, flags, seeds, ids, keys), ``options`` (sampling
 
 from jspec.validate.drafter import (
     DEFAULT_GAMMA,
+    GOODPUT_KS,
     adaptive_policy,
     check_drafter,
+    check_goodput,
     check_prior,
     check_protocol,
+    goodput_ks,
     tree_scratch,
 )
 from jspec.validate.options import (
@@ -41,6 +44,7 @@ from jspec.validate.values import as_flags, check_count, check_eos, check_flag, 
 
 __all__ = [
     "DEFAULT_GAMMA",
+    "GOODPUT_KS",
     "MAX_ABS_LOGIT_BIAS",
     "MAX_ABS_PENALTY",
     "MAX_TOP_LOGPROBS",
@@ -54,6 +58,7 @@ __all__ = [
     "check_engine_request",
     "check_eos",
     "check_flag",
+    "check_goodput",
     "check_greedy_filters",
     "check_min_tokens",
     "check_prior",
@@ -64,6 +69,7 @@ __all__ = [
     "check_top_logprobs",
     "decode_key",
     "default_slots",
+    "goodput_ks",
     "int_array",
     "logit_bias_rows",
     "sampling_params",

@@ -7,9 +7,11 @@ import numpy as np
 from jspec import adaptive as adapt
 from jspec.adaptive import AdaptiveK
 from jspec.drafters import CacheSharingDrafter, ChainDrafter, Drafter, TreeDrafter, VerifyReadingDrafter, always_wide
+from jspec.goodput import GoodputK
 from jspec.model import Model
 
 DEFAULT_GAMMA = 4  # a chain drafter's K when none is given
+GOODPUT_KS = (0, 1, 2, 4, 8)  # the draft lengths a goodput policy chooses from, up to the loop's K
 
 
 def adaptive_policy(adaptive) -> AdaptiveK | None:
@@ -134,3 +136,38 @@ def _chain_k(drafter: Drafter, gamma: int | None, policy: AdaptiveK | None) -> i
 def tree_scratch(drafter: Drafter | None) -> int:
     """Cache slots a round writes past the pending token's: a tree drafter's ``scratch``, 0 for a chain."""
     return drafter.scratch if drafter is not None and drafter.is_tree else 0
+
+
+def goodput_ks(drafter: Drafter, gamma: int) -> tuple[int, ...] | None:
+    """The K set a goodput policy chooses from for ``drafter`` at the loop's K ``gamma``, or None where the drafter
+    cannot change K from round to round. A chain: ``GOODPUT_KS`` below gamma, and gamma (0 is a plain step); without
+    0 for a drafter that reads the verification (it verifies wide in every round). A tree: a plain step or the
+    tree; none for a tree that reads the verification (a plain step would leave its features behind)."""
+    if drafter.is_tree:
+        return None if drafter.verify_updates_state else (0, drafter.max_depth)
+    ks = tuple(k for k in GOODPUT_KS if k < gamma) + (gamma,)
+    return tuple(k for k in ks if k > 0) if drafter.verify_updates_state else ks
+
+
+def check_goodput(policy: GoodputK, drafter: Drafter | None, gamma: int) -> GoodputK:
+    """A goodput policy this drafter can run: its largest K is the loop's (``gamma``), a tree's set is a plain step
+    and the tree, and a drafter that reads the verification never has a plain step (K = 0)."""
+    if not isinstance(policy, GoodputK):
+        raise ValueError(f"goodput must be a jspec.goodput.GoodputK here, got {policy!r:.80}")
+    if drafter is None:
+        raise ValueError("a goodput policy chooses a draft length: it needs a drafter")
+    name = type(drafter).__name__
+    if goodput_ks(drafter, gamma) is None:
+        raise ValueError(f"{name} cannot change its draft length from round to round (a tree that reads the "
+                         "target's features): use a fixed draft length")  # fmt: skip
+    if policy.k_max != gamma:
+        raise ValueError(f"the goodput policy's largest K is {policy.k_max}, but the loop's K (gamma) is {gamma}")
+    if drafter.is_tree and policy.ks != (0, drafter.max_depth):
+        raise ValueError(
+            f"a tree drafter's goodput set is (0, {drafter.max_depth}) (a plain step or the tree), got {policy.ks}"
+        )
+    if drafter.verify_updates_state and 0 in policy.ks:
+        raise ValueError(
+            f"{name} verifies wide in every round (it reads the target's features): K=0 is not a plain step"
+        )
+    return policy

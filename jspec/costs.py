@@ -1,0 +1,323 @@
+"""Measured round costs: how long a round at each draft length K takes, relative to a plain step, for the shapes
+the loop runs (its batch B and cache slots S), on this device, for this model, layout and drafter.
+
+A verification's price depends on B, T = K + 1, the device and the model: at batch 1 a decode step is bound by
+reading the weights and K + 1 tokens cost little more than one; at larger batches (and on small CPUs) it is bound
+by arithmetic and grows with B x (K + 1). ``profile`` measures it: it compiles ONE round program of the goodput
+loop (``jspec.loop.decode_round``), whose K is an argument there, prefills a batch of B prompts that prompt lookup
+can continue (or the call's own prompts, where there are some), and times ``rounds`` rounds at each K, interleaved,
+taking medians.
+The ``CostTable`` is cached on disk under ``${JSPEC_CACHE:-~/.cache/jspec}/costs/``, keyed by everything that
+changes the costs (``CostKey``: device, model, parameter layout and dtype, drafter, B, S, the K set, JAX version),
+so it is measured once per situation and read back by any later process; ``refresh=True`` measures again. A table
+from another device, model, layout or shape set is refused by name (``check``); a file that cannot be read is
+measured again, with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import statistics
+import time
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jspec import validate as V
+from jspec.drafters import Drafter
+from jspec.goodput import GoodputK
+from jspec.loop import decode_round, prefill
+from jspec.model import Model
+from jspec.state import DecodeConfig
+
+SCHEMA = 1
+
+
+def cache_dir() -> str:
+    """``${JSPEC_CACHE:-~/.cache/jspec}/costs``."""
+    root = os.environ.get("JSPEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jspec")
+    return os.path.join(root, "costs")
+
+
+def _describe(x: Any) -> Any:
+    """A process-independent description of a drafter (or anything in it): dataclasses by their fields, models
+    by name and vocabulary, never the addresses of their functions."""
+    if isinstance(x, Model):
+        return f"Model({x.name}, V={x.vocab_size}, max_positions={x.max_positions})"
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        fields = {f.name: _describe(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        return {"type": type(x).__qualname__, **fields}
+    if isinstance(x, tuple | list):
+        return [_describe(v) for v in x]
+    return repr(x)
+
+
+def params_fingerprint(params: Any) -> str:
+    """The parameters' tree structure, shapes and dtypes (their layout: stacked, per-layer, packed for the CPU
+    kernels; and their precision), hashed; not their values."""
+    leaves, treedef = jax.tree.flatten(params)
+    desc = [str(treedef)] + [f"{getattr(x, 'shape', ())}:{getattr(x, 'dtype', type(x).__name__)}" for x in leaves]
+    return hashlib.sha256("\n".join(desc).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class CostKey:
+    """What a cost table was measured for; a table is used only where every field is the same."""
+
+    device: str
+    model: str
+    params: str  # params_fingerprint of the target's params (layout and dtype)
+    drafter: str  # a description of the drafter and the fingerprint of its params
+    batch: int
+    slots: int
+    ks: tuple[int, ...]
+    jax: str
+
+    @classmethod
+    def of(cls, target: Model, target_params, drafter: Drafter, draft_params, batch: int, slots: int, ks) -> CostKey:
+        dev = jax.devices()[0]
+        drafter_desc = json.dumps([_describe(drafter), params_fingerprint(draft_params)], sort_keys=True)
+        return cls(
+            device=f"{dev.platform}:{getattr(dev, 'device_kind', '')} x{jax.device_count()}",
+            model=target.name,
+            params=params_fingerprint(target_params),
+            drafter=drafter_desc,
+            batch=int(batch),
+            slots=int(slots),
+            ks=tuple(int(k) for k in ks),
+            jax=jax.__version__,
+        )
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:20]
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """round_ms[i]: the median time of a round at ``key.ks[i]`` (ms); ``relative`` divides by the plain step's
+    (K = 0), or by the smallest K's where the set has no 0 (a drafter that always verifies wide)."""
+
+    key: CostKey
+    round_ms: tuple[float, ...]
+    rounds: int  # rounds timed per K
+
+    @property
+    def relative(self) -> tuple[float, ...]:
+        return tuple(ms / self.round_ms[0] for ms in self.round_ms)
+
+    def policy(self, **kw) -> GoodputK:
+        """The goodput policy of these costs (``kw``: GoodputK's objective, beta, prior, drift)."""
+        return GoodputK(self.key.ks, self.relative, **kw)
+
+    def check(self, key: CostKey) -> None:
+        """Refuse, naming the fields, a table measured for another situation than ``key``."""
+        differ = [f.name for f in dataclasses.fields(CostKey) if getattr(self.key, f.name) != getattr(key, f.name)]
+        if differ:
+            what = "; ".join(f"{n}: table {getattr(self.key, n)!r:.60}, here {getattr(key, n)!r:.60}" for n in differ)
+            raise ValueError(f"the cost table was measured for another {', '.join(differ)} ({what}): profile this one")
+
+    def report(self) -> str:
+        """The table as text: one row per K, its time and its cost relative to a plain step."""
+        head = f"round cost at batch {self.key.batch}, {self.key.slots} slots ({self.key.model}, {self.key.device})"
+        rows = zip(self.key.ks, self.round_ms, self.relative)
+        return "\n".join([head, *(f"  K={k:<3d} {ms:8.2f} ms   {rel:5.2f}x" for k, ms, rel in rows)])
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "key": dataclasses.asdict(self.key),
+            "round_ms": list(self.round_ms),
+            "rounds": self.rounds,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> CostTable:
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"cost table schema {data.get('schema')!r}, expected {SCHEMA}")
+        key = CostKey(**{**data["key"], "ks": tuple(data["key"]["ks"])})
+        round_ms = tuple(float(x) for x in data["round_ms"])
+        if len(round_ms) != len(key.ks) or not all(np.isfinite(x) and x > 0 for x in round_ms):
+            raise ValueError(f"cost table round_ms {round_ms} does not match ks {key.ks}")
+        return cls(key, round_ms, int(data["rounds"]))
+
+
+def _lookup_prompts(batch: int, slots: int, vocab: int) -> np.ndarray:
+    """[B, P] prompts of a repeating period, so a prompt lookup always finds a continuation (every round of a
+    chain drafter verifies wide, as the costs assume); P leaves room for the timed rounds."""
+    p = max(8, min(64, slots // 4))
+    period = np.arange(1, min(vocab, 17))
+    row = np.resize(period, p)
+    return np.stack([np.roll(row, i) for i in range(batch)]).astype(np.int32)
+
+
+def profile(
+    target: Model,
+    target_params,
+    drafter: Drafter,
+    draft_params,
+    *,
+    batch: int,
+    slots: int,
+    ks,
+    rounds: int = 8,
+    prompts: tuple[np.ndarray, np.ndarray] | None = None,
+) -> CostTable:
+    """Time a round at each K of ``ks`` on ``batch`` rows and ``slots`` cache slots (see the module docstring).
+    prompts: (ids [B, P] right-padded, lengths [B]) to decode while timing: the call's own, where there is one (a
+    round's cost depends on the text: how often rows propose, their ragged lengths), else ``_lookup_prompts``."""
+    ks = tuple(int(k) for k in ks)
+    if prompts is None:
+        ids = _lookup_prompts(batch, slots, target.vocab_size)
+        prompts = (ids, np.full((batch,), ids.shape[1], np.int32))
+    ids, lens = (np.asarray(x, np.int32) for x in prompts)
+    b, p = ids.shape
+    if b != batch:
+        raise ValueError(f"profile: {b} prompts for a batch of {batch}")
+    if p + ks[-1] * (rounds + 2) + 2 > slots:
+        raise ValueError(f"{slots} cache slots cannot hold the profile's {p}-token prompts and {rounds} rounds")
+    # The costs do not matter here: every round's K is given.
+    config = DecodeConfig(ks[-1], slots, goodput=GoodputK(ks, (1.0,) * len(ks)))
+    pre = jax.jit(functools.partial(prefill, target, drafter, config))
+    rnd = jax.jit(functools.partial(decode_round, target, drafter, config), donate_argnums=(2,))
+    args = (
+        jnp.asarray(ids),
+        jnp.asarray(lens),
+        jnp.full((b,), slots, jnp.int32),
+        V.sampling_params(b),
+        jax.random.key(0),
+    )
+    states = [pre(target_params, draft_params, *args) for _ in ks]  # one running state per K
+    times: list[list[float]] = [[] for _ in ks]
+    for r in range(rounds + 1):  # round 0 compiles and warms up
+        for i in range(len(ks)):
+            t0 = time.perf_counter()
+            states[i] = jax.block_until_ready(rnd(target_params, draft_params, states[i], jnp.int32(i))[0])
+            if r:
+                times[i].append((time.perf_counter() - t0) * 1e3)
+    key = CostKey.of(target, target_params, drafter, draft_params, batch, slots, ks)
+    return CostTable(key, tuple(float(statistics.median(t)) for t in times), rounds)
+
+
+def cost_table(
+    target: Model,
+    target_params,
+    drafter: Drafter,
+    draft_params,
+    *,
+    batch: int,
+    slots: int,
+    ks,
+    refresh: bool = False,
+    directory: str | None = None,
+    prompts: tuple[np.ndarray, np.ndarray] | None = None,
+) -> CostTable:
+    """The cost table of this situation: read from the disk cache, or measured (``profile``, on ``prompts``
+    where given) and saved there."""
+    key = CostKey.of(target, target_params, drafter, draft_params, batch, slots, ks)
+    path = os.path.join(directory or cache_dir(), f"{key.digest()}.json")
+    if not refresh and os.path.exists(path):
+        try:
+            with open(path) as f:
+                table = CostTable.from_json(json.load(f))
+            table.check(key)
+            return table
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"cost table {path} is unusable ({e}); measuring it again", stacklevel=2)
+    table = profile(target, target_params, drafter, draft_params, batch=batch, slots=slots, ks=ks, prompts=prompts)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(table.to_json(), f, indent=1)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    return table
+
+
+def goodput_policy(
+    goodput,
+    target: Model,
+    target_params,
+    drafter: Drafter | None,
+    draft_params,
+    *,
+    gamma: int,
+    gamma_given: bool,
+    adaptive,
+    batch: int,
+    slots: int,
+    prompts: tuple[np.ndarray, np.ndarray] | None = None,
+    objective: str = "throughput",
+) -> GoodputK | None:
+    """``decode``'s ``goodput`` as the loop's policy, or None for a fixed K.
+
+    None or False (the default): a fixed K. True: the K set the drafter can switch between (``goodput_ks``; up to
+    its K, ``gamma``), with this situation's cost table (measured once, then read from the disk cache); refused
+    with a fixed ``gamma``, an adaptive policy or a drafter that cannot change K from round to round. A
+    ``CostTable``: its costs, refused unless it was measured for this situation. A ``GoodputK``: as it is. The
+    policy's largest K is the loop's K (the caller runs ``check_drafter`` on it). objective: the measured policies'
+    (``GoodputK.objective``): "makespan" for a fixed batch, "throughput" for a serving engine."""
+    if goodput is None or goodput is False:
+        return None
+    if goodput is True:
+        if drafter is None:
+            raise ValueError("goodput=True chooses a draft length each round: it needs a drafter")
+        if gamma_given or adaptive is not None:
+            what = "a fixed gamma (exactly that K)" if gamma_given else "an adaptive policy"
+            raise ValueError(f"goodput=True chooses K each round, which {what} excludes: pass one or the other")
+        ks = V.goodput_ks(drafter, gamma)
+        if ks is None:
+            V.check_goodput(GoodputK((gamma,), (1.0,)), drafter, gamma)  # raises, naming why
+        kw = dict(batch=batch, slots=slots, ks=ks, prompts=prompts)
+        table = cost_table(target, target_params, drafter, draft_params, **kw)
+        return V.check_goodput(table.policy(objective=objective), drafter, gamma)
+    if isinstance(goodput, bool) or not isinstance(goodput, GoodputK | CostTable):
+        raise ValueError(f"goodput must be None, True, False, a CostTable or a GoodputK, got {goodput!r:.80}")
+    if gamma_given or adaptive is not None:
+        raise ValueError("a goodput policy chooses K each round: it excludes a fixed gamma and an adaptive policy")
+    if isinstance(goodput, CostTable):
+        goodput.check(CostKey.of(target, target_params, drafter, draft_params, batch, slots, goodput.key.ks))
+        goodput = goodput.policy(objective=objective)
+    return V.check_goodput(goodput, drafter, goodput.k_max)  # its largest K is the loop's
+
+
+def main(argv=None) -> int:
+    """``python -m jspec costs``: measure (or read back) and print the cost tables of a model and drafter."""
+    import argparse
+    import sys
+
+    from jspec.loaders import compile_cache_flag, load_model, model_loader, wants_unstacked
+    from jspec.ngram import NgramDrafter
+
+    ap = argparse.ArgumentParser(prog="python -m jspec costs", description=main.__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf file or HF directory")
+    ap.add_argument("--drafter", default="ngram", choices=("ngram", "eagle"), help="eagle: the bundled head")
+    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    ap.add_argument("--slots", type=int, default=512, help="cache slots per row")
+    ap.add_argument("--refresh", action="store_true", help="measure again instead of reading the disk cache")
+    ap.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache directory ('none': off)")
+    args = ap.parse_args(argv)
+    try:
+        batches = [V.check_count("--batches", int(b)) for b in args.batches.split(",")]
+        V.check_count("--slots", args.slots)
+        compile_cache_flag(args.compile_cache)
+        loaded = load_model(model_loader(), args.model, "float32", unstacked=wants_unstacked("auto"))
+        _, params, target, _ = loaded
+        if args.drafter == "ngram":
+            drafter, dparams = NgramDrafter(vocab_size=target.vocab_size), None
+        else:
+            drafter, dparams = model_loader("jspec.drafter_loaders", "eagle")(None, loaded, V.DEFAULT_GAMMA)
+        gamma = V.check_drafter(target, drafter, None, draft_params=dparams, target_params=params)
+        ks = V.goodput_ks(drafter, gamma)
+        for b in batches:
+            kw = dict(batch=b, slots=args.slots, ks=ks, refresh=args.refresh)
+            print(cost_table(target, params, drafter, dparams, **kw).report())
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,210 @@
+"""Goodput-driven draft length (``jspec.goodput``) and its measured costs (``jspec.costs``): the choice is the seed's
+expected tokens per unit of measured cost, every K of the set (and switching between them mid-sequence) keeps the
+target's distribution, greedy output is plain decoding's, and a cost table is used only where it was measured."""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_decode_core import (
+    DIST_SLOTS,
+    DRAFT,
+    DRAFT_PARAMS,
+    DRAFTER,
+    GROUPS,
+    N_PER_GROUP,
+    PROMPT,
+    PROMPTS,
+    TARGET,
+    TARGET_PARAMS,
+    TARGET_TABLE,
+    VOCAB,
+)
+from toy_models import chi2_critical, chi_square, exact_sequence_distribution, grouped_rows
+
+from jspec import decode as dec
+from jspec import goodput
+from jspec.costs import CostKey, CostTable, cost_table
+from jspec.drafters import TreeModelDrafter
+from jspec.goodput import GoodputK
+from jspec.loop import decode_round, prefill
+from jspec.ngram import NgramDrafter
+from jspec.state import StopReason, to_output
+from jspec.tree import TreeSpec
+
+
+def _ema(rates, weight=10.0):
+    """(accepted, tested) moving sums whose estimate is each row's rate."""
+    return jnp.asarray([[a * weight, weight] for a in rates], jnp.float32)
+
+
+@pytest.mark.fast
+def test_the_choice_maximises_expected_tokens_per_unit_of_cost():
+    """Worked by hand: two running rows at a = 0.5 expect 1, 1.5, 1.75 and 1.9375 tokens at K = 0, 1, 2, 4; at
+    costs 1, 1.1, 1.3, 2 the batch's tokens per unit of cost are 2, 2.727, 2.692, 1.9375: K = 1. A stopped row
+    counts for nothing, whatever its estimate; with no running row the plain step (the first K) is chosen."""
+    policy = GoodputK((0, 1, 2, 4), (1.0, 1.1, 1.3, 2.0))
+    both = np.ones(2, bool)
+    assert int(goodput.choose(policy, _ema([0.5, 0.5]), both)) == 1
+    # A row at 0.95 alone: 1, 1.95, 2.8525, 4.524 per 1, 1.1, 1.3, 2 -> 2.26 at K = 4 beats 2.19 at K = 2.
+    assert int(goodput.choose(policy, _ema([0.95, 0.0]), np.array([True, False]))) == 3
+    assert int(goodput.choose(policy, _ema([0.0, 0.95]), np.array([True, False]))) == 0
+    assert int(goodput.choose(policy, _ema([0.9, 0.9]), np.zeros(2, bool))) == 0
+    # Expensive verification (a large batch on a small CPU): nothing pays over a plain step.
+    assert int(goodput.choose(GoodputK((0, 1, 2, 4), (1.0, 2.0, 3.0, 5.0)), _ema([0.6, 0.6]), both)) == 0
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(ks=(0, 2, 1), costs=(1, 1, 1)), "increasing without repeats"),
+        (dict(ks=(0, 1), costs=(1.0,)), "2 draft lengths but 1 costs"),
+        (dict(ks=(0, 1), costs=(1.0, float("nan"))), "costs must be finite numbers > 0"),
+        (dict(ks=(0, 1), costs=(1.0, 0.0)), "costs must be finite numbers > 0"),
+        (dict(ks=(-1, 1), costs=(1.0, 1.0)), "ks must be ints >= 0"),
+        (dict(ks=(0, 1), costs=(1.0, 1.0), beta=1.0), "beta must be a number in"),
+    ],
+)
+def test_bad_policies_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        GoodputK(**kw)
+
+
+@pytest.mark.fast
+def test_a_policy_must_fit_its_drafter_and_excludes_a_fixed_k():
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, max_new_tokens=4)
+    cases = [
+        (dict(gamma=4, goodput=True), "which a fixed gamma"),
+        (dict(adaptive=True, goodput=True), "which an adaptive policy"),
+        (dict(gamma=2, goodput=GoodputK((0, 2), (1.0, 1.2))), "excludes a fixed gamma and an adaptive policy"),
+        (dict(goodput="yes"), "goodput must be None, True, False, a CostTable or a GoodputK"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ValueError, match=message):
+            dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, **kw, **extra)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=4, goodput=True)
+    # A policy's largest K is the loop's K.
+    assert dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, **kw, goodput=GoodputK((0, 2), (1.0, 1.2))).config.gamma == 2
+    tree = TreeModelDrafter(DRAFT, TreeSpec((2, 1)))
+    with pytest.raises(ValueError, match=r"goodput set is \(0, 2\)"):
+        dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, **dict(kw, drafter=tree), goodput=GoodputK((0, 1, 2), (1, 1, 1)))
+
+
+@pytest.mark.fast
+def test_every_k_of_the_set_and_switching_mid_sequence_keep_the_targets_distribution():
+    """The rounds are forced through the set in turn (K = 3, 0, 1, 3, 0, ...: every K, a switch every round), on
+    >= 100k sampled sequences per sampling group; the whole-sequence distribution must be the target's (chi-square
+    at a 1e-5 false-alarm level, as test_decode_core's fixed-K test)."""
+    n, n_new, groups = N_PER_GROUP, 6, [GROUPS[0], GROUPS[3]]
+    policy = GoodputK((0, 1, 3), (1.0, 1.0, 1.0))
+    prompts, cols = grouped_rows(PROMPT, groups, n)
+    prepared = dec.prepare(
+        TARGET, TARGET_PARAMS, prompts, drafter=DRAFTER, draft_params=DRAFT_PARAMS, goodput=policy,
+        max_new_tokens=n_new, max_len=DIST_SLOTS, seed=211, **cols,
+    )  # fmt: skip
+    pre = jax.jit(functools.partial(prefill, TARGET, DRAFTER, prepared.config))
+    rnd = jax.jit(functools.partial(decode_round, TARGET, DRAFTER, prepared.config))
+    st, schedule, r = pre(*prepared.args), (2, 0, 1), 0
+    while np.any(np.asarray(st.stop) == StopReason.RUNNING):
+        st = rnd(TARGET_PARAMS, DRAFT_PARAMS, st, jnp.int32(schedule[r % 3]))[0]
+        r += 1
+    out = to_output(st)
+    assert all(c > 0 for c in out.stats["k_rounds"]) and r >= 3  # every K ran
+    assert 0.3 < out.stats["acceptance_rate"] < 0.95  # both accepted and rejected drafts
+    tokens = np.asarray(out.tokens)
+    for i, g in enumerate(groups):
+        exact = exact_sequence_distribution(TARGET_TABLE, PROMPT, n_new, **g)
+        stat, df = chi_square(tokens[i * n : (i + 1) * n], exact)
+        assert stat < chi2_critical(df), (g, stat, df)
+
+
+@pytest.mark.fast
+def test_greedy_goodput_decoding_is_plain_decoding(tmp_path, monkeypatch):
+    """goodput=True on a chain, a prompt lookup and a tree: the costs are measured (and cached), the loop chooses
+    K round by round, and the tokens are plain greedy decoding's."""
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
+    plain = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=20)
+    for drafter in (DRAFTER, NgramDrafter(vocab_size=VOCAB), TreeModelDrafter(DRAFT, TreeSpec((2, 1)))):
+        prepared = dec.prepare(
+            TARGET, TARGET_PARAMS, PROMPTS, drafter=drafter, draft_params=DRAFT_PARAMS, goodput=True, max_new_tokens=20
+        )
+        assert prepared.config.goodput.ks == ((0, 2) if drafter.is_tree else (0, 1, 2, 4))
+        out = prepared.run()
+        assert out.tokens == plain.tokens, drafter
+        assert sum(out.stats["k_rounds"]) == max(out.stats["rounds"]), drafter
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 3  # one table per situation, kept
+
+
+def test_a_cost_table_is_used_only_where_it_was_measured(tmp_path):
+    """Another device, model, layout or shape set is refused by name; the same situation is accepted."""
+    b, slots, ks = len(PROMPTS), 128, (0, 1, 2, 4)
+    key = CostKey.of(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, b, slots, ks)
+    table = CostTable(key, (1.0, 1.05, 1.1, 1.3), 8)
+    kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, max_new_tokens=20, max_len=slots)
+    # decode's batch ends with its last row: the table's costs under the makespan objective.
+    got = dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, goodput=table, **kw).config.goodput
+    assert got == table.policy(objective="makespan")
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), TARGET_PARAMS)
+    for change, field in (
+        (dict(device="tpu:TPU v5 lite x8"), "device"),
+        (dict(model="other"), "model"),
+        (dict(params=CostKey.of(TARGET, bf16, DRAFTER, DRAFT_PARAMS, b, slots, ks).params), "params"),
+        (dict(batch=8), "batch"),
+        (dict(slots=256), "slots"),
+    ):
+        other = CostTable(dataclasses.replace(key, **change), table.round_ms, 8)
+        with pytest.raises(ValueError, match=f"measured for another {field}"):
+            dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, goodput=other, **kw)
+
+
+def test_the_disk_cache_is_read_back_and_a_corrupt_file_is_measured_again(tmp_path):
+    kw = dict(batch=2, slots=64, ks=(0, 1, 2), directory=str(tmp_path))
+    first = cost_table(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, **kw)
+    assert all(ms > 0 for ms in first.round_ms) and first.relative[0] == 1.0
+    (path,) = tmp_path.glob("*.json")
+    assert cost_table(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, **kw) == first  # read, not measured
+    path.write_text("{ not json")
+    with pytest.warns(UserWarning, match="unusable"):
+        again = cost_table(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, **kw)
+    assert again.key == first.key and json.loads(path.read_text())["round_ms"] == list(again.round_ms)
+    report = again.report()
+    assert all(f"K={k} " in report for k in (0, 1, 2)) and "batch 2, 64 slots" in report
+
+
+def test_the_serving_engine_chooses_k_each_round_and_keeps_greedy_output():
+    """An engine with a goodput policy serves every request with plain greedy decoding's tokens, and counts each
+    round at the K it chose."""
+    from test_serve import BUDGETS, REQUESTS, _serve
+
+    from jspec.serve import Engine
+
+    alone = [dec.decode(TARGET, TARGET_PARAMS, [r], max_new_tokens=m).tokens[0] for r, m in zip(REQUESTS, BUDGETS)]
+    policy = GoodputK((0, 1, 2, 4), (1.0, 1.3, 1.6, 2.2))
+    engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, drafter=DRAFTER, draft_params=DRAFT_PARAMS,
+                    goodput=policy)  # fmt: skip
+    assert engine.config.goodput == policy
+    assert _serve(engine) == alone
+    assert int(np.sum(engine.state.stats.k_rounds)) == int(engine.state.stats.loop_rounds) > 0
+
+
+@pytest.mark.fast
+def test_a_fixed_batch_is_as_fast_as_its_last_row():
+    """makespan: the batch ends with its last row. Worked by hand with costs 1, 1.1, 1.3, 2 at K = 0, 1, 2, 4: a
+    row that never accepts (a = 0) with 100 tokens to go needs 100 rounds at any K, so K = 0 (100 units) beats
+    every K > 0, however well another row accepts; at a = 0.5 it needs 100, 66.7, 57.1 and 51.6 rounds, 100, 73.3,
+    74.3 and 103.2 units: K = 1. Throughput counts the good row's tokens: 2, 2.99, 3.97 and 5.90 for both rows,
+    per unit of cost 2, 2.72, 3.05 and 2.95: K = 2."""
+    costs = (1.0, 1.1, 1.3, 2.0)
+    fixed = GoodputK((0, 1, 2, 4), costs, objective="makespan")
+    both, remaining = np.ones(2, bool), jnp.asarray([10, 100], jnp.int32)
+    assert int(goodput.choose(fixed, _ema([0.99, 0.0]), both, remaining)) == 0
+    assert int(goodput.choose(fixed, _ema([0.99, 0.5]), both, remaining)) == 1
+    assert int(goodput.choose(GoodputK((0, 1, 2, 4), costs), _ema([0.99, 0.0]), both)) == 2
+    with pytest.raises(ValueError, match="objective must be one of throughput, makespan"):
+        GoodputK((0, 1), (1.0, 1.1), objective="latency")
