@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import export as jax_export
 from jax.experimental import checkify
 
 from jspec import validate as V
@@ -116,6 +117,11 @@ class PreparedDecode:
     def compile(self):
         """Compile ahead of time (no execution); returns the compiled executable."""
         return self.fn.lower(*self.args).compile()
+
+    def export(self, platforms: Sequence[str]) -> jax_export.Exported:
+        """The whole decode lowered for ``platforms`` (e.g. ``("tpu",)`` or ``("cuda",)``) with ``jax.export``,
+        on any host: params may be ``jax.ShapeDtypeStruct``s (``models.llama.abstract_params``)."""
+        return jax_export.export(self.fn, platforms=tuple(platforms))(*self.args)
 
     def run(self, compiled=None) -> DecodeOutput:
         st = (compiled or self.fn)(*self.args)

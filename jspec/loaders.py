@@ -32,8 +32,9 @@ COMPILE_CACHE_DEFAULT = os.environ.get("JSPEC_COMPILE_CACHE", os.path.join("~", 
 LAYER_LAYOUTS = ("auto", "stacked", "unstacked")
 
 
-def wants_unstacked(layers: str) -> bool:
-    """--layers: "auto" picks the per-layer weights on CPU and GPU and the stacked ones elsewhere.
+def wants_unstacked(layers: str, backend: str | None = None) -> bool:
+    """--layers: "auto" picks the per-layer weights on CPU and GPU and the stacked ones elsewhere. backend: the
+    platform the program is for ("cpu", "gpu" or "cuda", "tpu"; default: JAX's default backend).
 
     CPU: XLA:CPU's decode steps run 1.6-2x faster on them. GPU (one H200, docs/results.md, 2026-12-04): plain
     decoding ran alike in both layouts, but inside the stacked layers' scan a 3-token verification cost
@@ -45,7 +46,7 @@ def wants_unstacked(layers: str) -> bool:
     if layers == "auto":
         import jax
 
-        return jax.default_backend() in ("cpu", "gpu")
+        return (backend or jax.default_backend()) in ("cpu", "gpu", "cuda", "rocm")
     return layers == "unstacked"
 
 
