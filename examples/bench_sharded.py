@@ -96,6 +96,13 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", choices=["plain", "model", "ngram"], default="model")
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--layers",
+        choices=["auto", "stacked", "unstacked"],
+        default="auto",
+        help="weight layout: stacked [L, ...] or per layer (unstack_layers(fused=False)); auto: per layer on "
+        "CPU and GPU, stacked elsewhere (jspec.loaders.wants_unstacked)",
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=48)
@@ -130,7 +137,8 @@ def main(argv=None) -> int:
     from jspec.decode import prepare
     from jspec.drafters import ModelDrafter
     from jspec.ngram import NgramDrafter
-    from models.llama import make_model, param_logical_axes
+    from jspec.loaders import wants_unstacked
+    from models.llama import logical_axes, make_model, unstack_layers
     from sharding import hlo
     from sharding.distributed import rows_for_process
     from sharding.mesh import make_mesh, parse_shape
@@ -138,6 +146,9 @@ def main(argv=None) -> int:
     from sharding.sharded_decode import gather_output, make_plan, prepare_sharded
 
     cfg, tp, dcfg, dp = build(args.size, args.dtype)
+    if wants_unstacked(args.layers):
+        tp, dp = unstack_layers(tp, fused=False), unstack_layers(dp, fused=False)
+    t_axes, d_axes = logical_axes(cfg, tp), logical_axes(dcfg, dp)
     model = make_model(cfg)
     drafter = {"plain": None, "model": ModelDrafter(make_model(dcfg)), "ngram": NgramDrafter(vocab_size=cfg.vocab_size)}
     drafter = drafter[args.drafter]
@@ -147,13 +158,13 @@ def main(argv=None) -> int:
         mesh,
         args.preset,
         args.draft_preset,
-        target_axes=param_logical_axes(cfg),
+        target_axes=t_axes,
         target_shapes=tp,
-        draft_axes=param_logical_axes(dcfg),
+        draft_axes=d_axes,
         draft_shapes=dp,
     )
-    stp = shard_params(tp, param_logical_axes(cfg), mesh, plan.target)
-    sdp = shard_params(dp, param_logical_axes(dcfg), mesh, plan.draft_rules) if args.drafter == "model" else None
+    stp = shard_params(tp, t_axes, mesh, plan.target)
+    sdp = shard_params(dp, d_axes, mesh, plan.draft_rules) if args.drafter == "model" else None
     prompts = make_prompts(args.batch, args.prompt_len, cfg.vocab_size)
     slots = -(-(args.prompt_len + args.new_tokens + gamma + 1) // 16) * 16
     kw = dict(gamma=gamma, max_new_tokens=args.new_tokens, max_len=slots, temperature=args.temperature, seed=1)

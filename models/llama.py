@@ -377,6 +377,26 @@ def param_logical_axes(cfg: LlamaConfig) -> Params:
     return jax.tree.map(lambda p: tuple(p.names), boxed, is_leaf=_is_box)
 
 
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, str) or n is None for n in x)
+
+
+def logical_axes(cfg: LlamaConfig, params: Params) -> Params:
+    """``param_logical_axes`` in the layout of ``params``: stacked, or the unfused per-layer layout
+    (``unstack_layers(fused=False)``: each layer's names without "layers"). The fused per-layer layout has no
+    sharding names: it is the single-device layout."""
+    axes = param_logical_axes(cfg)
+    if not is_unstacked(params):
+        return axes
+    if is_fused(params):
+        raise ValueError(
+            "fused per-layer params (unstack_layers(fused=True), the single-device layout) have no logical axes: "
+            "shard unstack_layers(params, fused=False) or the stacked params"
+        )
+    one = jax.tree.map(lambda a: a[1:], axes["layers"], is_leaf=_is_axes)
+    return {**axes, "layers": tuple(one for _ in params["layers"])}
+
+
 def param_shapes(cfg: LlamaConfig) -> Params:
     """Same structure as the params; leaves are shape tuples."""
     return jax.tree.map(lambda s: tuple(s.shape), abstract_params(cfg))
@@ -419,8 +439,11 @@ def _fuse_layer(lp: Params) -> Params:
 
 
 def _split_layer(lp: Params) -> Params:
-    """Inverse of ``_fuse_layer`` (head counts read off wo [H, D, E] and the fused width)."""
+    """Inverse of ``_fuse_layer`` (head counts read off wo [H, D, E] and the fused width); a layer of the
+    unfused per-layer layout passes through."""
     lp = jax.tree.map(_unpack, lp, is_leaf=lambda w: isinstance(w, PackedMatrix))
+    if not _is_fused_layer(lp):
+        return lp
     a, m = lp["attn"], lp["mlp"]
     h = a["wo"].shape[0]
     hkv = (a["wqkv"].shape[1] - h) // 2
@@ -463,12 +486,21 @@ def unstack_layer_stack(layers: Params, packed: bool) -> tuple[Params, ...]:
     return jax.jit(_unstack, static_argnums=1)(layers, packed)
 
 
+def _is_fused_layer(lp: Params) -> bool:
+    return "wqkv" in lp["attn"]
+
+
+def is_fused(params: Params) -> bool:
+    """Whether the params are unstacked with fused q/k/v and gate/up matrices (the single-device layout)."""
+    return is_unstacked(params) and _is_fused_layer(params["layers"][0])
+
+
 def is_packed(params: Params) -> bool:
     """Whether the params are unstacked with the CPU kernel's packed matrices (``unstack_layers(packed=True)``)."""
     return is_unstacked(params) and isinstance(params["layers"][0]["mlp"]["w_down"], PackedMatrix)
 
 
-def unstack_layers(params: Params, packed: bool | None = None) -> Params:
+def unstack_layers(params: Params, packed: bool | None = None, fused: bool = True) -> Params:
     """Stacked -> unstacked (the CPU decode layout above): ``params["layers"]`` becomes a tuple of L per-layer
     dicts with fused q/k/v and gate/up weights, and a tied embedding (no ``lm_head``) becomes
     ``embed["embedding_t"]`` [E, V]. All arrays are fresh, so the stacked ones can be freed. Unstacked params
@@ -477,9 +509,20 @@ def unstack_layers(params: Params, packed: bool | None = None) -> Params:
     packed: store those matrices (and an untied ``lm_head``) as ``cpu_kernels.PackedMatrix`` panels for the
     CPU matmul kernel (``models.cpu_kernels``: a 2-12 token verification pass then costs about what a 1-token
     step does, instead of ~2x). None: when the kernel is available, the default backend is the CPU and the
-    weights are float32."""
+    weights are float32.
+
+    fused=False: the sharded per-layer layout. Each layer keeps the stacked layout's matrices (separate q, k, v,
+    gate, up; the embedding [V, E]), so the logical axes of ``logical_axes`` lay every one out by heads or MLP
+    width: a fused [E, H + 2 Hkv, D] matrix split over heads would cut across q, k and v. Per-layer weights are
+    what makes a verification cheap on GPUs (``jspec.loaders.wants_unstacked``); nothing is packed."""
     if is_unstacked(params):
         return params
+    if not fused:
+        if packed:
+            raise ValueError("packed panels are the fused layout's (the CPU kernel's): pass fused=True")
+        n = jax.tree.leaves(params["layers"])[0].shape[0]
+        split = jax.jit(lambda ls: tuple(jax.tree.map(lambda w, i=i: w[i], ls) for i in range(n)))
+        return {**params, "layers": split(params["layers"])}
     if packed is None:
         f32 = all(w.dtype == jnp.float32 for w in jax.tree.leaves(params["layers"]))
         packed = f32 and jax.default_backend() == "cpu" and cpu_kernels.available()
@@ -638,8 +681,14 @@ def _run_layers(cfg, params, h, positions, cache, tree_mask, start, stop, taps: 
         # SmolLM2 call on the 2-core CPU (23.9 -> 23.2 ms, alternated in one process).
         index = _write_index(cache.lengths, h.shape[0], t, s)
         taken = []
+        fused = _is_fused_layer(layers[0])
         for i in range(start, stop):
-            h, k_all, v_all = _fused_block(cfg, layers[i], h, cos, sin, k_all, v_all, i, cache.lengths, mask, index)
+            if fused:
+                h, k_all, v_all = _fused_block(cfg, layers[i], h, cos, sin, k_all, v_all, i, cache.lengths, mask, index)
+            else:  # the sharded layout: the layer index as an array keeps the CPU kernels (no sharding rule) out
+                h, k_all, v_all = Block(cfg).apply(
+                    {"params": layers[i]}, h, cos, sin, k_all, v_all, jnp.int32(i), cache.lengths, mask
+                )
             if i in taps:
                 taken.append(h)
         return h, dataclasses.replace(cache, k=k_all, v=v_all), taken

@@ -8,6 +8,8 @@ Scenarios (each prints one JSON document, or writes it to --out):
                collective that moves KV-cache data (there must be none). On one mesh each, against
                single-device decode: logprobs=True with eos_ids and per-row stop_token_ids (STOPS_MESH), and a
                draft-model tree in a cache sized by cache_need (TREE_MESH).
+  unstacked    the per-layer layout (target and draft) on meshes 2x4 and 8x1 against one device in the
+               same layout: tokens, the cache's layout, collectives that move it.
   checkpoint   params saved from a 2x4 mesh, restored onto 4x2 and onto one device; logits compared.
   multiprocess run under ``python -m sharding.launch -n 2 --cpu-devices 4 -- python tests/sharding_selfcheck.py
                multiprocess``: the same speculative decode over jax.distributed, inputs built per process.
@@ -374,6 +376,66 @@ def _stream_check(sd) -> dict:
     }
 
 
+UNSTACKED_MESHES = ("2x4", "8x1")  # data x tensor, data only
+
+
+def unstacked_scenario() -> dict:
+    """The per-layer layout (``unstack_layers(fused=False)``, the one that verifies cheaply on GPUs) under the mesh
+    and the rules table, target and draft alike: tokens on each mesh and on one device in the same layout, the
+    cache's layout and any collective that moves it, per drafter and sampling setting."""
+    from jspec.decode import decode
+    from models.llama import logical_axes, make_model, unstack_layers
+    from sharding import hlo
+    from sharding.mesh import make_mesh, parse_shape
+    from sharding.placement import shard_params
+    from sharding.rules import spec_str
+    from sharding.sharded_decode import gather_output, make_plan, prepare_sharded
+
+    cfg, tp, dcfg, dp = tiny_models()
+    tp, dp = unstack_layers(tp, fused=False), unstack_layers(dp, fused=False)
+    model = make_model(cfg)
+    drafters = _drafters(cfg, dcfg)
+    out: dict = {"one_device": {}, "meshes": {}}
+    for name, dr in drafters.items():
+        dparams = dp if name == "model" else None
+        for s in SAMPLING:
+            res = decode(model, tp, prompts(), drafter=dr, draft_params=dparams, **_kw(s, drafter=dr))
+            out["one_device"].setdefault(name, {})[s] = res.tokens
+    for mesh_name in UNSTACKED_MESHES:
+        mesh = make_mesh(parse_shape(mesh_name))
+        t_axes, d_axes = logical_axes(cfg, tp), logical_axes(dcfg, dp)
+        plan = make_plan(
+            mesh, "data_tensor", DRAFT_PRESET[mesh_name],
+            target_axes=t_axes, target_shapes=tp, draft_axes=d_axes, draft_shapes=dp,
+        )  # fmt: skip
+        stp = shard_params(tp, t_axes, mesh, plan.target)
+        sdp = shard_params(dp, d_axes, mesh, plan.draft_rules)
+        entry: dict = {"wq_spec": spec_str(stp["layers"][0]["attn"]["wq"].sharding.spec)}
+        for name, dr in drafters.items():
+            dparams = sdp if name == "model" else None
+            builds = {
+                s: prepare_sharded(
+                    model, stp, prompts(), plan=plan, drafter=dr, draft_params=dparams, **_kw(s, drafter=dr)
+                )
+                for s in SAMPLING
+            }
+            compiled = builds["greedy"].compile()
+            text = compiled.as_text()
+            tokens, st = {}, None
+            for s, sd in builds.items():
+                st = sd.run_state(compiled)
+                tokens[s] = gather_output(st).tokens
+            entry[name] = {
+                "tokens": tokens,
+                "cache_spec": spec_str(st.cache.k.sharding.spec),
+                "cache_collectives": [f"{c.op} {c.shape}" for c in hlo.cache_collectives(text, MAX_LEN, cfg.head_dim)],
+                "decode_loops": hlo.analyze(text).decode_loops,
+                "per_round_ops": [list(e) for e in hlo.analyze(text).per_round],
+            }
+        out["meshes"][mesh_name] = entry
+    return out
+
+
 def checkpoint_scenario() -> dict:
     import jax.numpy as jnp
 
@@ -656,7 +718,9 @@ def errors_scenario() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scenarios", nargs="+", choices=["decode", "checkpoint", "errors", "multiprocess", "reference"])
+    ap.add_argument(
+        "scenarios", nargs="+", choices=["decode", "checkpoint", "errors", "multiprocess", "reference", "unstacked"]
+    )
     ap.add_argument("--devices", type=int, default=8, help="fake CPU devices (all but multiprocess)")
     ap.add_argument("--meshes", default=",".join(MESHES), help="decode: meshes to run (data x model)")
     ap.add_argument("--no-reference", action="store_true", help="decode: skip the single-device reference")
@@ -675,6 +739,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             if sc == "decode":
                 res[sc] = decode_scenario(tuple(args.meshes.split(",")), not args.no_reference)
+            elif sc == "unstacked":
+                res[sc] = unstacked_scenario()
             elif sc == "checkpoint":
                 res[sc] = checkpoint_scenario()
             elif sc == "errors":

@@ -84,7 +84,7 @@ def _multiprocess() -> dict:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sharding")
     a = _selfcheck(tmp, "a", "decode", "errors", "--meshes", ",".join(MESHES_A))
-    b = _selfcheck(tmp, "b", "decode", "checkpoint", "--meshes", ",".join(MESHES_B), "--no-reference")
+    b = _selfcheck(tmp, "b", "decode", "checkpoint", "unstacked", "--meshes", ",".join(MESHES_B), "--no-reference")
     res_b = _collect(b)
     res_mp = _multiprocess()  # overlaps with the tail of job A
     res_a = _collect(a)
@@ -256,6 +256,63 @@ def test_pure_data_parallel_round_moves_no_float_data(runs):
     ops = _decode(runs, "8x1")["plain"]["per_round_ops"]
     assert ops, "expected the loop's 'any row running?' reduction"
     assert all(shape.lstrip("(").startswith(("pred", "s32")) for _op, shape, _n in ops), ops
+
+
+# The tiny models of the self-check: the target's layers, the draft's (its first layer), K.
+TARGET_LAYERS, DRAFT_LAYERS, GAMMA = 2, 1, 3
+FLOATS = ("f32", "bf16", "f16", "(f32", "(bf16")
+
+
+def _float_ops(ops) -> tuple[int, int]:
+    """(float collectives, others) of one round, each op counted as often as it runs."""
+    fl = sum(n for _op, shape, n in ops if shape.startswith(FLOATS))
+    return fl, sum(n for _op, _shape, n in ops) - fl
+
+
+@pytest.mark.parametrize("drafter", ["plain", "model", "ngram"])
+def test_per_round_collectives_are_bounded(runs, drafter):
+    """2x4, data_tensor: a model call with heads, MLP and vocabulary split over `model` costs 2 all-reduces per
+    layer (after the attention and MLP output projections), 1 for the vocabulary-split embedding lookup and 1
+    all-gather of the logits (docs/sharding.md): 2L + 2. A plain round is exactly one such call. A speculative
+    round holds two verification shapes (K + 1 tokens, or 1 when no row proposes; both are counted, as branches
+    in place), and a draft model's round up to K + 1 draft calls (its catch-up and K proposals, split alike on
+    2x4). XLA may combine several into one op, so these are bounds. The rest is the loop's bookkeeping (which row
+    runs, per-row counters, over `data`): a budget of 16 ops, a regression guard."""
+    ops = _decode(runs, "2x4")[drafter]["per_round_ops"]
+    floats, others = _float_ops(ops)
+    per_call = lambda layers: 2 * layers + 2  # noqa: E731
+    if drafter == "plain":
+        reduces = [(shape, n) for op, shape, n in ops if op == "all-reduce" and shape.startswith("f32")]
+        gathers = [(shape, n) for op, shape, n in ops if op == "all-gather" and shape.startswith("f32")]
+        assert sum(n for _, n in reduces) == 2 * TARGET_LAYERS + 1 and sum(n for _, n in gathers) == 1, ops
+    bound = {
+        "plain": per_call(TARGET_LAYERS),
+        "ngram": 2 * per_call(TARGET_LAYERS),
+        "model": 2 * per_call(TARGET_LAYERS) + (GAMMA + 1) * per_call(DRAFT_LAYERS),
+    }[drafter]
+    assert 0 < floats <= bound, (floats, bound, ops)
+    assert others <= 16, (others, ops)
+
+
+def _unstacked(runs) -> dict:
+    return _ok(runs["b"])["unstacked"]
+
+
+@pytest.mark.parametrize("mesh", ["2x4", "8x1"])
+def test_per_layer_layout_decodes_sharded_as_on_one_device(runs, mesh):
+    """The per-layer layout (unstack_layers(fused=False), target and draft) under the mesh and the rules table:
+    the tokens of one device in that layout, which are the stacked layout's; the cache split by the table and
+    never gathered; one loop."""
+    u = _unstacked(runs)
+    ref = _reference(runs)
+    for drafter in ("plain", "model", "ngram"):
+        e = u["meshes"][mesh][drafter]
+        assert e["tokens"] == u["one_device"][drafter], (mesh, drafter)
+        assert e["cache_spec"] == CACHE_SPECS[mesh] and e["cache_collectives"] == [], (mesh, drafter, e)
+        assert e["decode_loops"] == 1
+    assert u["one_device"]["plain"]["greedy"] == ref["plain"]["greedy"]  # the layouts agree
+    assert u["one_device"]["model"]["greedy"] == ref["plain"]["greedy"]  # lossless in this layout too
+    assert u["meshes"][mesh]["wq_spec"] == ("P(None, 'model')" if mesh == "2x4" else "P()")
 
 
 def test_error_messages(runs):
