@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import export as jax_export
 
 from jspec import validate as V
 from jspec.adaptive import AdaptiveK
@@ -197,10 +198,14 @@ class Engine:
         self.last_rounds = 0  # rounds the last step() ran
         self.last_logprobs: dict[int, list[float]] = {}
         self.last_top_logprobs: dict[int, list[list[tuple[int, float]]]] = {}
-        # Every row starts idle: a 1-token dummy prefill gives the state its shapes.
+        # Every row starts idle: a 1-token dummy prefill gives the state its shapes. On abstract params
+        # (``jax.ShapeDtypeStruct``s) only the shapes exist: such an engine serves ``export`` alone.
         b = self.batch
         dummy = jnp.zeros((b, 1), jnp.int32)
-        st = self._prefill(
+        leaves = jax.tree.leaves((self.target_params, self.draft_params))
+        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+        st = (jax.eval_shape if self.abstract else lambda f, *a: f(*a))(
+            self._prefill,
             self.target_params,
             self.draft_params,
             dummy,
@@ -220,10 +225,19 @@ class Engine:
         # Each row's last request's text and stop strings (every request's, with detokenize).
         self._stops: dict[int, StopStrings] = {}
 
+    def export(self, platforms: Sequence[str]) -> jax_export.Exported:
+        """The engine's step (``rounds_per_sync`` rounds for every row) lowered for ``platforms`` (e.g.
+        ``("tpu",)``) with ``jax.export``, on any host; the engine may be built on abstract params."""
+        return jax_export.export(self._step, platforms=tuple(platforms))(
+            self.target_params, self.draft_params, self.state
+        )
+
     def free_rows(self) -> list[int]:
         return [int(i) for i in np.nonzero(self._stop != StopReason.RUNNING)[0]]
 
     def _check_row(self, row) -> None:
+        if self.abstract:
+            raise ValueError("this engine was built on abstract params (ShapeDtypeStructs): it can only be exported")
         if isinstance(row, bool) or not isinstance(row, int | np.integer) or not 0 <= row < self.batch:
             raise ValueError(f"row must be an int in [0, {self.batch}), got {row!r}")  # -1 is not the last row
 

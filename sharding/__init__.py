@@ -15,6 +15,7 @@ from sharding.placement import (
     put,
     put_rows,
     put_tree,
+    shard_abstract,
     shard_params,
 )
 from sharding.rules import PRESETS, TABLE, ShardingRules, describe, rules, spec, table_markdown, tree_shardings
@@ -29,6 +30,7 @@ from sharding.sharded_decode import (
 )
 
 __all__ = [
+    "shard_abstract",
     "DATA",
     "MODEL",
     "PRESETS",

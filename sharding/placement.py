@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jspec.cache import KV_AXES
 from sharding.rules import AxesTree, ShardingRules, named, tree_shardings
@@ -64,6 +64,17 @@ def shard_params(params: Any, axes: AxesTree | None, mesh: Mesh, rules: Sharding
     if axes is None:
         return put_tree(params, jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params))
     return put_tree(params, param_shardings(axes, params, mesh, rules))
+
+
+def shard_abstract(params: Any, axes: AxesTree | None, mesh: Mesh | AbstractMesh, rules: ShardingRules) -> Any:
+    """``shard_params`` without data: ``jax.ShapeDtypeStruct``s carrying the table's shardings, on a mesh that
+    may be a ``jax.sharding.AbstractMesh`` (a machine this host is not: ``ShardedDecode.export`` lowers for it).
+    ``params``: arrays or ShapeDtypeStructs (``models.llama.abstract_params``)."""
+    if axes is None:
+        shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
+    else:
+        shardings = param_shardings(axes, params, mesh, rules)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
 
 
 def is_kv_cache(x: Any) -> bool:

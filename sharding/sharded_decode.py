@@ -31,8 +31,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import export as jax_export
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jspec.decode import prepare
 from jspec.loop import decode_round, generate_arrays, prefill
@@ -328,6 +329,16 @@ class ShardedDecode:
     def lower(self):
         return self.fn.lower(*self.args())
 
+    def abstract_args(self) -> tuple:
+        """``args()`` as ``jax.ShapeDtypeStruct``s: nothing is placed (the plan's mesh may be abstract)."""
+        return jax.tree.unflatten(*self.step_key[-1])
+
+    def export(self, platforms: Sequence[str]) -> jax_export.Exported:
+        """The whole sharded decode lowered for ``platforms`` (e.g. ``("tpu",)``) with ``jax.export``, on any
+        host: with a plan on a ``jax.sharding.AbstractMesh`` of the target machine's shape, no device of it is
+        needed. XLA partitions the program (and inserts its collectives) when the target compiles it."""
+        return jax_export.export(self.fn, platforms=tuple(platforms))(*self.abstract_args())
+
     def compile(self):
         """Compile ahead of time (no execution)."""
         return self.lower().compile()
@@ -412,6 +423,8 @@ def _spans_processes(mesh: Mesh) -> bool:
     of this process only (a purely local decode, e.g. on ``single_device_mesh``, even when several processes
     run). A mesh over some processes but not all is refused: the checks gather over every process, and those
     outside the mesh would never join them."""
+    if isinstance(mesh, AbstractMesh):  # a program to lower for another machine (``ShardedDecode.export``)
+        return False
     procs = sorted({d.process_index for d in mesh.devices.flat})
     if procs == [jax.process_index()]:
         return False
