@@ -136,8 +136,8 @@ def main(argv=None) -> int:
 
     from jspec.decode import prepare
     from jspec.drafters import ModelDrafter
-    from jspec.ngram import NgramDrafter
     from jspec.loaders import wants_unstacked
+    from jspec.ngram import NgramDrafter
     from models.llama import logical_axes, make_model, unstack_layers
     from sharding import hlo
     from sharding.distributed import rows_for_process
