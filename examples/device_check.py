@@ -1,6 +1,7 @@
 """The device check: one command to run whenever a GPU or TPU is at hand (docs/benchmarking.md).
 
     python examples/device_check.py                   # writes docs/results/device-check-<UTC time>.json
+    PYTHONPATH=. python3 examples/device_check.py     # on an image where jspec is not installed
 
 On an accelerator (sized for about 8 minutes on one GPU; random weights of real shapes, built on the device: nothing is
 downloaded or carried):

@@ -107,7 +107,7 @@ def lower(cfg: LlamaConfig, path: str, platform: str, options: dict) -> str:
     what = f"{path} on {cfg.name} for {platform}"
     prepared = prepare(model, params, PROMPTS, drafter=drafter, draft_params=dparams, **options, **extra)
     try:
-        exported = export.export(prepared.fn, platforms=(platform,))(*prepared.args)
+        exported = prepared.export((platform,))
     except Exception as e:  # a CPU-only custom call is refused by export itself: say where
         raise AssertionError(f"{what} does not lower: {type(e).__name__}: {e}") from e
     return exported.mlir_module()
