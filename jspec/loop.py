@@ -188,8 +188,9 @@ def _step_at(target, drafter, config, target_params, draft_params, st, pending, 
     def branch(k_i):
         step_fn = tree_step if tree and k_i > 0 else functools.partial(chain_step, k=k_i)
 
-        def run(c: RoundStep) -> RoundStep:
-            sub = dataclasses.replace(st, cache=c.cache, draft_state=c.draft_state)
+        def run(c: RoundStep, ops) -> RoundStep:
+            sub, pending, committed, max_draft, keys = ops
+            sub = dataclasses.replace(sub, cache=c.cache, draft_state=c.draft_state)
             out = step_fn(
                 target, drafter, config, target_params, draft_params, sub, pending, committed, max_draft, keys
             )
@@ -213,7 +214,9 @@ def _step_at(target, drafter, config, target_params, draft_params, st, pending, 
         bad=jnp.zeros((b,), bool),
         emitted_logits=jnp.zeros((b, k + 1, v), jnp.float32) if config.logprobs else None,
     )
-    return switch_in_place(k_index, [branch(k_i) for k_i in policy.ks], init)
+    # What the steps read besides the caches goes in as operands, so that no step's work runs untaken.
+    ops = (dataclasses.replace(st, cache=None, draft_state=None), pending, committed, max_draft, keys)
+    return switch_in_place(k_index, [branch(k_i) for k_i in policy.ks], init, ops)
 
 
 def decode_round(
