@@ -3,10 +3,10 @@ the loop runs (its batch B and cache slots S), on this device, for this model, l
 
 A verification's price depends on B, T = K + 1, the device and the model: at batch 1 a decode step is bound by
 reading the weights and K + 1 tokens cost little more than one; at larger batches (and on small CPUs) it is bound
-by arithmetic and grows with B x (K + 1). ``profile`` measures it: it compiles ONE round program of the goodput
-loop (``jspec.loop.decode_round``), whose K is an argument there, prefills a batch of B prompts that prompt lookup
-can continue (or the call's own prompts, where there are some), and times ``rounds`` rounds at each K, interleaved,
-taking medians.
+by arithmetic and grows with B x (K + 1). ``profile`` measures it: it compiles ONE program of a few rounds of the
+goodput loop (``jspec.loop.decode_round``, whose K is an argument there), prefills a batch of B prompts that prompt
+lookup always continues (so a round at K verifies K + 1 positions, as the policy assumes), and times those rounds
+at each K, the K alternating, taking medians.
 The ``CostTable`` is cached on disk under ``${JSPEC_CACHE:-~/.cache/jspec}/costs/``, keyed by everything that
 changes the costs (``CostKey``: device, model, parameter layout and dtype, drafter, B, S, the K set, JAX version),
 so it is measured once per situation and read back by any later process; ``refresh=True`` measures again. A table
@@ -37,7 +37,7 @@ from jspec.loop import decode_round, prefill
 from jspec.model import Model
 from jspec.state import DecodeConfig
 
-SCHEMA = 1
+SCHEMA = 2  # 2: rounds timed inside one compiled loop, every round at K > 0 wide
 
 
 def cache_dir() -> str:
@@ -148,12 +148,11 @@ class CostTable:
         return cls(key, round_ms, int(data["rounds"]))
 
 
-def _lookup_prompts(batch: int, slots: int, vocab: int) -> np.ndarray:
-    """[B, P] prompts of a repeating period, so a prompt lookup always finds a continuation (every round of a
-    chain drafter verifies wide, as the costs assume); P leaves room for the timed rounds."""
-    p = max(8, min(64, slots // 4))
+def _lookup_prompts(batch: int, length: int, vocab: int) -> np.ndarray:
+    """[B, length] prompts of a repeating period, so a prompt lookup always finds a continuation (every round of a
+    chain drafter verifies wide, as the costs assume)."""
     period = np.arange(1, min(vocab, 17))
-    row = np.resize(period, p)
+    row = np.resize(period, length)
     return np.stack([np.roll(row, i) for i in range(batch)]).astype(np.int32)
 
 
@@ -166,43 +165,49 @@ def profile(
     batch: int,
     slots: int,
     ks,
-    rounds: int = 8,
-    prompts: tuple[np.ndarray, np.ndarray] | None = None,
+    rounds: int = 4,
+    repeats: int = 3,
 ) -> CostTable:
     """Time a round at each K of ``ks`` on ``batch`` rows and ``slots`` cache slots (see the module docstring).
-    prompts: (ids [B, P] right-padded, lengths [B]) to decode while timing: the call's own, where there is one (a
-    round's cost depends on the text: how often rows propose, their ragged lengths), else ``_lookup_prompts``."""
+
+    The rows decode ``_lookup_prompts``, which prompt lookup always continues, so that every round at K > 0
+    verifies K + 1 positions: the cost the policy pays when it chooses K (how often a row has nothing to propose
+    is its acceptance estimate's business, not the cost's). The rounds run as the decode runs them, inside one
+    compiled loop (``rounds`` rounds per call, no dispatch between them); the calls of the K alternate, and each K's
+    cost is the median over ``repeats`` calls, after one that compiles and warms up."""
     ks = tuple(int(k) for k in ks)
-    if prompts is None:
-        ids = _lookup_prompts(batch, slots, target.vocab_size)
-        prompts = (ids, np.full((batch,), ids.shape[1], np.int32))
-    ids, lens = (np.asarray(x, np.int32) for x in prompts)
-    b, p = ids.shape
-    if b != batch:
-        raise ValueError(f"profile: {b} prompts for a batch of {batch}")
-    if p + ks[-1] * (rounds + 2) + 2 > slots:
-        raise ValueError(f"{slots} cache slots cannot hold the profile's {p}-token prompts and {rounds} rounds")
+    # The prompts take up to a quarter of the cache (64 tokens at most), leaving room for every timed round.
+    p = min(64, slots // 4, slots - ks[-1] * rounds * (repeats + 1) - 2)
+    if p < 8:
+        raise ValueError(f"{slots} cache slots cannot hold the profile's prompts and its rounds at K = {ks[-1]}")
+    ids = _lookup_prompts(batch, p, target.vocab_size)
+    b = batch
     # The costs do not matter here: every round's K is given.
     config = DecodeConfig(ks[-1], slots, goodput=GoodputK(ks, (1.0,) * len(ks)))
     pre = jax.jit(functools.partial(prefill, target, drafter, config))
-    rnd = jax.jit(functools.partial(decode_round, target, drafter, config), donate_argnums=(2,))
+
+    def run(target_params, draft_params, st, k_index):
+        step = functools.partial(decode_round, target, drafter, config, target_params, draft_params)
+        return jax.lax.fori_loop(0, rounds, lambda _, s: step(s, k_index)[0], st)
+
+    many = jax.jit(run, donate_argnums=(2,))
     args = (
         jnp.asarray(ids),
-        jnp.asarray(lens),
+        jnp.full((b,), p, jnp.int32),
         jnp.full((b,), slots, jnp.int32),
         V.sampling_params(b),
         jax.random.key(0),
     )
     states = [pre(target_params, draft_params, *args) for _ in ks]  # one running state per K
     times: list[list[float]] = [[] for _ in ks]
-    for r in range(rounds + 1):  # round 0 compiles and warms up
+    for r in range(repeats + 1):  # call 0 compiles and warms up
         for i in range(len(ks)):
             t0 = time.perf_counter()
-            states[i] = jax.block_until_ready(rnd(target_params, draft_params, states[i], jnp.int32(i))[0])
+            states[i] = jax.block_until_ready(many(target_params, draft_params, states[i], jnp.int32(i)))
             if r:
-                times[i].append((time.perf_counter() - t0) * 1e3)
+                times[i].append((time.perf_counter() - t0) * 1e3 / rounds)
     key = CostKey.of(target, target_params, drafter, draft_params, batch, slots, ks)
-    return CostTable(key, tuple(float(statistics.median(t)) for t in times), rounds)
+    return CostTable(key, tuple(float(statistics.median(t)) for t in times), rounds * repeats)
 
 
 def cost_table(
@@ -216,10 +221,8 @@ def cost_table(
     ks,
     refresh: bool = False,
     directory: str | None = None,
-    prompts: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> CostTable:
-    """The cost table of this situation: read from the disk cache, or measured (``profile``, on ``prompts``
-    where given) and saved there."""
+    """The cost table of this situation: read from the disk cache, or measured (``profile``) and saved there."""
     key = CostKey.of(target, target_params, drafter, draft_params, batch, slots, ks)
     path = os.path.join(directory or cache_dir(), f"{key.digest()}.json")
     if not refresh and os.path.exists(path):
@@ -230,7 +233,7 @@ def cost_table(
             return table
         except (OSError, ValueError, KeyError, TypeError) as e:
             warnings.warn(f"cost table {path} is unusable ({e}); measuring it again", stacklevel=2)
-    table = profile(target, target_params, drafter, draft_params, batch=batch, slots=slots, ks=ks, prompts=prompts)
+    table = profile(target, target_params, drafter, draft_params, batch=batch, slots=slots, ks=ks)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -251,7 +254,6 @@ def goodput_policy(
     adaptive,
     batch: int,
     slots: int,
-    prompts: tuple[np.ndarray, np.ndarray] | None = None,
     objective: str = "throughput",
 ) -> GoodputK | None:
     """``decode``'s ``goodput`` as the loop's policy, or None for a fixed K.
@@ -273,7 +275,7 @@ def goodput_policy(
         ks = V.goodput_ks(drafter, gamma)
         if ks is None:
             V.check_goodput(GoodputK((gamma,), (1.0,)), drafter, gamma)  # raises, naming why
-        kw = dict(batch=batch, slots=slots, ks=ks, prompts=prompts)
+        kw = dict(batch=batch, slots=slots, ks=ks)
         table = cost_table(target, target_params, drafter, draft_params, **kw)
         return V.check_goodput(table.policy(objective=objective), drafter, gamma)
     if isinstance(goodput, bool) or not isinstance(goodput, GoodputK | CostTable):

@@ -221,7 +221,7 @@ def prepare(
     policy = V.adaptive_policy(adaptive)
     chooser = goodput_policy(
         goodput, target, target_params, drafter, draft_params, gamma=gamma, gamma_given=gamma_given,
-        adaptive=policy, batch=len(plen), slots=slots, prompts=(prompt, plen), objective="makespan",
+        adaptive=policy, batch=len(plen), slots=slots, objective="makespan",
     )  # fmt: skip
     if chooser is not None:  # the loop's K is the policy's largest, which the drafter must serve
         gamma = V.check_drafter(target, drafter, chooser.k_max, None, block_verify, draft_params, target_params)
