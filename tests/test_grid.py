@@ -13,6 +13,7 @@ import pytest
 from test_decode_core import DRAFT_PARAMS, DRAFTER, TARGET, TARGET_PARAMS, VOCAB
 
 from jspec.bench import grid, record
+from jspec.goodput import GoodputK
 from jspec.ngram import NgramDrafter
 
 
@@ -94,6 +95,7 @@ def test_a_cell_measures_every_config_in_rotating_passes_and_checks_outputs(monk
         grid.Config("plain"),
         grid.Config("ngram K=3", NgramDrafter(vocab_size=VOCAB), None, 3, 4),
         grid.Config("model K=2", DRAFTER, DRAFT_PARAMS, 2, 3),
+        grid.Config("model goodput", DRAFTER, DRAFT_PARAMS, None, 3, GoodputK((0, 2), (1.0, 1.5))),
     ]
     settings = grid.GridSettings(workloads=("edit",), passes=5, peers="none")
     rec = record.Record("grid", "python examples/bench_grid.py", settings.to_json(), "unused.json")
@@ -103,9 +105,8 @@ def test_a_cell_measures_every_config_in_rotating_passes_and_checks_outputs(monk
     rec.data["summary"] = record.summarize(rec.data)
     assert record.validate(rec.data) == [] or all("git" in p for p in record.validate(rec.data))
     passes = rec.data["passes"]
-    names = ["plain", "ngram K=3", "model K=2"]
-    assert [p["order"] for p in passes] == [names, names[1:] + names[:1], names[2:] + names[:2], names,
-                                            names[1:] + names[:1]]  # fmt: skip
+    names = ["plain", "ngram K=3", "model K=2", "model goodput"]
+    assert [p["order"] for p in passes] == [names[i % 4 :] + names[: i % 4] for i in range(5)]
     for p in passes:
         runs = {r["config"]: r for r in p["runs"]}
         assert all(r["same_as_plain"] for r in p["runs"])
@@ -118,7 +119,22 @@ def test_a_cell_measures_every_config_in_rotating_passes_and_checks_outputs(monk
     ]
     got = rec.data["summary"]["toy b=2"]["ratios"]["model K=2 vs plain"]
     assert got["median"] == pytest.approx(statistics.median(per_pass)) and got["n"] == 5
-    assert set(rec.data["summary"]["toy b=2"]["ratios"]) == {"ngram K=3 vs plain", "model K=2 vs plain"}
+    assert set(rec.data["summary"]["toy b=2"]["ratios"]) == {
+        "ngram K=3 vs plain",
+        "model K=2 vs plain",
+        "model goodput vs plain",
+    }
+    # The goodput config's cost table, and the cost model's prediction: its rounds at each K priced by the table,
+    # over plain's rounds. Both runs decode 2 batches of 2 rows x 9 tokens; a round at K = 2 costs 1.5.
+    meta = rec.data["cells"]["toy b=2"]["configs"]["model goodput"]
+    assert meta["round_costs"] == [{"0": 1.0, "2": 1.5}] * 2
+    k_rounds = [r["k_rounds"] for p in passes for r in p["runs"] if r["config"] == "model goodput"][0]
+    plain_rounds = [r["rounds"] for p in passes for r in p["runs"] if r["config"] == "plain"][0]
+    assert sum(k_rounds.values()) < plain_rounds  # it speculated (the draft model accepts)
+    # Each batch's rounds cost between 1 and 1.5 plain steps each; the batches weigh by their plain seconds, so
+    # only the order of magnitude is known here.
+    lo, hi = plain_rounds / (1.5 * sum(k_rounds.values())), plain_rounds / sum(k_rounds.values())
+    assert lo / 2 < meta["predicted_vs_plain"] < hi * 2
 
 
 def test_grid_cell_lines_give_median_and_spread():

@@ -188,7 +188,7 @@ class Config:
     draft_params: Any = None
     gamma: int | None = None
     nodes: int = 1  # positions a round verifies
-    goodput: bool = False  # the K of each round chosen from measured costs (gamma unset)
+    goodput: Any = False  # the K of each round chosen from measured costs (gamma unset): decode's ``goodput``
 
 
 def build_configs(target, choices: Sequence[DrafterChoice]) -> list[Config]:
@@ -256,11 +256,18 @@ def cell_prompts(target, workload: str, batch: int, settings: GridSettings) -> t
 def prepare_cell(target, configs: Sequence[Config], batches: Sequence[Batch], max_new: int, log=print):
     """Compile every configuration on every batch and run it once untimed; returns per config its compile and
     first-run seconds. One cache size per batch for every configuration (the largest tree's scratch included),
-    so that no configuration attends over more slots than another."""
+    so that no configuration attends over more slots than another.
+
+    A goodput configuration also gets the cost table its policy chose from (``round_costs``: per batch, each K's
+    round cost relative to a plain step) and the cost model's prediction of its speed against plain decoding
+    (``predicted_vs_plain``): the rounds it ran at each K priced by that table, against plain decoding's rounds
+    (each batch's plain seconds as the unit; the table's K = 0 round taken as a plain step)."""
     from jspec.decode import prepare
 
     scratch = max(c.nodes for c in configs) - 1
     costs = {c.name: {"compile_seconds": 0.0, "first_run_seconds": 0.0} for c in configs}
+    predicted: dict[str, float] = {}  # per goodput config: its predicted seconds over every batch
+    plain_seconds = 0.0
     for b in batches:
         need = max(len(p) for p in b.prompts) + max_new - 1 + scratch
         max_len = -(-need // 128) * 128
@@ -278,8 +285,19 @@ def prepare_cell(target, configs: Sequence[Config], batches: Sequence[Batch], ma
             costs[c.name]["first_run_seconds"] += t2 - t1
             if c.name == "plain":
                 b.plain_tokens = out.tokens
+                plain_rounds, plain_s = sum(out.stats["k_rounds"]), t2 - t1
+                plain_seconds += plain_s
+            policy = prep.config.goodput
+            if policy is not None:  # greedy: the first run's rounds are every run's
+                costs[c.name].setdefault("round_costs", []).append(dict(zip(map(str, policy.ks), policy.costs)))
+                units = sum(n * cost for n, cost in zip(out.stats["k_rounds"], policy.costs))
+                predicted[c.name] = predicted.get(c.name, 0.0) + units / plain_rounds * plain_s
+    for name, seconds in predicted.items():
+        costs[name]["predicted_vs_plain"] = plain_seconds / seconds
     for name, cost in costs.items():
-        log(f"    {name:<26} compiled in {cost['compile_seconds']:.1f} s, first run {cost['first_run_seconds']:.2f} s")
+        predicts = f", the cost model predicts {cost['predicted_vs_plain']:.2f}x plain" if name in predicted else ""
+        log(f"    {name:<26} compiled in {cost['compile_seconds']:.1f} s, first run {cost['first_run_seconds']:.2f} s"
+            f"{predicts}")  # fmt: skip
     return costs
 
 
