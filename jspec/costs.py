@@ -181,7 +181,6 @@ def profile(
     if p < 8:
         raise ValueError(f"{slots} cache slots cannot hold the profile's prompts and its rounds at K = {ks[-1]}")
     ids = _lookup_prompts(batch, p, target.vocab_size)
-    b = batch
     # The costs do not matter here: every round's K is given.
     config = DecodeConfig(ks[-1], slots, goodput=GoodputK(ks, (1.0,) * len(ks)))
     pre = jax.jit(functools.partial(prefill, target, drafter, config))
@@ -193,9 +192,9 @@ def profile(
     many = jax.jit(run, donate_argnums=(2,))
     args = (
         jnp.asarray(ids),
-        jnp.full((b,), p, jnp.int32),
-        jnp.full((b,), slots, jnp.int32),
-        V.sampling_params(b),
+        jnp.full((batch,), p, jnp.int32),
+        jnp.full((batch,), slots, jnp.int32),
+        V.sampling_params(batch),
         jax.random.key(0),
     )
     states = [pre(target_params, draft_params, *args) for _ in ks]  # one running state per K
