@@ -214,18 +214,16 @@ def test_a_fixed_batch_is_as_fast_as_its_last_row():
 def _unconditional_ops(hlo: str) -> set[str]:
     """The op kinds a compiled module runs whatever its branches do: those of the entry computation and of every
     computation it calls (fusions, reductions), not of the while loops' bodies and conditions."""
-    comps = {}
-    for block in hlo.split("\n\n"):
-        head = block.lstrip().split("\n", 1)[0]
-        name = head.split(" ", 2)[1] if head.startswith("ENTRY") else head.split(" ", 1)[0]
-        comps["ENTRY" if head.startswith("ENTRY") else name.lstrip("%")] = block
-    ops, todo, seen = set(), ["ENTRY"], set()
+    from sharding.hlo import parse
+
+    entry, comps = parse(hlo)
+    ops, todo, seen = set(), [entry], set()
     while todo:
         name = todo.pop()
         if name in seen or name not in comps:
             continue
         seen.add(name)
-        for line in comps[name].splitlines()[1:]:
+        for line in comps[name]:
             if "=" not in line:
                 continue
             rhs = line.split("=", 1)[1].strip()
@@ -239,7 +237,7 @@ def _unconditional_ops(hlo: str) -> set[str]:
             op = rest.split("(", 1)[0]
             ops.add(op)
             if op != "while":
-                todo += [c.lstrip("%") for c in re.findall(r"(?:calls|to_apply)=(%?[\w.\-]+)", line)]
+                todo += re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line)
     return ops
 
 
