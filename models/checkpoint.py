@@ -24,28 +24,10 @@ class CheckpointError(ValueError):
 
 def hf_expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape (out, in) for every tensor a model with this config must have."""
-    e, f, v = cfg.hidden, cfg.ffn, cfg.vocab_size
-    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    e, v = cfg.hidden, cfg.vocab_size
     shapes = {"model.embed_tokens.weight": (v, e)}
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (e,),
-            p + "self_attn.q_proj.weight": (qd, e),
-            p + "self_attn.k_proj.weight": (kvd, e),
-            p + "self_attn.v_proj.weight": (kvd, e),
-            p + "self_attn.o_proj.weight": (e, qd),
-            p + "post_attention_layernorm.weight": (e,),
-            p + "mlp.gate_proj.weight": (f, e),
-            p + "mlp.up_proj.weight": (f, e),
-            p + "mlp.down_proj.weight": (e, f),
-        }
-        if cfg.qkv_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (qd,),
-                p + "self_attn.k_proj.bias": (kvd,),
-                p + "self_attn.v_proj.bias": (kvd,),
-            }
+        shapes |= {f"model.layers.{i}.{suffix}": shape for suffix, (shape, _, _) in _layer_leaves(cfg).items()}
     shapes["model.norm.weight"] = (e,)
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (v, e)
@@ -74,25 +56,40 @@ def check_tensors(
         )
 
 
-# Our leaf -> (HF name suffix inside a layer, function from the HF (out, in) array to our layout).
-def _layer_leaves(cfg: LlamaConfig):
-    e, h, hkv, d = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+def _layer_leaves(cfg: LlamaConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], Callable]]:
+    """HF name suffix inside a layer -> (its HF shape, our leaf's path inside the layer, function from the HF
+    (out, in) array to our layout). Post norms (Gemma) rename: HF's post_attention_layernorm is the norm on the
+    attention output there, and pre_feedforward_layernorm the MLP's input norm (Llama's post_attention_layernorm)."""
+    e, h, hkv, d, f = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn
+    same = lambda w: w  # noqa: E731
     leaves = {
-        ("attn_norm", "scale"): ("input_layernorm.weight", lambda w: w),
-        ("attn", "wq"): ("self_attn.q_proj.weight", lambda w: w.T.reshape(e, h, d)),
-        ("attn", "wk"): ("self_attn.k_proj.weight", lambda w: w.T.reshape(e, hkv, d)),
-        ("attn", "wv"): ("self_attn.v_proj.weight", lambda w: w.T.reshape(e, hkv, d)),
-        ("attn", "wo"): ("self_attn.o_proj.weight", lambda w: w.T.reshape(h, d, e)),
-        ("mlp_norm", "scale"): ("post_attention_layernorm.weight", lambda w: w),
-        ("mlp", "w_gate"): ("mlp.gate_proj.weight", lambda w: w.T),
-        ("mlp", "w_up"): ("mlp.up_proj.weight", lambda w: w.T),
-        ("mlp", "w_down"): ("mlp.down_proj.weight", lambda w: w.T),
+        "input_layernorm.weight": ((e,), ("attn_norm", "scale"), same),
+        "self_attn.q_proj.weight": ((h * d, e), ("attn", "wq"), lambda w: w.T.reshape(e, h, d)),
+        "self_attn.k_proj.weight": ((hkv * d, e), ("attn", "wk"), lambda w: w.T.reshape(e, hkv, d)),
+        "self_attn.v_proj.weight": ((hkv * d, e), ("attn", "wv"), lambda w: w.T.reshape(e, hkv, d)),
+        "self_attn.o_proj.weight": ((e, h * d), ("attn", "wo"), lambda w: w.T.reshape(h, d, e)),
+        "mlp.gate_proj.weight": ((f, e), ("mlp", "w_gate"), lambda w: w.T),
+        "mlp.up_proj.weight": ((f, e), ("mlp", "w_up"), lambda w: w.T),
+        "mlp.down_proj.weight": ((e, f), ("mlp", "w_down"), lambda w: w.T),
     }
+    if cfg.post_norms:
+        leaves |= {
+            "post_attention_layernorm.weight": ((e,), ("post_attn_norm", "scale"), same),
+            "pre_feedforward_layernorm.weight": ((e,), ("mlp_norm", "scale"), same),
+            "post_feedforward_layernorm.weight": ((e,), ("post_mlp_norm", "scale"), same),
+        }
+    else:
+        leaves["post_attention_layernorm.weight"] = ((e,), ("mlp_norm", "scale"), same)
     if cfg.qkv_bias:
         leaves |= {
-            ("attn", "bq"): ("self_attn.q_proj.bias", lambda w: w.reshape(h, d)),
-            ("attn", "bk"): ("self_attn.k_proj.bias", lambda w: w.reshape(hkv, d)),
-            ("attn", "bv"): ("self_attn.v_proj.bias", lambda w: w.reshape(hkv, d)),
+            "self_attn.q_proj.bias": ((h * d,), ("attn", "bq"), lambda w: w.reshape(h, d)),
+            "self_attn.k_proj.bias": ((hkv * d,), ("attn", "bk"), lambda w: w.reshape(hkv, d)),
+            "self_attn.v_proj.bias": ((hkv * d,), ("attn", "bv"), lambda w: w.reshape(hkv, d)),
+        }
+    if cfg.qk_norm:
+        leaves |= {
+            "self_attn.q_norm.weight": ((d,), ("attn", "q_norm", "scale"), same),
+            "self_attn.k_norm.weight": ((d,), ("attn", "k_norm", "scale"), same),
         }
     return leaves
 
@@ -107,10 +104,13 @@ def params_from_hf_layout(cfg: LlamaConfig, get: Callable[[str], np.ndarray]) ->
     def to_jax(a: np.ndarray):
         return jnp.asarray(a, dtype=dtype)
 
-    layers: dict[str, dict[str, object]] = {}
-    for (group, leaf), (suffix, fn) in _layer_leaves(cfg).items():
+    layers: dict[str, Any] = {}
+    for suffix, (_, path, fn) in _layer_leaves(cfg).items():
         stacked = np.stack([fn(np.asarray(get(f"model.layers.{i}.{suffix}"))) for i in range(cfg.num_layers)])
-        layers.setdefault(group, {})[leaf] = to_jax(stacked)
+        node = layers
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = to_jax(stacked)
     params: Params = {
         "embed": {"embedding": to_jax(get("model.embed_tokens.weight"))},
         "layers": layers,

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral-style GQA, Qwen2 with q/k/v biases) in Flax + ``lax.scan``.
+"""Llama-family decoder in Flax + ``lax.scan``: Llama 2/3, SmolLM2, Mistral-style GQA, Qwen2 (q/k/v biases), Qwen3
+(q/k norms), Gemma 2/3 (GeGLU, post norms, soft caps, sliding-window layers), one code path switched by the flags
+of ``models.config.LlamaConfig``.
 
 Dimension vocabulary: B batch, T tokens in a call, V vocab, S cache slots, L layers, E hidden,
 H query heads, Hkv key/value heads, D head dim, F feed-forward width.
@@ -14,8 +16,10 @@ while slice -> ``jspec.cache.write_layer`` -> dynamic_update_slice back compiles
 The forward is split into ``embed`` -> ``run_layers`` -> ``head`` so that a LayerSkip draft can run layers
 [0, E) plus the head, and an EAGLE head can take the final hidden states (``forward(..., return_hidden=True)``).
 
-RoPE uses the rotate-half (GPT-NeoX / Hugging Face) layout; the GGUF loader undoes llama.cpp's row
-permutation so that both checkpoint formats share this one code path.
+RoPE (``models.rope``) uses the rotate-half (GPT-NeoX / Hugging Face) layout; the GGUF loader undoes llama.cpp's
+row permutation so that both checkpoint formats share this one code path. The attention over the cache lives in
+``models.attention``; a sliding-window layer differs from a full one only by its mask and RoPE table, chosen per
+layer (``layer_inputs``), so both kinds run in the same scan over stacked layers.
 """
 
 from __future__ import annotations
@@ -30,79 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jspec.cache import KVCache, attention_mask, scratch_slots, take_rows, write_layer
+from jspec.cache import KVCache, attention_mask, take_rows
 from jspec.model import Model
 from models import cpu_kernels
+from models.attention import attend, sliding_mask, write_index
+from models.config import DTYPES, LlamaConfig, RopeScaling, canonical_dtype, end_token_ids  # noqa: F401 (re-exported)
 from models.cpu_kernels import PackedMatrix
+from models.rope import apply_rope, rope_tables  # noqa: F401 (re-exported)
 
 Params = dict[str, Any]
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-# Large but finite: a row with no visible slot (only possible for garbage rows) then gives a uniform
-# distribution instead of NaNs that would poison a whole batch through later reductions.
-_MASK_VALUE = -1e30
-
-
-def canonical_dtype(dtype: Any) -> str:
-    """'float32' / 'bfloat16' from a string or a numpy/jax dtype."""
-    name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
-    name = {"f32": "float32", "bf16": "bfloat16", "fp32": "float32"}.get(name, name)
-    if name not in DTYPES:
-        raise ValueError(f"unsupported parameter dtype {dtype!r}; use one of {sorted(DTYPES)}")
-    return name
-
-
-def end_token_ids(ids) -> tuple[int, ...]:
-    """End-of-generation ids in order, first occurrence kept, None (unset) left out: the canonical EOS first."""
-    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Static shape and numerics of a Llama-family model (hashable: it keys the jit cache). max_positions: the
-    context length it was trained for (GGUF ``context_length``, HF ``max_position_embeddings``; None when
-    unknown): ``jspec.decode`` refuses a request that would feed a position at or past it. eos_ids: every id
-    that ends generation (``eos_id``, the canonical one, first; Llama-3 lists ``<|eot_id|>`` too)."""
-
-    vocab_size: int
-    hidden: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn: int
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-5
-    tie_embeddings: bool = True
-    qkv_bias: bool = False
-    bos_id: int | None = None
-    eos_id: int | None = None
-    dtype: str = "float32"
-    name: str = "llama"
-    max_positions: int | None = None
-    eos_ids: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
-        ends = end_token_ids([self.eos_id, *self.eos_ids])
-        object.__setattr__(self, "eos_ids", ends)
-        object.__setattr__(self, "eos_id", ends[0] if ends else None)
-        if self.max_positions is not None and int(self.max_positions) < 1:
-            raise ValueError(f"max_positions={self.max_positions} must be >= 1 (or None: unknown)")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-
-    @property
-    def jdtype(self):
-        return DTYPES[self.dtype]
-
-    def replace(self, **changes) -> LlamaConfig:
-        if "eos_id" in changes and "eos_ids" not in changes:  # a new EOS replaces the old end tokens
-            changes["eos_ids"] = ()
-        return dataclasses.replace(self, **changes)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -116,63 +56,15 @@ def _normal(std: float):
 
 class RMSNorm(nn.Module):
     eps: float
+    axis: str = "embed"  # the logical name of the normalised axis: "head_dim" for q/k norms
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., E] -> [..., E]
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)), (x.shape[-1],))
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)), (x.shape[-1],))
         # Statistics in f32 even for bf16 activations (as the reference implementations do).
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return y.astype(x.dtype) * scale.astype(x.dtype)
-
-
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """[B, T] int positions -> cos, sin [B, T, D/2] float32."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE. x [B, T, N, D]; cos, sin [B, T, D/2]."""
-    half = x.shape[-1] // 2
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
-
-
-def _write_layer_kv(
-    all_kv: jax.Array, layer: jax.Array, new: jax.Array, lengths: jax.Array, index: tuple | None = None
-) -> jax.Array:
-    """Write a call's T new entries into layer ``layer`` of the full cache, at slots ``lengths[b] + t``.
-
-    all_kv [L, B, Hkv, S, D]; new [B, T, Hkv, D]; lengths [B]; index: ``_write_index(lengths, B, T, S)``,
-    computed once per call by the unstacked layout. Slots past the end are dropped (never clamped onto
-    committed entries). The row scatter is ``jspec.cache.write_layer`` (vmapped over rows, so
-    a batch-sharded cache scatters locally) applied to the layer slice, which then goes back with a
-    dynamic_update_slice at the layer index (always in range, so its clamping is harmless). This form stays
-    in place in the scan carry; see the module docstring.
-    """
-    if isinstance(layer, int):
-        # Unstacked layers (straight-line code, no scan carry): the slice -> write -> update form copied the
-        # whole cache at every layer there, and a scatter vmapped over the batch axis made XLA pick a
-        # batch-major cache layout and convert to and from it. One scatter with explicit (row, slot) indices
-        # into the full array stays in place.
-        b, t = new.shape[:2]
-        rows, slots = _write_index(lengths, b, t, all_kv.shape[3]) if index is None else index
-        # numpy indexing: the advanced indices (layer, rows, slots) are split by a slice, so the indexed
-        # window is [B, T, Hkv, D], the layout ``new`` already has.
-        return all_kv.at[layer, rows, :, slots, :].set(new.astype(all_kv.dtype), mode="drop")
-    layer_kv = jax.lax.dynamic_index_in_dim(all_kv, layer, 0, keepdims=False)  # [B, Hkv, S, D]
-    layer_kv = write_layer(layer_kv, new.transpose(0, 2, 1, 3), lengths)
-    return jax.lax.dynamic_update_index_in_dim(all_kv, layer_kv, layer, 0)
-
-
-def _write_index(lengths: jax.Array, b: int, t: int, s: int) -> tuple[jax.Array, jax.Array]:
-    """(rows, slots) [B, T] int32 of a call's cache writes (see ``_write_layer_kv``)."""
-    slots = scratch_slots(lengths, jnp.arange(t, dtype=jnp.int32)[None, :], s)
-    return jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t)), slots
 
 
 class Attention(nn.Module):
@@ -207,54 +99,18 @@ class Attention(nn.Module):
             q = q + param("bq", (h, d), ("heads", "head_dim")).astype(dt)
             k = k + param("bk", (hkv, d), ("kv_heads", "head_dim")).astype(dt)
             v = v + param("bv", (hkv, d), ("kv_heads", "head_dim")).astype(dt)
-        out, k_all, v_all = _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_eps, "head_dim", name="q_norm")(q)
+            k = RMSNorm(cfg.rms_eps, "head_dim", name="k_norm")(k)
+        out, k_all, v_all = attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask)
         return out @ wo.reshape(h * d, e).astype(dt), k_all, v_all
 
 
-def _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask, index=None):
-    """Attention after the projections, shared by both layer layouts.
-
-    q [B, T, H, D]; k, v [B, T, Hkv, D] (before RoPE); k_all/v_all [L, B, Hkv, S, D]; mask [B, T, S];
-    index: the cache-write index (``_write_layer_kv``) when the caller computed it once for all layers.
-    Returns (out [B, T, H*D] before the output projection, k_all, v_all with this call's K/V written).
-    """
-    b, t, h, d = q.shape
-    dt = q.dtype
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
-    # Write first, then read the layer slice: see the module docstring for why the order matters.
-    k_all = _write_layer_kv(k_all, layer, k, lengths, index)
-    v_all = _write_layer_kv(v_all, layer, v, lengths, index)
-    if cpu_kernels.cache_attention_applies(q, k_all, layer):
-        # The CPU kernel reads the layer's K/V in place (no slice copies) in one call; see models.cpu_kernels.
-        xla = lambda: _xla_attention(cfg, q, k_all, v_all, layer, mask).reshape(b, t, h, d)  # noqa: E731
-        out = cpu_kernels.cache_attention(q, k_all, v_all, mask, layer, 1.0 / math.sqrt(d), xla)
-        return out.reshape(b, t, h * d).astype(dt), k_all, v_all
-    return _xla_attention(cfg, q, k_all, v_all, layer, mask), k_all, v_all
-
-
-def _xla_attention(cfg, q, k_all, v_all, layer, mask):
-    """q [B, T, H, D] (after RoPE) against layer ``layer`` of k_all/v_all [L, B, Hkv, S, D] under mask
-    [B, T, S] -> [B, T, H*D]."""
-    b, t, h, d = q.shape
-    hkv, dt = cfg.num_kv_heads, q.dtype
-    k_layer = jax.lax.dynamic_index_in_dim(k_all, layer, 0, keepdims=False)  # [B, Hkv, S, D]
-    v_layer = jax.lax.dynamic_index_in_dim(v_all, layer, 0, keepdims=False)
-
-    # Scores are slot-major, [B, Hkv, S, G*T] = K [S, D] x q^T: both cache reads then take K and V in their
-    # stored [S, D] layout. Query-major scores (q x K^T) made XLA:CPU copy every layer's K into [D, S] before
-    # the dot; this form was 4-6% faster per SmolLM2 decode step (21.96 vs 23.41 ms, alternated in one process).
-    g = h // hkv  # query heads sharing one KV head
-    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # [B, Hkv, G*T, D]
-    batch = ((0, 1), (0, 1))
-    scores = jax.lax.dot_general(
-        k_layer.astype(dt), qg, (((3,), (3,)), batch), preferred_element_type=jnp.float32
-    )  # [B, Hkv, S, G*T]
-    scores = scores.reshape(b, hkv, -1, g, t) * (1.0 / math.sqrt(d))
-    scores = jnp.where(mask.transpose(0, 2, 1)[:, None, :, None, :], scores, _MASK_VALUE)  # mask [B, S, T]
-    probs = jax.nn.softmax(scores, axis=2).astype(dt).reshape(b, hkv, -1, g * t)  # over slots
-    out = jax.lax.dot_general(probs, v_layer.astype(dt), (((2,), (2,)), batch))  # [B, Hkv, G*T, D]
-    return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
+def activation(cfg: LlamaConfig):
+    """The MLP's gate activation (``models.config.ACTIVATIONS``)."""
+    if cfg.activation == "gelu_tanh":
+        return functools.partial(jax.nn.gelu, approximate=True)
+    return jax.nn.silu
 
 
 class MLP(nn.Module):
@@ -271,11 +127,12 @@ class MLP(nn.Module):
         dt = x.dtype
         gate = jnp.einsum("bte,ef->btf", x, w_gate.astype(dt))
         up = jnp.einsum("bte,ef->btf", x, w_up.astype(dt))
-        return jnp.einsum("btf,fe->bte", jax.nn.silu(gate) * up, w_down.astype(dt))
+        return jnp.einsum("btf,fe->bte", activation(self.cfg)(gate) * up, w_down.astype(dt))
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with post norms (Gemma) each
+    branch's output is normed again before the add. cos/sin/mask are this layer's (``layer_inputs``)."""
 
     cfg: LlamaConfig
     init_std: float = 0.02
@@ -286,9 +143,13 @@ class Block(nn.Module):
         a, k_all, v_all = Attention(cfg, self.init_std, name="attn")(
             RMSNorm(cfg.rms_eps, name="attn_norm")(x), cos, sin, k_all, v_all, layer, lengths, mask
         )
+        if cfg.post_norms:
+            a = RMSNorm(cfg.rms_eps, name="post_attn_norm")(a)
         x = x + a
-        x = x + MLP(cfg, self.init_std, name="mlp")(RMSNorm(cfg.rms_eps, name="mlp_norm")(x))
-        return x, k_all, v_all
+        m = MLP(cfg, self.init_std, name="mlp")(RMSNorm(cfg.rms_eps, name="mlp_norm")(x))
+        if cfg.post_norms:
+            m = RMSNorm(cfg.rms_eps, name="post_mlp_norm")(m)
+        return x + m, k_all, v_all
 
 
 class Embed(nn.Module):
@@ -428,14 +289,18 @@ def is_unstacked(params: Params) -> bool:
     return isinstance(params["layers"], (tuple, list))
 
 
+_HEAD_NORMS = ("q_norm", "k_norm")  # per-head norms inside "attn" (qk_norm), kept apart in every layout
+
+
 def _fuse_layer(lp: Params) -> Params:
     """One layer of the stacked layout (leading [L] axis already indexed away) -> the unstacked layout."""
     a, m = lp["attn"], lp["mlp"]
     attn = {"wqkv": jnp.concatenate([a["wq"], a["wk"], a["wv"]], axis=1), "wo": a["wo"]}  # [E, H + 2 Hkv, D]
     if "bq" in a:
         attn["bqkv"] = jnp.concatenate([a["bq"], a["bk"], a["bv"]], axis=0)  # [H + 2 Hkv, D]
+    attn |= {n: a[n] for n in _HEAD_NORMS if n in a}
     mlp = {"w_gate_up": jnp.concatenate([m["w_gate"], m["w_up"]], axis=1), "w_down": m["w_down"]}  # [E, 2F]
-    return {"attn_norm": lp["attn_norm"], "mlp_norm": lp["mlp_norm"], "attn": attn, "mlp": mlp}
+    return {**lp, "attn": attn, "mlp": mlp}  # the norms as they are
 
 
 def _split_layer(lp: Params) -> Params:
@@ -450,9 +315,10 @@ def _split_layer(lp: Params) -> Params:
     attn = {"wq": a["wqkv"][:, :h], "wk": a["wqkv"][:, h : h + hkv], "wv": a["wqkv"][:, h + hkv :], "wo": a["wo"]}
     if "bqkv" in a:
         attn |= {"bq": a["bqkv"][:h], "bk": a["bqkv"][h : h + hkv], "bv": a["bqkv"][h + hkv :]}
+    attn |= {n: a[n] for n in _HEAD_NORMS if n in a}
     f = m["w_gate_up"].shape[1] // 2
     mlp = {"w_gate": m["w_gate_up"][:, :f], "w_up": m["w_gate_up"][:, f:], "w_down": m["w_down"]}
-    return {"attn_norm": lp["attn_norm"], "mlp_norm": lp["mlp_norm"], "attn": attn, "mlp": mlp}
+    return {**lp, "attn": attn, "mlp": mlp}
 
 
 def _unpack(w):
@@ -590,10 +456,18 @@ def _fused_block(cfg: LlamaConfig, lp: Params, x, cos, sin, k_all, v_all, layer,
     if cfg.qkv_bias:
         qkv = qkv + a["bqkv"].astype(dt)
     q, k, v = qkv[:, :, :h], qkv[:, :, h : h + hkv], qkv[:, :, h + hkv :]
-    out, k_all, v_all = _attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask, index)
-    x = x + dense(out, a["wo"])
+    if cfg.qk_norm:
+        q, k = _rms(cfg, a["q_norm"], q), _rms(cfg, a["k_norm"], k)
+    out, k_all, v_all = attend(cfg, q, k, v, cos, sin, k_all, v_all, layer, lengths, mask, index)
+    out = dense(out, a["wo"])
+    x = x + (_rms(cfg, lp["post_attn_norm"], out) if cfg.post_norms else out)
     gu = norm_dense(cfg, x, lp["mlp_norm"], m["w_gate_up"])  # [B, T, 2F]
-    return x + dense(jax.nn.silu(gu[..., :f]) * gu[..., f:], m["w_down"]), k_all, v_all
+    out = dense(activation(cfg)(gu[..., :f]) * gu[..., f:], m["w_down"])
+    return x + (_rms(cfg, lp["post_mlp_norm"], out) if cfg.post_norms else out), k_all, v_all
+
+
+def _rms(cfg: LlamaConfig, norm: Params, x: jax.Array) -> jax.Array:
+    return RMSNorm(cfg.rms_eps).apply({"params": norm}, x)
 
 
 def norm_dense(cfg: LlamaConfig, x: jax.Array, norm: Params, w) -> jax.Array:
@@ -602,7 +476,7 @@ def norm_dense(cfg: LlamaConfig, x: jax.Array, norm: Params, w) -> jax.Array:
     still does not depend on the call it is in."""
     if isinstance(w, PackedMatrix) and x.dtype == jnp.float32:
         return cpu_kernels.norm_matmul(x, norm["scale"], cfg.rms_eps, w)
-    return dense(RMSNorm(cfg.rms_eps).apply({"params": norm}, x), w)
+    return dense(_rms(cfg, norm, x), w)
 
 
 def dense(x: jax.Array, w) -> jax.Array:
@@ -617,22 +491,27 @@ def dense(x: jax.Array, w) -> jax.Array:
 
 
 def embed(cfg: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
-    """tokens [B, T] int32 -> hidden [B, T, E] in cfg.dtype."""
+    """tokens [B, T] int32 -> hidden [B, T, E] in cfg.dtype (times ``cfg.embed_scale``, rounded to that dtype as
+    transformers rounds Gemma's sqrt(E))."""
     if "embedding_t" in params["embed"]:  # unstacked layout: [E, V]
         et = params["embed"]["embedding_t"]
         if isinstance(et, PackedMatrix):
-            return et.rows(tokens).astype(cfg.jdtype)
-        return jnp.moveaxis(jnp.take(et, tokens, axis=1), 0, -1).astype(cfg.jdtype)
-    return Embed(cfg.vocab_size, cfg.hidden).apply({"params": params["embed"]}, tokens).astype(cfg.jdtype)
+            h = et.rows(tokens).astype(cfg.jdtype)
+        else:
+            h = jnp.moveaxis(jnp.take(et, tokens, axis=1), 0, -1).astype(cfg.jdtype)
+    else:
+        h = Embed(cfg.vocab_size, cfg.hidden).apply({"params": params["embed"]}, tokens).astype(cfg.jdtype)
+    return h if cfg.embed_scale == 1.0 else h * jnp.asarray(cfg.embed_scale, cfg.jdtype)
 
 
-def _materialized_rope_tables(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``rope_tables``, computed once per call on CPU. XLA:CPU fuses the cos/sin into every layer's RoPE and
-    evaluates them per element of q and k (55 us a layer at 9 tokens, more than that layer's attention). An
-    optimization barrier does not stop it (XLA:CPU removes barriers before fusion); the output of a
-    conditional cannot be fused into its users, and both branches are the same function. Only on CPU: a GPU
-    conditional may read its predicate on the host, a sync per call."""
-    tables = functools.partial(rope_tables, head_dim=cfg.head_dim, theta=cfg.rope_theta)
+def _materialized_rope_tables(cfg: LlamaConfig, positions: jax.Array, sliding: bool) -> tuple[jax.Array, jax.Array]:
+    """``rope_tables`` of full (sliding=False) or sliding layers, computed once per call on CPU. XLA:CPU fuses
+    the cos/sin into every layer's RoPE and evaluates them per element of q and k (55 us a layer at 9 tokens,
+    more than that layer's attention). An optimization barrier does not stop it (XLA:CPU removes barriers before
+    fusion); the output of a conditional cannot be fused into its users, and both branches are the same
+    function. Only on CPU: a GPU conditional may read its predicate on the host, a sync per call."""
+    theta, scaling = cfg.rope_of(sliding)
+    tables = functools.partial(rope_tables, head_dim=cfg.head_dim, theta=theta, scaling=scaling)
     if positions.size == 0:
         return tables(positions)
 
@@ -640,6 +519,37 @@ def _materialized_rope_tables(cfg: LlamaConfig, positions: jax.Array) -> tuple[j
         return jax.lax.cond(positions[0, 0] >= 0, tables, tables, positions)
 
     return jax.lax.platform_dependent(positions, cpu=once, default=tables)
+
+
+LayerInputs = tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def layer_inputs(
+    cfg: LlamaConfig, positions: jax.Array, lengths: jax.Array, slots: int, tree_mask: jax.Array | None = None
+) -> LayerInputs:
+    """What a call's layers read besides their weights and the cache, built once per call: ((cos, sin, mask) of
+    full-attention layers, the same of sliding layers). cos/sin [B, T, D/2]; mask [B, T, S] bool (the cache's
+    index mask under ``tree_mask``, narrowed to the window for sliding layers). positions [B, T]; lengths [B].
+    A model without sliding layers gets the full triple twice (the same arrays)."""
+    t = positions.shape[1]
+    mask = attention_mask(lengths, t, slots, tree_mask)  # [B, T, S]
+    full = (*_materialized_rope_tables(cfg, positions, False), mask)
+    if not cfg.sliding_layers:
+        return full, full
+    tables = full[:2] if cfg.rope_of(True) == cfg.rope_of(False) else _materialized_rope_tables(cfg, positions, True)
+    return full, (*tables, sliding_mask(mask, lengths, positions, cfg.sliding_window))
+
+
+def inputs_of_layer(cfg: LlamaConfig, inputs: LayerInputs, layer) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(cos, sin, mask) of layer ``layer``: a static int picks one of ``inputs``; a traced index (inside a scan
+    over stacked layers) selects with ``where`` on the model's per-layer kinds, so both kinds share one scan."""
+    full, sliding = inputs
+    if full is sliding:
+        return full
+    if isinstance(layer, int):
+        return sliding if cfg.layer_slides[layer] else full
+    slides = jnp.asarray(cfg.layer_slides)[layer]
+    return tuple(jnp.where(slides, s, f) for f, s in zip(full, sliding))
 
 
 def run_layers(
@@ -665,24 +575,24 @@ def run_layers(
 
 def _run_layers(cfg, params, h, positions, cache, tree_mask, start, stop, taps: tuple[int, ...] = ()):
     """``run_layers`` plus the outputs of layers ``taps`` (static, ascending, inside [start, stop)): the
-    mask, RoPE tables and write index are built once for every segment between them."""
+    masks, RoPE tables and write index are built once for every segment between them."""
     stop = cfg.num_layers if stop is None else stop
     if not 0 <= start < stop <= cfg.num_layers:
         raise ValueError(f"layer range [{start}, {stop}) outside [0, {cfg.num_layers})")
     layers = params["layers"]
     t, s = h.shape[1], cache.k.shape[3]
-    mask = attention_mask(cache.lengths, t, s, tree_mask)  # [B, T, S]
-    cos, sin = _materialized_rope_tables(cfg, positions)
+    inputs = layer_inputs(cfg, positions, cache.lengths, s, tree_mask)
     if is_unstacked(params):  # see ``unstack_layers``: one code copy per layer
         if len(layers) != cfg.num_layers:
             raise ValueError(f"params have {len(layers)} unstacked layers, the config {cfg.num_layers}")
         k_all, v_all = cache.k, cache.v
         # One write index for every layer: built inside each layer's scatter, it cost ~0.7 ms of a 9-token
         # SmolLM2 call on the 2-core CPU (23.9 -> 23.2 ms, alternated in one process).
-        index = _write_index(cache.lengths, h.shape[0], t, s)
+        index = write_index(cache.lengths, h.shape[0], t, s)
         taken = []
         fused = _is_fused_layer(layers[0])
         for i in range(start, stop):
+            cos, sin, mask = inputs_of_layer(cfg, inputs, i)
             if fused:
                 h, k_all, v_all = _fused_block(cfg, layers[i], h, cos, sin, k_all, v_all, i, cache.lengths, mask, index)
             else:  # the sharded layout: the layer index as an array keeps the CPU kernels (no sharding rule) out
@@ -697,6 +607,7 @@ def _run_layers(cfg, params, h, positions, cache, tree_mask, start, stop, taps: 
     def body(carry, xs):
         x, k_all, v_all = carry
         layer_params, layer = xs
+        cos, sin, mask = inputs_of_layer(cfg, inputs, layer)
         x, k_all, v_all = block.apply({"params": layer_params}, x, cos, sin, k_all, v_all, layer, cache.lengths, mask)
         return (x, k_all, v_all), None
 
@@ -713,11 +624,16 @@ def _run_layers(cfg, params, h, positions, cache, tree_mask, start, stop, taps: 
 
 def final_norm(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
     """[B, T, E] -> [B, T, E]: the final RMSNorm (its output is what the LM head reads)."""
-    return RMSNorm(cfg.rms_eps).apply({"params": params["final_norm"]}, h)
+    return _rms(cfg, params["final_norm"], h)
 
 
 def lm_head(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
-    """Normed hidden [B, T, E] -> logits [B, T, V] float32 (tied: the embedding matrix)."""
+    """Normed hidden [B, T, E] -> logits [B, T, V] float32 (tied: the embedding matrix), soft-capped where the
+    model caps its logits."""
+    return _cap_logits(cfg, _lm_head(cfg, params, h))
+
+
+def _lm_head(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
     if cfg.tie_embeddings and "embedding_t" in params["embed"]:  # unstacked layout: [E, V]
         w = params["embed"]["embedding_t"]
         if isinstance(w, PackedMatrix):
@@ -730,6 +646,13 @@ def lm_head(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
     return LMHead(cfg.vocab_size).apply({"params": params["lm_head"]}, h)
 
 
+def _cap_logits(cfg: LlamaConfig, logits: jax.Array) -> jax.Array:
+    """cap * tanh(logits / cap) (Gemma 2's final soft cap; monotonic, so greedy choices do not move)."""
+    if cfg.final_softcap is None:
+        return logits
+    return jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+
+
 def head(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
     """Final norm + LM head: hidden [B, T, E] -> logits [B, T, V] float32. ``forward``'s logits come from
     here: on a packed head the norm runs inside the LM-head kernel (``norm_dense``), whose last bits can
@@ -740,7 +663,7 @@ def head(cfg: LlamaConfig, params: Params, h: jax.Array) -> jax.Array:
     elif not cfg.tie_embeddings:
         w = params["lm_head"]["kernel"]
     if isinstance(w, PackedMatrix) and h.dtype == jnp.float32:
-        return norm_dense(cfg, h, params["final_norm"], w)
+        return _cap_logits(cfg, norm_dense(cfg, h, params["final_norm"], w))
     return lm_head(cfg, params, final_norm(cfg, params, h))
 
 
