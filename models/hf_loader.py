@@ -26,18 +26,48 @@ from models.checkpoint import (
     params_from_hf_layout,
     read_json,
 )
-from models.llama import LlamaConfig, Params, canonical_dtype
+from models.config import LlamaConfig, RopeScaling, canonical_dtype
+from models.llama import Params
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
 # What transformers' config class of each model type (configuration_<type>.py) takes for a key config.json
 # lacks, where that is not "none": a Mistral config without sliding_window slides a 4096-token window, Mistral
 # and Qwen2 configs without num_key_value_heads have 8 and 32 KV heads (an explicit null is "none": one KV head
-# per attention head, as for Llama).
+# per attention head, as for Llama); Qwen3 and Gemma fix head_dim instead of deriving it from the hidden width.
+_GEMMA_DEFAULTS = {
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "tie_word_embeddings": True,
+}
 _ABSENT_DEFAULTS = {
     "llama": {},
     "mistral": {"sliding_window": 4096, "num_key_value_heads": 8},
     "qwen2": {"sliding_window": 4096, "num_key_value_heads": 32},
+    "qwen3": {"sliding_window": 4096, "num_key_value_heads": 32, "head_dim": 128},
+    "gemma2": _GEMMA_DEFAULTS | {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma3_text": _GEMMA_DEFAULTS,
 }
+# Gemma's RMSNorm scales by (1 + w): the loader stores w + 1, so one RMSNorm (and the CPU kernels' fused one) runs
+# every family. (llama.cpp's converter adds the 1 itself: GGUF norms need nothing.)
+_NORM_OFFSET = {"gemma2": 1.0, "gemma3_text": 1.0}
+# Model types that name another family's text model, refused with what to load instead.
+_OTHER_MODEL_TYPES = {
+    "gemma3": "the multimodal Gemma 3 (its text model, model_type gemma3_text, is supported)",
+    "gemma": "Gemma 1 (Gemma 2 and the Gemma 3 text model are supported)",
+}
+# transformers' activation names (ACT2FN) -> models.config.ACTIVATIONS; others are refused by name.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# The keys each RoPE type reads (modeling_rope_utils); any other key is a setting this model would not apply.
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
 
 _ST_DTYPES = {
     "F32": np.dtype(np.float32),
@@ -163,32 +193,35 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
     if c is None:
         raise CheckpointError(f"{path}: no config.json")
     mtype = c.get("model_type")
+    if mtype in _OTHER_MODEL_TYPES:
+        raise CheckpointError(f"{cfg_path}: unsupported model_type '{mtype}': {_OTHER_MODEL_TYPES[mtype]}")
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
             f"{cfg_path}: unsupported model_type '{mtype}' (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     absent = {k: v for k, v in _ABSENT_DEFAULTS[mtype].items() if k not in c}
     c = c | absent
-    rope_theta = _rope_theta(c, cfg_path)
-    window = f"sliding_window={c.get('sliding_window')}"
-    if "sliding_window" in absent:
-        window += " (transformers' default for a config.json without one)"
+    rope_theta, rope_scaling, local_theta = _rope(c, cfg_path, mtype)
+    act_key = "hidden_activation" if mtype in GEMMA else "hidden_act"  # Gemma's models read hidden_activation
+    act = c.get(act_key, "silu")
     unsupported = {
         "attention_bias": mtype != "qwen2" and c.get("attention_bias", False),
         "mlp_bias": c.get("mlp_bias", False),
-        # Qwen2 names the layers that slide (_qwen2_sliding_layers); the others have no per-layer switch.
-        "use_sliding_window": mtype != "qwen2" and c.get("use_sliding_window", False),
-        window: mtype == "mistral" and c.get("sliding_window") is not None,
-        f"hidden_act={c.get('hidden_act')}": c.get("hidden_act", "silu") != "silu",
+        f"{act_key}={act}": act not in _ACTIVATIONS,
+        # Gemma 2/3 embedding models attend both ways; a causal decoder cannot run them.
+        "use_bidirectional_attention": c.get("use_bidirectional_attention") or False,
+        # Gemma 3's attention never applies this cap in transformers (the argument is not passed on): a config
+        # that sets it asks for something its reference does not do, so neither reading is safe.
+        f"attn_logit_softcapping={c.get('attn_logit_softcapping')} (transformers' Gemma 3 does not apply it)": (
+            mtype == "gemma3_text" and c.get("attn_logit_softcapping") is not None
+        ),
     }
     partial = c.get("partial_rotary_factor")  # null is unset, as transformers reads it
     unsupported[f"partial_rotary_factor={partial}"] = partial not in (None, 1)
-    if mtype == "qwen2":
-        sliding = _qwen2_sliding_layers(c, cfg_path)
-        unsupported[f"sliding-window attention in layers {sliding}"] = bool(sliding)
     bad = [k for k, v in unsupported.items() if v]
     if bad:
         raise CheckpointError(f"{cfg_path}: unsupported setting {bad[0]}")
+    sliding = _sliding_layers(c, cfg_path, mtype)
     # Several end tokens (Llama-3.1: <|end_of_text|>, <|eom_id|>, <|eot_id|>): the first is the canonical one;
     # generate() stops at those of generation_config.json as well.
     eos = hf_id_list(c, "eos_token_id", cfg_path) + hf_id_list(
@@ -196,15 +229,17 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
     )
     bos = hf_id_list(c, "bos_token_id", cfg_path)  # -1 is "none", as for every id of config.json
     dtype = canonical_dtype(dtype)  # outside the try: a bad argument is not a bad config.json
+    gemma = mtype in GEMMA
     try:
         heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
         return LlamaConfig(
             vocab_size=int(c["vocab_size"]),
-            hidden=int(c["hidden_size"]),
+            hidden=hidden,
             num_layers=int(c["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+            head_dim=int(c.get("head_dim") or hidden // heads),
             ffn=int(c["intermediate_size"]),
             rope_theta=rope_theta,
             rms_eps=float(c.get("rms_norm_eps", 1e-6)),
@@ -216,6 +251,17 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
             dtype=dtype,
             name=name or os.path.basename(os.path.normpath(path)),
             max_positions=int(c["max_position_embeddings"]) if c.get("max_position_embeddings") else None,
+            rope_scaling=rope_scaling,
+            local_rope_theta=local_theta if sliding else None,
+            sliding_window=int(c["sliding_window"]) if sliding else None,
+            sliding_layers=tuple(sliding),
+            qk_norm=mtype in ("qwen3", "gemma3_text"),
+            post_norms=gemma,
+            activation=_ACTIVATIONS[act],
+            embed_scale=hidden**0.5 if gemma else 1.0,
+            attn_scale=float(c["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+            attn_softcap=_cap(c, "attn_logit_softcapping", cfg_path) if mtype == "gemma2" else None,
+            final_softcap=_cap(c, "final_logit_softcapping", cfg_path) if gemma else None,
         )
     except KeyError as e:
         raise CheckpointError(f"{cfg_path}: missing key {e}") from e
@@ -223,8 +269,49 @@ def config_from_hf(path: str | os.PathLike, dtype="float32", name: str | None = 
         raise CheckpointError(f"{cfg_path}: {e}") from e
 
 
-def _rope_theta(c: dict, cfg_path: str) -> float:
-    """config.json's RoPE base, read as transformers 5 reads it, refusing scaling this model does not implement.
+def _cap(c: dict, key: str, cfg_path: str) -> float | None:
+    """A soft cap of config.json (null: off)."""
+    cap = c.get(key)
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+        raise CheckpointError(f"{cfg_path}: {key} must be a positive number or null, got {cap!r}")
+    return float(cap)
+
+
+def _rope(c: dict, cfg_path: str, mtype: str) -> tuple[float, RopeScaling | None, float | None]:
+    """(base, scaling) of the full-attention layers' RoPE and the sliding layers' base (Gemma 3's local RoPE;
+    None: the full layers' RoPE), read as transformers 5 reads them."""
+    if mtype != "gemma3_text":
+        theta, scaling = _rope_theta(c, cfg_path)
+        return theta, scaling, None
+    # Gemma3TextConfig.convert_rope_params_to_dict: rope_parameters keyed by layer type, else the legacy keys
+    # (rope_theta 1e6 and rope_scaling for the full layers, rope_local_base_freq 1e4 for the sliding ones).
+    params = c.get("rope_parameters") or {}
+    if not isinstance(params, dict) or set(params) - {"full_attention", "sliding_attention"}:
+        raise CheckpointError(
+            f"{cfg_path}: Gemma 3's rope_parameters must be keyed by layer type (full_attention, sliding_attention), "
+            f"got {params!r}"
+        )
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    if c.get("rope_scaling"):
+        full.update(c["rope_scaling"])
+    full.setdefault("rope_theta", c.get("rope_theta", 1_000_000.0))
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    local.setdefault("rope_theta", c.get("rope_local_base_freq", 10_000.0))
+    theta, scaling = _rope_theta({"rope_parameters": full}, cfg_path)
+    local_theta, local_scaling = _rope_theta({"rope_parameters": local}, cfg_path)
+    if local_scaling is not None:
+        raise CheckpointError(
+            f"{cfg_path}: RoPE scaling '{local_scaling.kind}' of the sliding layers is not supported (only their "
+            "base, rope_theta)"
+        )
+    return theta, scaling, local_theta
+
+
+def _rope_theta(c: dict, cfg_path: str) -> tuple[float, RopeScaling | None]:
+    """config.json's RoPE base and scaling, read as transformers 5 reads them, refusing kinds and keys this model
+    does not implement.
 
     transformers (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``) takes its RoPE dict from
     ``rope_scaling`` when that is non-empty, else from ``rope_parameters``, and the base from that dict's
@@ -238,8 +325,10 @@ def _rope_theta(c: dict, cfg_path: str) -> float:
         if not isinstance(d, dict):
             raise CheckpointError(f"{cfg_path}: {where} must be an object, got {d!r}")
         rope_type = d.get("rope_type", d.get("type"))
-        if rope_type not in (None, "default"):
-            raise CheckpointError(f"{cfg_path}: RoPE scaling '{rope_type}' is not supported")
+        if rope_type is not None and rope_type not in _ROPE_KEYS:
+            raise CheckpointError(
+                f"{cfg_path}: RoPE scaling '{rope_type}' is not supported (supported: {', '.join(_ROPE_KEYS)})"
+            )
         other = sorted(set(d) - {"rope_type", "type", "rope_theta"})
         if rope_type is None and other:
             raise CheckpointError(
@@ -254,7 +343,77 @@ def _rope_theta(c: dict, cfg_path: str) -> float:
     theta = d["rope_theta"] if "rope_theta" in d else c.get("rope_theta", 10000.0)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise CheckpointError(f"{cfg_path}: rope_theta must be a positive number, got {theta!r}")
-    return float(theta)
+    kind = d.get("rope_type", d.get("type")) or "default"
+    keys = _ROPE_KEYS[kind]
+    extra = sorted(set(d) - {"rope_type", "type", "rope_theta", "partial_rotary_factor", *keys})
+    if extra:
+        raise CheckpointError(f"{cfg_path}: RoPE scaling '{kind}' with {extra}: settings this model does not apply")
+    if d.get("partial_rotary_factor") not in (None, 1):
+        raise CheckpointError(f"{cfg_path}: unsupported setting partial_rotary_factor={d['partial_rotary_factor']}")
+    if kind == "default":
+        return float(theta), None
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise CheckpointError(f"{cfg_path}: RoPE scaling '{kind}' needs {missing}")
+    values = {k: d[k] for k in keys}
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values.values()):
+        raise CheckpointError(f"{cfg_path}: RoPE scaling '{kind}' settings must be numbers, got {values}")
+    try:
+        return float(theta), RopeScaling(
+            kind,
+            float(values["factor"]),
+            **(
+                {
+                    "low_freq_factor": float(values["low_freq_factor"]),
+                    "high_freq_factor": float(values["high_freq_factor"]),
+                    "original_max_positions": int(values["original_max_position_embeddings"]),
+                }
+                if kind == "llama3"
+                else {}
+            ),
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_path}: {e}") from e
+
+
+def _sliding_layers(c: dict, cfg_path: str, mtype: str) -> list[int]:
+    """The layers that attend within ``sliding_window``, as transformers decides for each model type: Mistral
+    all of them when the window is set; Qwen2/Qwen3 ``_qwen2_sliding_layers``; Gemma its ``layer_types``, else
+    every other layer from the first (Gemma 2) or all but every sliding_window_pattern-th (Gemma 3, 6)."""
+    try:
+        layers = int(c["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        return []  # refused by name where the config is read
+    if mtype == "mistral":
+        return list(range(layers)) if c.get("sliding_window") is not None else []
+    if mtype in ("qwen2", "qwen3"):
+        return _qwen2_sliding_layers(c, cfg_path)
+    if mtype == "llama":
+        return []
+    types = c.get("layer_types")
+    if types is None:
+        every = 2 if mtype == "gemma2" else c.get("sliding_window_pattern", 6)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise CheckpointError(f"{cfg_path}: sliding_window_pattern must be a layer count, got {every!r}")
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    sliding = _typed_sliding_layers(types, layers, cfg_path)
+    if sliding and c.get("sliding_window") is None:
+        raise CheckpointError(
+            f"{cfg_path}: layer_types makes layers {sliding} sliding_attention but sliding_window is null: sliding "
+            "layers without a window, which transformers cannot run either"
+        )
+    return sliding
+
+
+def _typed_sliding_layers(types, layers: int, cfg_path: str) -> list[int]:
+    """The sliding layers a ``layer_types`` list names, refusing other attention kinds by name."""
+    if not isinstance(types, list) or len(types) != layers:
+        raise CheckpointError(f"{cfg_path}: layer_types must list one type per layer ({layers}), got {types!r}")
+    # "attention" is the legacy name transformers reads as "full_attention" (remap_legacy_layer_types).
+    other = [t for t in types if t not in ("full_attention", "attention", "sliding_attention")]
+    if other:
+        raise CheckpointError(f"{cfg_path}: unsupported layer type {other[0]!r} in layer_types")
+    return [i for i, t in enumerate(types) if t == "sliding_attention"]
 
 
 def _qwen2_sliding_layers(c: dict, cfg_path: str) -> list[int]:
@@ -268,13 +427,7 @@ def _qwen2_sliding_layers(c: dict, cfg_path: str) -> list[int]:
         return []  # refused by name where the config is read
     types = c.get("layer_types")
     if types is not None:
-        if not isinstance(types, list) or len(types) != layers:
-            raise CheckpointError(f"{cfg_path}: layer_types must list one type per layer ({layers}), got {types!r}")
-        # "attention" is the legacy name transformers reads as "full_attention" (remap_legacy_layer_types).
-        other = [t for t in types if t not in ("full_attention", "attention", "sliding_attention")]
-        if other:
-            raise CheckpointError(f"{cfg_path}: unsupported layer type {other[0]!r} in layer_types")
-        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        sliding = _typed_sliding_layers(types, layers, cfg_path)
         if not sliding or (c.get("use_sliding_window", False) and c.get("sliding_window") is not None):
             return sliding
         # Qwen2Config then sets sliding_window to None and keeps layer_types; transformers' model cannot run that
@@ -303,7 +456,15 @@ def params_from_hf(path: str | os.PathLike, cfg: LlamaConfig) -> Params:
         {n: r.shape for n, r in refs.items()},
         ignore=lambda n: (cfg.tie_embeddings and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"),
     )
-    return params_from_hf_layout(cfg, lambda n: refs[n].load())
+    offset = _NORM_OFFSET.get((read_json(os.path.join(os.fspath(path), "config.json")) or {}).get("model_type"), 0.0)
+
+    def get(name: str) -> np.ndarray:
+        w = refs[name].load()
+        if offset and name.endswith("norm.weight"):  # in f32, as transformers adds it, before the cast to cfg.dtype
+            return w.astype(np.float32) + np.float32(offset)
+        return w
+
+    return params_from_hf_layout(cfg, get)
 
 
 def load_hf(path: str | os.PathLike, dtype="float32") -> tuple[LlamaConfig, Params]:

@@ -156,11 +156,11 @@ def test_unsupported_model_type_and_rope_scaling(tmp_path):
     tiny_model("llama", tied=True).save_pretrained(tmp_path)
     conf = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(conf | {"model_type": "gpt2"}))
-    with pytest.raises(CheckpointError, match=r"unsupported model_type 'gpt2' \(supported: llama, mistral, qwen2\)"):
+    with pytest.raises(CheckpointError, match=r"model_type 'gpt2' \(supported: llama, mistral, qwen2, qwen3"):
         config_from_hf(tmp_path)
-    scaled = conf | {"rope_parameters": {"rope_theta": 5000.0, "rope_type": "llama3", "factor": 8.0}}
+    scaled = conf | {"rope_parameters": {"rope_theta": 5000.0, "rope_type": "longrope", "factor": 8.0}}
     (tmp_path / "config.json").write_text(json.dumps(scaled))
-    with pytest.raises(CheckpointError, match="RoPE scaling 'llama3' is not supported"):
+    with pytest.raises(CheckpointError, match="RoPE scaling 'longrope' is not supported"):
         config_from_hf(tmp_path)
     # A type in one place hid the other's, and a factor without a type was read as plain RoPE.
     both = conf | {"rope_scaling": {"rope_type": "default"}, "rope_parameters": {"rope_type": "yarn", "factor": 4}}
@@ -655,7 +655,7 @@ def test_rope_theta_is_read_where_transformers_reads_it(tmp_path):
 def test_qwen2_sliding_window_layers_like_transformers(tmp_path):
     """use_sliding_window was refused outright; transformers' Qwen2Config slides only layers i >=
     max_window_layers (or those layer_types names), so a config whose max_window_layers covers every layer (or
-    whose sliding_window is null) has none and loads. The layers that would slide are named, compared with the
+    whose sliding_window is null) has none and loads. The layers that slide (and their window) are those of the
     layer_types transformers derives."""
     import transformers
 
@@ -679,9 +679,10 @@ def test_qwen2_sliding_window_layers_like_transformers(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(conf | case))
         types = transformers.AutoConfig.from_pretrained(tmp_path).layer_types
         sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-        if sliding:
-            with pytest.raises(CheckpointError, match=rf"sliding-window attention in layers \{sliding}"):
-                config_from_hf(tmp_path)
+        if sliding:  # the layers transformers slides, with its window
+            got = config_from_hf(tmp_path)
+            assert (got.sliding_layers, got.sliding_window) == (tuple(sliding), 16), case
+            assert got.replace(sliding_layers=(), sliding_window=None) == want
         else:
             assert config_from_hf(tmp_path) == want, case
     # layer_types naming a sliding layer while the window is off: Qwen2Config sets sliding_window to None and keeps
@@ -778,8 +779,8 @@ def test_model_type_defaults_of_absent_keys_like_transformers(tmp_path):
     """A config.json without num_key_value_heads has 8 KV heads for Mistral and 32 for Qwen2 in transformers
     (their config classes' defaults; null, like Llama's default, is one per attention head, where transformers
     accepts null at all): the loader took one per attention head for all three. A Mistral config without
-    sliding_window slides 4096 tokens in transformers and is refused like an explicit window; it loaded as full
-    attention. Each case against AutoConfig."""
+    sliding_window slides 4096 tokens in transformers, in every layer, and so does the loaded config; it loaded as
+    full attention. Each case against AutoConfig."""
     import transformers
 
     base = {"vocab_size": 128, "hidden_size": 512, "intermediate_size": 96, "num_hidden_layers": 2}
@@ -803,8 +804,7 @@ def test_model_type_defaults_of_absent_keys_like_transformers(tmp_path):
     no_window = base | {"model_type": "mistral", "num_key_value_heads": 4}
     (tmp_path / "config.json").write_text(json.dumps(no_window))
     assert transformers.AutoConfig.from_pretrained(tmp_path).sliding_window == 4096
-    with pytest.raises(CheckpointError, match=r"unsupported setting sliding_window=4096 \(transformers' default"):
-        config_from_hf(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(no_window | {"sliding_window": 4096}))
-    with pytest.raises(CheckpointError, match=r"unsupported setting sliding_window=4096$"):
-        config_from_hf(tmp_path)
+    got = config_from_hf(tmp_path)  # every Mistral layer slides that window
+    assert (got.sliding_window, got.sliding_layers) == (4096, (0, 1))
+    (tmp_path / "config.json").write_text(json.dumps(no_window | {"sliding_window": None}))
+    assert (config_from_hf(tmp_path).sliding_window, config_from_hf(tmp_path).sliding_layers) == (None, ())
