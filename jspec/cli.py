@@ -1,6 +1,7 @@
 """``python -m jspec generate``: run a real checkpoint with or without speculation (checkpoints and trained
 drafters are found through entry points: ``jspec.loaders``). ``python -m jspec demo`` is ``make run``'s
-demonstration (``jspec.demo``), ``python -m jspec bench`` runs the benchmark suite.
+demonstration (``jspec.demo``), ``python -m jspec bench`` runs the benchmark suite, ``python -m jspec serve`` the
+OpenAI-compatible HTTP server (``jspec.server``).
 """
 
 from __future__ import annotations
@@ -447,6 +448,10 @@ def main(argv=None) -> int:
         from jspec.costs import main as costs_main
 
         return costs_main(argv[1:])
+    if argv[:1] == ["serve"]:  # the OpenAI-compatible HTTP server (jspec.server)
+        from jspec.server.launch import main as serve_main
+
+        return serve_main(argv[1:])
     if argv[:1] == ["demo"]:  # make run: speculative against plain decoding on a code-editing request
         from jspec.demo import main as demo_main
 
@@ -455,6 +460,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="run the default benchmark suite (python -m jspec bench --help)")
     sub.add_parser("costs", help="measure and print round costs at each K (python -m jspec costs --help)")
+    sub.add_parser("serve", help="an OpenAI-compatible HTTP server (python -m jspec serve --help)")
     sub.add_parser("demo", help="speculative vs plain decoding on a code-editing request (python -m jspec demo --help)")
     g = sub.add_parser("generate", help="generate text from a prompt")
     g.add_argument("--model", default="smollm2-135m-instruct", help="registry name, .gguf file or HF directory")

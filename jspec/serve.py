@@ -219,7 +219,9 @@ class Engine:
                 f"{self.target.name}'s cache ({type(st.cache).__name__}) has no insert(row, one_row_cache): the "
                 "engine puts each request's prefilled cache row into the batch with it (jspec.cache.KVCache has one)"
             )
-        self.state = dataclasses.replace(st, stop=jnp.full((b,), StopReason.IDLE, jnp.int32))
+        # From a NumPy array: jnp.full of a Python int is weakly typed, and the first add() or step() on a fresh
+        # engine would compile each program once more than on one whose state a step already returned.
+        self.state = dataclasses.replace(st, stop=jnp.asarray(np.full((b,), int(StopReason.IDLE), np.int32)))
         self._stop = np.full((b,), int(StopReason.IDLE))
         self._n_added = 0
         # Each row's last request's text and stop strings (every request's, with detokenize).

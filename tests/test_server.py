@@ -1,0 +1,334 @@
+"""The OpenAI-compatible server (``jspec.server``), started on a loopback port and driven with the official
+``openai`` client: greedy answers are ``jspec.decode``'s, streams add up to the whole answer, stop strings and
+max_tokens end answers as vLLM documents, bad requests are 400s naming their field, a full queue is 429, a
+client that leaves frees its row, and nothing a client sends stops the others.
+
+Two servers (plain and n-gram speculation) share one engine shape (2 rows, 256 slots, prompts under 64 tokens:
+one prefill width), so each compiles its two programs once; the references are one batched ``decode`` call.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serve extra: pip install -e '.[serve]'")
+
+from jspec.decode import decode  # noqa: E402
+from jspec.ngram import NgramDrafter  # noqa: E402
+from jspec.serve import Engine  # noqa: E402
+from jspec.server import ServerConfig, ServerThread, build_server  # noqa: E402
+from jspec.server.schema import APIError, RequestParser  # noqa: E402
+
+MODEL = "smollm2"
+N = 20  # new tokens of the reference answers
+CHATS = (
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": "What is a prime number?"}],
+)
+
+
+@pytest.fixture(scope="module")
+def model(smollm2):
+    return smollm2
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """jspec.decode's greedy answers to CHATS (one batched call: one compile), as token ids."""
+    tok = model.tokenizer
+    prompts = [tok.encode_chat(c) for c in CHATS]
+    out = decode(model.model, model.params, prompts, max_new_tokens=N, eos_ids=tok.eos_ids)
+    return [list(t) for t in out.tokens]
+
+
+def _server(model, drafter=None):
+    # rows 2 and a queue of 1: the 429 test fills them with three requests.
+    cfg = ServerConfig(MODEL, rows=2, max_len=256, max_queue=1, max_logprobs=3, max_logit_bias=4, warmup=False,
+                       max_body_bytes=64 * 1024)  # fmt: skip
+    tok = model.tokenizer
+    return build_server(model.model, model.params, tok, cfg, drafter=drafter, eos_ids=tok.eos_ids)
+
+
+@pytest.fixture(scope="module")
+def urls(model):
+    """{"plain": url, "ngram": url}: the two servers, each on a free loopback port for the module."""
+    ngram = NgramDrafter(3, 1, vocab_size=model.model.vocab_size)
+    with ServerThread(_server(model).app) as plain, ServerThread(_server(model, ngram).app) as spec:
+        yield {"plain": plain, "ngram": spec}
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _text(model, ids) -> str:
+    return model.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _metric(url: str, name: str, labels: str = "") -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + labels + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _wait_for(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["plain", "ngram"])
+def test_greedy_chat_equals_decode_and_streams_add_up(model, reference, urls, server):
+    c = _client(urls[server])
+    for chat, ref in zip(CHATS, reference):
+        r = c.chat.completions.create(model=MODEL, messages=chat, max_tokens=N, temperature=0)
+        eos = ref[-1] in model.tokenizer.eos_ids
+        assert r.choices[0].message.content == _text(model, ref)
+        assert r.choices[0].finish_reason == ("stop" if eos else "length")
+        assert r.usage.completion_tokens == len(ref)
+        assert r.usage.prompt_tokens == len(model.tokenizer.encode_chat(chat))
+        chunks = list(c.chat.completions.create(model=MODEL, messages=chat, max_tokens=N, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))  # fmt: skip
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == _text(model, ref)
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref)
+
+
+@pytest.mark.slow
+def test_completions_take_token_ids_and_return_them(model, reference, urls):
+    c = _client(urls["ngram"])
+    prompt = model.tokenizer.encode_chat(CHATS[0])
+    whole = c.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0,
+                                 extra_body={"return_token_ids": True})  # fmt: skip
+    assert whole.choices[0].text == _text(model, reference[0])
+    assert whole.choices[0].model_extra["token_ids"] == reference[0]
+    parts = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+    # The raw stream: server-sent events ending with OpenAI's [DONE].
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", urls["ngram"] + "/v1/completions", json=body, timeout=60) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln]
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+
+
+@pytest.mark.slow
+def test_stop_strings_and_max_tokens_as_vllm_documents(model, reference, urls):
+    c = _client(urls["plain"])
+    full = _text(model, reference[0])
+    # A stop string from the middle of the reference answer: the text ends right before its first occurrence.
+    stop = full.split()[2]
+    r = c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=N, temperature=0, stop=[stop, "@@@"])
+    assert r.choices[0].message.content == full[: full.index(stop)]
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop
+    kept = r.usage.completion_tokens  # up to the token completing the string
+    assert stop in _text(model, reference[0][:kept]) and stop not in _text(model, reference[0][: kept - 1])
+    streamed = c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=N, temperature=0, stop=stop,
+                                         stream=True)  # fmt: skip
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == r.choices[0].message.content
+    for n in (1, 5):
+        r = c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=n, temperature=0)
+        assert r.choices[0].message.content == _text(model, reference[0][:n])
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == n
+
+
+@pytest.mark.slow
+def test_sampling_options_logprobs_and_seed(urls):
+    c = _client(urls["plain"])
+    r = c.chat.completions.create(model=MODEL, messages=CHATS[1], max_tokens=6, temperature=0, logprobs=True,
+                                  top_logprobs=2)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:  # greedy: each token is its position's most likely one
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob) and e.logprob <= 0
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0.9, top_p=0.95, presence_penalty=0.5,
+              seed=7, extra_body={"top_k": 50, "min_p": 0.05, "repetition_penalty": 1.1})  # fmt: skip
+    a, b = c.completions.create(**kw), c.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    # logit_bias moves a greedy answer off the token it bans.
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0)
+    first = c.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    other = c.completions.create(**kw, logit_bias={str(first.model_extra["token_ids"][0]): -100})
+    assert other.choices[0].text != first.text
+
+
+BAD = [
+    ({"model": "gpt-4"}, "model"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 300}, "max_tokens"),  # the prompt + 300 is past the 256 slots
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logprobs": 9}, "logprobs"),  # past --max-logprobs 3
+    ({"n": 2}, "n"),
+    ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 500}}, "logit_bias"),
+    ({"min_tokens": 9}, "min_tokens"),  # more than max_tokens
+    ({"echo": True}, "echo"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"prompt": list(range(300))}, "prompt"),  # past the context alone
+]
+
+
+@pytest.mark.slow
+def test_bad_requests_are_400_naming_the_field(urls):
+    c = _client(urls["plain"])
+    for change, field in BAD:
+        kw = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **change}
+        model, prompt = kw.pop("model"), kw.pop("prompt")
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=model, prompt=prompt, extra_body=kw)
+        err = e.value.body
+        assert err["param"] == field, (change, err)
+        assert err["type"] == "invalid_request_error" and err["message"], err
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "hi"}])
+    assert e.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 300}])
+    assert e.value.body["param"] == "messages" and e.value.body["code"] == "context_length_exceeded"
+
+
+@pytest.mark.slow
+def test_malformed_and_oversized_bodies_are_400(urls):
+    url = urls["plain"] + "/v1/completions"
+    r = httpx.post(url, content=b'{"model": "smollm2", "prompt": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(url, json={"model": MODEL, "prompt": "x" * 100_000})  # past max_body_bytes (64 KiB)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(url, content=json.dumps([1, 2]))
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.get(urls["plain"] + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.slow
+def test_models_health_and_metrics(urls):
+    c = _client(urls["ngram"])
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    assert httpx.get(urls["ngram"] + "/health").json() == {"status": "ok"}
+    text = httpx.get(urls["ngram"] + "/metrics").text
+    for name in (
+        "jspec_requests_total",
+        "jspec_generation_tokens_total",
+        "jspec_time_to_first_token_seconds_bucket",
+        "jspec_inter_token_latency_seconds_bucket",
+        "jspec_tokens_per_round_bucket",
+        "jspec_queue_waiting",
+        "jspec_cache_usage",
+        'jspec_draft_acceptance{position="0"}',
+        "jspec_engine_step_seconds_count",
+    ):
+        assert name in text, name  # fmt: skip
+    assert _metric(urls["ngram"], "jspec_rows") == 2
+
+
+def _open_stream(url: str, max_tokens: int = 200):
+    """A long streamed request (min_tokens holds its EOS back), read up to its first chunk (the role, sent before
+    the request is admitted); returns the stream."""
+    s = _client(url).chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=max_tokens, temperature=0,
+                                             stream=True, extra_body={"min_tokens": max_tokens})  # fmt: skip
+    next(iter(s))
+    return s
+
+
+@pytest.mark.slow
+def test_a_cancelled_stream_frees_its_row(urls):
+    url = urls["plain"]
+    cancelled = _metric(url, "jspec_requests_total", '{outcome="cancelled"}')
+    s = _open_stream(url)
+    _wait_for(lambda: _metric(url, "jspec_rows_running") == 1, "the stream's row")
+    s.close()
+    _wait_for(lambda: _metric(url, "jspec_rows_running") == 0, "the row freed")
+    _wait_for(lambda: _metric(url, "jspec_requests_total", '{outcome="cancelled"}') == cancelled + 1, "the count")
+
+
+@pytest.mark.slow
+def test_full_queue_is_429_and_the_rest_keep_streaming(model, reference, urls):
+    url = urls["plain"]
+    c = _client(url)
+    # Two rows busy and one request waiting fill this server (rows 2, --max-queue 1); the next one is refused.
+    busy = [_open_stream(url), _open_stream(url)]
+    _wait_for(lambda: _metric(url, "jspec_rows_running") == 2, "both rows busy")  # a stream opens before its prefill
+    waiting_done = threading.Event()
+    waiting: list[str] = []
+
+    def wait_in_queue():
+        r = c.chat.completions.create(model=MODEL, messages=CHATS[1], max_tokens=N, temperature=0)
+        waiting.append(r.choices[0].message.content)
+        waiting_done.set()
+
+    t = threading.Thread(target=wait_in_queue)
+    t.start()
+    _wait_for(lambda: _metric(url, "jspec_queue_waiting") == 1, "a waiting request")
+    with pytest.raises(openai.RateLimitError) as e:
+        c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=4)
+    assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+    # A bad request while the others run: refused alone.
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=4, top_p=7)
+    # The streams go on; closing one admits the waiting request, which answers exactly.
+    assert next(iter(busy[0])).choices
+    busy[0].close()
+    assert waiting_done.wait(120)
+    t.join()
+    assert waiting == [_text(model, reference[1])]
+    busy[1].close()
+    _wait_for(lambda: _metric(url, "jspec_rows_running") == 0, "every row freed")
+
+
+class _CharTokenizer:
+    """A stand-in tokenizer for the toy model's 3-token vocabulary: a character's code modulo it."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) % self.vocab for ch in text]
+
+    def encode_chat(self, messages) -> list[int]:
+        return self.encode("".join(m["role"] + ": " + m["content"] + "\n" for m in messages))
+
+
+@pytest.mark.fast
+def test_parser_names_each_bad_field_without_a_model():
+    from test_decode_core import TARGET
+
+    cfg = ServerConfig(MODEL, rows=2, max_len=256, max_logprobs=3, max_logit_bias=4)
+    parser = RequestParser(cfg, TARGET, None, _CharTokenizer(TARGET.vocab_size), eos_ids=(0,))
+    for change, field in BAD:
+        with pytest.raises(APIError) as e:
+            parser.completion({"model": MODEL, "prompt": "Hello", "max_tokens": 4, **change})
+        assert (e.value.status, e.value.param) == (400, field), (change, e.value.message)
+    ok = parser.chat({"model": MODEL, "messages": CHATS[1], "top_k": -1, "logprobs": True, "top_logprobs": 3})
+    assert ok.top_k == 0 and ok.logprobs == 3 and ok.chat  # vLLM's -1: no top-k
+    assert ok.max_tokens == 256 - len(ok.prompt) + 1  # a chat's default: what the context leaves
+    assert parser.completion({"model": MODEL, "prompt": [1, 2]}).max_tokens == 16  # OpenAI's default
+
+
+@pytest.mark.fast
+def test_a_fresh_engine_state_is_strongly_typed():
+    """A weakly typed leaf in a fresh engine's state made its first add() and step() compile each program a
+    second time (the state a step returns is strongly typed)."""
+    import jax
+    from test_decode_core import TARGET, TARGET_PARAMS
+
+    eng = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=16)
+    assert not [x for x in jax.tree.leaves(eng.state) if getattr(x, "weak_type", False)]
