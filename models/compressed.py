@@ -160,6 +160,8 @@ def make_compressed_model(cfg: LlamaConfig, block: int = 4) -> Model:
         raise ValueError("the compressed-state stand-in uses tied embeddings")
     if cfg.qkv_bias:  # its projections have no bias terms: a Qwen2 model's logits would silently differ
         raise ValueError("the compressed-state stand-in does not implement q/k/v biases (qkv_bias=True)")
+    if cfg.features():  # Gemma / Qwen3 / Llama 3.1 maths it does not run either
+        raise ValueError(f"the compressed-state stand-in runs a Llama 2-style decoder; the config has {cfg.features()}")
 
     def apply(params, tokens, positions, cache, tree_mask=None):
         return forward(cfg, block, params, tokens, positions, cache, tree_mask)

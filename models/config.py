@@ -169,6 +169,21 @@ class LlamaConfig:
             return float(self.local_rope_theta), None
         return float(self.rope_theta), self.rope_scaling
 
+    def layers_of(self, source: tuple[int, ...], **changes) -> LlamaConfig:
+        """A config of ``len(source)`` layers that are the layers ``source`` of this one, each keeping its
+        attention kind (a LayerSkip exit's first E layers, a draft copying some target layers)."""
+        sliding = tuple(i for i, src in enumerate(source) if src in self.sliding_layers)
+        window = self.sliding_window if sliding else None
+        return self.replace(num_layers=len(source), sliding_layers=sliding, sliding_window=window, **changes)
+
+    def features(self) -> tuple[str, ...]:
+        """The flags this config sets beyond a Llama 2-style decoder (names of fields off their defaults), for
+        model code that implements only that decoder to refuse by name."""
+        plain = LlamaConfig(1, 2, 1, 1, 1, 2, 1)
+        names = ("rope_scaling", "local_rope_theta", "sliding_window", "qk_norm", "post_norms", "activation")
+        names += ("embed_scale", "attn_scale", "attn_softcap", "final_softcap")
+        return tuple(n for n in names if getattr(self, n) != getattr(plain, n))
+
     def replace(self, **changes) -> LlamaConfig:
         if "eos_id" in changes and "eos_ids" not in changes:  # a new EOS replaces the old end tokens
             changes["eos_ids"] = ()

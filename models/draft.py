@@ -109,7 +109,7 @@ def draft_config(
         raise ValueError(f"source layers {layers} outside the target's [0, {target.num_layers})")
     head = f"{head_size // 1024}k" if head_size and head_size % 1024 == 0 else str(head_size or "full")
     name = name or f"{target.name}-draft-{num_layers}L-{head}"
-    return DraftConfig(target.replace(num_layers=num_layers, name=name), int(head_size), layers)
+    return DraftConfig(target.layers_of(layers, name=name), int(head_size), layers)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -109,7 +109,12 @@ class EagleConfig:
     @property
     def layer_cfg(self) -> LlamaConfig:
         """The head's decoder layers: the target's attention shape, ``layers`` layers, their own FFN width."""
-        return self.target.replace(num_layers=self.layers, ffn=self.ffn or self.target.ffn, name=f"{self.name}-layer")
+        # Full attention over the head's own cache whatever the target's layers do (a draft's choice: it changes
+        # what the head proposes, never what is accepted).
+        return self.target.replace(
+            num_layers=self.layers, ffn=self.ffn or self.target.ffn, name=f"{self.name}-layer", sliding_layers=(),
+            sliding_window=None,
+        )  # fmt: skip
 
     @property
     def raw_width(self) -> int:
@@ -306,7 +311,7 @@ def head_unrolled(
     dt = cfg.jdtype
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    cos, sin = llama.rope_tables(pos, lcfg.head_dim, lcfg.rope_theta)
+    cos, sin = llama.rope_tables(pos, lcfg.head_dim, *lcfg.rope_of(False))  # as run_layers rotates the head
     emb = _rms(llama.embed(cfg, target_params, tokens), hp["emb_norm"]["scale"].astype(dt), cfg.rms_eps)
     cache = init_head_cache(ecfg, b, unroll * t)
     k_all, v_all = cache.k, cache.v

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jspec.cache import KVCache, attention_mask
+from jspec.cache import KVCache
 from jspec.drafters import DraftContext, Drafter, Proposal
 from jspec.model import Model
 from jspec.sampling import distribution, sample, split_keys
@@ -79,15 +79,14 @@ def run_layer_range(
         raise ValueError(f"layer range [{start}, {stop}) outside [0, {cfg.num_layers})")
     if llama.is_unstacked(params):  # no slicing: the Python loop takes the range
         return llama.run_layers(cfg, params, h, positions, cache, start=start, stop=stop)
-    t, s = h.shape[1], cache.k.shape[3]
-    mask = attention_mask(cache.lengths, t, s)  # [B, T, S]
-    cos, sin = llama.rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    inputs = llama.layer_inputs(cfg, positions, cache.lengths, cache.k.shape[3])  # each layer kind's masks, RoPE
     block = llama.Block(cfg)
     layers = params["layers"]
 
     def body(carry, layer):
         x, k_all, v_all = carry
         lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False), layers)
+        cos, sin, mask = llama.inputs_of_layer(cfg, inputs, layer)
         x, k_all, v_all = block.apply({"params": lp}, x, cos, sin, k_all, v_all, layer, cache.lengths, mask)
         return (x, k_all, v_all), None
 
@@ -164,7 +163,7 @@ def exit_model(cfg: LlamaConfig, exit_layer: int) -> Model:
     and the verification runs all L layers. One ``Model`` per (config, E), so jit sees one static identity."""
     if not 1 <= exit_layer < cfg.num_layers:
         raise ValueError(f"exit_layer={exit_layer} must be in [1, {cfg.num_layers - 1}]")
-    cfg_e = cfg.replace(num_layers=exit_layer, name=f"{cfg.name}-exit{exit_layer}")
+    cfg_e = cfg.layers_of(tuple(range(exit_layer)), name=f"{cfg.name}-exit{exit_layer}")
 
     def apply(params, tokens, positions, cache, tree_mask=None):
         tparams, ex = params

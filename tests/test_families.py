@@ -221,6 +221,41 @@ def test_loaded_config_flags(family):
     assert cfg.local_rope_theta == (500.0 if name == "gemma3" else None)
 
 
+def test_layer_ranges_keep_each_layers_kind(family):
+    """LayerSkip runs the target's layer ranges with its own scan, and its exit (and a draft copying target
+    layers) is a config of fewer layers: each layer keeps its sliding or full attention and RoPE. Checked on
+    Gemma 3 (sliding, full, sliding; local and scaled RoPE) against ``llama.run_layers``."""
+    from models.layerskip import run_layer_range
+
+    name, path, _ = family
+    if name != "gemma3":
+        pytest.skip("Gemma 3 mixes the layer kinds")
+    cfg, params = load_hf(path)
+    assert cfg.layers_of((1, 2)).sliding_layers == (1,) and cfg.layers_of((1,)).sliding_window is None
+    with pytest.raises(ValueError, match=r"sliding-window layers \(0, 2\): a config with num_layers=2 must give"):
+        cfg.replace(num_layers=2)
+    m = load(str(path)).model
+    cache = m.init_cache(1, 64)
+    pos = jnp.arange(40, dtype=jnp.int32)[None]
+    _, cache = jax.jit(m.apply)(params, jnp.asarray(PROMPT[None, :40]), pos, cache)
+    cache = cache.with_lengths(jnp.asarray([40], jnp.int32))
+    h = llama.embed(cfg, params, jnp.asarray(PROMPT[None, 40:43]))
+    pos = 40 + jnp.arange(3, dtype=jnp.int32)[None]
+
+    @jax.jit
+    def both(h, pos, cache):
+        return [
+            (
+                run_layer_range(cfg, params, h, pos, cache, a, b)[0],
+                llama.run_layers(cfg, params, h, pos, cache, None, a, b)[0],
+            )
+            for a, b in [(0, 3), (1, 3), (0, 2)]
+        ]
+
+    for mine, lib in jax.device_get(both(h, pos, cache)):
+        np.testing.assert_allclose(mine, lib, atol=1e-6, rtol=0)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Sliding window on its own: every layer slides (Gemma 2, layer_types all sliding_attention).
 
@@ -319,6 +354,34 @@ def test_qwen2_and_mistral_sliding_layers_match_transformers(kind, tmp_path):
     loaded = load(str(tmp_path))
     assert loaded.config.sliding_layers == ((1,) if kind == "qwen2" else (0, 1))
     assert np.abs(_our_logits(loaded, PROMPT) - _torch_logits(model.float().eval(), PROMPT)).max() <= 1e-4
+
+
+# Every family flag at once, in shapes a 2x4 mesh splits (8 query heads, 4 KV heads): abstract params only.
+ALL_FEATURES = llama.LlamaConfig(
+    vocab_size=512, hidden=128, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, ffn=256, tie_embeddings=False,
+    rope_scaling=llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 64), local_rope_theta=1000.0, sliding_window=16,
+    sliding_layers=(0, 1, 3), qk_norm=True, post_norms=True, activation="gelu_tanh", embed_scale=128**0.5,
+    attn_scale=0.2, attn_softcap=50.0, final_softcap=30.0, name="all-features",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("path", ["plain", "static-tree", "layerskip"])
+def test_every_feature_lowers_sharded(path, platform):
+    """The rules table lays out every new parameter (q/k norms over head_dim, post norms over embed: no new
+    logical axis), and the sharded decode lowers on a 2x4 mesh in the layout each platform gets (stacked on TPU,
+    the unfused per-layer layout on CUDA), the cache split by the table."""
+    from test_lowering_sharded import check_sharded
+
+    from sharding.rules import TABLE
+
+    names = {
+        n
+        for axes in jax.tree.leaves(llama.param_logical_axes(ALL_FEATURES), is_leaf=lambda x: isinstance(x, tuple))
+        for n in axes
+    }
+    assert names <= set(TABLE)
+    check_sharded(ALL_FEATURES, "8-data-tensor", path, platform)
 
 
 # --------------------------------------------------------------------------------------------------------
