@@ -17,7 +17,6 @@ from toy_models import chi2_critical, chi_square, exact_causal_distribution, gro
 
 from jspec.decode import decode
 from jspec.drafters import ModelDrafter, TreeModelDrafter
-from jspec.ngram import NgramDrafter
 from jspec.tree import TreeRule, TreeSpec
 from models.adapter import from_nnx, wrap
 
@@ -92,3 +91,149 @@ def test_distribution_with_a_tree(dist_models):
     """The same with a (2, 1) tree drawn without replacement: its nodes see only their ancestors (the adapter's
     tree mask) and the accepted path is moved into place (KVCache.commit)."""
     _sample_and_check(dist_models, lambda d: TreeModelDrafter(d, TreeSpec((2, 1)), TreeRule.WITHOUT_REPLACEMENT), 2)
+
+
+# ---- other ways to write a model: nnx.MultiHeadAttention unchanged, and linen through ``wrap`` ----
+
+V_SMALL, DIM, MAX_LEN = 11, 8, 32
+
+
+class MHADecoder(nnx.Module):
+    """A GPT-style decoder from nnx.MultiHeadAttention as it ships (its ``attention_fn`` is the hook) with
+    learned position embeddings, so the positions jspec passes are what it reads."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed, self.pos = nnx.Embed(V_SMALL, DIM, rngs=rngs), nnx.Embed(MAX_LEN, DIM, rngs=rngs)
+        mha = lambda: nnx.MultiHeadAttention(2, DIM, num_kv_heads=1, decode=False, rngs=rngs)
+        self.attn = nnx.List([mha(), mha()])
+        self.head = nnx.Linear(DIM, V_SMALL, rngs=rngs)
+
+    def __call__(self, tokens, positions):
+        x = self.embed(tokens) + self.pos(positions)
+        for a in self.attn:
+            x = x + a(x, mask=nnx.make_causal_mask(tokens))
+        return self.head(x)
+
+
+class LinenDecoder(nn.Module):
+    """A linen decoder whose layers take the attention as a call argument (linen modules cannot be patched
+    after construction, so ``wrap`` hands it over in the call)."""
+
+    @nn.compact
+    def __call__(self, tokens, positions, attention=ex.causal_attention):
+        x = nn.Embed(V_SMALL, DIM)(tokens) + nn.Embed(MAX_LEN, DIM)(positions)
+        for _ in range(2):
+            q, k, v = (nn.DenseGeneral((h, 4))(x) for h in (2, 1, 1))
+            x = x + nn.DenseGeneral(DIM, axis=(-2, -1))(attention(q, k, v))
+        return nn.Dense(V_SMALL)(x)
+
+
+def _check_ragged_calls(model, params, full):
+    """jspec's calls (a prefill, a ragged commit that rejects row 1's last token, a second call from each row's own
+    length) give the logits of ``full`` (the user's forward over the whole sequence, causal) at the same tokens."""
+    tokens = jax.random.randint(jax.random.key(4), (2, 8), 0, V_SMALL)
+    pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    want = np.asarray(full(tokens, pos))
+    apply = jax.jit(model.apply)
+    got, cache = apply(params, tokens[:, :3], pos[:, :3], model.init_cache(2, 16))
+    np.testing.assert_allclose(got, want[:, :3], atol=1e-5)
+    cache = cache.commit(jnp.asarray([3, 2]))
+    idx = jnp.asarray([[3, 4], [2, 3]])
+    got, _ = apply(params, jnp.take_along_axis(tokens, idx, 1), idx, cache)
+    np.testing.assert_allclose(got, np.take_along_axis(want, np.asarray(idx)[..., None], 1), atol=1e-5)
+
+
+@pytest.mark.fast
+def test_nnx_multi_head_attention_unchanged():
+    user = MHADecoder(nnx.Rngs(0))
+    model, params = from_nnx(user, max_positions=MAX_LEN)
+    assert model.max_positions == MAX_LEN and model.vocab_size == V_SMALL
+    assert model.init_cache(1, 4).k.shape == (2, 1, 1, 4, 4)  # [L, B, Hkv, S, D] read off the model
+    _check_ragged_calls(model, params, user)
+    assert user.attn[0].attention_fn is nnx.dot_product_attention  # the user's model keeps its own
+
+
+@pytest.mark.fast
+def test_linen_through_wrap():
+    module = LinenDecoder()
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    variables = module.init(jax.random.key(0), tokens, jnp.arange(4)[None])
+    model = wrap(lambda p, t, pos, attention: module.apply(p, t, pos, attention), variables, name="linen")
+    _check_ragged_calls(model, variables, lambda t, pos: module.apply(variables, t, pos))
+
+
+# ---- bad input: errors that name the problem ----
+
+
+def _toy(kv_heads=(2, 2), transpose=False, calls=1, bias=False, logits_at_last=False):
+    """``wrap``'s forward for a toy model: each entry of kv_heads a layer, q [B, T, 2, 4]; the arguments break it
+    one way each."""
+
+    def forward(params, tokens, positions, attention):
+        b, t = tokens.shape
+        x = params[tokens]  # [B, T, 8]
+        for hkv in kv_heads:
+            q = x.reshape(b, t, 2, 4)
+            kv = jnp.tile(q[:, :, :1], (1, 1, hkv, 1))
+            qkv = [q, kv, kv]
+            if transpose:  # [B, heads, T, D], the torch layout
+                qkv = [a.transpose(0, 2, 1, 3) for a in qkv]
+            out = q
+            for _ in range(calls):
+                out = attention(*qkv, bias=jnp.zeros(()) if bias else None)
+            x = x + out.reshape(x.shape)
+        return x[:, -1] if logits_at_last else x
+
+    return forward
+
+
+PARAMS = jnp.ones((V_SMALL, 8))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(transpose=True), r"expected \[B, T, heads, D\]"),
+        (dict(kv_heads=(2, 1)), "layers differ"),
+        (dict(kv_heads=(3,)), "number of heads that divides"),
+        (dict(calls=0), "never called the attention"),
+        (dict(bias=True), "bias"),
+        (dict(logits_at_last=True), r"expected logits \[2, 5, V\]"),
+    ],
+)
+def test_bad_forward_is_refused_when_wrapped(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        wrap(_toy(**kwargs), PARAMS, name="toy")
+
+
+@pytest.mark.fast
+def test_bad_models_and_caches_are_refused():
+    class NoHook(nnx.Module):  # attention inlined: nothing to swap
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((V_SMALL, 8)))
+
+        def __call__(self, tokens, positions):
+            return self.w[tokens]
+
+    with pytest.raises(ValueError, match="no submodule has an attribute 'attention_fn'"):
+        from_nnx(NoHook())
+
+    class Twice(MHADecoder):  # one module, two calls: which cache layer would the second one be?
+        def __call__(self, tokens, positions):
+            x = self.embed(tokens)
+            return self.head(x + self.attn[0](self.attn[0](x, mask=nnx.make_causal_mask(tokens))))
+
+    with pytest.raises(ValueError, match="layer 0's attention ran twice"):
+        from_nnx(Twice(nnx.Rngs(0)))
+
+    class NoPositions(MHADecoder):  # counts positions itself: a tree's nodes would sit at the wrong ones
+        def __call__(self, tokens):
+            return super().__call__(tokens, jnp.arange(tokens.shape[1])[None])
+
+    with pytest.raises(ValueError, match=r"model\(tokens, positions\) does not fit"):
+        from_nnx(NoPositions(nnx.Rngs(0)))
+
+    small, big = wrap(_toy(), PARAMS), wrap(_toy(kv_heads=(2, 2, 2)), PARAMS)
+    with pytest.raises(ValueError, match="is not this model's"):
+        small.apply(PARAMS, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32), big.init_cache(1, 8))
