@@ -32,6 +32,9 @@ from jspec.cache import KVCache, attention_mask, scratch_slots
 from jspec.model import Model
 
 _MASKED = -1e30  # finite: a row whose every slot were masked would give NaN with -inf (none is: a token sees itself)
+# Options of jax.nn.dot_product_attention that change the maths and the adapter does not implement (the others,
+# mask and is_causal included, are jspec's business or do not apply to inference).
+_UNSUPPORTED = ("bias", "local_window_size", "query_seq_lengths", "key_value_seq_lengths")
 _PROBE_B, _PROBE_T = 2, 5  # distinct sizes, so a [B, H, T, D] layout or a batch-major mistake shows in the probe
 
 
@@ -86,9 +89,7 @@ class _Hook:
         where = f"{self.name}: layer {layer}'s attention"
         if layer in self.calls:
             raise ValueError(f"{where} ran twice in one call: the adapter keeps one cache layer per attention call")
-        unsupported = {"bias": bias, **{n: options.get(n) for n in ("local_window_size", "query_seq_lengths")}}
-        unsupported["key_value_seq_lengths"] = options.get("key_value_seq_lengths")
-        given = [n for n, x in unsupported.items() if x is not None]
+        given = [n for n in _UNSUPPORTED if {"bias": bias, **options}.get(n) is not None]
         if given:
             raise ValueError(f"{where} got {given}: the adapter's attention has no bias, window or padding lengths")
         if options.get("dropout_rate", 0.0) > 0 and not options.get("deterministic", True):
@@ -206,11 +207,9 @@ def wrap(forward: Forward, params, *, name: str = "model", max_positions: int | 
 def _model(forward: Forward, layout: CacheLayout, name: str, max_positions: int | None) -> Model:
     def apply(params, tokens, positions, cache: KVCache, tree_mask=None):
         b, t = tokens.shape
-        if cache.k.shape[0] != layout.layers or cache.k.shape[2:3] + cache.k.shape[4:] != (
-            layout.kv_heads,
-            layout.head_dim,
-        ):
-            raise ValueError(f"{name}: a cache of shape {cache.k.shape} is not this model's {layout}")
+        kv = cache.k.shape  # [L, B, Hkv, S, D]
+        if (kv[0], kv[2], kv[4]) != (layout.layers, layout.kv_heads, layout.head_dim):
+            raise ValueError(f"{name}: a cache of shape {kv} (L, B, Hkv, S, D) is not this model's {layout}")
         hook = _Layers(name, layout, cache, attention_mask(cache.lengths, t, cache.num_slots, tree_mask))
         logits = _check_logits(name, forward(params, tokens, positions, hook), b, t, layout.vocab_size)
         _check_layers(hook, layout.layers)
