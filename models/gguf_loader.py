@@ -6,7 +6,7 @@ type and shape -> dequantise -> rename to the Hugging Face layout, undoing llama
 
 llama.cpp's converter permutes the rows of Q and K (per head, from rotate-half order to interleaved pairs)
 because its "llama" RoPE rotates adjacent pairs. We invert that permutation here so the model keeps a single
-rotate-half RoPE for both checkpoint formats. Qwen2 files are not permuted (llama.cpp uses NeoX RoPE there).
+rotate-half RoPE for both checkpoint formats. Qwen2/Qwen3 files are not permuted (llama.cpp uses NeoX RoPE there).
 """
 
 from __future__ import annotations
@@ -28,7 +28,13 @@ from models.checkpoint import (
 )
 from models.llama import LlamaConfig, Params, canonical_dtype
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# Architectures whose GGUF metadata does not say how to run them exactly, refused with the reason.
+_REFUSED_ARCHITECTURES = {
+    arch: "the file does not carry the query scale (query_pre_attn_scalar; llama.cpp guesses it from the model "
+    "size) nor, in older files, which layers slide: load the Hugging Face directory instead"
+    for arch in ("gemma2", "gemma3")
+}
 
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -43,6 +49,8 @@ _LAYER_NAMES = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
@@ -103,6 +111,10 @@ def _field(gf: GGUFFile, key: str, default=None, required: bool = True):
 def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> LlamaConfig:
     """Config step: read the architecture hyper-parameters from GGUF metadata."""
     arch = _field(gf, "general.architecture")
+    if arch in _REFUSED_ARCHITECTURES:
+        raise CheckpointError(
+            f"{gf.path}: architecture '{arch}' is not supported from GGUF: {_REFUSED_ARCHITECTURES[arch]}"
+        )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"{gf.path}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
@@ -154,6 +166,7 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
         rms_eps=float(_field(gf, f"{arch}.attention.layer_norm_rms_epsilon")),
         tie_embeddings=not any(t.name == "output.weight" for t in gf.reader.tensors),
         qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         # Ids outside the vocabulary are None, as llama.cpp ignores them (checkpoint.gguf_special_id).
         bos_id=gguf_special_id(meta, "bos"),
         eos_id=gguf_special_id(meta, "eos"),

@@ -451,3 +451,42 @@ def test_missing_and_mismatched_tensors_are_named_with_shapes(family, tmp_path):
     want = 64 if name == "gemma3" else d
     with pytest.raises(CheckpointError, match=rf"tensor '{bad}' has shape \(7,\), expected \({want},\)"):
         load_hf(tmp_path / "m")
+
+
+# --------------------------------------------------------------------------------------------------------
+# GGUF: Qwen3 files load (q/k norms, NeoX RoPE: nothing permuted); Gemma files are refused with the reason.
+
+
+def test_qwen3_gguf_matches_transformers_and_gemma_gguf_is_refused(tmp_path):
+    import torch
+    import transformers
+    from test_models_gguf import KV, TOKENS, E, F, H, L, V, hf_state, our_logits, write_gguf
+
+    from models.gguf_loader import load_gguf
+
+    state = hf_state(seed=5, untied=True)
+    rng = np.random.default_rng(5)
+    norms = {
+        f"model.layers.{i}.self_attn.{n}_norm.weight": (1 + 0.3 * rng.standard_normal(E // H)).astype(np.float32)
+        for i in range(L)
+        for n in ("q", "k")
+    }
+    extra = {f"blk.{k.split('.')[2]}.attn_{k.split('.')[4][0]}_norm.weight": v for k, v in norms.items()}
+    write_gguf(tmp_path / "qwen3.gguf", state, arch="qwen3", extra_tensors=extra)
+    cfg, params, _ = load_gguf(tmp_path / "qwen3.gguf")
+    assert cfg.qk_norm and not cfg.qkv_bias and not cfg.tie_embeddings
+    conf = transformers.Qwen3Config(
+        vocab_size=V, hidden_size=E, intermediate_size=F, num_hidden_layers=L, num_attention_heads=H,
+        num_key_value_heads=KV, head_dim=E // H, rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+    ref = transformers.Qwen3ForCausalLM(conf).eval()
+    missing, unexpected = ref.load_state_dict(
+        {k: torch.from_numpy(v) for k, v in (state | norms).items()}, strict=False
+    )
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        theirs = ref(torch.from_numpy(TOKENS).long()).logits[0].numpy()
+    assert np.abs(our_logits(cfg, params) - theirs).max() <= 1e-4
+    write_gguf(tmp_path / "gemma2.gguf", state, arch="gemma2")
+    with pytest.raises(CheckpointError, match="architecture 'gemma2' is not supported from GGUF: .*query scale"):
+        load_gguf(tmp_path / "gemma2.gguf")

@@ -420,7 +420,7 @@ def test_not_a_gguf_file(tmp_path):
 def test_wrong_architecture(tmp_path):
     path = tmp_path / "mamba.gguf"
     write_gguf(path, hf_state(seed=6), Q.F32, arch="mamba")
-    with pytest.raises(CheckpointError, match=r"unsupported architecture 'mamba' \(supported: llama, qwen2\)"):
+    with pytest.raises(CheckpointError, match=r"unsupported architecture 'mamba' \(supported: llama, qwen2, qwen3\)"):
         load_gguf(path)
 
 
