@@ -33,8 +33,7 @@ def example():
     return from_nnx(target, name="target"), from_nnx(draft, name="draft"), naive
 
 
-@pytest.mark.fast
-@pytest.mark.parametrize("kind", ["n-gram", "draft model", "tree"])
+@pytest.mark.parametrize("kind", [pytest.param("n-gram", marks=pytest.mark.fast), "draft model", "tree"])
 def test_greedy_equals_the_naive_loop(example, kind):
     (target, tparams), (draft, dparams), naive = example
     drafter = ex.drafters(draft)[kind]
