@@ -140,7 +140,7 @@ class _Layers(_Hook):
                 "wrap the model again after changing it"
             )
         # One scatter with explicit (row, slot) indices into the whole [L, B, ...] array, then the read: in this
-        # order XLA updates the cache in place (models/llama.py measured the forms that copy it).
+        # order XLA updates the cache in place (models/attention.py measured the forms that copy it).
         self.k = self.k.at[layer, self.rows, :, self.slots, :].set(k.astype(lay.dtype), mode="drop")
         self.v = self.v.at[layer, self.rows, :, self.slots, :].set(v.astype(lay.dtype), mode="drop")
         return masked_attention(q, self.k[layer], self.v[layer], self.mask, scale)
