@@ -332,3 +332,28 @@ def test_a_fresh_engine_state_is_strongly_typed():
 
     eng = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=16)
     assert not [x for x in jax.tree.leaves(eng.state) if getattr(x, "weak_type", False)]
+
+
+@pytest.mark.slow
+def test_http_runner_records_the_servers_answers(model, reference, urls):
+    """The benchmark's HTTP mode: Poisson arrivals sent as token-id prompts, each stream's events timed as
+    emissions; the tokens are decode's, and the decode statistics come from the server's counters."""
+    from jspec.bench import http_runner
+    from jspec.bench.runspec import Job, Load, Spec
+
+    tok = model.tokenizer
+    jobs = [Job(f"chat-{i}", "chat", tuple(tok.encode_chat(c))) for i, c in enumerate(CHATS)]
+    jobs.append(Job("too-long", "chat", tuple(range(300))))  # refused by the server (400): an error, the run goes on
+    for server in ("plain", "ngram"):
+        r = http_runner.run(urls[server], MODEL, Spec(server), Load.open(50.0, 2), jobs, max_new_tokens=N)
+        assert [rec.tokens for rec in r.records[:2]] == reference
+        assert all(rec.ok and rec.emissions and rec.ttft > 0 for rec in r.records[:2])
+        assert sum(n for _, n in r.records[0].emissions) == len(reference[0])
+        bad = r.records[2]
+        assert not bad.ok and "HTTP 400" in bad.error and r.summary["errors"] == 1
+        stats = r.decode_stats
+        assert stats["decode_tokens"] == sum(len(t) - 1 for t in reference)
+        if server == "plain":
+            assert stats["tokens_per_round"] == 1.0 and stats["proposed_at"] == []
+        else:
+            assert stats["tokens_per_round"] >= 1.0 and sum(stats["proposed_at"]) > 0
