@@ -55,7 +55,7 @@ COMMON = dict(
     intermediate_size=96,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
+    head_dim=32,  # not hidden / heads (16), and a width the CPU attention kernel takes (unstacked layout)
     rms_norm_eps=1e-6,
     initializer_range=0.2,  # large enough that a mapping error moves logits well past the tolerance
     pad_token_id=0,
@@ -89,9 +89,8 @@ def _family_config(family: str):
             query_pre_attn_scalar=32, tie_word_embeddings=False,
         )  # fmt: skip
         return cfg, "gemma"
-    if family == "qwen3":  # head_dim 24 is not hidden / heads: Qwen3 sets it apart
-        kw = {**COMMON, "head_dim": 24}
-        return transformers.Qwen3Config(**kw, num_hidden_layers=2, tie_word_embeddings=False), "chatml"
+    if family == "qwen3":
+        return transformers.Qwen3Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=False), "chatml"
     tied = family == "llama3.2"  # 3.2 ties its head to the embedding, 3.1 does not
     cfg = transformers.LlamaConfig(**COMMON, num_hidden_layers=2, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=tied)
     return cfg, "llama3"
@@ -440,7 +439,7 @@ def test_missing_and_mismatched_tensors_are_named_with_shapes(family, tmp_path):
     shutil.copytree(path, tmp_path / "m")
     tensors = load_file(path / "model.safetensors")
     gone = "model.layers.1.self_attn.k_norm.weight"
-    d = 24 if name == "qwen3" else 16
+    d = COMMON["head_dim"]
     save_file({k: v for k, v in tensors.items() if k != gone}, tmp_path / "m" / "model.safetensors")
     with pytest.raises(CheckpointError, match=rf"missing tensor '{gone}' \(expected shape \({d},\)\)"):
         load_hf(tmp_path / "m")
@@ -448,7 +447,7 @@ def test_missing_and_mismatched_tensors_are_named_with_shapes(family, tmp_path):
     bad = f"model.layers.0.{bad}.weight"
     wrong = {**tensors, bad: np.ones(7, np.float32)}
     save_file(wrong, tmp_path / "m" / "model.safetensors")
-    want = 64 if name == "gemma3" else d
+    want = COMMON["hidden_size"] if name == "gemma3" else d
     with pytest.raises(CheckpointError, match=rf"tensor '{bad}' has shape \(7,\), expected \({want},\)"):
         load_hf(tmp_path / "m")
 
