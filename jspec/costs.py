@@ -1,14 +1,16 @@
 """Measured round costs: how long a round at each draft length K takes, relative to a plain step, for the shapes
 the loop runs (its batch B and cache slots S), on this device, for this model, layout and drafter.
 
-A verification's price depends on B, T = K + 1, the device and the model: at batch 1 a decode step is bound by
-reading the weights and K + 1 tokens cost little more than one; at larger batches (and on small CPUs) it is bound
-by arithmetic and grows with B x (K + 1). ``profile`` measures it: it compiles ONE program of a few rounds of the
-goodput loop (``jspec.loop.decode_round``, whose K is an argument there), prefills a batch of B prompts that prompt
-lookup always continues (so a round at K verifies K + 1 positions, as the policy assumes), and times those rounds
-at each K, the K alternating, taking medians.
+A verification's price depends on B, T = K + 1, the context, the device and the model: at batch 1 a decode step is
+bound by reading the weights and K + 1 tokens cost little more than one; at larger batches (and on small CPUs) it is
+bound by arithmetic and grows with B x (K + 1); and each of the K + 1 positions attends to the whole context, which
+at a few hundred tokens is a large part of a small model's step. ``profile`` measures it: it compiles ONE program
+of a few rounds of the goodput loop (``jspec.loop.decode_round``, whose K is an argument there), prefills a batch
+of B prompts of the decode's context length that prompt lookup always continues (so a round at K verifies K + 1
+positions, as the policy assumes), and times those rounds at each K, the K alternating, taking medians.
 The ``CostTable`` is cached on disk under ``${JSPEC_CACHE:-~/.cache/jspec}/costs/``, keyed by everything that
-changes the costs (``CostKey``: device, model, parameter layout and dtype, drafter, B, S, the K set, JAX version),
+changes the costs (``CostKey``: device, model, parameter layout and dtype, drafter, B, S, the context in steps of
+``CONTEXT_STEP`` tokens, the K set, JAX version),
 so it is measured once per situation and read back by any later process; ``refresh=True`` measures again. A table
 from another device, model, layout or shape set is refused by name (``check``); a file that cannot be read is
 measured again, with a warning.
@@ -37,7 +39,10 @@ from jspec.loop import decode_round, prefill
 from jspec.model import Model
 from jspec.state import DecodeConfig
 
-SCHEMA = 2  # 2: rounds timed inside one compiled loop, every round at K > 0 wide
+SCHEMA = 3  # 2: rounds timed inside one compiled loop, every round at K > 0 wide; 3: at the decode's context
+# A table per CONTEXT_STEP tokens of context: at most S / 128 of them per batch and cache size, each within 64 tokens
+# of the context it serves.
+CONTEXT_STEP = 128
 
 
 def cache_dir() -> str:
@@ -77,11 +82,14 @@ class CostKey:
     drafter: str  # a description of the drafter and the fingerprint of its params
     batch: int
     slots: int
+    context: int  # tokens per row before the timed rounds (``context_of``)
     ks: tuple[int, ...]
     jax: str
 
     @classmethod
-    def of(cls, target: Model, target_params, drafter: Drafter, draft_params, batch: int, slots: int, ks) -> CostKey:
+    def of(
+        cls, target: Model, target_params, drafter: Drafter, draft_params, batch: int, slots: int, ks, context: int
+    ) -> CostKey:
         dev = jax.devices()[0]
         drafter_desc = json.dumps([_describe(drafter), params_fingerprint(draft_params)], sort_keys=True)
         return cls(
@@ -91,6 +99,7 @@ class CostKey:
             drafter=drafter_desc,
             batch=int(batch),
             slots=int(slots),
+            context=int(context),
             ks=tuple(int(k) for k in ks),
             jax=jax.__version__,
         )
@@ -125,7 +134,8 @@ class CostTable:
 
     def report(self) -> str:
         """The table as text: one row per K, its time and its cost relative to a plain step."""
-        head = f"round cost at batch {self.key.batch}, {self.key.slots} slots ({self.key.model}, {self.key.device})"
+        k = self.key
+        head = f"round cost at batch {k.batch}, {k.slots} slots, context {k.context} ({k.model}, {k.device})"
         rows = zip(self.key.ks, self.round_ms, self.relative)
         return "\n".join([head, *(f"  K={k:<3d} {ms:8.2f} ms   {rel:5.2f}x" for k, ms, rel in rows)])
 
@@ -148,6 +158,13 @@ class CostTable:
         return cls(key, round_ms, int(data["rounds"]))
 
 
+def context_of(tokens: float, slots: int) -> int:
+    """The context a table is measured at for rows of ``tokens`` context on average: the nearest multiple of
+    ``CONTEXT_STEP`` (the first step for less), within the cache."""
+    step = CONTEXT_STEP * max(1, round(float(tokens) / CONTEXT_STEP))
+    return int(min(step, slots))
+
+
 def _lookup_prompts(batch: int, length: int, vocab: int) -> np.ndarray:
     """[B, length] prompts of a repeating period, so a prompt lookup always finds a continuation (every round of a
     chain drafter verifies wide, as the costs assume)."""
@@ -165,10 +182,12 @@ def profile(
     batch: int,
     slots: int,
     ks,
+    context: int,
     rounds: int = 4,
     repeats: int = 3,
 ) -> CostTable:
-    """Time a round at each K of ``ks`` on ``batch`` rows and ``slots`` cache slots (see the module docstring).
+    """Time a round at each K of ``ks`` on ``batch`` rows and ``slots`` cache slots, starting at ``context`` tokens
+    per row (at most what the timed rounds leave room for; see the module docstring).
 
     The rows decode ``_lookup_prompts``, which prompt lookup always continues, so that every round at K > 0
     verifies K + 1 positions: the cost the policy pays when it chooses K (how often a row has nothing to propose
@@ -176,8 +195,7 @@ def profile(
     compiled loop (``rounds`` rounds per call, no dispatch between them); the calls of the K alternate, and each K's
     cost is the median over ``repeats`` calls, after one that compiles and warms up."""
     ks = tuple(int(k) for k in ks)
-    # The prompts take up to a quarter of the cache (64 tokens at most), leaving room for every timed round.
-    p = min(64, slots // 4, slots - ks[-1] * rounds * (repeats + 1) - 2)
+    p = min(context, slots - ks[-1] * rounds * (repeats + 1) - 2)  # the prompts leave room for every timed round
     if p < 8:
         raise ValueError(f"{slots} cache slots cannot hold the profile's prompts and its rounds at K = {ks[-1]}")
     ids = _lookup_prompts(batch, p, target.vocab_size)
@@ -205,7 +223,7 @@ def profile(
             states[i] = jax.block_until_ready(many(target_params, draft_params, states[i], jnp.int32(i)))
             if r:
                 times[i].append((time.perf_counter() - t0) * 1e3 / rounds)
-    key = CostKey.of(target, target_params, drafter, draft_params, batch, slots, ks)
+    key = CostKey.of(target, target_params, drafter, draft_params, batch, slots, ks, context)
     return CostTable(key, tuple(float(statistics.median(t)) for t in times), rounds * repeats)
 
 
@@ -218,11 +236,12 @@ def cost_table(
     batch: int,
     slots: int,
     ks,
+    context: int,
     refresh: bool = False,
     directory: str | None = None,
 ) -> CostTable:
     """The cost table of this situation: read from the disk cache, or measured (``profile``) and saved there."""
-    key = CostKey.of(target, target_params, drafter, draft_params, batch, slots, ks)
+    key = CostKey.of(target, target_params, drafter, draft_params, batch, slots, ks, context)
     path = os.path.join(directory or cache_dir(), f"{key.digest()}.json")
     if not refresh and os.path.exists(path):
         try:
@@ -232,7 +251,7 @@ def cost_table(
             return table
         except (OSError, ValueError, KeyError, TypeError) as e:
             warnings.warn(f"cost table {path} is unusable ({e}); measuring it again", stacklevel=2)
-    table = profile(target, target_params, drafter, draft_params, batch=batch, slots=slots, ks=ks)
+    table = profile(target, target_params, drafter, draft_params, batch=batch, slots=slots, ks=ks, context=context)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -253,6 +272,7 @@ def goodput_policy(
     adaptive,
     batch: int,
     slots: int,
+    context: int,
     objective: str = "throughput",
 ) -> GoodputK | None:
     """``decode``'s ``goodput`` as the loop's policy, or None for a fixed K.
@@ -261,8 +281,9 @@ def goodput_policy(
     its K, ``gamma``), with this situation's cost table (measured once, then read from the disk cache); refused
     with a fixed ``gamma``, an adaptive policy or a drafter that cannot change K from round to round. A
     ``CostTable``: its costs, refused unless it was measured for this situation. A ``GoodputK``: as it is. The
-    policy's largest K is the loop's K (the caller runs ``check_drafter`` on it). objective: the measured policies'
-    (``GoodputK.objective``): "makespan" for a fixed batch, "throughput" for a serving engine."""
+    policy's largest K is the loop's K (the caller runs ``check_drafter`` on it). context: the rows' context
+    (``context_of``). objective: the measured policies' (``GoodputK.objective``): "makespan" for a fixed batch,
+    "throughput" for a serving engine."""
     if goodput is None or goodput is False:
         return None
     if goodput is True:
@@ -274,7 +295,7 @@ def goodput_policy(
         ks = V.goodput_ks(drafter, gamma)
         if ks is None:
             V.check_goodput(GoodputK((gamma,), (1.0,)), drafter, gamma)  # raises, naming why
-        kw = dict(batch=batch, slots=slots, ks=ks)
+        kw = dict(batch=batch, slots=slots, ks=ks, context=context)
         table = cost_table(target, target_params, drafter, draft_params, **kw)
         return V.check_goodput(table.policy(objective=objective), drafter, gamma)
     if isinstance(goodput, bool) or not isinstance(goodput, GoodputK | CostTable):
@@ -282,7 +303,7 @@ def goodput_policy(
     if gamma_given or adaptive is not None:
         raise ValueError("a goodput policy chooses K each round: it excludes a fixed gamma and an adaptive policy")
     if isinstance(goodput, CostTable):
-        goodput.check(CostKey.of(target, target_params, drafter, draft_params, batch, slots, goodput.key.ks))
+        goodput.check(CostKey.of(target, target_params, drafter, draft_params, batch, slots, goodput.key.ks, context))
         goodput = goodput.policy(objective=objective)
     return V.check_goodput(goodput, drafter, goodput.k_max)  # its largest K is the loop's
 
@@ -300,12 +321,14 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", default="ngram", choices=("ngram", "eagle"), help="eagle: the bundled head")
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     ap.add_argument("--slots", type=int, default=512, help="cache slots per row")
+    ap.add_argument("--context", type=int, default=CONTEXT_STEP, help="tokens per row before the timed rounds")
     ap.add_argument("--refresh", action="store_true", help="measure again instead of reading the disk cache")
     ap.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache directory ('none': off)")
     args = ap.parse_args(argv)
     try:
         batches = [V.check_count("--batches", int(b)) for b in args.batches.split(",")]
         V.check_count("--slots", args.slots)
+        V.check_count("--context", args.context)
         compile_cache_flag(args.compile_cache)
         loaded = load_model(model_loader(), args.model, "float32", unstacked=wants_unstacked("auto"))
         _, params, target, _ = loaded
@@ -316,7 +339,8 @@ def main(argv=None) -> int:
         gamma = V.check_drafter(target, drafter, None, draft_params=dparams, target_params=params)
         ks = V.goodput_ks(drafter, gamma)
         for b in batches:
-            kw = dict(batch=b, slots=args.slots, ks=ks, refresh=args.refresh)
+            context = context_of(args.context, args.slots)
+            kw = dict(batch=b, slots=args.slots, ks=ks, context=context, refresh=args.refresh)
             print(cost_table(target, params, drafter, dparams, **kw).report())
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,7 +26,7 @@ from jax.experimental import checkify
 
 from jspec import validate as V
 from jspec.adaptive import AdaptiveK
-from jspec.costs import CostTable, goodput_policy
+from jspec.costs import CostTable, context_of, goodput_policy
 from jspec.drafters import Drafter
 from jspec.goodput import GoodputK
 from jspec.loop import decode_round, generate_arrays, prefill
@@ -219,9 +219,12 @@ def prepare(
             )
         counts = asked
     policy = V.adaptive_policy(adaptive)
+    # The rows' mean context over the decode: each prompt and half of what may follow it.
+    budget = mnew if max_new_tokens is not None else slots + 1 - plen
+    context = context_of(float(np.mean(plen + budget / 2)), slots)
     chooser = goodput_policy(
         goodput, target, target_params, drafter, draft_params, gamma=gamma, gamma_given=gamma_given,
-        adaptive=policy, batch=len(plen), slots=slots, objective="makespan",
+        adaptive=policy, batch=len(plen), slots=slots, context=context, objective="makespan",
     )  # fmt: skip
     if chooser is not None:  # the loop's K is the policy's largest, which the drafter must serve
         gamma = V.check_drafter(target, drafter, chooser.k_max, None, block_verify, draft_params, target_params)

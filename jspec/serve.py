@@ -19,7 +19,7 @@ from jax import export as jax_export
 
 from jspec import validate as V
 from jspec.adaptive import AdaptiveK
-from jspec.costs import goodput_policy
+from jspec.costs import context_of, goodput_policy
 from jspec.loop import decode_round, prefill
 from jspec.model import Model
 from jspec.state import DecodeConfig, DecodeState, StopReason, top_pairs
@@ -175,6 +175,7 @@ class Engine:
         chooser = goodput_policy(
             self.goodput, self.target, self.target_params, self.drafter, self.draft_params, gamma=gamma,
             gamma_given=gamma_given, adaptive=self.adaptive, batch=self.batch, slots=slots,
+            context=context_of(self.max_len / 2, slots),  # requests come and go: the middle of a row's room
         )  # fmt: skip
         if chooser is not None:  # the loop's K is the policy's largest, which the drafter must serve
             gamma = V.check_drafter(

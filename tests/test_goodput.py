@@ -29,7 +29,7 @@ from toy_models import chi2_critical, chi_square, exact_sequence_distribution, g
 
 from jspec import decode as dec
 from jspec import goodput
-from jspec.costs import CostKey, CostTable, cost_table
+from jspec.costs import CostKey, CostTable, context_of, cost_table
 from jspec.drafters import TreeModelDrafter
 from jspec.goodput import GoodputK
 from jspec.loop import decode_round, prefill
@@ -139,13 +139,23 @@ def test_greedy_goodput_decoding_is_plain_decoding(tmp_path, monkeypatch):
         out = prepared.run()
         assert out.tokens == plain.tokens, drafter
         assert sum(out.stats["k_rounds"]) == max(out.stats["rounds"]), drafter
-    assert len(list((tmp_path / "costs").glob("*.json"))) == 3  # one table per situation, kept
+    tables = [json.loads(f.read_text()) for f in (tmp_path / "costs").glob("*.json")]
+    assert len(tables) == 3  # one table per situation, kept
+    # Measured at the rows' mean context over the decode (prompt + half the budget), in steps of 128 tokens.
+    want = context_of(np.mean([len(p) + 20 / 2 for p in PROMPTS]), prepared.config.slots)
+    assert want == min(128, prepared.config.slots) and all(t["key"]["context"] == want for t in tables)
+
+
+def test_the_context_of_a_table_is_the_nearest_step_within_the_cache():
+    assert [context_of(t, 1024) for t in (0, 10, 191, 192, 700, 2000)] == [128, 128, 128, 256, 640, 1024]
+    assert context_of(300, 200) == 200
 
 
 def test_a_cost_table_is_used_only_where_it_was_measured(tmp_path):
     """Another device, model, layout or shape set is refused by name; the same situation is accepted."""
     b, slots, ks = len(PROMPTS), 128, (0, 1, 2, 4)
-    key = CostKey.of(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, b, slots, ks)
+    context = context_of(np.mean([len(p) + 20 / 2 for p in PROMPTS]), slots)  # as decode's, below
+    key = CostKey.of(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, b, slots, ks, context)
     table = CostTable(key, (1.0, 1.05, 1.1, 1.3), 8)
     kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, max_new_tokens=20, max_len=slots)
     # decode's batch ends with its last row: the table's costs under the makespan objective.
@@ -155,9 +165,10 @@ def test_a_cost_table_is_used_only_where_it_was_measured(tmp_path):
     for change, field in (
         (dict(device="tpu:TPU v5 lite x8"), "device"),
         (dict(model="other"), "model"),
-        (dict(params=CostKey.of(TARGET, bf16, DRAFTER, DRAFT_PARAMS, b, slots, ks).params), "params"),
+        (dict(params=CostKey.of(TARGET, bf16, DRAFTER, DRAFT_PARAMS, b, slots, ks, context).params), "params"),
         (dict(batch=8), "batch"),
         (dict(slots=256), "slots"),
+        (dict(context=context + 128), "context"),
     ):
         other = CostTable(dataclasses.replace(key, **change), table.round_ms, 8)
         with pytest.raises(ValueError, match=f"measured for another {field}"):
@@ -165,7 +176,7 @@ def test_a_cost_table_is_used_only_where_it_was_measured(tmp_path):
 
 
 def test_the_disk_cache_is_read_back_and_a_corrupt_file_is_measured_again(tmp_path):
-    kw = dict(batch=2, slots=64, ks=(0, 1, 2), directory=str(tmp_path))
+    kw = dict(batch=2, slots=64, ks=(0, 1, 2), context=64, directory=str(tmp_path))
     first = cost_table(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, **kw)
     assert all(ms > 0 for ms in first.round_ms) and first.relative[0] == 1.0
     (path,) = tmp_path.glob("*.json")
@@ -175,7 +186,7 @@ def test_the_disk_cache_is_read_back_and_a_corrupt_file_is_measured_again(tmp_pa
         again = cost_table(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, **kw)
     assert again.key == first.key and json.loads(path.read_text())["round_ms"] == list(again.round_ms)
     report = again.report()
-    assert all(f"K={k} " in report for k in (0, 1, 2)) and "batch 2, 64 slots" in report
+    assert all(f"K={k} " in report for k in (0, 1, 2)) and "batch 2, 64 slots, context 64" in report
 
 
 def test_the_serving_engine_chooses_k_each_round_and_keeps_greedy_output():
