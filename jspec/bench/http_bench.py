@@ -33,6 +33,7 @@ def _server_args(args, spec: Spec, cfg: suite_runs.SuiteConfig, n_jobs: int) -> 
            "--max-queue", str(n_jobs), "--no-logprobs", "--no-penalties", "--max-logit-bias", "0",
            "--dtype", args.dtype, "--layers", args.layers, "--log-level", "warning"]  # fmt: skip
     out += ["--drafter", "none"] if spec.drafter is None else ["--drafter", "ngram", "--gamma", str(spec.gamma)]
+    out += ["--adaptive"] if spec.adaptive is not None else []
     if args.compile_cache is not None:
         out += ["--compile-cache", args.compile_cache]
     return out
@@ -133,6 +134,7 @@ def main(argv=None, prog: str = "python examples/bench_http_serving.py") -> int:
     ap.add_argument("--rates", default="1", help="Poisson arrival rates, requests/s")
     ap.add_argument("--rows", type=int, default=8, help="engine rows (the servers' and the in-process runner's)")
     ap.add_argument("--gamma", type=int, default=4, help="the n-gram drafter's K")
+    ap.add_argument("--adaptive", action="store_true", help="the n-gram rows draft K or nothing, by their acceptance")
     ap.add_argument("--port", type=int, default=None, help="the servers' loopback port (default: a free one)")
     ap.add_argument("--no-in-process", action="store_true", help="skip the in-process runs (no overhead figure)")
     ap.set_defaults(out="results/serving-http", n=50, passes=1, no_phases=True)
@@ -149,7 +151,7 @@ def main(argv=None, prog: str = "python examples/bench_http_serving.py") -> int:
     t0 = time.perf_counter()
     target = targets.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite_runs.prepare_jobs(target, cfg)
-    specs = [runspec.plain_spec(), runspec.ngram_spec(target, args.gamma)]
+    specs = [runspec.plain_spec(), runspec.ngram_spec(target, args.gamma, adaptive=args.adaptive or None)]
     configs = [(s, HTTP) for s in specs] + ([] if args.no_in_process else [(s, IN_PROCESS) for s in specs])
     port = args.port or free_port()
     results, comps = [], {}

@@ -134,8 +134,7 @@ def create_app(worker: EngineWorker, parser: RequestParser, metrics: ServerMetri
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        if not worker.alive:
-            worker.start()
+        worker.start()
         try:
             yield
         finally:  # uvicorn has already waited (up to its graceful timeout) for open responses to finish

@@ -73,7 +73,7 @@ class Ticket:
     cancelled: bool = False
     row: int | None = None
     generated: int = 0
-    shown: int = 0  # characters of text already sent
+    shown: str = ""  # the text already sent
     last_emit: float | None = None
 
 
@@ -95,7 +95,8 @@ class EngineWorker:
     # --- from any thread -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        if self._thread.ident is None:  # a thread starts once; a stopped worker stays stopped
+            self._thread.start()
 
     @property
     def alive(self) -> bool:
@@ -222,9 +223,9 @@ class EngineWorker:
         reason = eng.stop_reason(row)
         t.generated += len(toks)
         text = eng.text(row)
-        # A tokenizer may rewrite earlier characters as text grows: only a stable extension is sent.
-        delta = text[t.shown :] if len(text) > t.shown and text.startswith(text[: t.shown]) else ""
-        t.shown += len(delta)
+        # A tokenizer may rewrite earlier characters as text grows: only an extension of what was sent is sent.
+        delta = text[len(t.shown) :] if text.startswith(t.shown) else ""
+        t.shown += delta
         now = time.perf_counter()
         self.metrics.emitted(t, now, len(toks))
         t.last_emit = now
