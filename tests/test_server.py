@@ -357,3 +357,51 @@ def test_http_runner_records_the_servers_answers(model, reference, urls):
             assert stats["tokens_per_round"] == 1.0 and stats["proposed_at"] == []
         else:
             assert stats["tokens_per_round"] >= 1.0 and sum(stats["proposed_at"]) > 0
+
+
+def _toy_worker(drain_s: float):
+    """An engine worker over the toy model (compiles in seconds): 1 row, no queue."""
+    from test_decode_core import TARGET, TARGET_PARAMS
+
+    from jspec.server.metrics import ServerMetrics
+    from jspec.server.worker import EngineWorker
+
+    cfg = ServerConfig("toy", rows=1, max_len=64, max_queue=0, max_logprobs=None, warmup=False, drain_s=drain_s)
+
+    def detokenize(ids):  # slow, so that a request of 40 tokens still runs when the test shuts the worker down
+        time.sleep(0.02)
+        return "".join("abc"[i] for i in ids)
+
+    eng = Engine(TARGET, TARGET_PARAMS, batch=1, max_len=64, detokenize=detokenize)
+    return EngineWorker(eng, cfg, ServerMetrics(1))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("drain_s", [0.0, 60.0])
+def test_shutdown_drains_or_cancels(drain_s):
+    from jspec.server.schema import GenerationRequest
+    from jspec.server.worker import Delta, Done, Failed, QueueFull, ShuttingDown, Ticket
+
+    worker = _toy_worker(drain_s)
+    events, got_one = [], threading.Event()
+
+    def emit(ev):
+        events.append(ev)
+        got_one.set()
+
+    req = GenerationRequest(False, (0, 1, 2), max_tokens=40, temperature=0.0)
+    worker.start()
+    worker.submit(Ticket(req, emit))
+    with pytest.raises(QueueFull):  # its one row is taken (or about to be) and the queue holds none
+        worker.submit(Ticket(req, emit))
+    assert got_one.wait(60)
+    worker.shutdown()
+    with pytest.raises(ShuttingDown):
+        worker.submit(Ticket(req, emit))
+    assert all(isinstance(e, Delta) for e in events[:-1])
+    if drain_s:  # drained: the request ran to its budget
+        assert isinstance(events[-1], Done) and events[-1].completion_tokens == 40
+        assert sum(len(e.tokens) for e in events[:-1]) == 40
+    else:  # cancelled: its client is told
+        assert isinstance(events[-1], Failed) and "stopped" in events[-1].message
+    assert worker.load() == (0, 0, 0)
