@@ -136,7 +136,8 @@ def main(argv=None, prog: str = "python examples/bench_http_serving.py") -> int:
     ap.add_argument("--gamma", type=int, default=4, help="the n-gram drafter's K")
     ap.add_argument("--adaptive", action="store_true", help="the n-gram rows draft K or nothing, by their acceptance")
     ap.add_argument("--port", type=int, default=None, help="the servers' loopback port (default: a free one)")
-    ap.add_argument("--no-in-process", action="store_true", help="skip the in-process runs (no overhead figure)")
+    ap.add_argument("--in-process", default="all", choices=("all", "plain", "none"),
+                    help="the configurations also run in-process at the same rates (the HTTP overhead)")  # fmt: skip
     ap.set_defaults(out="results/serving-http", n=50, passes=1, no_phases=True)
     args = ap.parse_args(argv)
     try:
@@ -152,7 +153,8 @@ def main(argv=None, prog: str = "python examples/bench_http_serving.py") -> int:
     target = targets.load_target(args.model, args.dtype, args.layers)
     jobs, desc = suite_runs.prepare_jobs(target, cfg)
     specs = [runspec.plain_spec(), runspec.ngram_spec(target, args.gamma, adaptive=args.adaptive or None)]
-    configs = [(s, HTTP) for s in specs] + ([] if args.no_in_process else [(s, IN_PROCESS) for s in specs])
+    local = {"all": specs, "plain": specs[:1], "none": []}[args.in_process]
+    configs = [(s, HTTP) for s in specs] + [(s, IN_PROCESS) for s in local]
     port = args.port or free_port()
     results, comps = [], {}
     for rate in rates:
