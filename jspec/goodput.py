@@ -17,8 +17,13 @@ is static (one compiled round per K, chosen on device each round with ``jspec.ro
 are static numbers of the compiled batch. Whatever is chosen, verification is the same lossless rule, so only the
 speed changes.
 
-The per-row estimate is ``jspec.adaptive``'s: accepted / tested moving sums; a row that does not propose (a round
-at K = 0) drifts back towards ``prior``, so a batch that stopped speculating probes again when the prior pays.
+The per-row estimate is two pairs of accepted / tested moving sums (``jspec.adaptive``'s estimate): a short one
+(``beta``) that the choice reads, and a long one (``beta_long``), the row's acceptance over many rounds. While a row
+does not propose (the batch is at K = 0) its short estimate drifts towards its long one (``drift`` a round), and the
+long one, much more slowly, towards ``prior`` (``drift_long``). So a batch that stopped speculating tries again
+soon where its rows accepted in the past (a copy that paused), and only now and then where they did not: with one
+constant drift to the prior, the estimate came back over the threshold a few rounds after each failed probe, and
+at batch 8 on chat a third of the rounds were K = 1 probes that failed (0.92x plain).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class GoodputK:
     beta: float = 0.7
     prior: float = 0.6
     drift: float = 0.05
+    beta_long: float = 0.95
+    drift_long: float = 0.005
 
     def __post_init__(self):
         ks, costs = tuple(self.ks), tuple(self.costs)
@@ -61,7 +68,13 @@ class GoodputK:
             raise ValueError(f"GoodputK.costs must be finite numbers > 0 (a round's time / a plain step's): {costs!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"GoodputK.objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        for name, hi_open in (("beta", True), ("prior", False), ("drift", False)):
+        for name, hi_open in (
+            ("beta", True),
+            ("beta_long", True),
+            ("prior", False),
+            ("drift", False),
+            ("drift_long", False),
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v and (v < 1 if hi_open else v <= 1)):
                 raise ValueError(f"GoodputK.{name} must be a number in [0, 1{')' if hi_open else ']'}, got {v!r}")
@@ -73,6 +86,40 @@ class GoodputK:
         return self.ks[-1]
 
 
+def init(policy: GoodputK, batch: int) -> jax.Array:
+    """[B, 4]: the short and the long (accepted, tested) moving sums, both at the prior (one tested token accepted
+    with probability ``prior``)."""
+    return jnp.tile(jnp.asarray([[policy.prior, 1.0, policy.prior, 1.0]], jnp.float32), (batch, 1))
+
+
+def update(policy: GoodputK, ema: jax.Array, n_accepted: jax.Array, tried: jax.Array, active: jax.Array) -> jax.Array:
+    """Fold a round into ``ema`` [B, 4] (see ``init``). Rows that tried (``tried`` [B] > 0 candidates; a prompt
+    lookup that missed counts as one failed test) move both pairs of sums by what they tested: a chain tests until
+    its first rejection, so n_accepted of min(n_accepted + 1, tried). Running rows that did not try drift: the short
+    estimate towards the long one, the long one towards the prior, each keeping its weight. Stopped rows keep
+    theirs."""
+    short, long = ema[:, :2], ema[:, 2:]
+    tested = jnp.minimum(n_accepted + 1, tried)
+    now = jnp.stack([n_accepted, tested], axis=1).astype(jnp.float32)
+    a_short, a_long = adapt.estimate(short), adapt.estimate(long)
+
+    def drifted(sums, a, towards, rate):
+        return jnp.stack([(a + rate * (towards - a)) * sums[:, 1], sums[:, 1]], axis=1)
+
+    did, running = (active & (tried > 0))[:, None], active[:, None]
+    short = jnp.where(
+        did,
+        policy.beta * short + (1.0 - policy.beta) * now,
+        jnp.where(running, drifted(short, a_short, a_long, policy.drift), short),
+    )
+    long = jnp.where(
+        did,
+        policy.beta_long * long + (1.0 - policy.beta_long) * now,
+        jnp.where(running, drifted(long, a_long, policy.prior, policy.drift_long), long),
+    )
+    return jnp.concatenate([short, long], axis=1)
+
+
 def expected_tokens(a: jax.Array, ks: tuple[int, ...]) -> jax.Array:
     """a [B] acceptance estimates in [0, 1) -> [B, J] expected tokens per round at each K: 1 + a + ... + a^K."""
     k = jnp.asarray(ks, jnp.float32)[None, :]
@@ -82,10 +129,11 @@ def expected_tokens(a: jax.Array, ks: tuple[int, ...]) -> jax.Array:
 
 def choose(policy: GoodputK, ema: jax.Array, active: jax.Array, remaining: jax.Array | None = None) -> jax.Array:
     """[] int32: the index into ``policy.ks`` of the K that serves the policy's objective best, from the rows'
-    (accepted, tested) moving sums ``ema`` [B, 2], which rows run (``active`` [B]) and, for "makespan", the tokens
-    each may still generate (``remaining`` [B]). throughput: the most expected tokens of the running rows per unit
-    of cost. makespan: the least expected time until the last running row ends, max over rows of remaining /
-    E[N_row(K)] rounds times cost(K). The first (smallest K) wins a tie; with no running row that is ks[0]."""
+    (accepted, tested) moving sums ``ema`` [B, 2] (or ``init``'s [B, 4], whose short pair is read), which rows
+    run (``active`` [B]) and, for "makespan", the tokens each may still generate (``remaining`` [B]).
+    throughput: the most expected tokens of the running rows per unit of cost. makespan: the least expected time
+    until the last running row ends, max over rows of remaining / E[N_row(K)] rounds times cost(K). The first
+    (smallest K) wins a tie; with no running row that is ks[0]."""
     a = jnp.clip(adapt.estimate(ema), 0.0, 0.999)
     expected = expected_tokens(a, policy.ks)  # [B, J]
     costs = jnp.asarray(policy.costs, jnp.float32)

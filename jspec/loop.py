@@ -168,7 +168,7 @@ def prefill(
         stop=stop,
         stats=stats,
         bad_proposal=jnp.zeros((), bool),
-        accept_ema=adapt.init(config.adaptive or config.goodput, b),
+        accept_ema=adapt.init(config.adaptive, b) if config.goodput is None else goodput.init(config.goodput, b),
         logprob=logprob,
         top_ids=top_ids,
         top_logprob=top_lp,
@@ -338,7 +338,7 @@ def decode_round(
         # A row that could propose and found nothing (a prompt lookup that missed) kept one token of the K + 1 the
         # round cost: a failed test, not an idle round that would drift back to the prior.
         tried = jnp.where(max_draft > 0, jnp.maximum(n_draft, 1), n_draft)
-        ema = adapt.update(policy, ema, n_acc, tried, active)
+        ema = goodput.update(policy, ema, n_acc, tried, active)
     new = dataclasses.replace(
         st,
         accept_ema=ema,

@@ -126,7 +126,9 @@ class DecodeState:
     stop: jax.Array  # [B] StopReason
     stats: DecodeStats
     bad_proposal: jax.Array  # [] bool, some row proposed a token its drafter gave q(x) == 0
-    accept_ema: jax.Array  # [B, 2] float32, the adaptive draft length's (accepted, tested) moving sums
+    # [B, 2] float32, the adaptive draft length's (accepted, tested) moving sums; [B, 4] with a goodput policy: its
+    # short and long pairs of sums (``jspec.goodput.update``)
+    accept_ema: jax.Array
     # [B, S+1] float32: the target's log-probability of the token at each slot of ``seq`` (generated slots only;
     # [B, 0] unless ``DecodeConfig.logprobs``)
     logprob: jax.Array

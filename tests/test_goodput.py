@@ -60,6 +60,40 @@ def test_the_choice_maximises_expected_tokens_per_unit_of_cost():
 
 
 @pytest.mark.fast
+def test_an_idle_rows_estimate_drifts_to_its_own_past_and_that_to_the_prior():
+    """By hand, one round of four rows (beta 0.7, beta_long 0.95, drift 0.05, drift_long 0.005, prior 0.6): a row
+    that tested 2 accepted of 3 moves both pairs of sums; a lookup that missed (1 tried, 0 accepted) is a failed
+    test; an idle running row's short estimate 0.1 moves 0.05 of the way to its long one 0.3 (0.11, weight 2 kept)
+    and the long one 0.005 of the way to the prior (0.3015, weight 10 kept); a stopped row keeps its sums."""
+    policy = GoodputK((0, 1), (1.0, 1.1))
+    ema = jnp.asarray([[0.2, 2.0, 3.0, 10.0]] * 4, jnp.float32)
+    got = goodput.update(
+        policy, ema, jnp.asarray([2, 0, 0, 0]), jnp.asarray([4, 1, 0, 4]), jnp.asarray([True, True, True, False])
+    )
+    want = [
+        [0.7 * 0.2 + 0.3 * 2, 0.7 * 2 + 0.3 * 3, 0.95 * 3 + 0.05 * 2, 0.95 * 10 + 0.05 * 3],
+        [0.7 * 0.2, 0.7 * 2 + 0.3 * 1, 0.95 * 3, 0.95 * 10 + 0.05 * 1],
+        [0.11 * 2, 2.0, 0.3015 * 10, 10.0],
+        [0.2, 2.0, 3.0, 10.0],
+    ]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    # A batch that stopped speculating: a row whose tests all failed stays under the 0.12 that a K = 1 round at
+    # 1.12 plain steps needs for as long as its long estimate takes to climb from 0 to 0.12 at 0.005 a round
+    # (ln 0.8 / ln 0.995 = 44.5 rounds; the short one lags behind it), while a row that accepted 0.5 of its tests
+    # is back over it in six rounds (0.025, 0.049, 0.071, 0.093, 0.113, 0.133): it probes again soon, the first
+    # only now and then.
+    failed, accepted = [0.0, 1.0, 0.0, 10.0], [0.0, 1.0, 5.0, 10.0]  # its short estimate at 0 after one miss
+    ema = jnp.asarray([failed, accepted], jnp.float32)
+    idle = jnp.zeros(2, jnp.int32)
+    crossed = []
+    for _ in range(44):
+        ema = goodput.update(policy, ema, idle, idle, jnp.ones(2, bool))
+        crossed.append(np.asarray(ema[:, 0] / ema[:, 1]) >= 0.12)
+    crossed = np.asarray(crossed)
+    assert not crossed[:, 0].any() and crossed[:, 1].argmax() == 5
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "kw, message",
     [
@@ -69,6 +103,8 @@ def test_the_choice_maximises_expected_tokens_per_unit_of_cost():
         (dict(ks=(0, 1), costs=(1.0, 0.0)), "costs must be finite numbers > 0"),
         (dict(ks=(-1, 1), costs=(1.0, 1.0)), "ks must be ints >= 0"),
         (dict(ks=(0, 1), costs=(1.0, 1.0), beta=1.0), "beta must be a number in"),
+        (dict(ks=(0, 1), costs=(1.0, 1.0), beta_long=1.0), "beta_long must be a number in"),
+        (dict(ks=(0, 1), costs=(1.0, 1.0), drift_long=-0.1), "drift_long must be a number in"),
     ],
 )
 def test_bad_policies_are_refused(kw, message):
