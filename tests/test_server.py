@@ -183,6 +183,7 @@ BAD = [
     ({"echo": True}, "echo"),
     ({"temperature": "hot"}, "temperature"),
     ({"frobnicate": 1}, "frobnicate"),
+    ({"stop_token_ids": [1, 2, 3, 4, 5]}, "stop_token_ids"),  # more than the 4 the engine holds per request
     ({"prompt": list(range(300))}, "prompt"),  # past the context alone
 ]
 
@@ -405,3 +406,20 @@ def test_shutdown_drains_or_cancels(drain_s):
     else:  # cancelled: its client is told
         assert isinstance(events[-1], Failed) and "stopped" in events[-1].message
     assert worker.load() == (0, 0, 0)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rows", "0"], "--rows must be an int >= 1"),
+        (["--max-logprobs", "50"], "--max-logprobs must be an int in [0, 20]"),
+        (["--max-queue", "-1"], "--max-queue must be an int >= 0"),
+        (["--drafter", "none", "--gamma", "4"], "--gamma, --adaptive and --goodput need a drafter"),
+    ],
+)
+def test_serve_command_refuses_bad_flags_before_loading(argv, message, capsys):
+    from jspec.cli import main
+
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -154,7 +154,9 @@ def main(argv=None, prog: str = "python examples/bench_http_serving.py") -> int:
     jobs, desc = suite_runs.prepare_jobs(target, cfg)
     specs = [runspec.plain_spec(), runspec.ngram_spec(target, args.gamma, adaptive=args.adaptive or None)]
     local = {"all": specs, "plain": specs[:1], "none": []}[args.in_process]
-    configs = [(s, HTTP) for s in specs] + [(s, IN_PROCESS) for s in local]
+    # Each spec's two transports side by side: the machine's speed drifts over minutes, and the overhead figure
+    # compares them.
+    configs = [c for s in specs for c in [(s, HTTP)] + ([(s, IN_PROCESS)] if s in local else [])]
     port = args.port or free_port()
     results, comps = [], {}
     for rate in rates:

@@ -47,7 +47,9 @@ class ServerConfig:
         for name in ("max_queue", "max_logit_bias", "max_stop_ids"):
             V.check_count(name, getattr(self, name), least=0)
         if self.max_logprobs is not None:
-            V.check_top_logprobs(self.max_logprobs, logprobs=True)
+            n, top = self.max_logprobs, V.MAX_TOP_LOGPROBS
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= top:
+                raise ValueError(f"max_logprobs must be an int in [0, {top}] or None (none at all), got {n!r}")
         V.check_flag("penalties", self.penalties)
         V.check_flag("warmup", self.warmup)
         V.check_seed(self.seed)

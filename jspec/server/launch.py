@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+from jspec import validate as V
 from jspec.serve import Engine, freeze_gc_heap
 from jspec.server.app import create_app
 from jspec.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
@@ -149,12 +150,8 @@ def _build(args) -> Server:
 
     if args.drafter == "none" and (args.gamma is not None or args.adaptive or args.goodput):
         raise ValueError("--gamma, --adaptive and --goodput need a drafter (--drafter none decodes plainly)")
-    config = ServerConfig(
-        args.served_model_name or args.model, rows=args.rows, max_len=args.max_len, max_queue=args.max_queue,
-        max_logprobs=None if args.no_logprobs else args.max_logprobs, max_logit_bias=args.max_logit_bias,
-        penalties=not args.no_penalties, rounds_per_sync=args.rounds_per_sync, bucket=args.bucket, seed=args.seed,
-        warmup=not args.no_warmup, drain_s=args.drain_s, max_body_bytes=args.max_body_bytes,
-    )  # fmt: skip
+    with V.as_flags([f.name for f in dataclasses.fields(ServerConfig)]):  # "rows must ..." -> "--rows must ..."
+        config = _config(args)
     compile_cache_flag(args.compile_cache)
     loaded = load_model(model_loader(), args.model, args.dtype, unstacked=wants_unstacked(args.layers))
     _, params, target, tok = loaded
@@ -166,3 +163,12 @@ def _build(args) -> Server:
     drafter, dparams = build_drafter(ns, target, loaded)
     return build_server(target, params, tok, config, drafter=drafter, draft_params=dparams, gamma=args.gamma,
                         eos_ids=end_ids(tok), adaptive=args.adaptive or None, goodput=args.goodput or None)  # fmt: skip
+
+
+def _config(args) -> ServerConfig:
+    return ServerConfig(
+        args.served_model_name or args.model, rows=args.rows, max_len=args.max_len, max_queue=args.max_queue,
+        max_logprobs=None if args.no_logprobs else args.max_logprobs, max_logit_bias=args.max_logit_bias,
+        penalties=not args.no_penalties, rounds_per_sync=args.rounds_per_sync, bucket=args.bucket, seed=args.seed,
+        warmup=not args.no_warmup, drain_s=args.drain_s, max_body_bytes=args.max_body_bytes,
+    )  # fmt: skip

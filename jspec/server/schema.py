@@ -262,6 +262,9 @@ class RequestParser:
                 if kw[name] != off:
                     raise bad(f"{name}: this server was started without penalties (--no-penalties)", name)
         stop_ids = _get(body, "stop_token_ids", (list,), [], "a list of token ids")
+        if len(stop_ids) > self.config.max_stop_ids:
+            raise bad(f"stop_token_ids has {len(stop_ids)} ids, more than this server takes per request "
+                      f"({self.config.max_stop_ids})", "stop_token_ids")  # fmt: skip
         seed = _get(body, "seed", _INT, None, "an integer")
         with _as_fields(prompt_field):
             stops = V.check_stop_strings(stop)
