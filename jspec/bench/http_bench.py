@@ -138,7 +138,9 @@ def main(argv=None, prog: str = "python examples/bench_http_serving.py") -> int:
     ap.add_argument("--port", type=int, default=None, help="the servers' loopback port (default: a free one)")
     ap.add_argument("--in-process", default="all", choices=("all", "plain", "none"),
                     help="the configurations also run in-process at the same rates (the HTTP overhead)")  # fmt: skip
-    ap.set_defaults(out="results/serving-http", n=50, passes=1, no_phases=True)
+    # 200 requests (50 per workload) of up to 64 tokens: one configuration's run at a rate where plain decoding keeps
+    # up takes ~6 minutes on 2 cores, and a run compares three or four of them.
+    ap.set_defaults(out="results/serving-http", n=50, max_new_tokens=64, passes=1, no_phases=True)
     args = ap.parse_args(argv)
     try:
         rates = rate_list("--rates", args.rates)
