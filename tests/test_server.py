@@ -423,3 +423,13 @@ def test_serve_command_refuses_bad_flags_before_loading(argv, message, capsys):
 
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv, message", [(["--rates", "0"], "--rates"), (["--rows", "0"], "--rows 0")])
+def test_http_benchmark_refuses_bad_flags_before_loading(argv, message, capsys, tmp_path):
+    from jspec.bench.http_bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--out", str(tmp_path / "out"), "--record", str(tmp_path / "r.json")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
