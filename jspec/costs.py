@@ -122,7 +122,7 @@ class CostTable:
         return tuple(ms / self.round_ms[0] for ms in self.round_ms)
 
     def policy(self, **kw) -> GoodputK:
-        """The goodput policy of these costs (``kw``: GoodputK's objective, beta, prior, drift)."""
+        """The goodput policy of these costs (``kw``: GoodputK's objective and estimate parameters)."""
         return GoodputK(self.key.ks, self.relative, **kw)
 
     def check(self, key: CostKey) -> None:

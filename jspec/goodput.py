@@ -42,8 +42,8 @@ OBJECTIVES = ("throughput", "makespan")
 @dataclasses.dataclass(frozen=True)
 class GoodputK:
     """Static policy: the K set and the measured round cost at each K (``costs[i]`` for ``ks[i]``, relative to
-    a plain step at the same batch and cache size; ``jspec.costs.CostTable.policy`` builds it). beta, prior,
-    drift: the acceptance estimate, as ``AdaptiveK``'s."""
+    a plain step at the same batch, cache size and context; ``jspec.costs.CostTable.policy`` builds it). beta,
+    beta_long, prior, drift, drift_long: the rows' acceptance estimates (``update``)."""
 
     ks: tuple[int, ...]
     costs: tuple[float, ...]
