@@ -23,7 +23,7 @@ does not propose (the batch is at K = 0) its short estimate drifts towards its l
 long one, much more slowly, towards ``prior`` (``drift_long``). So a batch that stopped speculating tries again
 soon where its rows accepted in the past (a copy that paused), and only now and then where they did not: with one
 constant drift to the prior, the estimate came back over the threshold a few rounds after each failed probe, and
-at batch 8 on chat a third of the rounds were K = 1 probes that failed (0.92x plain).
+at batch 8 on chat a third of the rounds were K = 1 probes that mostly failed.
 """
 
 from __future__ import annotations
