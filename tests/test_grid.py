@@ -135,6 +135,10 @@ def test_a_cell_measures_every_config_in_rotating_passes_and_checks_outputs(monk
     # only the order of magnitude is known here.
     lo, hi = plain_rounds / (1.5 * sum(k_rounds.values())), plain_rounds / sum(k_rounds.values())
     assert lo / 2 < meta["predicted_vs_plain"] < hi * 2
+    # The table prices K = 0 and 2: the fixed K = 2 run too, not the K = 3 one. Plain's prefill is part of its run.
+    configs = rec.data["cells"]["toy b=2"]["configs"]
+    assert "predicted_vs_plain" in configs["model K=2"] and "predicted_vs_plain" not in configs["ngram K=3"]
+    assert 0 < configs["plain"]["prefill_seconds"] < configs["plain"]["first_run_seconds"]
 
 
 def test_grid_cell_lines_give_median_and_spread():

@@ -259,18 +259,20 @@ def prepare_cell(target, configs: Sequence[Config], batches: Sequence[Batch], ma
     so that no configuration attends over more slots than another.
 
     A goodput configuration also gets the cost table its policy chose from (``round_costs``: per batch, each K's
-    round cost relative to a plain step) and the cost model's prediction of its speed against plain decoding
-    (``predicted_vs_plain``): the rounds it ran at each K priced by that table, against plain decoding's rounds
-    (each batch's plain seconds as the unit; the table's K = 0 round taken as a plain step)."""
+    round cost relative to a plain step), and every speculative configuration whose draft lengths that table prices
+    gets the cost model's prediction of its speed against plain decoding (``predicted_vs_plain``,
+    ``predict_seconds``): plain's prefill, then its rounds at each K priced by the table in plain steps."""
     from jspec.decode import prepare
 
     scratch = max(c.nodes for c in configs) - 1
     costs = {c.name: {"compile_seconds": 0.0, "first_run_seconds": 0.0} for c in configs}
-    predicted: dict[str, float] = {}  # per goodput config: its predicted seconds over every batch
+    predicted: dict[str, float] = {}  # per priced config: its predicted seconds over every batch
     plain_seconds = 0.0
     for b in batches:
         need = max(len(p) for p in b.prompts) + max_new - 1 + scratch
         max_len = -(-need // 128) * 128
+        k_rounds: dict[str, dict[int, int]] = {}  # per config: its rounds at each K on this batch
+        table: dict[int, float] = {}  # the first goodput config's round costs, K -> plain steps
         for c in configs:
             prep = prepare(target.model, target.params, [list(p) for p in b.prompts], drafter=c.drafter,
                            draft_params=c.draft_params, gamma=c.gamma, max_new_tokens=max_new,
@@ -283,15 +285,25 @@ def prepare_cell(target, configs: Sequence[Config], batches: Sequence[Batch], ma
             b.prepared[c.name] = prep
             costs[c.name]["compile_seconds"] += t1 - t0
             costs[c.name]["first_run_seconds"] += t2 - t1
+            k_rounds[c.name] = dict(zip(prep.config.draft_lengths, out.stats["k_rounds"]))
             if c.name == "plain":
                 b.plain_tokens = out.tokens
-                plain_rounds, plain_s = sum(out.stats["k_rounds"]), t2 - t1
+                plain_s = t2 - t1
                 plain_seconds += plain_s
+                prefill_s = _prefill_seconds(prep, b.compiled[c.name])
             policy = prep.config.goodput
-            if policy is not None:  # greedy: the first run's rounds are every run's
+            if policy is not None:
                 costs[c.name].setdefault("round_costs", []).append(dict(zip(map(str, policy.ks), policy.costs)))
-                units = sum(n * cost for n, cost in zip(out.stats["k_rounds"], policy.costs))
-                predicted[c.name] = predicted.get(c.name, 0.0) + units / plain_rounds * plain_s
+                table = table or dict(zip(policy.ks, policy.costs))
+        # Greedy: the first run's rounds are every run's. A plain step's time is plain's decode time (its seconds
+        # past the prefill) over its rounds; a configuration's decode is its rounds priced in plain steps.
+        step_s = (plain_s - prefill_s) / max(1, sum(k_rounds["plain"].values()))
+        for c in configs:
+            if c.drafter is None or not table or not set(k_rounds[c.name]) <= set(table):
+                continue
+            units = sum(n * table[k] for k, n in k_rounds[c.name].items())
+            predicted[c.name] = predicted.get(c.name, 0.0) + prefill_s + units * step_s
+        costs["plain"]["prefill_seconds"] = costs["plain"].get("prefill_seconds", 0.0) + prefill_s
     for name, seconds in predicted.items():
         costs[name]["predicted_vs_plain"] = plain_seconds / seconds
     for name, cost in costs.items():
@@ -299,6 +311,23 @@ def prepare_cell(target, configs: Sequence[Config], batches: Sequence[Batch], ma
         log(f"    {name:<26} compiled in {cost['compile_seconds']:.1f} s, first run {cost['first_run_seconds']:.2f} s"
             f"{predicts}")  # fmt: skip
     return costs
+
+
+def _prefill_seconds(prep, compiled, repeats: int = 3) -> float:
+    """The median seconds of plain decoding's prefill on this batch: the same compiled call with a budget of one
+    new token (the prefill's), so that no round runs."""
+    import jax.numpy as jnp
+
+    inputs = dataclasses.replace(prep.inputs, max_new=jnp.ones_like(prep.inputs.max_new))
+    one = dataclasses.replace(prep, inputs=inputs)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = one.run(compiled)
+        times.append(time.perf_counter() - t0)
+    if sum(out.stats["rounds"]):
+        raise RuntimeError(f"a budget of one new token ran {sum(out.stats['rounds'])} rounds: not a prefill alone")
+    return statistics.median(times)
 
 
 def time_config(name: str, batches: Sequence[Batch], position: int) -> dict[str, Any]:
