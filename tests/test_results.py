@@ -291,3 +291,15 @@ def test_results_md_has_a_section_per_file_newest_first(tmp_path):
 def test_readme_without_markers_is_refused():
     with pytest.raises(ValueError, match="lacks the markers"):
         render.replace_table("# no table here\n", "x")
+
+
+def test_results_md_gives_the_rounds_at_each_k_the_cost_table_and_the_prediction():
+    data = synthetic(FIVE)
+    data["cells"][CELL]["configs"]["spec"].update(round_costs=[{"0": 1.0, "4": 1.5}], predicted_vs_plain=1.6)
+    for p in data["passes"]:  # the first pass is the one read: later passes' k_rounds must not be
+        for r in p["runs"]:
+            r["k_rounds"] = {"0": 3, "4": 5} if p["pass"] == 0 and r["config"] == "spec" else {"0": 9}
+    text = render.results_md([("docs/results/k.json", data)])
+    assert "| spec | 0:3 4:5 | 0:1.00 4:1.50 | 1.60x | 1.50x (1.10-3.00) |" in text
+    # Without any of them (a plain-only or fixed-K file that no table prices) there is no such table.
+    assert "Draft lengths and the cost model" not in render.results_md([("docs/results/f.json", synthetic(FIVE))])

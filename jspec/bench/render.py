@@ -244,6 +244,7 @@ def cell_section(cell: str, meta: dict[str, Any], summary: dict[str, Any], data:
         for name, r in summary["ratios"].items():
             by = " ".join("-" if x is None else f"{x:.2f}" for x in r["by_pass"])
             out.append(f"| {name} | {ratio_text(r)} | {r['n']} | {by} |")
+    out += cost_model_lines(cell, meta, data)
     problems = sorted({p for c in meta["configs"].values() for p in c.get("not_like_for_like") or ()})
     if problems:
         out += ["", f"No ratio against the peer: {'; '.join(problems)}."]
@@ -254,6 +255,37 @@ def cell_section(cell: str, meta: dict[str, Any], summary: dict[str, Any], data:
             runs = ", ".join(f"{r['config']} {r['tokens_per_s']:.1f}" for r in p["runs"])
             out.append(f"- pass {p['pass'] + 1}: {runs}")
     return out
+
+
+def cost_model_lines(cell: str, meta: dict[str, Any], data: dict[str, Any]) -> list[str]:
+    """The draft lengths each speculative configuration ran (rounds at each K, from the first pass: greedy runs
+    repeat), the goodput policy's cost table (per batch of the cell: each K's round cost in plain steps) and the
+    cost model's prediction against the measured median; empty where the file has none of them."""
+    first = {r["config"]: r for p in data["passes"] if p["cell"] == cell and p["pass"] == 0 for r in p["runs"]}
+    rows = []
+    for name, c in meta["configs"].items():
+        k_rounds = (first.get(name) or {}).get("k_rounds") or {}
+        if c.get("kind") != "jspec" or not (len(k_rounds) > 1 or "round_costs" in c or "predicted_vs_plain" in c):
+            continue
+        ks = " ".join(f"{k}:{n}" for k, n in k_rounds.items()) or "-"
+        table = "; ".join(" ".join(f"{k}:{x:.2f}" for k, x in t.items()) for t in c.get("round_costs", [])) or "-"
+        pred = c.get("predicted_vs_plain")
+        rows.append(f"| {name} | {ks} | {table} | {'-' if pred is None else f'{pred:.2f}x'} | "
+                    f"{ratio_text(find_ratio(data, cell, name, 'plain'))} |")  # fmt: skip
+    if not rows:
+        return []
+    head = [
+        "",
+        _wrap(
+            "Draft lengths and the cost model: rounds run at each K (K:rounds), the goodput policy's round costs "
+            "relative to a plain step (K:cost, per batch), and the cost model's prediction (plain's prefill, then "
+            "the rounds priced by that table) against the measured ratio."
+        ),
+        "",
+        "| config | rounds at K | round costs | predicted vs plain | measured vs plain |",
+        "|---|---|---|---|---|",
+    ]
+    return head + rows
 
 
 # --------------------------------------------------------------------------------------------------------
