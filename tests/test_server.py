@@ -9,6 +9,7 @@ one prefill width), so each compiles its two programs once; the references are o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -433,3 +434,128 @@ def test_http_benchmark_refuses_bad_flags_before_loading(argv, message, capsys, 
     with pytest.raises(SystemExit) as e:
         main([*argv, "--out", str(tmp_path / "out"), "--record", str(tmp_path / "r.json")])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.fast
+def test_http_benchmark_drafters_are_the_grids_spellings():
+    from types import SimpleNamespace
+
+    from jspec.bench.http_bench import http_specs, parse_drafters, server_drafter_args
+
+    assert [c.name for c in parse_drafters(None, None, False)] == ["ngram K=4"]
+    assert [c.name for c in parse_drafters(None, 3, False)] == ["ngram K=3"]
+    choices = parse_drafters("ngram:2, ngram:goodput", None, False)
+    assert [c.name for c in choices] == ["ngram K=2", "ngram goodput K<=4"]
+    target = SimpleNamespace(model=SimpleNamespace(vocab_size=50))
+    plain, fixed, goodput = http_specs(target, choices)
+    assert [s.label for s in (plain, fixed, goodput)] == ["plain", "ngram K=2", "ngram goodput K<=4"]
+    assert (goodput.goodput, goodput.engine_gamma, fixed.engine_gamma) == (True, None, 2)
+    ngram = ["--drafter", "ngram", "--ngram-max", "3", "--ngram-min", "1"]
+    assert server_drafter_args(plain) == ["--drafter", "none"]
+    assert server_drafter_args(fixed) == [*ngram, "--gamma", "2"]
+    assert server_drafter_args(goodput) == [*ngram, "--goodput"]
+    (adaptive,) = http_specs(target, parse_drafters("ngram", None, True), adaptive=True)[1:]
+    assert server_drafter_args(adaptive) == [*ngram, "--gamma", "4", "--adaptive"]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--drafters", "eagle:2"], "this benchmark runs the n-gram drafter"),
+        (["--drafters", "ngram:x"], "K must be an integer >= 1"),
+        (["--drafters", "ngram,ngram:4"], "ngram K=4 is given twice"),
+        (["--drafters", "ngram:goodput", "--adaptive"], "--adaptive with 'ngram:goodput'"),
+        (["--drafters", "ngram:2", "--gamma", "3"], "--gamma and --drafters both set K"),
+    ],
+)
+def test_http_benchmark_refuses_bad_drafters_before_loading(argv, message, capsys, tmp_path):
+    from jspec.bench.http_bench import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--out", str(tmp_path / "out"), "--record", str(tmp_path / "r.json")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def _fake_run(spec, transport: str, n: int, ms: float):
+    """A run's result as the HTTP and in-process runners return it, with made-up numbers (no model)."""
+    from jspec.bench.metrics import RequestRecord
+    from jspec.bench.runspec import Load, RunResult, Sampling
+
+    recs = [RequestRecord(f"r{i}", "chat", 4, 0.0) for i in range(2)]
+    for r in recs:
+        r.tokens, r.stop_reason, r.finished = [1, 2, 3], "max_new_tokens", 1.0
+    dist = {"median": ms, "p95": 2 * ms}
+    summary = {"request_set": "x", "submitted": 2, "finished": 2, "errors": 0, "timeouts": 0, "not_run": 0,
+               "output_tokens": 6, "wall_s": 1.0 + n, "output_tokens_per_s": 6 / (1.0 + n),
+               "decode_tokens_per_s": 10.0 + n, "finished_requests_per_s": 2 / (1.0 + n), "ttft_ms": dist,
+               "itl_ms": dist, "itl_nonzero_ms": dist, "tpot_ms": dist}  # fmt: skip
+    return RunResult(spec, Load.open(1.0, 2), Sampling(), 3, recs, summary, {"tokens_per_round": 1.0}, {}, {},
+                     extra={"transport": transport})  # fmt: skip
+
+
+@pytest.mark.fast
+def test_http_benchmark_passes_alternate_and_each_is_recorded(tmp_path):
+    """Three passes over plain and a goodput configuration, each over HTTP and in-process, with a fake runner:
+    the pairs swap places and their members swap order from pass to pass, every pass lands in the record (its
+    seed record too), and the comparisons give each field's median over the passes."""
+    from types import SimpleNamespace
+
+    from jspec.bench import record, serving_record
+    from jspec.bench.http_bench import HTTP, IN_PROCESS, comparisons, http_specs, parse_drafters, run_passes
+
+    target = SimpleNamespace(model=SimpleNamespace(vocab_size=50))
+    plain, goodput = http_specs(target, parse_drafters("ngram:goodput", None, False))
+    groups = [[(s, HTTP), (s, IN_PROCESS)] for s in (plain, goodput)]
+    order: list[str] = []
+
+    def fake(spec, transport):
+        order.append(f"{spec.label}/{transport}")
+        return _fake_run(spec, transport, len(order), ms=float(len(order)))
+
+    first = run_passes(groups, 3, fake, log=lambda *_: None)
+    p, g = "plain", "ngram goodput K<=4"
+    assert order == [
+        f"{p}/http", f"{p}/in-process", f"{g}/http", f"{g}/in-process",
+        f"{g}/in-process", f"{g}/http", f"{p}/in-process", f"{p}/http",
+        f"{p}/http", f"{p}/in-process", f"{g}/http", f"{g}/in-process",
+    ]  # fmt: skip
+    assert len(first) == 4
+    for (label, transport), r in first.items():
+        passes = r.extra["passes"]
+        assert [x["pass"] for x in passes] == [0, 1, 2]
+        assert [x["position"] for x in passes] == [order.index(f"{label}/{transport}", 4 * i) - 4 * i for i in range(3)]
+        assert all(x["seed_record"]["itl_ms_p95"] > 0 and x["same_tokens_as_first_pass"] for x in passes)
+    comp = comparisons(first)
+    assert comp["median_over_passes"][f"{g} (http)"]["passes"] == 3
+    assert comp["median_over_passes"][f"{g} (http)"]["itl_ms_p50"] == 6.0  # passes at ms 3, 6, 11
+    assert set(comp["goals"]) == set(comp["speculative_vs_plain_http"]) == {g}
+    assert set(comp["http_overhead"]) == {p, g}
+    for r in first.values():  # the runner labels a run with its transport
+        r.spec = dataclasses.replace(r.spec, label=f"{r.spec.label} ({r.extra['transport']})")
+    rec = record.Record("serving-http", "test", {}, str(tmp_path / "r.json"))
+    serving_record.add_runs(rec, list(first.values()))
+    assert [len(p["runs"]) for p in rec.data["passes"]] == [4, 4, 4]
+
+
+@pytest.mark.fast
+def test_the_in_process_runner_serves_a_goodput_spec(tmp_path, monkeypatch):
+    """The benchmark's in-process side of ``ngram:goodput``: the engine chooses K each round from a measured cost
+    table (goodput=True, K up to 4) and its greedy tokens are plain decoding's (toy model)."""
+    from test_decode_core import TARGET, TARGET_PARAMS
+
+    from jspec.bench import runner
+    from jspec.bench.runspec import Job, Load, Spec
+
+    monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))  # the measured table goes here, not to ~/.cache
+    jobs = [Job("a", "w", (0, 1, 2, 1, 0, 1, 2)), Job("b", "w", (2, 2, 1))]
+    ngram = NgramDrafter(vocab_size=TARGET.vocab_size)
+    kw = dict(max_new_tokens=12, max_len=128, bucket=16, warmup=False, freeze_gc=False)  # the profile needs ~80 slots
+    plain = runner.run(TARGET, TARGET_PARAMS, Spec("plain"), Load.closed(2), jobs, **kw)
+    spec = Spec("ngram goodput K<=4", ngram, goodput=True)
+    r = runner.run(TARGET, TARGET_PARAMS, spec, Load.closed(2), jobs, **kw)
+    assert r.tokens_by_id() == plain.tokens_by_id() and len(r.tokens_by_id()) == 2
+    assert r.engine["draft_lengths"] == [0, 1, 2, 4] and sum(r.engine["k_rounds"]) > 0
+    assert r.spec.describe()["goodput"] is True
+    with pytest.raises(ValueError, match="goodput .* needs no adaptive policy"):
+        Spec("x", ngram, goodput=True, adaptive=True)

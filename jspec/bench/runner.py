@@ -54,13 +54,14 @@ def _engine(
         max_len=max_len,
         drafter=spec.drafter,
         draft_params=spec.draft_params,
-        gamma=spec.gamma,
+        gamma=spec.engine_gamma,
         eos_ids=tuple(eos_ids),
         block_verify=spec.block_verify,
         adaptive=spec.adaptive,
         bucket=bucket,
         seed=seed,
         rounds_per_sync=rounds_per_sync,
+        goodput=spec.goodput or None,
     )
     # A fresh Engine's state has a weak-typed leaf (its ``stop`` row flags) that the first insert or step
     # makes strong, so each engine function would compile twice; strengthening it up front compiles once.
@@ -391,6 +392,9 @@ def run(
         "max_len": max_len,
         "bucket": bucket,
         "gamma": k,
+        # The K a round could choose and the engine rounds run at each (goodput: several; else one).
+        "draft_lengths": list(engine.config.draft_lengths),
+        "k_rounds": (np.asarray(st.k_rounds) - np.asarray(stats0.k_rounds)).tolist(),
         "rounds_per_sync": rounds_per_sync,
         "step_ms": metrics.dist_summary(step_times, 1e3),
         "prefill_insert_ms": metrics.dist_summary(add_times, 1e3),

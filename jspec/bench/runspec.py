@@ -43,7 +43,8 @@ class Spec:
     ``drafter`` must be hashable (it is a static argument of the jitted loop); ``draft_params`` is its pytree
     (excluded from equality and hashing). ``kind`` is "plain", "chain" or "tree"; ``label`` names the row in
     tables ("ngram K=4"); ``peer`` maps to the peer technique measured against it ("plain", "prompt_lookup",
-    "assisted")."""
+    "assisted"). ``goodput``: K chosen each round up to ``gamma`` from measured round costs (the engine's
+    ``goodput=True``; ``gamma`` is then the largest K, not a fixed one)."""
 
     label: str
     drafter: Any = None
@@ -52,13 +53,24 @@ class Spec:
     adaptive: Any = None
     block_verify: bool = False
     peer: str | None = None
+    goodput: bool = False
 
     def __post_init__(self):  # adaptive as decode and Engine take it: True = the default AdaptiveK, False = none
         object.__setattr__(self, "adaptive", adaptive_policy(self.adaptive))
+        if not isinstance(self.goodput, bool):
+            raise ValueError(f"{self.label}: goodput must be True or False, got {self.goodput!r}")
+        if self.goodput and (self.drafter is None or self.adaptive is not None):
+            what = "a drafter" if self.drafter is None else "no adaptive policy (it chooses K itself)"
+            raise ValueError(f"{self.label}: goodput (K chosen each round from measured costs) needs {what}")
         if self.gamma is None:  # the K decode takes when none is given: 0 plain, a tree's depth, else 4
             d = self.drafter
             k = 0 if d is None else d.max_depth if d.is_tree else DEFAULT_GAMMA
             object.__setattr__(self, "gamma", k)
+
+    @property
+    def engine_gamma(self) -> int | None:
+        """The ``gamma`` the engine takes: None with goodput (the policy's largest K is its default, 4)."""
+        return None if self.goodput else self.gamma
 
     @property
     def kind(self) -> str:
@@ -77,6 +89,7 @@ class Spec:
             "adaptive": None if self.adaptive is None else dataclasses.asdict(self.adaptive),
             "block_verify": self.block_verify,
             "peer": self.peer,
+            "goodput": self.goodput,
         }
 
 
@@ -205,12 +218,21 @@ def plain_spec() -> Spec:
     return Spec("plain", peer="plain")
 
 
-def ngram_spec(target: Target, gamma: int = 4, max_ngram: int = 3, min_ngram: int = 1, adaptive=None) -> Spec:
+def ngram_spec(target: Target, gamma: int = 4, max_ngram: int = 3, min_ngram: int = 1, adaptive=None,
+               goodput: bool = False) -> Spec:  # fmt: skip
+    """The n-gram drafter at K = ``gamma``; with ``goodput`` K is chosen each round up to ``gamma`` (labelled as
+    the grid labels it, "ngram goodput K<=4")."""
     from jspec.ngram import NgramDrafter
 
+    if goodput and gamma != DEFAULT_GAMMA:  # the engine's goodput=True chooses among K up to its default K
+        raise ValueError(f"goodput chooses K up to {DEFAULT_GAMMA} (the engine's default), not up to {gamma}")
     d = NgramDrafter(max_ngram, min_ngram, vocab_size=target.model.vocab_size)
     variant = (max_ngram, min_ngram) != (3, 1)
-    label = f"ngram K={gamma}" + (f" n={max_ngram}..{min_ngram}" if variant else "")
+    label = (f"ngram goodput K<={gamma}" if goodput else f"ngram K={gamma}") + (
+        f" n={max_ngram}..{min_ngram}" if variant else ""
+    )
+    if goodput:  # no peer runs a goodput-chosen K
+        return Spec(label, d, gamma, None, adaptive=adaptive, goodput=True)
     # Compared with the peers' prompt lookup only when configured like it (n-grams 3..1); K is checked where the
     # peers' K is known: ``headline`` and ``tables.peers_table`` give no ratio against a peer that ran another K
     # (``ratios.ratio_blockers``).
