@@ -25,7 +25,9 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 
 # RoPE frequency scalings that run exactly as transformers computes them (modeling_rope_utils): "linear" divides
 # every frequency by ``factor``; "llama3" divides the low frequencies by it and interpolates the middle band.
-ROPE_SCALINGS = ("linear", "llama3")
+# "factors" divides frequency i by ``factors[i]``: llama.cpp's per-frequency form (a GGUF file's rope_freqs tensor,
+# which is how its converter stores llama3's scaling), carried as the file gives it rather than re-derived.
+ROPE_SCALINGS = ("linear", "llama3", "factors")
 
 
 def canonical_dtype(dtype: Any) -> str:
@@ -47,19 +49,31 @@ class RopeScaling:
     """How the RoPE frequencies of a layer are scaled. kind: one of ``ROPE_SCALINGS``; factor: the divisor;
     low_freq_factor / high_freq_factor / original_max_positions: llama3's band edges (wavelengths longer than
     original_max_positions / low_freq_factor are divided by factor, shorter than original_max_positions /
-    high_freq_factor kept, those between interpolated)."""
+    high_freq_factor kept, those between interpolated). factors: kind "factors" only, one divisor per rotation
+    frequency ([head_dim / 2], a tuple so the config stays hashable); ``factor`` is unused there (1.0)."""
 
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
+    factors: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.kind not in ROPE_SCALINGS:
             raise ValueError(f"RoPE scaling '{self.kind}' is not supported (supported: {', '.join(ROPE_SCALINGS)})")
         if not self.factor > 0:
             raise ValueError(f"RoPE scaling factor must be > 0, got {self.factor}")
+        # A list read back from JSON (dataclasses.asdict) becomes a tuple again: the config keys the jit cache.
+        object.__setattr__(self, "factors", tuple(float(f) for f in self.factors))
+        if (self.kind == "factors") != bool(self.factors):
+            raise ValueError(
+                f"RoPE scaling '{self.kind}' with {len(self.factors)} factors: kind 'factors' needs them, others "
+                "take none"
+            )
+        bad = [f for f in self.factors if not (math.isfinite(f) and f > 0)]
+        if bad:
+            raise ValueError(f"RoPE frequency factors must be finite and > 0, got {bad[0]}")
         if self.kind == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor):
             raise ValueError(
                 f"llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor, got {self.low_freq_factor} "
@@ -132,6 +146,12 @@ class LlamaConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        factors = self.rope_scaling.factors if self.rope_scaling is not None else ()
+        if factors and len(factors) != self.head_dim // 2:
+            raise ValueError(
+                f"{len(factors)} RoPE frequency factors for head_dim={self.head_dim}: one per rotation frequency "
+                f"({self.head_dim // 2})"
+            )
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation '{self.activation}' is not supported (supported: {', '.join(ACTIVATIONS)})")
         layers = self.sliding_layers

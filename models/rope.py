@@ -1,5 +1,6 @@
 """Rotary position embeddings in the rotate-half (GPT-NeoX / Hugging Face) layout, with the frequency scalings of
-``models.config.ROPE_SCALINGS`` computed as transformers computes them (``modeling_rope_utils``), in float32.
+``models.config.ROPE_SCALINGS`` computed as transformers computes them (``modeling_rope_utils``), in float32 (and
+llama.cpp's per-frequency factors as a GGUF file stores them).
 
 The GGUF loader undoes llama.cpp's row permutation so that both checkpoint formats share this one layout.
 """
@@ -21,6 +22,8 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) ->
         return freq
     if scaling.kind == "linear":
         return freq / scaling.factor
+    if scaling.kind == "factors":  # llama.cpp's rope_freqs: each frequency divided by its own factor
+        return freq / jnp.asarray(scaling.factors, jnp.float32)
     # llama3: long wavelengths (past the original context / low_freq_factor) are slowed by ``factor``, short ones
     # (under the original context / high_freq_factor) kept, and the band between interpolated smoothly.
     old = scaling.original_max_positions
