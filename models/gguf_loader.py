@@ -1,4 +1,5 @@
-"""Load a Llama-family GGUF file (llama.cpp's format) into ``LlamaConfig`` + params.
+"""Load a GGUF file (llama.cpp's format) of the Llama, Qwen2/Qwen3 or Gemma 2/Gemma 3 (text) architectures into
+``LlamaConfig`` + params.
 
 Pure steps: read (``open_gguf``) -> config from metadata (``config_from_gguf``) -> check every tensor name,
 type and shape -> dequantise -> rename to the Hugging Face layout, undoing llama.cpp's Q/K row permutation
@@ -6,12 +7,16 @@ type and shape -> dequantise -> rename to the Hugging Face layout, undoing llama
 
 llama.cpp's converter permutes the rows of Q and K (per head, from rotate-half order to interleaved pairs)
 because its "llama" RoPE rotates adjacent pairs. We invert that permutation here so the model keeps a single
-rotate-half RoPE for both checkpoint formats. Qwen2/Qwen3 files are not permuted (llama.cpp uses NeoX RoPE there).
+rotate-half RoPE for both checkpoint formats. Qwen2/Qwen3 and Gemma files are not permuted (llama.cpp uses NeoX
+RoPE there). Llama 3.1/3.2's RoPE scaling is a tensor, rope_freqs.weight (one divisor per rotation frequency), read
+into the config. Gemma's metadata leaves some quantities to llama.cpp's fixed rules (``_gemma_fields``): they are
+followed where they match the published models, and a file they do not settle is refused by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
@@ -26,15 +31,27 @@ from models.checkpoint import (
     hf_expected_shapes,
     params_from_hf_layout,
 )
+from models.config import RopeScaling
 from models.llama import LlamaConfig, Params, canonical_dtype
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-# Architectures whose GGUF metadata does not say how to run them exactly, refused with the reason.
-_REFUSED_ARCHITECTURES = {
-    arch: "the file does not carry the query scale (query_pre_attn_scalar; llama.cpp guesses it from the model "
-    "size) nor, in older files, which layers slide: load the Hugging Face directory instead"
-    for arch in ("gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+GEMMA = ("gemma2", "gemma3")
+
+# What llama.cpp (src/llama-model.cpp, load_hparams) fixes for Gemma files rather than reading it from them:
+# which layers slide (every ``period``-th layer from the ``period``-th is global: layer i slides when
+# i % period < period - 1), and the query scale, chosen by the layer count. Its 27B sizes scale by
+# (hidden / heads)^-1/2, every other size by head_dim^-1/2; the published configs' query_pre_attn_scalar is exactly
+# that (27B: 144 = 4608 / 32 and 168 = 5376 / 32; the others 256 = head_dim). Layer counts of published sizes
+# (Gemma 3 270M's 18 is outside llama.cpp's list and gets its head_dim rule, which its config also matches).
+_GEMMA_SLIDING_PERIOD = {"gemma2": 2, "gemma3": 6}
+_GEMMA_SIZES = {
+    "gemma2": {26: "2B", 42: "9B", 46: "27B"},
+    "gemma3": {18: "270M", 26: "1B", 34: "4B", 48: "12B", 62: "27B"},
 }
+# Gemma 2's soft caps when the file names none (llama-hparams.h; transformers' Gemma2Config has the same).
+_GEMMA2_CAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+_GEMMA2_WINDOW = 4096  # llama.cpp's Gemma 2 window when the file names none (transformers' default too)
+_GEMMA3_LOCAL_THETA = 10000.0  # llama.cpp's RoPE base of Gemma 3's sliding layers, whatever the file says
 
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -55,6 +72,8 @@ _LAYER_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "ffn_post_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -63,11 +82,15 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weig
 _TOP_NAMES["lm_head.weight"] = "output.weight"
 
 
-def gguf_name(hf_name: str) -> str:
-    """Hugging Face tensor name -> llama.cpp tensor name."""
+def gguf_name(hf_name: str, post_norms: bool = False) -> str:
+    """Hugging Face tensor name -> llama.cpp tensor name. post_norms (Gemma): HF's post_attention_layernorm is the
+    norm on the attention output there (llama.cpp's attn_post_norm), and pre_feedforward_layernorm the MLP's
+    input norm (ffn_norm, Llama's post_attention_layernorm)."""
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)  # model.layers.N.rest
+    if post_norms and rest == "post_attention_layernorm.weight":
+        return f"blk.{layer}.attn_post_norm.weight"
     return f"blk.{layer}.{_LAYER_NAMES[rest]}"
 
 
@@ -109,28 +132,11 @@ def _field(gf: GGUFFile, key: str, default=None, required: bool = True):
 
 
 def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> LlamaConfig:
-    """Config step: read the architecture hyper-parameters from GGUF metadata."""
+    """Config step: read the architecture hyper-parameters from GGUF metadata (and Llama 3's rope_freqs tensor)."""
     arch = _field(gf, "general.architecture")
-    if arch in _REFUSED_ARCHITECTURES:
-        raise CheckpointError(
-            f"{gf.path}: architecture '{arch}' is not supported from GGUF: {_REFUSED_ARCHITECTURES[arch]}"
-        )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"{gf.path}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    scaling = _field(gf, f"{arch}.rope.scaling.type", required=False)
-    if scaling not in (None, "none"):
-        raise CheckpointError(f"{gf.path}: RoPE scaling '{scaling}' is not supported")
-    # llama.cpp scales positions linearly by these factors even without a scaling type: refused, not ignored.
-    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
-        factor = _field(gf, key, required=False)
-        if factor not in (None, 0, 0.0, 1, 1.0):
-            raise CheckpointError(f"{gf.path}: RoPE scaling factor {key}={factor} is not supported")
-    # Llama-3.1/3.2 files carry their frequency scaling as a tensor, not as metadata.
-    if any(t.name == "rope_freqs.weight" for t in gf.reader.tensors):
-        raise CheckpointError(
-            f"{gf.path}: RoPE frequency scaling (tensor rope_freqs.weight, Llama-3.1) is not supported"
         )
     hidden = int(_field(gf, f"{arch}.embedding_length"))
     num_layers = int(_field(gf, f"{arch}.block_count"))
@@ -143,6 +149,9 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
     rot = int(_field(gf, f"{arch}.rope.dimension_count", head_dim))
     if rot != head_dim:
         raise CheckpointError(f"{gf.path}: partial RoPE ({rot} of {head_dim} dims) is not supported")
+    value_dim = int(_field(gf, f"{arch}.attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise CheckpointError(f"{gf.path}: value heads of {value_dim} dims for key heads of {head_dim}: not supported")
     embd = next((t for t in gf.reader.tensors if t.name == "token_embd.weight"), None)
 
     def meta(key):
@@ -154,27 +163,167 @@ def config_from_gguf(gf: GGUFFile, dtype="float32", name: str | None = None) -> 
         vocab = len(tokens.data) if tokens is not None else (int(embd.shape[1]) if embd is not None else None)
     if vocab is None:
         raise CheckpointError(f"{gf.path}: cannot tell the vocabulary size (no {arch}.vocab_size, no tokens)")
-    return LlamaConfig(
-        vocab_size=int(vocab),
-        hidden=hidden,
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        ffn=_per_layer(gf, f"{arch}.feed_forward_length", num_layers),
-        rope_theta=float(_field(gf, f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(_field(gf, f"{arch}.attention.layer_norm_rms_epsilon")),
-        tie_embeddings=not any(t.name == "output.weight" for t in gf.reader.tensors),
-        qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
-        # Ids outside the vocabulary are None, as llama.cpp ignores them (checkpoint.gguf_special_id).
-        bos_id=gguf_special_id(meta, "bos"),
-        eos_id=gguf_special_id(meta, "eos"),
-        eos_ids=gguf_end_ids(meta),  # as llama.cpp: by id and by text
-        dtype=canonical_dtype(dtype),
-        name=name or _field(gf, "general.name", "", required=False) or arch,
-        max_positions=_optional_int(_field(gf, f"{arch}.context_length", required=False)),
+    rope_theta = float(_field(gf, f"{arch}.rope.freq_base", 10000.0))
+    family = _gemma_fields(gf, arch, num_layers, hidden, heads, head_dim, rope_theta) if arch in GEMMA else {}
+    try:
+        return LlamaConfig(
+            vocab_size=int(vocab),
+            hidden=hidden,
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            ffn=_per_layer(gf, f"{arch}.feed_forward_length", num_layers),
+            rope_theta=rope_theta,
+            rms_eps=float(_field(gf, f"{arch}.attention.layer_norm_rms_epsilon")),
+            # llama.cpp's Gemma 2 always multiplies by the embedding; an output.weight is then an unexpected tensor.
+            tie_embeddings=arch == "gemma2" or not any(t.name == "output.weight" for t in gf.reader.tensors),
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch in ("qwen3", "gemma3"),
+            # Ids outside the vocabulary are None, as llama.cpp ignores them (checkpoint.gguf_special_id).
+            bos_id=gguf_special_id(meta, "bos"),
+            eos_id=gguf_special_id(meta, "eos"),
+            eos_ids=gguf_end_ids(meta),  # as llama.cpp: by id and by text
+            dtype=canonical_dtype(dtype),
+            name=name or _field(gf, "general.name", "", required=False) or arch,
+            max_positions=_optional_int(_field(gf, f"{arch}.context_length", required=False)),
+            rope_scaling=_rope_scaling(gf, arch, head_dim),
+            **family,
+        )
+    except CheckpointError:
+        raise
+    except ValueError as e:  # a value the config refuses (a soft cap of 0, a window of 0, ...), named
+        raise CheckpointError(f"{gf.path}: {e}") from e
+
+
+def _rope_scaling(gf: GGUFFile, arch: str, head_dim: int) -> RopeScaling | None:
+    """The full-attention layers' RoPE scaling as llama.cpp applies it: a linear factor (Gemma 3's global layers;
+    llama.cpp divides positions by rope.scaling.factor, else the older rope.scale_linear, whatever the scaling
+    type), or Llama 3's per-frequency factors (the rope_freqs tensor). Anything else is refused by name."""
+    kind = _field(gf, f"{arch}.rope.scaling.type", required=False)
+    linear_ok = arch == "gemma3"
+    if kind not in (None, "none") and not (linear_ok and kind == "linear"):
+        raise CheckpointError(f"{gf.path}: RoPE scaling '{kind}' is not supported")
+    factors = {}
+    for key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+        factor = _field(gf, key, required=False)
+        if factor not in (None, 0, 0.0, 1, 1.0):
+            factors[key] = factor
+    if factors and not linear_ok:  # llama.cpp scales positions by these even without a type: refused, not ignored
+        key, factor = next(iter(factors.items()))
+        raise CheckpointError(f"{gf.path}: RoPE scaling factor {key}={factor} is not supported")
+    if len(set(factors.values())) > 1:  # llama.cpp reads the first; a file that disagrees with itself is refused
+        raise CheckpointError(f"{gf.path}: RoPE scaling factors disagree: {factors}")
+    freqs = next((t for t in gf.reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None and arch != "llama":  # llama.cpp reads rope_freqs only for the Llama architecture here
+        raise CheckpointError(f"{gf.path}: tensor rope_freqs.weight in a '{arch}' file, whose RoPE does not read it")
+    if factors:
+        factor = float(next(iter(factors.values())))
+        if not (math.isfinite(factor) and factor > 0):
+            raise CheckpointError(f"{gf.path}: RoPE scaling factor must be a positive number, got {factor}")
+        return RopeScaling("linear", factor)
+    if freqs is None:
+        return None
+    # Llama 3.1/3.2: llama.cpp's converter turns HF's llama3 scaling into one divisor per rotation frequency (1 for
+    # short wavelengths, the factor for long ones, interpolated between), and llama.cpp's RoPE divides frequency i
+    # by factor i. Read as stored, so the model runs the file's frequencies, not a re-derivation of them.
+    shape = tuple(int(x) for x in reversed(freqs.shape.tolist()))
+    if shape != (head_dim // 2,):
+        raise CheckpointError(
+            f"{gf.path}: tensor 'rope_freqs.weight' has shape {shape}, expected ({head_dim // 2},): one RoPE "
+            f"frequency factor per rotation frequency (head_dim {head_dim} / 2)"
+        )
+    values = _dequantized(gf, freqs, shape)
+    bad = values[~(np.isfinite(values) & (values > 0))]
+    if bad.size:
+        raise CheckpointError(f"{gf.path}: tensor 'rope_freqs.weight' has factor {bad[0]}: they must be finite and > 0")
+    return RopeScaling("factors", 1.0, factors=tuple(float(v) for v in values))
+
+
+def _gemma_fields(gf: GGUFFile, arch: str, num_layers: int, hidden: int, heads: int, head_dim: int, theta: float):
+    """The LlamaConfig fields of a Gemma 2 / Gemma 3 file, as llama.cpp runs it (its converter has already stored
+    the RMSNorm weights as 1 + w and left Q/K unpermuted: NeoX RoPE). What the file leaves to llama.cpp's fixed
+    rules (the query scale, which layers slide, Gemma 3's local RoPE base) is taken from those rules where they
+    match the published models, and a file whose metadata says otherwise is refused: llama.cpp versions differ on
+    reading those keys."""
+
+    def meta(key, default=None):
+        return _field(gf, f"{arch}.{key}", default, required=False)
+
+    per_head = hidden // heads  # llama.cpp: n_embd / n_head, in integers
+    size = _GEMMA_SIZES[arch].get(num_layers)
+    if size == "27B":
+        dim = per_head
+    elif size is not None or per_head * heads == hidden == head_dim * heads:
+        dim = head_dim  # a published size's rule, or a shape where both of llama.cpp's rules give the same scale
+    else:
+        raise CheckpointError(
+            f"{gf.path}: cannot tell the query scale of a {num_layers}-layer {arch} model: the file does not carry "
+            f"query_pre_attn_scalar, llama.cpp picks it by layer count (head_dim {head_dim} for the published "
+            f"sizes {', '.join(f'{n} layers' for n, s in _GEMMA_SIZES[arch].items() if s != '27B')}, hidden / heads "
+            f"{per_head} for 27B's {[n for n, s in _GEMMA_SIZES[arch].items() if s == '27B'][0]}), and for this shape "
+            "the two differ: load the Hugging Face directory instead"
+        )
+    scale = float(dim) ** -0.5
+    stated = meta("attention.scale")  # llama.cpp's Gemma does not read it: it must not say otherwise
+    if stated is not None and not math.isclose(float(stated), scale, rel_tol=1e-6):
+        raise CheckpointError(
+            f"{gf.path}: {arch}.attention.scale={stated}, but llama.cpp scales this model's queries by {dim}^-1/2 "
+            f"= {scale:.6g} (and ignores the key)"
+        )
+    for key in ("attention.key_length_swa", "attention.value_length_swa", "rope.dimension_count_swa"):
+        if meta(key) not in (None, head_dim):
+            raise CheckpointError(f"{gf.path}: {arch}.{key}={meta(key)}: sliding layers of another head width")
+    if arch == "gemma2":
+        caps = {k: float(meta(k, v)) for k, v in _GEMMA2_CAPS.items()}
+        window = int(meta("attention.sliding_window", _GEMMA2_WINDOW))
+        local = meta("rope.freq_base_swa")
+        if local is not None and float(local) != theta:  # older llama.cpp runs every Gemma 2 layer at freq_base
+            raise CheckpointError(f"{gf.path}: gemma2.rope.freq_base_swa={local} differs from freq_base={theta}")
+        local_theta = None
+    else:
+        for key in _GEMMA2_CAPS:  # transformers' and llama.cpp's sliding Gemma 3 apply neither
+            if meta(key) is not None:
+                raise CheckpointError(f"{gf.path}: gemma3.{key}={meta(key)} (a cap Gemma 3 does not apply)")
+        caps = {k: None for k in _GEMMA2_CAPS}
+        window = int(meta("attention.sliding_window", 0))
+        if window <= 0:  # llama.cpp versions differ on such a file (required key; or full attention everywhere)
+            raise CheckpointError(f"{gf.path}: a Gemma 3 file without gemma3.attention.sliding_window is not supported")
+        local = meta("rope.freq_base_swa")
+        if local is not None and float(local) != _GEMMA3_LOCAL_THETA:
+            raise CheckpointError(
+                f"{gf.path}: gemma3.rope.freq_base_swa={local}: llama.cpp runs Gemma 3's sliding layers at RoPE base "
+                f"{_GEMMA3_LOCAL_THETA:g} whatever the file says"
+            )
+        local_theta = _GEMMA3_LOCAL_THETA
+    period = _GEMMA_SLIDING_PERIOD[arch]
+    sliding = tuple(i for i in range(num_layers) if i % period < period - 1)
+    pattern = meta("attention.sliding_window_pattern")
+    if pattern is not None and _pattern_layers(pattern, num_layers) != sliding:
+        raise CheckpointError(
+            f"{gf.path}: {arch}.attention.sliding_window_pattern={pattern} makes other layers slide than llama.cpp's "
+            f"fixed {arch} rule (layers {sliding}), and llama.cpp versions differ on reading it"
+        )
+    return dict(
+        sliding_window=window,
+        sliding_layers=sliding,
+        local_rope_theta=local_theta,
+        post_norms=True,
+        activation="gelu_tanh",
+        embed_scale=hidden**0.5,
+        attn_scale=scale,
+        attn_softcap=caps["attn_logit_softcapping"],
+        final_softcap=caps["final_logit_softcapping"],
     )
+
+
+def _pattern_layers(pattern, num_layers: int) -> tuple[int, ...] | None:
+    """The sliding layers a sliding_window_pattern names: a period (llama.cpp's set_swa_pattern: 0 is every layer)
+    or one flag per layer; None for anything else."""
+    if isinstance(pattern, (list, tuple)):
+        return tuple(i for i, s in enumerate(pattern) if s) if len(pattern) == num_layers else None
+    p = int(pattern)
+    return tuple(i for i in range(num_layers) if p == 0 or i % p < p - 1)
 
 
 def _per_layer(gf: GGUFFile, key: str, num_layers: int, default=None) -> int:
@@ -212,9 +361,11 @@ def params_from_gguf(gf: GGUFFile, cfg: LlamaConfig) -> Params:
     arch = _field(gf, "general.architecture")
     by_name = {t.name: t for t in gf.reader.tensors}
     hf_shapes = hf_expected_shapes(cfg)
-    expected = {gguf_name(n): s for n, s in hf_shapes.items()}
-    # GGUF lists dims fastest-first; reversed they are numpy's (out, in).
+    expected = {gguf_name(n, cfg.post_norms): s for n, s in hf_shapes.items()}
+    # GGUF lists dims fastest-first; reversed they are numpy's (out, in). rope_freqs is in the config already.
     got = {n: tuple(int(x) for x in reversed(t.shape.tolist())) for n, t in by_name.items()}
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "factors":
+        got.pop("rope_freqs.weight", None)
     check_tensors(str(gf.path), expected, got)
     for n in expected:
         ttype = GGMLQuantizationType(int(by_name[n].tensor_type))
@@ -223,9 +374,8 @@ def params_from_gguf(gf: GGUFFile, cfg: LlamaConfig) -> Params:
             raise CheckpointError(f"{gf.path}: tensor '{n}' has type {ttype.name}; supported: {supported}")
 
     def get(hf_name: str) -> np.ndarray:
-        name = gguf_name(hf_name)
-        t = by_name[name]
-        w = dequantize(t.data, GGMLQuantizationType(int(t.tensor_type))).reshape(expected[name])
+        name = gguf_name(hf_name, cfg.post_norms)
+        w = _dequantized(gf, by_name[name], expected[name])
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_rope_rows(w, cfg.num_heads)
         elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -233,6 +383,15 @@ def params_from_gguf(gf: GGUFFile, cfg: LlamaConfig) -> Params:
         return w
 
     return params_from_hf_layout(cfg, get)
+
+
+def _dequantized(gf: GGUFFile, t, shape: tuple[int, ...]) -> np.ndarray:
+    """One tensor's values as float32 numpy in ``shape`` (numpy order), refusing a type this loader does not read."""
+    ttype = GGMLQuantizationType(int(t.tensor_type))
+    if ttype not in SUPPORTED_TYPES:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise CheckpointError(f"{gf.path}: tensor '{t.name}' has type {ttype.name}; supported: {supported}")
+    return dequantize(t.data, ttype).reshape(shape)
 
 
 def load_gguf(path: str | os.PathLike, dtype="float32") -> tuple[LlamaConfig, Params, GGUFFile]:

@@ -420,7 +420,9 @@ def test_not_a_gguf_file(tmp_path):
 def test_wrong_architecture(tmp_path):
     path = tmp_path / "mamba.gguf"
     write_gguf(path, hf_state(seed=6), Q.F32, arch="mamba")
-    with pytest.raises(CheckpointError, match=r"unsupported architecture 'mamba' \(supported: llama, qwen2, qwen3\)"):
+    with pytest.raises(
+        CheckpointError, match=r"unsupported architecture 'mamba' \(supported: llama, qwen2, qwen3, gemma2, gemma3\)"
+    ):
         load_gguf(path)
 
 
@@ -515,12 +517,22 @@ def test_rope_scaling_factor_without_a_type_is_refused(tmp_path, key):
     assert config_from_gguf(open_gguf(path)).rope_theta == 5000.0
 
 
-def test_llama31_frequency_scaling_tensor_is_refused_by_name(tmp_path):
-    """Llama-3.1/3.2 GGUF files scale RoPE frequencies through a rope_freqs.weight tensor, not metadata: the
-    file failed later as 'unexpected tensor'; the refusal now names the feature."""
+def test_rope_frequency_factors_of_another_shape_or_value_are_refused_by_name(tmp_path):
+    """Llama-3.1/3.2 files carry their RoPE scaling as rope_freqs.weight, one divisor per rotation frequency
+    (tests/test_gguf_families.py loads one): a tensor of another length, or a factor that is not a positive
+    number, is refused naming the problem; a file of another architecture with the tensor too (its RoPE does not
+    read it)."""
     path = tmp_path / "llama31.gguf"
-    write_gguf(path, hf_state(seed=11), Q.F32, extra_tensors={"rope_freqs.weight": np.ones(D // 2, np.float32)})
-    with pytest.raises(CheckpointError, match=r"RoPE frequency scaling \(tensor rope_freqs.weight"):
+    write_gguf(path, hf_state(seed=11), Q.F32, extra_tensors={"rope_freqs.weight": np.ones(D, np.float32)})
+    with pytest.raises(CheckpointError, match=rf"'rope_freqs.weight' has shape \({D},\), expected \({D // 2},\)"):
+        config_from_gguf(open_gguf(path))
+    factors = np.ones(D // 2, np.float32)
+    factors[3] = 0.0
+    write_gguf(path, hf_state(seed=11), Q.F32, extra_tensors={"rope_freqs.weight": factors})
+    with pytest.raises(CheckpointError, match=r"'rope_freqs.weight' has factor 0.0: they must be finite and > 0"):
+        config_from_gguf(open_gguf(path))
+    write_gguf(path, hf_state(seed=11), Q.F32, arch="qwen2", extra_tensors={"rope_freqs.weight": factors + 1})
+    with pytest.raises(CheckpointError, match=r"tensor rope_freqs.weight in a 'qwen2' file"):
         config_from_gguf(open_gguf(path))
 
 
