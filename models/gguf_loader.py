@@ -42,7 +42,7 @@ GEMMA = ("gemma2", "gemma3")
 # i % period < period - 1), and the query scale, chosen by the layer count. Its 27B sizes scale by
 # (hidden / heads)^-1/2, every other size by head_dim^-1/2; the published configs' query_pre_attn_scalar is exactly
 # that (27B: 144 = 4608 / 32 and 168 = 5376 / 32; the others 256 = head_dim). Layer counts of published sizes
-# (Gemma 3 270M's 18 is outside llama.cpp's list and gets its head_dim rule, which its config also matches).
+# (Gemma 3 270M's 18 gets the head_dim rule whether or not llama.cpp names that size; its config matches it).
 _GEMMA_SLIDING_PERIOD = {"gemma2": 2, "gemma3": 6}
 _GEMMA_SIZES = {
     "gemma2": {26: "2B", 42: "9B", 46: "27B"},
@@ -257,12 +257,14 @@ def _gemma_fields(gf: GGUFFile, arch: str, num_layers: int, hidden: int, heads: 
     elif size is not None or per_head * heads == hidden == head_dim * heads:
         dim = head_dim  # a published size's rule, or a shape where both of llama.cpp's rules give the same scale
     else:
+        sizes = _GEMMA_SIZES[arch]
+        big = next(n for n, s in sizes.items() if s == "27B")
         raise CheckpointError(
             f"{gf.path}: cannot tell the query scale of a {num_layers}-layer {arch} model: the file does not carry "
-            f"query_pre_attn_scalar, llama.cpp picks it by layer count (head_dim {head_dim} for the published "
-            f"sizes {', '.join(f'{n} layers' for n, s in _GEMMA_SIZES[arch].items() if s != '27B')}, hidden / heads "
-            f"{per_head} for 27B's {[n for n, s in _GEMMA_SIZES[arch].items() if s == '27B'][0]}), and for this shape "
-            "the two differ: load the Hugging Face directory instead"
+            f"query_pre_attn_scalar; llama.cpp takes (hidden / heads)^-1/2 = {per_head}^-1/2 at 27B's {big} layers "
+            f"and head_dim^-1/2 = {head_dim}^-1/2 at any other count, which the published configs match only at "
+            f"their sizes ({', '.join(map(str, sizes))} layers), and for this shape the two differ: load the "
+            "Hugging Face directory instead"
         )
     scale = float(dim) ** -0.5
     stated = meta("attention.scale")  # llama.cpp's Gemma does not read it: it must not say otherwise

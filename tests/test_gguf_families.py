@@ -273,7 +273,10 @@ def test_query_scale_follows_llama_cpps_rule_for_published_sizes(tmp_path, arch,
 def test_gemma_files_are_refused_where_llama_cpps_rules_do_not_settle_them(tmp_path):
     cases = [
         # A size llama.cpp does not know, whose two rules disagree: the file cannot say which one trained it.
-        (dict(layers=3), r"cannot tell the query scale of a 3-layer gemma2 model: .*head_dim 16 .*hidden / heads 32"),
+        (
+            dict(layers=3),
+            r"query scale of a 3-layer gemma2 model: .*= 32\^-1/2 at 27B's 46 layers and head_dim\^-1/2 = 16\^-1/2",
+        ),
         (dict(extra={"gemma2.attention.scale": 0.5}), r"gemma2.attention.scale=0.5, but llama.cpp scales .* 16\^-1/2"),
         (dict(extra={"gemma2.attention.sliding_window_pattern": 3}), r"sliding_window_pattern=3 makes other layers"),
         (dict(extra={"gemma2.rope.freq_base_swa": 500.0}), r"gemma2.rope.freq_base_swa=500.0 differs from freq_base"),
