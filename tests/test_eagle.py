@@ -833,12 +833,13 @@ def test_export_head_stores_bf16_and_restores_the_rounded_head(tmp_path, monkeyp
     import orbax.checkpoint as ocp
 
     from models import eagle as E
+    from models import eagle_checkpoint
 
     drafter, dparams, hp = tiny_drafter(head_tokens=20, seed=6)
     ecfg = drafter.ecfg
     save_head(tmp_path / "f32", ecfg, hp, {"name": "tiny-eagle", "steps": 3})
     bundle = tmp_path / "bundle"
-    monkeypatch.setattr(E, "BUNDLED_DIR", str(bundle))
+    monkeypatch.setattr(eagle_checkpoint, "BUNDLED_DIR", str(bundle))  # where resolve_head reads it
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "cache"))
     E.export_head(tmp_path / "f32", bundle / "tiny-b")
     stored = ocp.StandardCheckpointer().metadata(str(bundle / "tiny-b" / "params"))

@@ -247,6 +247,7 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     from jspec.drafters import ModelDrafter
     from models import draft as D
     from models import eagle as E
+    from models import eagle_checkpoint
     from models.layerskip import LayerSkipDrafter
 
     dcfg = D.draft_config(smollm2.config, 2, head_size=4096)
@@ -304,7 +305,7 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     assert len(lps) == len(out["token_ids"]) and all(-np.log(smollm2.config.vocab_size) <= x <= 0 for x in lps)
     assert "logprobs" not in out["plain"]["stats"]
     # Missing or malformed specs are clear errors naming the flag.
-    monkeypatch.setattr(E, "BUNDLED_DIR", str(tmp_path / "no-bundle"))
+    monkeypatch.setattr(eagle_checkpoint, "BUNDLED_DIR", str(tmp_path / "no-bundle"))
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path / "empty-cache"))
     assert cli.main([*base, "--drafter", "eagle"]) == 2
     assert "--drafter eagle needs --draft-model" in capsys.readouterr().err
