@@ -18,16 +18,9 @@ from sharding.placement import (
     shard_abstract,
     shard_params,
 )
+from sharding.plan import DecodePlan, StateConstraint, make_plan, state_shardings
 from sharding.rules import PRESETS, TABLE, ShardingRules, describe, rules, spec, table_markdown, tree_shardings
-from sharding.sharded_decode import (
-    DecodePlan,
-    ShardedDecode,
-    StateConstraint,
-    gather_output,
-    make_plan,
-    prepare_sharded,
-    state_shardings,
-)
+from sharding.sharded_decode import ShardedDecode, gather_output, prepare_sharded
 
 __all__ = [
     "shard_abstract",

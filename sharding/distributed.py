@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from sharding.placement import local_rows
-from sharding.sharded_decode import DecodePlan
+from sharding.plan import DecodePlan
 
 ENV_COORDINATOR = "JSPEC_COORDINATOR"
 ENV_NUM_PROCESSES = "JSPEC_NUM_PROCESSES"

@@ -12,19 +12,14 @@ path; sharding only adds
 - donation of the per-call inputs that the state takes over unchanged (prompt lengths, budgets, sampling
   parameters): their buffers become the output's (6 aliased buffers in the compiled program).
 
-Measured on the tiny test model, mesh 2x4, draft-model speculation (collectives per round, from the HLO):
-114 without the model pin (vocab-sharded logits spread collectives through sampling and verification), 37
-with it, of which 22 are the model calls' own. The state constraint changes nothing there (propagation
-already keeps the cache split) but keeps the state pinned for drafters whose models are not wrapped. No
-configuration moved KV-cache data.
+The plan and its pins are ``sharding.plan``; the checks by which several processes agree on one program are
+``sharding.agreement``. This module builds the jitted program and the call that runs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +28,7 @@ import jax
 import numpy as np
 from jax import export as jax_export
 from jax.experimental import multihost_utils
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from jspec.decode import prepare
 from jspec.loop import decode_round, generate_arrays, prefill
@@ -41,188 +36,39 @@ from jspec.model import Model
 from jspec.sampling import SamplingParams
 from jspec.state import DecodeConfig, DecodeOutput, DecodeState, to_output
 from jspec.stream import DecodeStream
-from jspec.validate import tree_scratch
-from sharding.mesh import check_auto_axes
-from sharding.placement import cache_shardings, local_rows, put, put_rows, rows_sharding
-from sharding.rules import ShardingRules, fit_rules, named, rules
+from sharding.agreement import (
+    agree_on_inputs,
+    asks_penalties,
+    cache_need,
+    gather,
+    global_batch,
+    raise_failed,
+    refuse_unequal,
+    setup_digest,
+    spans_processes,
+)
+from sharding.placement import local_rows, put, put_rows
+from sharding.plan import (
+    DecodePlan,
+    StateConstraint,
+    make_plan,
+    pinned_drafter,
+    pinned_model,
+    state_shardings,
+)
 
-LOGITS_AXES = ("batch", None, "vocab")  # [B, T, V] as the LM head computes them
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodePlan:
-    """Where a decode runs: a mesh, the target's rules and (optionally different) draft rules.
-
-    The draft's ``batch`` entry always follows the target's, so a row's draft state lives on the devices that
-    hold its target state and no row moves between devices during a round. ``draft=None``: same as target.
-    A replicated draft model next to a tensor-parallel target is ``draft=rules('data')`` (parameters whole on
-    every device, draft cache still split by rows). draft_fitted: whether the draft rules were fitted to the
-    draft model's own shapes (``make_plan`` with ``draft_axes``); a draft model under unfitted rules that split
-    it is refused when the decode is prepared.
-    """
-
-    mesh: Mesh
-    target: ShardingRules
-    draft: ShardingRules | None = None
-    draft_fitted: bool = True
-
-    def __post_init__(self):
-        check_auto_axes(self.mesh)
-        for which, r in (("target", self.target), ("draft", self.draft)):
-            for logical, axis in () if r is None else r.mapping:
-                if axis is not None and axis not in self.mesh.shape:
-                    raise ValueError(
-                        f"the {which} rules {r.name!r} map {logical!r} to mesh axis {axis!r}, which the mesh "
-                        f"(axes {tuple(self.mesh.shape)}) does not have"
-                    )
-
-    @property
-    def batch_axis(self) -> str | None:
-        return self.target["batch"]
-
-    @property
-    def draft_rules(self) -> ShardingRules:
-        return (self.draft or self.target).replace(batch=self.batch_axis)
-
-    @property
-    def data_size(self) -> int:
-        return self.mesh.shape[self.batch_axis] if self.batch_axis else 1
-
-    def replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec())
-
-    def rows(self, shape: tuple[int, ...], batch: int) -> NamedSharding:
-        return rows_sharding(self.mesh, self.batch_axis, shape, batch)
-
-
-def make_plan(
-    mesh: Mesh,
-    target: str | ShardingRules = "data_tensor",
-    draft: str | ShardingRules | None = None,
-    *,
-    target_axes: Any = None,
-    target_shapes: Any = None,
-    draft_axes: Any = None,
-    draft_shapes: Any = None,
-) -> DecodePlan:
-    """``DecodePlan`` from preset names (or rules). Given a model's logical axes and parameter shapes
-    (arrays or ShapeDtypeStructs), its rules are fitted to the mesh (``sharding.rules.fit_rules``: axes that
-    do not divide are replicated, query heads follow KV heads), which also fixes the cache layout. The draft
-    model is fitted to its own shapes, starting from its preset (default: the target's preset, not the
-    target's fitted rules); without ``draft_axes`` its rules stay unfitted, and ``prepare_sharded`` refuses
-    a draft model that they would split."""
-    t = rules(target)
-    if target_axes is not None:
-        t = fit_rules(t, target_axes, target_shapes, mesh)
-    d = rules(target if draft is None else draft)
-    if draft_axes is not None:
-        d = fit_rules(d, draft_axes, draft_shapes, mesh)
-    elif draft is None:
-        d = None  # no draft model described: the draft state follows the target's rules
-    return DecodePlan(mesh, t, d, draft_fitted=draft_axes is not None)
-
-
-# The statistics that are per row ([B]); the others are per draft position ([K]) or scalars, replicated even
-# when K happens to equal B.
-ROW_STATS = ("rounds", "emitted", "proposed", "accepted")
-
-
-def state_shardings(st: DecodeState, plan: DecodePlan) -> DecodeState:
-    """A ``DecodeState`` whose leaves are the shardings of ``st``'s (arrays or ShapeDtypeStructs).
-
-    Every array whose leading dimension is the batch is split over the batch axis (tokens, lengths, budgets,
-    sampling parameters, per-row keys); KV caches (the target's, and a drafter's inside ``draft_state``) over
-    (batch, KV heads) by the target's / draft's rules; everything else (one key for the batch, flags) is
-    replicated. Statistics go by name: the per-row ones (``ROW_STATS``) are split, the per-position ones
-    (``accepted_at``, ``proposed_at``: [K]) and the scalars replicated, also when K equals the batch. Field by
-    field, so fields added to the state later get the same treatment without a change here (a statistic added
-    later is replicated until ``ROW_STATS`` names it).
-    """
-    b = st.seq.shape[0]
-
-    def stats(s):
-        return dataclasses.replace(
-            s,
-            **{
-                f.name: plan.rows(tuple(getattr(s, f.name).shape), b) if f.name in ROW_STATS else plan.replicated()
-                for f in dataclasses.fields(s)
-            },
-        )
-
-    def field(name: str, x: Any):
-        if name == "stats":
-            return stats(x)
-        return cache_shardings(x, plan.mesh, plan.draft_rules if name == "draft_state" else plan.target, b)
-
-    return dataclasses.replace(st, **{f.name: field(f.name, getattr(st, f.name)) for f in dataclasses.fields(st)})
-
-
-@dataclasses.dataclass(frozen=True)
-class StateConstraint:
-    """``DecodeConfig.constrain`` hook: pins the loop state to ``state_shardings`` (hashable, so the
-    config stays a valid static jit argument)."""
-
-    plan: DecodePlan
-
-    def __call__(self, st: DecodeState) -> DecodeState:
-        return jax.lax.with_sharding_constraint(st, state_shardings(st, self.plan))
-
-
-@functools.lru_cache(maxsize=64)
-def pinned_model(model: Model, plan: DecodePlan, model_rules: ShardingRules) -> Model:
-    """``model`` with its outputs pinned: logits [B, T, V] split over rows only, the cache per the table.
-
-    Without the logits pin, a vocabulary-sharded LM head hands vocab-sharded logits to sampling, and the
-    partitioner then spreads small collectives through softmax, sort (top-k/top-p), cumsum and argmax; pinned,
-    the logits are all-gathered once per model call and sampling/verification run locally per row. The cache
-    pin (also on ``init_cache``) keeps every write local: the cache never changes layout inside a round.
-    Cached per (model, plan, rules) because the decoder compares models by the identity of their functions.
-    """
-
-    def pin_cache(cache, b: int):
-        return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, plan.mesh, model_rules, b))
-
-    def apply(params, tokens, positions, cache, tree_mask=None):
-        b = tokens.shape[0]
-        logits, cache = model.apply(params, tokens, positions, cache, tree_mask)
-        # First as the LM head makes them (vocab split), then gathered: pinning only the gathered layout lets
-        # the partitioner all-gather the [V, E] embedding instead of the much smaller [B, T, V] logits.
-        logits = jax.lax.with_sharding_constraint(logits, named(LOGITS_AXES, logits.shape, plan.mesh, model_rules))
-        logits = jax.lax.with_sharding_constraint(logits, plan.rows(tuple(logits.shape), b))
-        return logits, pin_cache(cache, b)
-
-    def apply_at(params, tokens, positions, cache, index):
-        b = tokens.shape[0]
-        logits, cache = model.apply_at(params, tokens, positions, cache, index)
-        logits = jax.lax.with_sharding_constraint(
-            logits[:, None], named(LOGITS_AXES, (b, 1, logits.shape[-1]), plan.mesh, model_rules)
-        )
-        logits = jax.lax.with_sharding_constraint(logits, plan.rows(tuple(logits.shape), b))
-        return logits[:, 0], pin_cache(cache, b)
-
-    def init_cache(batch: int, slots: int):
-        return pin_cache(model.init_cache(batch, slots), batch)
-
-    return dataclasses.replace(
-        model, apply=apply, init_cache=init_cache, apply_at=None if model.apply_at is None else apply_at
-    )
-
-
-def pinned_drafter(drafter, plan: DecodePlan):
-    """A drafter that runs a draft ``Model`` (its ``draft_model``, the ``model`` field of ``ModelDrafter`` and the
-    tree model drafters) gets the pinned draft model under the draft rules; any other drafter is returned
-    unchanged."""
-    inner = None if drafter is None else drafter.draft_model
-    if inner is not None:
-        split = [k for k, v in plan.draft_rules.mapping if k != "batch" and v is not None and plan.mesh.shape[v] > 1]
-        if not plan.draft_fitted and split:
-            raise ValueError(
-                f"the plan's draft rules split {split} of the draft model but were never fitted to its shapes "
-                "(an axis the mesh cannot divide would be replicated in some arrays only, e.g. query heads split "
-                "while KV heads stay whole): pass draft_axes= and draft_shapes= to make_plan"
-            )
-        return dataclasses.replace(drafter, model=pinned_model(inner, plan, plan.draft_rules))
-    return drafter
+# The plan's names are imported from here too (``from sharding.sharded_decode import make_plan, prepare_sharded``).
+__all__ = [
+    "DecodePlan",
+    "ShardedDecode",
+    "StateConstraint",
+    "gather_output",
+    "make_plan",
+    "pinned_drafter",
+    "pinned_model",
+    "prepare_sharded",
+    "state_shardings",
+]
 
 
 def _shardings_of(tree: Any, mesh: Mesh, what: str) -> Any:
@@ -417,235 +263,9 @@ def gather_output(st: DecodeState) -> DecodeOutput:
     return to_output(host)
 
 
-def _spans_processes(mesh: Mesh) -> bool:
-    """Whether a decode on ``mesh`` involves other processes: True when the mesh holds devices of every process
-    (the agreement checks of ``prepare_sharded`` then gather over all processes), False when it holds devices
-    of this process only (a purely local decode, e.g. on ``single_device_mesh``, even when several processes
-    run). A mesh over some processes but not all is refused: the checks gather over every process, and those
-    outside the mesh would never join them."""
-    if isinstance(mesh, AbstractMesh):  # a program to lower for another machine (``ShardedDecode.export``)
-        return False
-    procs = sorted({d.process_index for d in mesh.devices.flat})
-    if procs == [jax.process_index()]:
-        return False
-    if len(procs) == jax.process_count():
-        return True
-    raise ValueError(
-        f"the plan's mesh holds devices of process(es) {procs} of {jax.process_count()} (this is process "
-        f"{jax.process_index()}): a sharded decode runs on a mesh over this process's devices only, or over the "
-        "devices of every process (its agreement checks gather over all processes)"
-    )
-
-
-def _digest(*parts: Any) -> int:
-    """31 bits of a SHA-256 over arrays and strings (with their dtypes and shapes), never 0: an int32 (what a gather
-    carries without 64-bit mode) that 0 can stand beside as "nothing here"."""
-    h = hashlib.sha256()
-    for a in parts:
-        a = np.frombuffer(a.encode(), np.uint8) if isinstance(a, str) else np.ascontiguousarray(a)
-        h.update(str((a.dtype.str, a.shape)).encode())
-        h.update(a.tobytes())
-    return (int.from_bytes(h.digest()[:4], "little") & 0x7FFFFFFF) or 1
-
-
-def _gather(values: Sequence[int]) -> np.ndarray:
-    """A collective (every process calls it at the same point, with as many values): every process's ``values``
-    (int32) as a [processes, len(values)] table, the same in every process."""
-    row = np.asarray(values, np.int32)
-    return np.asarray(multihost_utils.process_allgather(row)).reshape(-1, row.size)
-
-
-def _raise_failed(failed: np.ndarray, error: Exception | None, what: str) -> None:
-    """After a gather that carried each process's ``error is not None``: the processes whose local check failed
-    raise their own error, the others a ValueError naming them, so that none goes on to a collective the others
-    never reach."""
-    if error is not None:
-        raise error
-    if np.any(failed):
-        raise ValueError(
-            f"process(es) {np.nonzero(failed)[0].tolist()} refused {what} (their own error says why); "
-            f"process {jax.process_index()}'s were valid"
-        )
-
-
-def _refuse_unequal(column: np.ndarray, what: str, hint: str) -> None:
-    """Refuses (in every process: each sees the same table) a gathered value that differs between processes."""
-    if np.any(column != column[0]):
-        groups = [np.nonzero(column == v)[0].tolist() for v in dict.fromkeys(column.tolist())]
-        raise ValueError(f"{what} (groups of equal ones: {groups}): {hint}")
-
-
-def _setup_digest(plan: DecodePlan, process_local: bool, max_len: int | None, target_params: Any, draft_params: Any):
-    """What decides the program a process compiles and the checks it runs before comparing any input: the plan
-    (rules, and the mesh's axes, shape, devices and axis types), the parameters' layouts, process_local and
-    max_len (without one, process_local runs gather the cache size the rows need: one more collective)."""
-
-    def layout(tree):  # any leaf: one that is not an array is refused by name after this digest's gather
-        leaves, treedef = jax.tree.flatten(tree)
-        spec = lambda x: str(getattr(getattr(x, "sharding", None), "spec", None))  # noqa: E731
-        shape = lambda x: str(getattr(x, "shape", type(x)))  # noqa: E731
-        return str(treedef), [(shape(x), str(getattr(x, "dtype", "")), spec(x)) for x in leaves]
-
-    m = plan.mesh
-    mesh = (
-        tuple(m.axis_names),
-        tuple(m.devices.shape),
-        [d.id for d in m.devices.flat],
-        tuple(str(t) for t in getattr(m, "axis_types", ())),
-    )
-    return _digest(
-        repr((bool(process_local), max_len, plan.target, plan.draft, plan.draft_fitted, mesh))
-        + repr((layout(target_params), layout(draft_params)))
-    )
-
-
-def static_digest(config: DecodeConfig, drafter: Any, target: Model, key: jax.Array) -> int:
-    """Digest of what a process's prepared decode compiles into its program beyond the agreed set-up: the decode
-    settings, the drafter, the target's name, and whether the key is one for the batch or one per row (one
-    process with seed=[...] and another with seed=7 would compile two programs whose collectives never meet).
-    The kind of key is its ``ndim``, not its shape: with process_local=True per-row keys are [local rows], and
-    processes may legitimately hold different numbers of rows."""
-    static = repr((config, drafter, target.name, key.ndim, str(jax.random.key_impl(key))))
-    return _digest(re.sub(r" at 0x[0-9a-fA-F]+", "", static))  # the drafter's functions print their addresses
-
-
-def _agree_on_inputs(
-    pd: Any, error: Exception | None, target: Model, drafter, plan: DecodePlan, process_local: bool, global_b: int
-) -> tuple[int, int, int]:
-    """A collective after ``jspec.decode.prepare`` in every process (``pd``: its result, None where ``error``
-    says why it failed): refuses, in every process and in this order, rows a process refused; with
-    process_local=False, inputs that are not the same everywhere; decode settings, drafters or kinds of seed
-    that differ (the program's static parts); with process_local=True, one key for the whole batch that differs
-    between processes, and rows held by several processes (a data axis smaller than the process count, or row
-    blocks that span processes) whose inputs differ between them (their devices would take different copies).
-    Returns the widest prompt width, stop-id width and logit-bias width (every process must compile the same
-    shapes; process-local rows with more ids in one process than another are padded to the widest)."""
-    n_rows = global_b if process_local else 0  # global_b and process_local are agreed on by now
-    values = [0] * (6 + n_rows)
-    if error is None:
-        i = pd.inputs
-        prompt, plen, mnew, sampling, key = i.prompt, i.prompt_len, i.max_new, i.sampling, i.key
-        prompt, plen, mnew = np.asarray(prompt), np.asarray(plen), np.asarray(mnew)
-        samp = [np.asarray(getattr(sampling, f.name)) for f in dataclasses.fields(SamplingParams)]
-        key_data = np.asarray(jax.random.key_data(key))
-        if not process_local:
-            # Every process claims to hold the whole batch: each device would take its rows from its own process's
-            # copy, so copies that differ would be mixed silently. Compared before the settings, which hold
-            # input-derived fields (the cache slots follow the prompts and budgets when max_len is not given).
-            values[0] = _digest(prompt, plen, mnew, *samp, key_data)
-        values[1] = static_digest(pd.config, drafter, target, key)
-        if process_local and key.ndim == 0:  # one key for the batch: the same in every process
-            values[2] = _digest(key_data)
-        values[3] = prompt.shape[1]
-        values[4], values[5] = sampling.stop_ids.shape[1], sampling.bias_ids.shape[1]
-        if process_local:  # per global row, among the processes that hold it (0: a row this process lacks)
-            held = local_rows(plan.rows((global_b,), global_b), (global_b,))
-            for j, r in enumerate(held.tolist()):
-                own_key = key_data[j] if key.ndim == 1 else key_data[:0]
-                fields = _row_fields(sampling, j)  # without padding: processes may pad a row to other widths
-                values[6 + r] = _digest(prompt[j, : plen[j]], plen[j], mnew[j], *fields, own_key)
-    table = _gather([error is not None, *values])
-    _raise_failed(table[:, 0], error, "their rows' inputs or decode options")
-    if not process_local:
-        _refuse_unequal(
-            table[:, 1],
-            "process_local=False, but the processes passed different inputs",
-            "pass the same prompts and options in every process, or each process's own rows (rows_for_process) "
-            "with process_local=True",
-        )
-    _refuse_unequal(
-        table[:, 2],
-        "the processes passed different decode settings, drafters or kinds of seed",
-        "every process must compile the same program",
-    )
-    if process_local:
-        _refuse_unequal(
-            table[:, 3],
-            "the processes passed different seeds or keys for the whole batch",
-            "one seed (or key) for the batch must be the same in every process; per-row seeds go with their rows",
-        )
-        rows = table[:, 7:]
-        bad = [r for r in range(n_rows) if len(set(rows[:, r][rows[:, r] != 0].tolist())) > 1]
-        if bad:
-            raise ValueError(
-                f"process_local=True, but processes that hold the same rows passed different inputs for row(s) "
-                f"{bad[:16]}{' ...' if len(bad) > 16 else ''}: every process holding a row (rows_for_process) must "
-                "pass the same prompt, budget, sampling parameters and seed for it, or its devices would decode "
-                "different copies of it"
-            )
-    return int(table[:, 4].max()), int(table[:, 5].max()), int(table[:, 6].max())
-
-
-def _row_fields(sampling: SamplingParams, j: int) -> list[np.ndarray]:
-    """Row j's sampling fields with the unused (-1) id slots left out."""
-    out = []
-    for f in dataclasses.fields(SamplingParams):
-        a = np.asarray(getattr(sampling, f.name))[j]
-        if f.name in ("stop_ids", "bias_ids"):
-            a = a[a >= 0]
-        elif f.name == "bias":
-            a = a[np.asarray(sampling.bias_ids)[j] >= 0]
-        out.append(a)
-    return out
-
-
 def _pad_width(a: np.ndarray, width: int, fill) -> np.ndarray:
     """[B, W] -> [B, width] (width >= W), the new slots ``fill``."""
     return np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
-
-
-def _asks_penalties(kwargs: dict) -> bool:
-    """Whether decode keyword arguments ask for a repetition / presence / frequency penalty in some row (a value
-    that is not a number counts as asking: ``jspec.decode.prepare`` then names the problem)."""
-    for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-        try:
-            if np.any(np.asarray(kwargs.get(name, off), dtype=np.float64) != off):
-                return True
-        except (TypeError, ValueError):
-            return True
-    return bool(kwargs.get("penalties"))
-
-
-MAX_SLOTS = 2**31 - 1  # a cache size must fit the int32 the agreement gathers carry (and the positions)
-
-
-def cache_need(target: Model, drafter: Any, prompts: Sequence[Sequence[int]] | np.ndarray, budget: Any) -> int:
-    """The cache slots this process's rows need when ``max_len`` is not given, as ``jspec.decode`` sizes it (the
-    last token takes no slot; a tree's scratch; no more than the target's context), in Python ints (no overflow
-    whatever the budget). Refuses a size beyond ``MAX_SLOTS``, which no int32 gather or position can carry."""
-    if budget is None:
-        raise ValueError("max_new_tokens=None (generate until EOS or a full cache) needs max_len")
-    lens = [len(p) for p in prompts]
-    budgets = np.broadcast_to(np.asarray(budget, dtype=object), (len(lens),)).tolist()
-    need = max((n + int(m) - 1 for n, m in zip(lens, budgets)), default=0)
-    need += tree_scratch(drafter)  # a tree's scratch, as prepare reserves it
-    if target.max_positions is not None:
-        need = min(need, target.max_positions)
-    # No rows or a budget < 1: prepare names the problem (max_len=0 would be refused first, misleadingly).
-    need = max(need, 1)
-    if need > MAX_SLOTS:
-        raise ValueError(
-            f"the rows need a KV cache of {need} slots (prompt + max_new_tokens - 1), more than {MAX_SLOTS} "
-            "(an int32): lower max_new_tokens"
-        )
-    return need
-
-
-def global_batch(local: int, held: int, data_size: int) -> int:
-    """The global batch of a process that passed ``local`` rows and holds ``held`` of the data axis's
-    ``data_size`` row blocks: rows split over processes add up, rows several processes hold (the model axis
-    spanning processes, or the batch not split at all) count once."""
-    if held == 0:
-        raise ValueError(
-            "this process holds none of the data axis's row blocks (its devices are not in the plan's mesh): "
-            "run the decode on a mesh over every process's devices"
-        )
-    if local % held:
-        raise ValueError(
-            f"this process passed {local} rows but holds {held} of the {data_size} row blocks of the data "
-            "axis: pass the rows of rows_for_process(plan, batch)"
-        )
-    return local * data_size // held
 
 
 def prepare_sharded(
@@ -686,7 +306,7 @@ def prepare_sharded(
     alone) while the other waits in them for good: a hang, not an error, since noticing it would take a
     collective that the local decode never makes.
     """
-    cross = _spans_processes(plan.mesh)  # refuses a mesh over some processes only (in each of them)
+    cross = spans_processes(plan.mesh)  # refuses a mesh over some processes only (in each of them)
     error: Exception | None = None
     try:
         tp_sh = _shardings_of(target_params, plan.mesh, "target_params")
@@ -700,7 +320,7 @@ def prepare_sharded(
         # The first collective, the same in every process whatever it was given: the set-up that decides which
         # program each process compiles and which collectives follow (process_local, the plan, the parameter
         # layouts), and the batch of process_local rows.
-        setup = _setup_digest(plan, process_local, max_len, target_params, draft_params)
+        setup = setup_digest(plan, process_local, max_len, target_params, draft_params)
         if process_local and error is None:
             d = plan.data_size
             held = len(local_rows(plan.rows((d,), d), (d,)))  # this process's share of the data axis: held / d
@@ -708,13 +328,13 @@ def prepare_sharded(
                 global_b = global_batch(len(prompts), held, d)
             except ValueError as e:
                 global_b, error = -1, e
-        table = _gather([error is not None, setup, len(prompts), global_b, _asks_penalties(kwargs)])
-        _refuse_unequal(
+        table = gather([error is not None, setup, len(prompts), global_b, asks_penalties(kwargs)])
+        refuse_unequal(
             table[:, 1],
             "the processes passed different plans (mesh, rules), parameter layouts, process_local or max_len",
             "every process must pass the same, or they compile different programs whose collectives never meet",
         )
-        _raise_failed(table[:, 0], error, "their parameters or rows")
+        raise_failed(table[:, 0], error, "their parameters or rows")
         if table[:, 4].any():  # one process's rows with penalties: every process keeps the token counts
             kwargs = {**kwargs, "penalties": True}
         if process_local and np.any(table[:, 3] != global_b):
@@ -728,8 +348,8 @@ def prepare_sharded(
                 need = cache_need(target, drafter, prompts, kwargs.get("max_new_tokens", 64))
             except Exception as e:  # any error (an OverflowError too): the others must not wait in the gather
                 need, error = 0, e
-            table = _gather([error is not None, need])
-            _raise_failed(table[:, 0], error, "their rows' inputs")
+            table = gather([error is not None, need])
+            raise_failed(table[:, 0], error, "their rows' inputs")
             max_len = -(-int(table[:, 1].max()) // 128) * 128
             if target.max_positions is not None:
                 max_len = min(max_len, target.max_positions)
@@ -749,7 +369,7 @@ def prepare_sharded(
         if not cross:
             raise
         error = e
-    widths = _agree_on_inputs(pd, error, target, drafter, plan, process_local, global_b) if cross else None
+    widths = agree_on_inputs(pd, error, target, drafter, plan, process_local, global_b) if cross else None
     if global_b % plan.data_size:
         raise ValueError(
             f"batch {global_b} is not divisible by the data axis ({plan.batch_axis}={plan.data_size}); "

@@ -323,7 +323,8 @@ def _tree_check(model, tp, dp, stp, sdp, plan, dcfg) -> dict:
     from jspec.validate import tree_scratch
     from models.llama import make_model
     from sharding import hlo
-    from sharding.sharded_decode import cache_need, gather_output, prepare_sharded
+    from sharding.agreement import cache_need
+    from sharding.sharded_decode import gather_output, prepare_sharded
 
     t0 = time.perf_counter()
     tree = TreeModelDrafter(make_model(dcfg), TreeSpec(TREE_SPEC), TreeRule.WITHOUT_REPLACEMENT)

@@ -195,7 +195,7 @@ def test_global_batch_counts_rows_shared_by_processes_once():
     ``local`` rows of a batch of local * d / held. Cases: the batch split over 2 processes (data 2, one block
     each), 4 processes x 2 devices on a 2x4 mesh (the model axis spans 2 processes, which share a block: 4
     local rows of 8, not 16), and the batch not split (every process holds every row)."""
-    from sharding.sharded_decode import global_batch
+    from sharding.agreement import global_batch
 
     assert global_batch(4, held=1, data_size=2) == 8  # split (2 processes), or shared by processes 0 and 1
     assert global_batch(8, held=1, data_size=1) == 8
@@ -374,17 +374,17 @@ def test_cross_process_checks_follow_the_mesh_not_the_process_count(monkeypatch)
     """With several processes running, a mesh of this process's devices only (``single_device_mesh``) is a
     local decode: no agreement collectives (one process decoding alone hung in a gather the others never
     joined). A mesh over every process runs them; one over some processes only is refused."""
-    from sharding.sharded_decode import _spans_processes
+    from sharding.agreement import spans_processes
 
-    assert _spans_processes(_stand_in_mesh(0)) is False  # one process
+    assert spans_processes(_stand_in_mesh(0)) is False  # one process
     monkeypatch.setattr(jax, "process_count", lambda: 3)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    assert _spans_processes(_stand_in_mesh(1, 1)) is False
-    assert _spans_processes(_stand_in_mesh(0, 1, 2, 2)) is True
+    assert spans_processes(_stand_in_mesh(1, 1)) is False
+    assert spans_processes(_stand_in_mesh(0, 1, 2, 2)) is True
     with pytest.raises(ValueError, match=r"holds devices of process\(es\) \[0, 1\] of 3 \(this is process 1\)"):
-        _spans_processes(_stand_in_mesh(0, 1))
+        spans_processes(_stand_in_mesh(0, 1))
     with pytest.raises(ValueError, match=r"process\(es\) \[2\] of 3"):  # another process's devices only
-        _spans_processes(_stand_in_mesh(2))
+        spans_processes(_stand_in_mesh(2))
 
 
 def test_launch_refuses_fewer_than_one_process():
@@ -449,7 +449,7 @@ def test_prepare_sharded_refuses_debug_checks(monkeypatch, cross):
 
     model, tp, plan = _toy_decode_setup()
     if cross:  # the agreement collectives run (over this one process)
-        monkeypatch.setattr(sharded_decode, "_spans_processes", lambda mesh: True)
+        monkeypatch.setattr(sharded_decode, "spans_processes", lambda mesh: True)
     with pytest.raises(ValueError, match=r"debug_checks=True is not supported by a sharded decode"):
         prepare_sharded(model, tp, [[1, 2]], plan=plan, max_new_tokens=4, debug_checks=True)
     assert prepare_sharded(model, tp, [[1, 2]], plan=plan, max_new_tokens=4, debug_checks=False).global_batch == 1
@@ -462,10 +462,11 @@ def test_process_local_cache_size_refuses_sizes_past_int32(monkeypatch, budget):
     only: the others waited in the gather for good. Now a ValueError that names the size, raised after the
     gather."""
     from sharding import sharded_decode
-    from sharding.sharded_decode import MAX_SLOTS, cache_need, prepare_sharded
+    from sharding.agreement import MAX_SLOTS, cache_need
+    from sharding.sharded_decode import prepare_sharded
 
     model, tp, plan = _toy_decode_setup()
-    monkeypatch.setattr(sharded_decode, "_spans_processes", lambda mesh: True)
+    monkeypatch.setattr(sharded_decode, "spans_processes", lambda mesh: True)
     prompts = [[1, 2]] if isinstance(budget, int) else [[1, 2], [3]]
     need = max(len(p) + b - 1 for p, b in zip(prompts, budget if isinstance(budget, list) else [budget]))
     with pytest.raises(ValueError, match=rf"need a KV cache of {need} slots .* more than {MAX_SLOTS}"):
@@ -498,7 +499,7 @@ def test_static_digest_depends_on_the_kind_of_seed_not_the_local_rows():
     import jax.numpy as jnp
 
     from jspec.decode import prepare
-    from sharding.sharded_decode import static_digest
+    from sharding.agreement import static_digest
 
     model, tab, _ = _toy_decode_setup()
     config = prepare(model, tab, [[1, 2]], max_new_tokens=4, max_len=128).config
