@@ -417,6 +417,13 @@ def test_shutdown_drains_or_cancels(drain_s):
         (["--max-logprobs", "50"], "--max-logprobs must be an int in [0, 20]"),
         (["--max-queue", "-1"], "--max-queue must be an int >= 0"),
         (["--drafter", "none", "--gamma", "4"], "--gamma, --adaptive and --goodput need a drafter"),
+        (["--drafter", "ngram", "--tree", "4,1"], "--tree does not apply to --drafter ngram"),
+        (["--drafter", "eagle", "--tree", "4,1", "--gamma", "2"], "--gamma does not apply with --tree"),
+        (["--drafter", "ngram-tree", "--goodput"], "which --drafter ngram-tree excludes"),
+        (["--drafter", "ngram", "--goodput", "--gamma", "4"], "which --gamma (a fixed K) excludes"),
+        (["--drafter", "eagle", "--tree-budget", "3"], "--tree-budget applies to --tree"),
+        (["--drafter", "eagle", "--dynamic-tree", "4,3"], "--dynamic-tree wants TOP_K,DEPTH,BUDGET"),
+        (["--drafter", "eagle", "--tree", "4,1", "--adaptive"], "--adaptive drafts a chain's K or nothing"),
     ],
 )
 def test_serve_command_refuses_bad_flags_before_loading(argv, message, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import socket
 import sys
 import threading
@@ -97,7 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None, help="the name clients send (default: --model)")
     ap.add_argument("--drafter", default="ngram", choices=DRAFTERS)
     ap.add_argument("--draft-model", default=None, help="--drafter model/draft/layerskip/eagle: as for generate")
-    ap.add_argument("--gamma", type=int, default=None, help="K, candidates per round (default 4)")
+    ap.add_argument("--gamma", type=int, default=None, help="K per round (default 4); ngram-tree: its depth")
+    ap.add_argument("--tree", default=None, help="static tree of a trained drafter, e.g. 4,1 (as for generate)")
+    ap.add_argument("--tree-budget", type=int, default=None, help="keep the first N nodes of --tree")
+    ap.add_argument("--tree-rule", default=None, choices=("deterministic", "iid", "without-replacement"),
+                    help="how --tree's children are drawn (default deterministic)")  # fmt: skip
+    ap.add_argument("--dynamic-tree", default=None, help="EAGLE-2 style tree of a trained drafter: TOP_K,DEPTH,BUDGET")
+    ap.add_argument("--branches", type=int, default=None, help="continuations of --drafter ngram-tree (default 3)")
     ap.add_argument("--ngram-max", type=int, default=None, help="longest suffix n-gram looked up (default 3)")
     ap.add_argument("--ngram-min", type=int, default=None, help="shortest suffix n-gram looked up (default 1)")
     ap.add_argument("--adaptive", action="store_true", help="per row, draft K or nothing, from its acceptance")
@@ -139,17 +146,63 @@ def main(argv=None) -> int:
     frozen = freeze_gc_heap()  # as the benchmark's runner does once warm: no old-generation pauses in requests
     print(f"[jspec serve: {server.worker.config.model} on http://{args.host}:{args.port}, warm-up "
           f"{server.warm_s or 0:.1f} s, {frozen} objects frozen]", file=sys.stderr)  # fmt: skip
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                timeout_graceful_shutdown=args.drain_s, lifespan="on")  # fmt: skip
+    http = uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port, log_level=args.log_level,
+                                         access_log=args.access_log, timeout_graceful_shutdown=args.drain_s,
+                                         lifespan="on"))  # fmt: skip
+
+    def stop(sig, frame) -> None:  # a signal asks for a clean stop: drain, then exit 0
+        http.should_exit = True
+
+    # uvicorn handles SIGINT / SIGTERM while it serves, then re-raises the signal it caught through the handlers
+    # it found: with the default ones a SIGTERM would end the process by the signal (exit -15) after a clean
+    # shutdown. These handlers make that a stop (and one arriving before uvicorn listens stops it at startup).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    http.run()
+    if not http.started:  # it could not listen (the port is taken, ...): uvicorn logged why
+        print(f"error: the server did not start on http://{args.host}:{args.port}", file=sys.stderr)
+        return 1
     return 0
+
+
+def check_drafter_flags(args) -> None:
+    """Refuse, before any model loads, drafter flags that would be ignored or that exclude each other (the
+    checks ``generate`` runs on the flags the server shares with it)."""
+    from jspec.cli import _FLAG_DRAFTERS, _dynamic_tree_args
+
+    if args.drafter == "none" and (args.gamma is not None or args.adaptive or args.goodput):
+        raise ValueError("--gamma, --adaptive and --goodput need a drafter (--drafter none decodes plainly)")
+    for name, drafters in _FLAG_DRAFTERS.items():
+        if getattr(args, name) is not None and args.drafter not in drafters:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} does not apply to --drafter {args.drafter} (read by: {', '.join(drafters)})")
+    if args.tree is not None and args.dynamic_tree is not None:
+        raise ValueError("--tree and --dynamic-tree are exclusive")
+    for name in ("tree_budget", "tree_rule"):
+        if getattr(args, name) is not None and args.tree is None:
+            raise ValueError(f"--{name.replace('_', '-')} applies to --tree")
+    tree = "--tree" if args.tree else "--dynamic-tree" if args.dynamic_tree else None
+    tree = tree or ("--drafter ngram-tree" if args.drafter == "ngram-tree" else None)
+    if args.goodput and (args.gamma is not None or args.adaptive or tree):
+        flag = "--gamma (a fixed K)" if args.gamma is not None else "--adaptive" if args.adaptive else tree
+        raise ValueError(f"--goodput chooses a chain's K each round, which {flag} excludes")
+    if args.adaptive and tree:
+        raise ValueError(f"--adaptive drafts a chain's K or nothing per row, which {tree} excludes")
+    if args.gamma is not None and args.gamma < 1:
+        raise ValueError(f"--gamma {args.gamma}: a drafter drafts K >= 1 tokens a round (--drafter none for plain)")
+    if args.gamma is not None and (args.tree or args.dynamic_tree):
+        raise ValueError(f"--gamma does not apply with {tree}: a tree drafts to its depth, which its shape sets")
+    if args.tree is not None and not all(p.strip().isdigit() for p in args.tree.split(",")):
+        raise ValueError(f"--tree wants comma-separated branching factors (e.g. 4,1), got '{args.tree}'")
+    if args.dynamic_tree is not None:
+        _dynamic_tree_args(args)  # its format
 
 
 def _build(args) -> Server:
     from jspec.cli import build_drafter
     from jspec.loaders import compile_cache_flag, end_ids, load_model, model_loader, wants_unstacked
 
-    if args.drafter == "none" and (args.gamma is not None or args.adaptive or args.goodput):
-        raise ValueError("--gamma, --adaptive and --goodput need a drafter (--drafter none decodes plainly)")
+    check_drafter_flags(args)
     with V.as_flags([f.name for f in dataclasses.fields(ServerConfig)]):  # "rows must ..." -> "--rows must ..."
         config = _config(args)
     compile_cache_flag(args.compile_cache)
@@ -157,10 +210,7 @@ def _build(args) -> Server:
     _, params, target, tok = loaded
     if tok is None:
         raise ValueError(f"'{args.model}' has no tokenizer; the server needs one")
-    # build_drafter reads generate's tree flags too; the server takes chains and n-gram trees.
-    ns = argparse.Namespace(**vars(args), branches=None, tree=None, tree_budget=None, tree_rule=None,
-                            dynamic_tree=None)  # fmt: skip
-    drafter, dparams = build_drafter(ns, target, loaded)
+    drafter, dparams = build_drafter(args, target, loaded)  # chains and trees, as generate builds them
     return build_server(target, params, tok, config, drafter=drafter, draft_params=dparams, gamma=args.gamma,
                         eos_ids=end_ids(tok), adaptive=args.adaptive or None, goodput=args.goodput or None)  # fmt: skip
 
