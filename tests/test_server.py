@@ -236,6 +236,7 @@ def test_models_health_and_metrics(urls):
         "jspec_queue_waiting",
         "jspec_cache_usage",
         'jspec_draft_acceptance{position="0"}',
+        'jspec_draft_length_rounds_total{k="4"}',
         "jspec_engine_step_seconds_count",
     ):
         assert name in text, name  # fmt: skip
@@ -355,6 +356,7 @@ def test_http_runner_records_the_servers_answers(model, reference, urls):
         assert not bad.ok and "HTTP 400" in bad.error and r.summary["errors"] == 1
         stats = r.decode_stats
         assert stats["decode_tokens"] == sum(len(t) - 1 for t in reference)
+        assert stats["draft_lengths"] == ([0] if server == "plain" else [4])
         if server == "plain":
             assert stats["tokens_per_round"] == 1.0 and stats["proposed_at"] == []
         else:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -121,12 +122,15 @@ def _run_one(args, target, spec: Spec, transport: str, load: Load, jobs, cfg, po
     if transport == IN_PROCESS:
         r = suite_runs.run_one(target, spec, load, jobs, cfg)
     else:
-        log = os.path.join(args.out, f"server-{spec.label.replace(' ', '_').replace('=', '')}.log")
+        log = os.path.join(args.out, f"server-{re.sub(r'[^A-Za-z0-9_.-]+', '_', spec.label)}.log")
         with http_runner.ServerProcess(_server_args(args, spec, cfg, len(jobs)), port, log) as server:
             r = http_runner.run(server.url, SERVED_NAME, spec, load, jobs, max_new_tokens=cfg.max_new_tokens,
                                 sampling=cfg.sampling, max_wall_s=cfg.max_wall_s,
                                 decode_text=target.decode_text)  # fmt: skip
             r.engine["server_start_s"] = server.start_s
+        r.engine["server_exit_status"] = server.returncode  # 0: it drained and stopped cleanly
+        if server.returncode != 0:
+            print(f"  {label}: the server exited with status {server.returncode}; see {log}", flush=True)
         s = r.summary
         print(f"  {label:<28} {load.name:<18} {s['output_tokens_per_s']:7.1f} tok/s (decode "
               f"{s['decode_tokens_per_s']:6.1f})  {s['finished']}/{s['submitted']} done  TTFT p95 "

@@ -57,6 +57,7 @@ def decode_stats(before: dict[str, float], after: dict[str, float]) -> dict[str,
     positions = sorted({int(k.split('"')[1]) for k in after if k.startswith("jspec_draft_proposed_total{")})
     acc = [delta(f'jspec_draft_accepted_total{{position="{i}"}}') for i in positions]
     prop = [delta(f'jspec_draft_proposed_total{{position="{i}"}}') for i in positions]
+    ks = sorted({int(k.split('"')[1]) for k in after if k.startswith("jspec_draft_length_rounds_total{")})
     row_rounds, tokens = delta("jspec_row_rounds_total"), delta("jspec_decode_tokens_total")
     steps = delta("jspec_engine_step_seconds_count")
     return {
@@ -70,6 +71,8 @@ def decode_stats(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "proposed_at": prop,
         "acceptance_by_position": [a / p if p else None for a, p in zip(acc, prop)],
         "acceptance_rate": sum(acc) / sum(prop) if sum(prop) else 0.0,
+        "draft_lengths": ks,  # the K a round could run (goodput: several) and the engine rounds at each
+        "k_rounds": [delta(f'jspec_draft_length_rounds_total{{k="{k}"}}') for k in ks],
         "engine_steps": steps,
         "step_ms_mean": delta("jspec_engine_step_seconds_sum") / steps * 1e3 if steps else None,
     }
@@ -180,6 +183,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.start_s: float | None = None
+        self.returncode: int | None = None  # after the block: 0 for a clean stop, else what went wrong
 
     def __enter__(self) -> ServerProcess:
         import httpx
@@ -210,4 +214,6 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc is not None:
+            self.returncode = self.proc.returncode
         self._log.close()

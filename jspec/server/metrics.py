@@ -59,7 +59,8 @@ class ServerMetrics:
             registry=r, buckets=tuple(float(i) for i in range(1, max_tokens_per_round + 1)),
         )  # fmt: skip
         self._worker: EngineWorker | None = None
-        self._base = self._snap = (np.zeros(0), np.zeros(0))  # accepted_at, proposed_at (``bind`` reads them)
+        # accepted_at, proposed_at, k_rounds (``bind`` reads them)
+        self._base = self._snap = (np.zeros(0), np.zeros(0), np.zeros(0))
         self._snap_t = 0.0
         r.register(_EngineCollector(self))
 
@@ -73,9 +74,9 @@ class ServerMetrics:
 
     # --- called on the engine's thread -----------------------------------------------------------------
 
-    def _engine_counters(self) -> tuple[np.ndarray, np.ndarray]:
+    def _engine_counters(self) -> tuple[np.ndarray, ...]:
         st = self._worker.engine.state.stats
-        return tuple(np.asarray(x, np.int64) for x in jax.device_get((st.accepted_at, st.proposed_at)))
+        return tuple(np.asarray(x, np.int64) for x in jax.device_get((st.accepted_at, st.proposed_at, st.k_rounds)))
 
     def reset_engine_baseline(self) -> None:
         """After the warm-up: its dummy requests' rounds are not the server's."""
@@ -142,7 +143,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("jspec_cache_slots", "KV-cache slots of the engine (rows x slots per row)", value=slots)
         yield GaugeMetricFamily("jspec_cache_usage", "Fraction of the KV cache held by running requests",
                                 value=used / slots if slots else 0.0)  # fmt: skip
-        acc, prop = (np.asarray(a) - np.asarray(b) for a, b in zip(self.m._snap, self.m._base))
+        acc, prop, k_rounds = (np.asarray(a) - np.asarray(b) for a, b in zip(self.m._snap, self.m._base))
         fams = (
             CounterMetricFamily("jspec_draft_accepted", "Draft candidates accepted at each position (tree: depth "
                                 "- 1), as of the last snapshot (<= 1 s old)", labels=["position"]),
@@ -156,3 +157,9 @@ class _EngineCollector:
             fams[1].add_metric([str(i)], p)
             fams[2].add_metric([str(i)], a / p if p else 0.0)
         yield from fams
+        ks = CounterMetricFamily("jspec_draft_length_rounds", "Engine rounds run at each draft length K the engine "
+                                 "may choose (--goodput: several; else its one K), as of the last snapshot",
+                                 labels=["k"])  # fmt: skip
+        for k, n in zip(w.engine.config.draft_lengths, k_rounds.tolist()):
+            ks.add_metric([str(k)], n)
+        yield ks
