@@ -357,6 +357,7 @@ def test_http_runner_records_the_servers_answers(model, reference, urls):
         stats = r.decode_stats
         assert stats["decode_tokens"] == sum(len(t) - 1 for t in reference)
         assert stats["draft_lengths"] == ([0] if server == "plain" else [4])
+        assert sum(stats["k_rounds"]) == stats["engine_rounds"] > 0  # read when the server went idle: whole
         if server == "plain":
             assert stats["tokens_per_round"] == 1.0 and stats["proposed_at"] == []
         else:

@@ -96,7 +96,12 @@ class ServerMetrics:
                 self.tokens_per_round.observe(len(toks) / rounds)
         now = time.perf_counter()
         if now - self._snap_t >= _SNAPSHOT_EVERY_S:
-            self._snap, self._snap_t = self._engine_counters(), now
+            self.snapshot(now)
+
+    def snapshot(self, now: float | None = None) -> None:
+        """Read the engine's counters now (``step`` does at most once a second; the worker when its last running
+        row ends, so that an idle server's counters are whole)."""
+        self._snap, self._snap_t = self._engine_counters(), time.perf_counter() if now is None else now
 
     def emitted(self, t: Ticket, now: float, n: int) -> None:
         if n <= 0:

@@ -179,6 +179,8 @@ class EngineWorker:
             if t in self._waiting:
                 self._waiting.remove(t)
             elif t.row is not None and self._owner.get(t.row) is t:
+                if len(self._owner) == 1:  # the last running request: as in _step, read the counters first
+                    self.metrics.snapshot()
                 del self._owner[t.row]
                 if self.engine.stop_reason(t.row) == StopReason.RUNNING:
                     self.engine.cancel(t.row)
@@ -212,6 +214,9 @@ class EngineWorker:
         started = time.perf_counter()
         out = self.engine.step()
         self.metrics.step(time.perf_counter() - started, self.engine.last_rounds, out)
+        if all(self.engine.stop_reason(r) != StopReason.RUNNING for r in self._owner):
+            # The server goes idle: its counters are read before any client hears of its end (whole when scraped).
+            self.metrics.snapshot()
         for row, toks in out.items():
             t = self._owner.get(row)
             if t is not None:
