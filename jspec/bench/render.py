@@ -36,6 +36,7 @@ README_ROWS: tuple[tuple[str, str, str], ...] = (
     ("grid", "chat b=1", "eagle tree (4,1)"),
     ("grid", "chat b=1", "ngram goodput K<=4"),
     ("grid", "chat b=4", "ngram goodput K<=4"),
+    ("grid", "edit b=4", "ngram goodput K<=4"),
     ("grid", "edit b=8", "ngram goodput K<=4"),
     ("grid", "chat b=8", "ngram K=4"),
     ("grid", "chat b=8", "ngram goodput K<=4"),
