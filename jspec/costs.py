@@ -5,9 +5,10 @@ A verification's price depends on B, T = K + 1, the context, the device and the 
 bound by reading the weights and K + 1 tokens cost little more than one; at larger batches (and on small CPUs) it is
 bound by arithmetic and grows with B x (K + 1); and each of the K + 1 positions attends to the whole context, which
 at a few hundred tokens is a large part of a small model's step. ``profile`` measures it: it compiles ONE program
-of a few rounds of the goodput loop (``jspec.loop.decode_round``, whose K is an argument there), prefills a batch
-of B prompts of the decode's context length that prompt lookup always continues (so a round at K verifies K + 1
-positions, as the policy assumes), and times those rounds at each K, the K alternating, taking medians.
+of a few rounds of the goodput loop (``jspec.loop.decode_round``, whose K is an argument there) and one of plain
+decoding's, prefills a batch of B prompts of the decode's context length that prompt lookup always continues (so a
+round at K verifies K + 1 positions, as the policy assumes), and times those rounds at each K and plain decoding's
+steps, alternating, taking medians; a cost is a round's time over a plain step's.
 The ``CostTable`` is cached on disk under ``${JSPEC_CACHE:-~/.cache/jspec}/costs/``, keyed by everything that
 changes the costs (``CostKey``: device, model, parameter layout and dtype, drafter, B, S, the context in steps of
 ``CONTEXT_STEP`` tokens, the K set, JAX version),
@@ -39,7 +40,8 @@ from jspec.loop import decode_round, prefill
 from jspec.model import Model
 from jspec.state import DecodeConfig
 
-SCHEMA = 3  # 2: rounds timed inside one compiled loop, every round at K > 0 wide; 3: at the decode's context
+SCHEMA = 4  # 2: rounds timed inside one compiled loop, every round at K > 0 wide; 3: at the decode's context;
+# 4: relative to plain decoding's step, timed beside them (a goodput round at K = 0 is not quite one)
 # A table per CONTEXT_STEP tokens of context: at most S / 128 of them per batch and cache size, each within 64 tokens
 # of the context it serves.
 CONTEXT_STEP = 128
@@ -110,16 +112,19 @@ class CostKey:
 
 @dataclasses.dataclass(frozen=True)
 class CostTable:
-    """round_ms[i]: the median time of a round at ``key.ks[i]`` (ms); ``relative`` divides by the plain step's
-    (K = 0), or by the smallest K's where the set has no 0 (a drafter that always verifies wide)."""
+    """round_ms[i]: the median time of a round at ``key.ks[i]`` (ms); plain_ms: plain decoding's step (no
+    drafter) timed beside them; ``relative`` divides by it. So the policy's K = 0 round, which still carries the
+    goodput loop (the choice, the estimates, the drafter keeping up), shows its cost over a plain step, and a
+    prediction from the table is one against plain decoding."""
 
     key: CostKey
     round_ms: tuple[float, ...]
     rounds: int  # rounds timed per K
+    plain_ms: float
 
     @property
     def relative(self) -> tuple[float, ...]:
-        return tuple(ms / self.round_ms[0] for ms in self.round_ms)
+        return tuple(ms / self.plain_ms for ms in self.round_ms)
 
     def policy(self, **kw) -> GoodputK:
         """The goodput policy of these costs (``kw``: GoodputK's objective and estimate parameters)."""
@@ -137,7 +142,8 @@ class CostTable:
         k = self.key
         head = f"round cost at batch {k.batch}, {k.slots} slots, context {k.context} ({k.model}, {k.device})"
         rows = zip(self.key.ks, self.round_ms, self.relative)
-        return "\n".join([head, *(f"  K={k:<3d} {ms:8.2f} ms   {rel:5.2f}x" for k, ms, rel in rows)])
+        plain = f"  plain {self.plain_ms:8.2f} ms    1.00x"
+        return "\n".join([head, plain, *(f"  K={k:<3d} {ms:8.2f} ms   {rel:5.2f}x" for k, ms, rel in rows)])
 
     def to_json(self) -> dict:
         return {
@@ -145,6 +151,7 @@ class CostTable:
             "key": dataclasses.asdict(self.key),
             "round_ms": list(self.round_ms),
             "rounds": self.rounds,
+            "plain_ms": self.plain_ms,
         }
 
     @classmethod
@@ -155,7 +162,10 @@ class CostTable:
         round_ms = tuple(float(x) for x in data["round_ms"])
         if len(round_ms) != len(key.ks) or not all(np.isfinite(x) and x > 0 for x in round_ms):
             raise ValueError(f"cost table round_ms {round_ms} does not match ks {key.ks}")
-        return cls(key, round_ms, int(data["rounds"]))
+        plain_ms = float(data["plain_ms"])
+        if not (np.isfinite(plain_ms) and plain_ms > 0):
+            raise ValueError(f"cost table plain_ms {plain_ms} is not a time")
+        return cls(key, round_ms, int(data["rounds"]), plain_ms)
 
 
 def context_of(tokens: float, slots: int) -> int:
@@ -192,8 +202,8 @@ def profile(
     The rows decode ``_lookup_prompts``, which prompt lookup always continues, so that every round at K > 0
     verifies K + 1 positions: the cost the policy pays when it chooses K (how often a row has nothing to propose
     is its acceptance estimate's business, not the cost's). The rounds run as the decode runs them, inside one
-    compiled loop (``rounds`` rounds per call, no dispatch between them); the calls of the K alternate, and each K's
-    cost is the median over ``repeats`` calls, after one that compiles and warms up."""
+    compiled loop (``rounds`` rounds per call, no dispatch between them); the calls of the K and plain decoding's
+    alternate, and each one's time is the median over ``repeats`` calls, after one that compiles and warms up."""
     ks = tuple(int(k) for k in ks)
     p = min(context, slots - ks[-1] * rounds * (repeats + 1) - 2)  # the prompts leave room for every timed round
     if p < 8:
@@ -201,13 +211,7 @@ def profile(
     ids = _lookup_prompts(batch, p, target.vocab_size)
     # The costs do not matter here: every round's K is given.
     config = DecodeConfig(ks[-1], slots, goodput=GoodputK(ks, (1.0,) * len(ks)))
-    pre = jax.jit(functools.partial(prefill, target, drafter, config))
-
-    def run(target_params, draft_params, st, k_index):
-        step = functools.partial(decode_round, target, drafter, config, target_params, draft_params)
-        return jax.lax.fori_loop(0, rounds, lambda _, s: step(s, k_index)[0], st)
-
-    many = jax.jit(run, donate_argnums=(2,))
+    plain_config = DecodeConfig(0, slots)  # plain decoding's program: no drafter, no policy
     args = (
         jnp.asarray(ids),
         jnp.full((batch,), p, jnp.int32),
@@ -215,16 +219,32 @@ def profile(
         V.sampling_params(batch),
         jax.random.key(0),
     )
-    states = [pre(target_params, draft_params, *args) for _ in ks]  # one running state per K
-    times: list[list[float]] = [[] for _ in ks]
+
+    def rounds_of(drafter, config):
+        """``rounds`` rounds in one jitted call (at ``ks[k_index]``: one program for every K) and a prefilled state."""
+
+        def run(target_params, draft_params, st, k_index):
+            step = functools.partial(decode_round, target, drafter, config, target_params, draft_params)
+            return jax.lax.fori_loop(0, rounds, lambda _, s: step(s, k_index)[0], st)
+
+        pre = jax.jit(functools.partial(prefill, target, drafter, config))
+        return jax.jit(run, donate_argnums=(2,)), lambda: pre(target_params, draft_params, *args)
+
+    many, fresh = rounds_of(drafter, config)
+    plain_many, plain_fresh = rounds_of(None, plain_config)
+    # One running state per K, then plain decoding's (its k_index unread); the calls alternate between them.
+    calls = [(many, jnp.int32(i)) for i in range(len(ks))] + [(plain_many, None)]
+    states = [fresh() for _ in ks] + [plain_fresh()]
+    times: list[list[float]] = [[] for _ in calls]
     for r in range(repeats + 1):  # call 0 compiles and warms up
-        for i in range(len(ks)):
+        for i, (fn, k_index) in enumerate(calls):
             t0 = time.perf_counter()
-            states[i] = jax.block_until_ready(many(target_params, draft_params, states[i], jnp.int32(i)))
+            states[i] = jax.block_until_ready(fn(target_params, draft_params, states[i], k_index))
             if r:
                 times[i].append((time.perf_counter() - t0) * 1e3 / rounds)
     key = CostKey.of(target, target_params, drafter, draft_params, batch, slots, ks, context)
-    return CostTable(key, tuple(float(statistics.median(t)) for t in times), rounds * repeats)
+    medians = [float(statistics.median(t)) for t in times]
+    return CostTable(key, tuple(medians[:-1]), rounds * repeats, medians[-1])
 
 
 def cost_table(

@@ -192,7 +192,7 @@ def test_a_cost_table_is_used_only_where_it_was_measured(tmp_path):
     b, slots, ks = len(PROMPTS), 128, (0, 1, 2, 4)
     context = context_of(np.mean([len(p) + 20 / 2 for p in PROMPTS]), slots)  # as decode's, below
     key = CostKey.of(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, b, slots, ks, context)
-    table = CostTable(key, (1.0, 1.05, 1.1, 1.3), 8)
+    table = CostTable(key, (1.0, 1.05, 1.1, 1.3), 8, plain_ms=1.0)
     kw = dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, max_new_tokens=20, max_len=slots)
     # decode's batch ends with its last row: the table's costs under the makespan objective.
     got = dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, goodput=table, **kw).config.goodput
@@ -206,7 +206,7 @@ def test_a_cost_table_is_used_only_where_it_was_measured(tmp_path):
         (dict(slots=256), "slots"),
         (dict(context=context + 128), "context"),
     ):
-        other = CostTable(dataclasses.replace(key, **change), table.round_ms, 8)
+        other = CostTable(dataclasses.replace(key, **change), table.round_ms, 8, plain_ms=1.0)
         with pytest.raises(ValueError, match=f"measured for another {field}"):
             dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, goodput=other, **kw)
 
@@ -214,7 +214,9 @@ def test_a_cost_table_is_used_only_where_it_was_measured(tmp_path):
 def test_the_disk_cache_is_read_back_and_a_corrupt_file_is_measured_again(tmp_path):
     kw = dict(batch=2, slots=64, ks=(0, 1, 2), context=64, directory=str(tmp_path))
     first = cost_table(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, **kw)
-    assert all(ms > 0 for ms in first.round_ms) and first.relative[0] == 1.0
+    # Each cost is a round's time over plain decoding's step, timed beside them.
+    assert all(ms > 0 for ms in first.round_ms) and first.plain_ms > 0
+    assert first.relative == tuple(ms / first.plain_ms for ms in first.round_ms)
     (path,) = tmp_path.glob("*.json")
     assert cost_table(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, **kw) == first  # read, not measured
     path.write_text("{ not json")
@@ -223,6 +225,7 @@ def test_the_disk_cache_is_read_back_and_a_corrupt_file_is_measured_again(tmp_pa
     assert again.key == first.key and json.loads(path.read_text())["round_ms"] == list(again.round_ms)
     report = again.report()
     assert all(f"K={k} " in report for k in (0, 1, 2)) and "batch 2, 64 slots, context 64" in report
+    assert f"plain {again.plain_ms:8.2f} ms" in report
 
 
 def test_the_serving_engine_chooses_k_each_round_and_keeps_greedy_output():
