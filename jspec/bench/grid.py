@@ -260,8 +260,8 @@ def prepare_cell(target, configs: Sequence[Config], batches: Sequence[Batch], ma
 
     A goodput configuration also gets the cost table its policy chose from (``round_costs``: per batch, each K's
     round cost relative to a plain step), and every speculative configuration whose draft lengths that table prices
-    gets the cost model's prediction of its speed against plain decoding (``predicted_vs_plain``,
-    ``predict_seconds``): plain's prefill, then its rounds at each K priced by the table in plain steps."""
+    gets the cost model's prediction of its speed against plain decoding (``predicted_vs_plain``): plain's
+    prefill (``prefill_seconds``), then its rounds at each K priced by the table in plain steps."""
     from jspec.decode import prepare
 
     scratch = max(c.nodes for c in configs) - 1
