@@ -1,8 +1,9 @@
 """Tokenizer + chat template, built from GGUF metadata or a Hugging Face directory, with no network access.
 
-GGUF files carry a byte-level BPE vocabulary (``tokenizer.ggml.tokens`` + ``merges``), a pre-tokenizer id
-(``tokenizer.ggml.pre``), token types, BOS/EOS ids and a Jinja chat template; we assemble the same pipeline
-with the ``tokenizers`` library. CONTROL tokens (type 3) are registered as special tokens: otherwise text
+GGUF files carry either a byte-level BPE vocabulary (``tokenizer.ggml.model`` "gpt2": ``tokenizer.ggml.tokens`` +
+``merges`` and a pre-tokenizer id ``tokenizer.ggml.pre``) or a SentencePiece one ("llama": tokens + ``scores``,
+read by ``models.sp_tokenizer``), token types, BOS/EOS ids and a Jinja chat template; we assemble the same
+pipeline with the ``tokenizers`` library. CONTROL tokens (type 3) are registered as special tokens: otherwise text
 like ``<|im_start|>`` would be split into ordinary pieces.
 """
 
@@ -31,9 +32,13 @@ from models.checkpoint import (
     read_json,
 )
 from models.llama import end_token_ids
+from models.sp_tokenizer import CONTROL as _CONTROL
+from models.sp_tokenizer import UNKNOWN as _UNKNOWN
+from models.sp_tokenizer import USER_DEFINED as _USER_DEFINED
+from models.sp_tokenizer import spm_backend
 
-# GGUF token types (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+# tokenizer.ggml.model values read here (llama.cpp's vocabulary types "gpt2" = BPE and "llama" = SPM).
+_GGUF_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
 # Texts of the tokens llama.cpp ends generation at by their spelling (checkpoint.gguf_end_ids).
 _END_TEXTS = GGUF_END_TEXTS.union(*GGUF_FIM_END_TEXTS.values())
 
@@ -261,52 +266,55 @@ class Tokenizer:
             return default if f is None else f.contents()
 
         kind = get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in _GGUF_TOKENIZER_MODELS:
             raise CheckpointError(
-                f"{gf.path}: tokenizer model '{kind}' is not supported (only gpt2-style byte-level BPE)"
-            )
-        pre = get("tokenizer.ggml.pre")
-        if pre is None:
-            raise CheckpointError(
-                f"{gf.path}: no tokenizer.ggml.pre: llama.cpp would split the text with its 'default' rules, "
-                f"which jspec does not implement (known: {', '.join(sorted(_PRE_TOKENIZERS))})"
-            )
-        if pre not in _PRE_TOKENIZERS:
-            raise CheckpointError(
-                f"{gf.path}: unknown pre-tokenizer '{pre}' (known: {', '.join(sorted(_PRE_TOKENIZERS))})"
+                f"{gf.path}: tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; supported: "
+                + ", ".join(f"'{k}' ({v})" for k, v in _GGUF_TOKENIZER_MODELS.items())
             )
         tokens = get("tokenizer.ggml.tokens")
-        merges = get("tokenizer.ggml.merges")
-        if tokens is None or merges is None:
-            raise CheckpointError(f"{gf.path}: no tokenizer in the metadata (tokenizer.ggml.tokens / merges)")
+        if tokens is None:
+            raise CheckpointError(f"{gf.path}: no tokenizer.ggml.tokens: the metadata holds no vocabulary")
         types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(types) != len(tokens):
+            raise CheckpointError(
+                f"{gf.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+            )
         ends = gguf_end_ids(get)
         # llama.cpp makes every end-of-generation token it finds by its text a CONTROL token, whatever its type in
         # the file: its text in a prompt is then that one token, not pieces of it.
         types = [_CONTROL if t in _END_TEXTS and i in ends else ty for i, (t, ty) in enumerate(zip(tokens, types))]
-        backend = _HFTokenizer(
-            models.BPE(
-                vocab={t: i for i, t in enumerate(tokens)},
-                merges=[tuple(m.split(" ", 1)) for m in merges],
-                fuse_unk=False,
-                ignore_merges=pre in _LLAMA3_PRE,
-            )
-        )
-        backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
-        backend.decoder = decoders.ByteLevel()
-        special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL]
+        # An id outside the vocabulary is None: llama.cpp ignores it (checkpoint.gguf_special_id).
+        unk_id, pad_id = gguf_special_id(get, "unknown"), gguf_special_id(get, "padding")
+        if kind == "gpt2":
+            backend, add_bos = _gpt2_backend(gf.path, get, tokens), False
+            special_types = (_CONTROL,)
+        else:
+            scores = get("tokenizer.ggml.scores")
+            if scores is None:
+                raise CheckpointError(
+                    f"{gf.path}: a SentencePiece vocabulary without tokenizer.ggml.scores: its merge order is unknown"
+                )
+            if len(scores) != len(tokens):
+                raise CheckpointError(
+                    f"{gf.path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
+                )
+            # llama.cpp's defaults for a SentencePiece vocabulary: a space prefix and BOS.
+            prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
+            backend, add_bos = spm_backend(tokens, scores, types, unk_id, prefix), True
+            # llama.cpp matches UNKNOWN tokens in the text too (its special-token cache), as transformers does.
+            special_types = (_CONTROL, _UNKNOWN)
+        pre = get("tokenizer.ggml.pre")
+        special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in special_types]
         user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
         backend.add_special_tokens(special)
         if user:
             backend.add_tokens(user)
-        # An id outside the vocabulary is None: llama.cpp ignores it (checkpoint.gguf_special_id).
-        unk_id, pad_id = gguf_special_id(get, "unknown"), gguf_special_id(get, "padding")
         return cls(
             backend,
             bos_id=gguf_special_id(get, "bos"),
             eos_id=gguf_special_id(get, "eos"),
             chat_template=get("tokenizer.chat_template"),
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE)),
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", add_bos or pre in _LLAMA3_PRE)),
             add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
             pad_id=pad_id,
             # The named tokens transformers' GGUF tokenizer has besides BOS/EOS (integrations/gguf).
@@ -416,6 +424,32 @@ class Tokenizer:
             # What the template sees as these (transformers' special_tokens_map): the files' texts, no fallback.
             special_tokens={k: token_text(k) for k in _SPECIAL_TOKEN_NAMES[2:]},
         )
+
+
+def _gpt2_backend(path, get, tokens: list[str]) -> _HFTokenizer:
+    """A gpt2-style byte-level BPE vocabulary (tokens + merges) split by its ``tokenizer.ggml.pre`` rules."""
+    pre = get("tokenizer.ggml.pre")
+    if pre is None:
+        raise CheckpointError(
+            f"{path}: no tokenizer.ggml.pre: llama.cpp would split the text with its 'default' rules, "
+            f"which jspec does not implement (known: {', '.join(sorted(_PRE_TOKENIZERS))})"
+        )
+    if pre not in _PRE_TOKENIZERS:
+        raise CheckpointError(f"{path}: unknown pre-tokenizer '{pre}' (known: {', '.join(sorted(_PRE_TOKENIZERS))})")
+    merges = get("tokenizer.ggml.merges")
+    if merges is None:
+        raise CheckpointError(f"{path}: a byte-level BPE vocabulary without tokenizer.ggml.merges")
+    backend = _HFTokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            fuse_unk=False,
+            ignore_merges=pre in _LLAMA3_PRE,
+        )
+    )
+    backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    return backend
 
 
 def _named_templates(entries: list, path: str) -> dict[str, str]:
