@@ -5,16 +5,21 @@ client that leaves frees its row, and nothing a client sends stops the others.
 
 Two servers (plain and n-gram speculation) share one engine shape (2 rows, 256 slots, prompts under 64 tokens:
 one prefill width), so each compiles its two programs once; the references are one batched ``decode`` call.
+The trained drafters' servers (a draft model, LayerSkip self-speculation) and block verification are built
+from ``serve``'s own flags over the same model, one server per flag set, started when a test first asks for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai", reason="the serve extra: pip install -e '.[serve]'")
@@ -23,6 +28,7 @@ from jspec.decode import decode  # noqa: E402
 from jspec.ngram import NgramDrafter  # noqa: E402
 from jspec.serve import Engine  # noqa: E402
 from jspec.server import ServerConfig, ServerThread, build_server  # noqa: E402
+from jspec.server.launch import build_from_flags, serve_parser  # noqa: E402
 from jspec.server.schema import APIError, RequestParser  # noqa: E402
 
 MODEL = "smollm2"
@@ -297,6 +303,91 @@ def test_full_queue_is_429_and_the_rest_keep_streaming(model, reference, urls):
     _wait_for(lambda: _metric(url, "jspec_rows_running") == 0, "every row freed")
 
 
+# The drafters' servers: _server's engine shape (the same prefill width), and the benchmark's lean rounds (no
+# log-probabilities, penalties or logit bias: smaller programs, which compile faster).
+SHAPE_FLAGS = ("--model", MODEL, "--rows", "2", "--max-len", "256", "--max-queue", "1", "--no-logprobs",
+               "--no-penalties", "--max-logit-bias", "0", "--no-warmup")  # fmt: skip
+N_DRAFTED = 12  # tokens compared: a few rounds of each drafter
+
+
+@pytest.fixture(scope="module")
+def draft_dir(model, tmp_path_factory):
+    """A 2-layer draft of SmolLM2 (its first two layers, a 4096-token head; untrained, so most candidates are
+    rejected: the harder path), saved as ``examples/train_draft.py`` saves one: what ``--drafter draft`` loads."""
+    from models import draft as D
+
+    dcfg = D.draft_config(model.config, 2, head_size=4096)
+    token_map = D.frequent_token_map(np.zeros(model.config.vocab_size), 4096, [model.tokenizer.eos_id])
+    params = D.init_from_target(dcfg, model.params, token_map)
+    return D.save_draft(tmp_path_factory.mktemp("draft") / "d", dcfg, params, tokenizer=model.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def flag_url(model, request):
+    """flags -> the url of a server built from ``python -m jspec serve``'s flags (and SHAPE_FLAGS) over the
+    session's model; each flag set's server is built and started once, when first asked for, and stopped with
+    the module. "{draft}" in a flag is the saved draft's directory."""
+    servers: dict[tuple[str, ...], str] = {}
+    with contextlib.ExitStack() as stack:
+
+        def url(*flags: str) -> str:
+            if flags not in servers:
+                draft = request.getfixturevalue("draft_dir") if "{draft}" in flags else None  # saved when needed
+                argv = [*SHAPE_FLAGS, *(f.format(draft=draft) for f in flags)]
+                server = build_from_flags(serve_parser().parse_args(argv), model)
+                servers[flags] = stack.enter_context(ServerThread(server.app))
+            return servers[flags]
+
+        yield url
+
+
+SERVED_DRAFTERS = {
+    "draft model": ("--drafter", "draft", "--draft-model", "{draft}", "--gamma", "3"),
+    "layerskip": ("--drafter", "layerskip", "--draft-model", "exit:8"),
+    "ngram block-verify": ("--drafter", "ngram", "--block-verify"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SERVED_DRAFTERS))
+def test_served_drafters_answer_greedy_as_plain_decode(model, reference, flag_url, name):
+    """A draft model (``--drafter draft``), LayerSkip self-speculation (``--drafter layerskip --draft-model
+    exit:8``: the target's first 8 layers and its head) and block verification (``--block-verify``): the
+    greedy answers over HTTP, both chats in the two rows at once, are plain ``jspec.decode``'s token for token,
+    and the drafter did propose."""
+    url = flag_url(*SERVED_DRAFTERS[name])
+    c = _client(url)
+
+    def ask(chat):
+        return c.chat.completions.create(model=MODEL, messages=chat, max_tokens=N_DRAFTED, temperature=0,
+                                         extra_body={"return_token_ids": True}).choices[0]  # fmt: skip
+
+    with ThreadPoolExecutor(len(CHATS)) as pool:
+        answers = list(pool.map(ask, CHATS))
+    want = [ref[:N_DRAFTED] for ref in reference]  # greedy: the first tokens of decode's longer answers
+    assert [a.model_extra["token_ids"] for a in answers] == want
+    assert [a.message.content for a in answers] == [_text(model, ids) for ids in want]
+    # read when the server went idle (the answers are back): the counters are whole
+    assert _metric(url, "jspec_draft_proposed_total", '{position="0"}') > 0
+
+
+@pytest.mark.slow
+def test_block_verify_server_samples_as_decode_does(model, flag_url):
+    """Sampled with a seed, the ``--block-verify`` server's tokens are ``jspec.decode``'s with block_verify=True
+    and the same seed (a request follows its own seed whatever its row: test_row_seeds), so its sampled rounds
+    run block verification. The prompt repeats itself, so the n-gram drafter proposes."""
+    tok = model.tokenizer
+    prompt = tok.encode("one two three four, one two three four, one two three four, one two")
+    kw = dict(max_new_tokens=12, temperature=0.8, eos_ids=tok.eos_ids, max_len=256)
+    ngram = NgramDrafter(3, 1, vocab_size=model.model.vocab_size)
+    want = decode(model.model, model.params, [prompt], drafter=ngram, gamma=4, block_verify=True, seed=[5], **kw)
+    assert want.stats["proposed"] > 0
+    url = flag_url(*SERVED_DRAFTERS["ngram block-verify"])
+    r = _client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.8, seed=5,
+                                        extra_body={"return_token_ids": True})  # fmt: skip
+    assert r.choices[0].model_extra["token_ids"] == list(want.tokens[0])
+
+
 class _CharTokenizer:
     """A stand-in tokenizer for the toy model's 3-token vocabulary: a character's code modulo it."""
 
@@ -419,7 +510,11 @@ def test_shutdown_drains_or_cancels(drain_s):
         (["--rows", "0"], "--rows must be an int >= 1"),
         (["--max-logprobs", "50"], "--max-logprobs must be an int in [0, 20]"),
         (["--max-queue", "-1"], "--max-queue must be an int >= 0"),
-        (["--drafter", "none", "--gamma", "4"], "--gamma, --adaptive and --goodput need a drafter"),
+        (["--drafter", "none", "--gamma", "4"], "--gamma, --adaptive, --goodput and --block-verify need a drafter"),
+        (["--drafter", "none", "--block-verify"], "--gamma, --adaptive, --goodput and --block-verify need a drafter"),
+        (["--drafter", "ngram-tree", "--block-verify"], "--block-verify verifies a chain's candidates as one block"),
+        (["--drafter", "eagle", "--tree", "4,1", "--block-verify"], "which --tree excludes"),
+        (["--drafter", "layerskip", "--dynamic-tree", "4,3,8", "--block-verify"], "which --dynamic-tree excludes"),
         (["--drafter", "ngram", "--tree", "4,1"], "--tree does not apply to --drafter ngram"),
         (["--drafter", "eagle", "--tree", "4,1", "--gamma", "2"], "--gamma does not apply with --tree"),
         (["--drafter", "ngram-tree", "--goodput"], "which --drafter ngram-tree excludes"),

@@ -89,7 +89,7 @@ class ServerThread:
         self.thread.join(60)
 
 
-def _parser() -> argparse.ArgumentParser:
+def serve_parser() -> argparse.ArgumentParser:
     from jspec.cli import DRAFTERS
     from jspec.loaders import LAYER_LAYOUTS
 
@@ -109,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ngram-min", type=int, default=None, help="shortest suffix n-gram looked up (default 1)")
     ap.add_argument("--adaptive", action="store_true", help="per row, draft K or nothing, from its acceptance")
     ap.add_argument("--goodput", action="store_true", help="each round, the K that commits most tokens per second")
+    ap.add_argument("--block-verify", action="store_true", help="block verification of chains (Sun et al.)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     d = ServerConfig("-")
@@ -135,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = serve_parser().parse_args(argv)
     try:
         server = _build(args)
     except (ValueError, OSError) as e:  # bad flags, a missing checkpoint: a message, not a traceback
@@ -170,8 +171,10 @@ def check_drafter_flags(args) -> None:
     checks ``generate`` runs on the flags the server shares with it)."""
     from jspec.cli import _FLAG_DRAFTERS, _dynamic_tree_args
 
-    if args.drafter == "none" and (args.gamma is not None or args.adaptive or args.goodput):
-        raise ValueError("--gamma, --adaptive and --goodput need a drafter (--drafter none decodes plainly)")
+    if args.drafter == "none" and (args.gamma is not None or args.adaptive or args.goodput or args.block_verify):
+        raise ValueError(
+            "--gamma, --adaptive, --goodput and --block-verify need a drafter (--drafter none decodes plainly)"
+        )
     for name, drafters in _FLAG_DRAFTERS.items():
         if getattr(args, name) is not None and args.drafter not in drafters:
             flag = "--" + name.replace("_", "-")
@@ -188,6 +191,8 @@ def check_drafter_flags(args) -> None:
         raise ValueError(f"--goodput chooses a chain's K each round, which {flag} excludes")
     if args.adaptive and tree:
         raise ValueError(f"--adaptive drafts a chain's K or nothing per row, which {tree} excludes")
+    if args.block_verify and tree:
+        raise ValueError(f"--block-verify verifies a chain's candidates as one block, which {tree} excludes")
     if args.gamma is not None and args.gamma < 1:
         raise ValueError(f"--gamma {args.gamma}: a drafter drafts K >= 1 tokens a round (--drafter none for plain)")
     if args.gamma is not None and (args.tree or args.dynamic_tree):
@@ -199,20 +204,37 @@ def check_drafter_flags(args) -> None:
 
 
 def _build(args) -> Server:
-    from jspec.cli import build_drafter
-    from jspec.loaders import compile_cache_flag, end_ids, load_model, model_loader, wants_unstacked
+    from jspec.loaders import compile_cache_flag, load_model, model_loader, wants_unstacked
 
-    check_drafter_flags(args)
-    with V.as_flags([f.name for f in dataclasses.fields(ServerConfig)]):  # "rows must ..." -> "--rows must ..."
-        config = _config(args)
+    config = checked_config(args)
     compile_cache_flag(args.compile_cache)
     loaded = load_model(model_loader(), args.model, args.dtype, unstacked=wants_unstacked(args.layers))
+    return build_from_flags(args, loaded, config)
+
+
+def checked_config(args) -> ServerConfig:
+    """The drafter flags checked (``check_drafter_flags``) and the ServerConfig of the other flags, whose
+    messages name them as flags ("--rows must ..."): everything ``serve`` checks before a model loads."""
+    check_drafter_flags(args)
+    with V.as_flags([f.name for f in dataclasses.fields(ServerConfig)]):  # "rows must ..." -> "--rows must ..."
+        return _config(args)
+
+
+def build_from_flags(args, loaded, config: ServerConfig | None = None) -> Server:
+    """The server ``serve``'s flags (parsed by its parser) describe, over a model already loaded: ``loaded`` is
+    (config, params, model, tokenizer) as the model loaders return it. The drafter is built from the flags as
+    ``generate`` builds it (``jspec.cli.build_drafter``); ``config`` defaults to ``checked_config(args)``."""
+    from jspec.cli import build_drafter
+    from jspec.loaders import end_ids
+
+    config = checked_config(args) if config is None else config
     _, params, target, tok = loaded
     if tok is None:
         raise ValueError(f"'{args.model}' has no tokenizer; the server needs one")
     drafter, dparams = build_drafter(args, target, loaded)  # chains and trees, as generate builds them
     return build_server(target, params, tok, config, drafter=drafter, draft_params=dparams, gamma=args.gamma,
-                        eos_ids=end_ids(tok), adaptive=args.adaptive or None, goodput=args.goodput or None)  # fmt: skip
+                        eos_ids=end_ids(tok), adaptive=args.adaptive or None, goodput=args.goodput or None,
+                        block_verify=args.block_verify)  # fmt: skip
 
 
 def _config(args) -> ServerConfig:
