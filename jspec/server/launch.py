@@ -1,7 +1,8 @@
 """``python -m jspec serve``: load a model (and drafter) as ``generate`` does, build the engine, compile every
 program it will run, then serve HTTP with uvicorn until SIGINT / SIGTERM (running requests then drain for up to
 --drain-s seconds, the rest are cancelled). ``build_server`` and ``ServerThread`` put the same server together
-in a process that already holds a model (the tests, a benchmark)."""
+in a process that already holds a model (the tests, a benchmark); ``build_from_flags`` builds it from the
+command's own flags (``serve_parser``) over such a model."""
 
 from __future__ import annotations
 
