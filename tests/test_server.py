@@ -532,6 +532,17 @@ def test_serve_command_refuses_bad_flags_before_loading(argv, message, capsys):
 
 
 @pytest.mark.fast
+def test_every_serve_flag_is_documented():
+    """docs/serving.md's flag table names every flag of ``python -m jspec serve``."""
+    import pathlib
+
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "serving.md").read_text()
+    flags = [o for a in serve_parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    assert "--block-verify" in flags
+    assert [f for f in flags if f"`{f}`" not in doc] == []
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("argv, message", [(["--rates", "0"], "--rates"), (["--rows", "0"], "--rows 0")])
 def test_http_benchmark_refuses_bad_flags_before_loading(argv, message, capsys, tmp_path):
     from jspec.bench.http_bench import main
