@@ -326,14 +326,15 @@ def draft_dir(model, tmp_path_factory):
 def flag_url(model, request):
     """flags -> the url of a server built from ``python -m jspec serve``'s flags (and SHAPE_FLAGS) over the
     session's model; each flag set's server is built and started once, when first asked for, and stopped with
-    the module. "{draft}" in a flag is the saved draft's directory."""
+    the module. "{draft}" in a flag is the saved draft's directory, "{target}" the target's checkpoint."""
     servers: dict[tuple[str, ...], str] = {}
     with contextlib.ExitStack() as stack:
 
         def url(*flags: str) -> str:
             if flags not in servers:
                 draft = request.getfixturevalue("draft_dir") if "{draft}" in flags else None  # saved when needed
-                argv = [*SHAPE_FLAGS, *(f.format(draft=draft) for f in flags)]
+                target = request.getfixturevalue("smollm2_path")
+                argv = [*SHAPE_FLAGS, *(f.format(draft=draft, target=target) for f in flags)]
                 server = build_from_flags(serve_parser().parse_args(argv), model)
                 servers[flags] = stack.enter_context(ServerThread(server.app))
             return servers[flags]
@@ -343,6 +344,9 @@ def flag_url(model, request):
 
 SERVED_DRAFTERS = {
     "draft model": ("--drafter", "draft", "--draft-model", "{draft}", "--gamma", "3"),
+    # Any checkpoint with the target's tokenizer drafts: the target itself is the one at hand, and its
+    # candidates are accepted (the path the untrained drafters' rejections leave untested).
+    "model": ("--drafter", "model", "--draft-model", "{target}", "--gamma", "3"),
     "layerskip": ("--drafter", "layerskip", "--draft-model", "exit:8", "--gamma", "2"),
     "ngram block-verify": ("--drafter", "ngram", "--block-verify"),
 }
@@ -351,10 +355,11 @@ SERVED_DRAFTERS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SERVED_DRAFTERS))
 def test_served_drafters_answer_greedy_as_plain_decode(model, reference, flag_url, name):
-    """A draft model (``--drafter draft``), LayerSkip self-speculation (``--drafter layerskip --draft-model
-    exit:8``: the target's first 8 layers and its head) and block verification (``--block-verify``): the
-    greedy answers over HTTP, both chats in the two rows at once, are plain ``jspec.decode``'s token for token,
-    and the drafter did propose."""
+    """A small draft model (``--drafter draft``), a checkpoint as draft model (``--drafter model``), LayerSkip
+    self-speculation (``--drafter layerskip --draft-model exit:8``: the target's first 8 layers and its head)
+    and block verification (``--block-verify``): the greedy answers over HTTP, both chats in the two rows at
+    once, are plain ``jspec.decode``'s token for token, and the drafter did propose (and, drafting with the
+    target itself, had its candidates accepted)."""
     url = flag_url(*SERVED_DRAFTERS[name])
     c = _client(url)
 
@@ -369,6 +374,8 @@ def test_served_drafters_answer_greedy_as_plain_decode(model, reference, flag_ur
     assert [a.message.content for a in answers] == [_text(model, ids) for ids in want]
     # read when the server went idle (the answers are back): the counters are whole
     assert _metric(url, "jspec_draft_proposed_total", '{position="0"}') > 0
+    if name == "model":
+        assert _metric(url, "jspec_draft_accepted_total", '{position="2"}') > 0
 
 
 @pytest.mark.slow
