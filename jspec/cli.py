@@ -104,6 +104,10 @@ def check_flags(args) -> None:
         raise ValueError("--tree-rule applies to --tree (an --dynamic-tree chooses its children deterministically)")
     if args.drafter == "none" and (args.adaptive or args.block_verify or args.goodput):
         raise ValueError("--adaptive, --block-verify and --goodput need a drafter (--drafter none decodes plainly)")
+    tree = "--tree" if args.tree else "--dynamic-tree" if args.dynamic_tree else None
+    tree = tree or ("--drafter ngram-tree" if args.drafter == "ngram-tree" else None)
+    if args.block_verify and tree:
+        raise ValueError(f"--block-verify verifies a chain's candidates as one block, which {tree} excludes")
     if args.goodput and (args.gamma is not None or args.adaptive):
         flag = "--gamma (a fixed K)" if args.gamma is not None else "--adaptive"
         raise ValueError(f"--goodput chooses K each round, which {flag} excludes")
