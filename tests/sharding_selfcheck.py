@@ -528,8 +528,9 @@ def multiprocess_scenario() -> dict:
     # Request options in one process's rows only: process 1's rows (the batch's second half) ban their greedy
     # first token (logit_bias width 4 there, 0 in process 0) under a repetition penalty (token counts kept in
     # both processes); process 0's rows stop at their greedy third token (stop-id width 4 there, 0 in process 1).
-    # The processes pad to the widest and agree on the counts, so both compile one program; each process also
-    # decodes the whole batch with the same per-row options unsharded, on its own, as the reference.
+    # The processes pad to the widest and agree on the counts, so both compile one program; process 0 also
+    # decodes the whole batch with the same per-row options unsharded, on its own, as the reference (the same
+    # single-device decode in the other process would only repeat it).
     greedy = out["tokens"]["greedy"]
     n = len(greedy)
     second = [r >= n // 2 for r in range(n)]
@@ -546,10 +547,12 @@ def multiprocess_scenario() -> dict:
         opts["stop_token_ids"] = [full["stop_token_ids"][r] for r in rows]
     try:
         toks = local(**opts).run().tokens
-        ref = decode(make_model(cfg), tp, prompts(), drafter=drafter, draft_params=dp, **full)
+        ref = None
+        if jax.process_index() == 0:
+            ref = decode(make_model(cfg), tp, prompts(), drafter=drafter, draft_params=dp, **full).tokens
         out["options"] = {
             "tokens": toks,
-            "reference": ref.tokens,
+            "reference": ref,
             "logit_bias_rows": [r for r in rows if second[r]],
             "stop_rows": [r for r in rows if not second[r]],
         }
