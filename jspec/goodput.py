@@ -55,6 +55,10 @@ class GoodputK:
     drift: float = 0.05
     beta_long: float = 0.95
     drift_long: float = 0.005
+    # A round at K > 0 is chosen only where it beats a plain step with its cost raised by this fraction: the
+    # tables are medians of a few timed rounds, and a choice at the break-even point gains nothing when right and
+    # loses the cost's error when wrong.
+    margin: float = 0.1
 
     def __post_init__(self):
         ks, costs = tuple(self.ks), tuple(self.costs)
@@ -74,6 +78,7 @@ class GoodputK:
             ("prior", False),
             ("drift", False),
             ("drift_long", False),
+            ("margin", False),
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v and (v < 1 if hi_open else v <= 1)):
@@ -132,11 +137,11 @@ def choose(policy: GoodputK, ema: jax.Array, active: jax.Array, remaining: jax.A
     (accepted, tested) moving sums ``ema`` [B, 2] (or ``init``'s [B, 4], whose short pair is read), which rows
     run (``active`` [B]) and, for "makespan", the tokens each may still generate (``remaining`` [B]).
     throughput: the most expected tokens of the running rows per unit of cost. makespan: the least expected time
-    until the last running row ends, max over rows of remaining / E[N_row(K)] rounds times cost(K). The first
-    (smallest K) wins a tie; with no running row that is ks[0]."""
+    until the last running row ends, max over rows of remaining / E[N_row(K)] rounds times cost(K). Every cost at
+    K > 0 is raised by ``policy.margin``. The first (smallest K) wins a tie; with no running row that is ks[0]."""
     a = jnp.clip(adapt.estimate(ema), 0.0, 0.999)
     expected = expected_tokens(a, policy.ks)  # [B, J]
-    costs = jnp.asarray(policy.costs, jnp.float32)
+    costs = jnp.asarray([c * (1.0 + policy.margin * (k > 0)) for k, c in zip(policy.ks, policy.costs)], jnp.float32)
     if policy.objective == "makespan":
         need = jnp.maximum(remaining, 1).astype(jnp.float32)[:, None] / expected  # [B, J] rounds left
         rounds = jnp.max(jnp.where(active[:, None], need, 0.0), axis=0)  # the last row's

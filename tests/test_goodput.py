@@ -48,7 +48,7 @@ def test_the_choice_maximises_expected_tokens_per_unit_of_cost():
     """Worked by hand: two running rows at a = 0.5 expect 1, 1.5, 1.75 and 1.9375 tokens at K = 0, 1, 2, 4; at
     costs 1, 1.1, 1.3, 2 the batch's tokens per unit of cost are 2, 2.727, 2.692, 1.9375: K = 1. A stopped row
     counts for nothing, whatever its estimate; with no running row the plain step (the first K) is chosen."""
-    policy = GoodputK((0, 1, 2, 4), (1.0, 1.1, 1.3, 2.0))
+    policy = GoodputK((0, 1, 2, 4), (1.0, 1.1, 1.3, 2.0), margin=0.0)
     both = np.ones(2, bool)
     assert int(goodput.choose(policy, _ema([0.5, 0.5]), both)) == 1
     # A row at 0.95 alone: 1, 1.95, 2.8525, 4.524 per 1, 1.1, 1.3, 2 -> 2.26 at K = 4 beats 2.19 at K = 2.
@@ -57,6 +57,26 @@ def test_the_choice_maximises_expected_tokens_per_unit_of_cost():
     assert int(goodput.choose(policy, _ema([0.9, 0.9]), np.zeros(2, bool))) == 0
     # Expensive verification (a large batch on a small CPU): nothing pays over a plain step.
     assert int(goodput.choose(GoodputK((0, 1, 2, 4), (1.0, 2.0, 3.0, 5.0)), _ema([0.6, 0.6]), both)) == 0
+
+
+@pytest.mark.fast
+def test_a_wide_round_must_beat_a_plain_step_by_the_margin():
+    """Worked by hand, costs 1 and 1.1 at K = 0 and 1, two rows: at a = 0.15 the batch expects 2 tokens at K = 0
+    and 2.3 at K = 1, 2.09 per unit of cost, so K = 1 without a margin; with the default margin 0.1 the round at
+    K = 1 costs 1.21 (1.90 per unit) and K = 0 wins. At a = 0.25, 2.5 / 1.21 = 2.07 > 2: K = 1 still pays. The
+    makespan objective is raised alike: a row with 10 tokens to go at a = 0.15 needs 10 / 1.15 = 8.70 rounds at
+    K = 1, 9.57 units at cost 1.1 (K = 1) and 10.52 at 1.21 (K = 0: 10)."""
+    both = np.ones(2, bool)
+    assert GoodputK((0, 1), (1.0, 1.1)).margin == 0.1
+    for objective in ("throughput", "makespan"):
+        remaining = jnp.asarray([10, 10], jnp.int32)
+        plain = GoodputK((0, 1), (1.0, 1.1), objective=objective, margin=0.0)
+        assert int(goodput.choose(plain, _ema([0.15, 0.15]), both, remaining)) == 1
+        margin = GoodputK((0, 1), (1.0, 1.1), objective=objective)
+        assert int(goodput.choose(margin, _ema([0.15, 0.15]), both, remaining)) == 0
+        assert int(goodput.choose(margin, _ema([0.25, 0.25]), both, remaining)) == 1
+    with pytest.raises(ValueError, match=r"GoodputK.margin must be a number in \[0, 1\]"):
+        GoodputK((0, 1), (1.0, 1.1), margin=-0.1)
 
 
 @pytest.mark.fast
@@ -252,11 +272,11 @@ def test_a_fixed_batch_is_as_fast_as_its_last_row():
     74.3 and 103.2 units: K = 1. Throughput counts the good row's tokens: 2, 2.99, 3.97 and 5.90 for both rows,
     per unit of cost 2, 2.72, 3.05 and 2.95: K = 2."""
     costs = (1.0, 1.1, 1.3, 2.0)
-    fixed = GoodputK((0, 1, 2, 4), costs, objective="makespan")
+    fixed = GoodputK((0, 1, 2, 4), costs, objective="makespan", margin=0.0)
     both, remaining = np.ones(2, bool), jnp.asarray([10, 100], jnp.int32)
     assert int(goodput.choose(fixed, _ema([0.99, 0.0]), both, remaining)) == 0
     assert int(goodput.choose(fixed, _ema([0.99, 0.5]), both, remaining)) == 1
-    assert int(goodput.choose(GoodputK((0, 1, 2, 4), costs), _ema([0.99, 0.0]), both)) == 2
+    assert int(goodput.choose(GoodputK((0, 1, 2, 4), costs, margin=0.0), _ema([0.99, 0.0]), both)) == 2
     with pytest.raises(ValueError, match="objective must be one of throughput, makespan"):
         GoodputK((0, 1), (1.0, 1.1), objective="latency")
 
