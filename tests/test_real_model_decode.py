@@ -102,7 +102,7 @@ def test_request_options_match_transformers(smollm2, chat_prompts, plain, hf_smo
     # Drafts were accepted (multi-token rounds read processed logits at every block position). The penalized row's
     # n-gram drafts are all rejected here (the penalty steers it off repeats); counting drafts inside a block is
     # pinned exactly by the toy tests (test_logit_processors).
-    assert spec.stats["accepted"] > 0
+    assert 0 < spec.stats["accepted"] < spec.stats["proposed"]  # multi-token commits and corrections both ran
     for ids, got, bias, n_min, rep, tops, spec_tops in zip(
         prompts, ours, biases, min_tokens, penalties, out.top_logprobs, spec.top_logprobs
     ):
@@ -128,18 +128,12 @@ def test_request_options_match_transformers(smollm2, chat_prompts, plain, hf_smo
 # The CLI's default target layout on CPU (per-layer arrays): its logits are compared with transformers'
 # (test_models_smollm2), the CLI main job below decodes n-gram speculation with it against plain, and the
 # SmolLM2 EAGLE test (tests/test_eagle.py) decodes a batch of 2 with it.
-@pytest.mark.parametrize(
-    "name, kwargs",
-    [
-        ("ngram", dict(drafter="ngram", gamma=4)),
-        ("ngram-tree", dict(drafter="ngram-tree")),
-    ],
-)
-def test_greedy_speculative_equals_plain_real_model(smollm2, chat_prompts, plain, name, kwargs):
-    v = smollm2.model.vocab_size
-    kwargs = dict(kwargs)
-    kind = kwargs.pop("drafter")
-    drafter = NgramDrafter(3, 1, vocab_size=v) if kind == "ngram" else NgramTreeDrafter(3, 4, vocab_size=v)
+# The n-gram chain (NgramDrafter(3, 1), K=4) on the stacked layout these tests decode:
+# test_request_options_match_transformers decodes it against plain on a ragged batch of 2 with EOS, with drafts
+# accepted and rejected (its penalized row's); not repeated here without the options.
+def test_greedy_speculative_equals_plain_real_model(smollm2, chat_prompts, plain):
+    """An n-gram tree (NgramTreeDrafter(3, 4)) against plain decoding, every chat prompt, ragged batches of 2."""
+    drafter = NgramTreeDrafter(3, 4, vocab_size=smollm2.model.vocab_size)
     got, proposed, accepted = [], 0, 0
     for i in range(0, len(chat_prompts), 2):
         out = dec.decode(
@@ -149,7 +143,6 @@ def test_greedy_speculative_equals_plain_real_model(smollm2, chat_prompts, plain
             drafter=drafter,
             max_new_tokens=40,
             eos_ids=[smollm2.tokenizer.eos_id],
-            **kwargs,
         )
         got += out.tokens
         proposed += out.stats["proposed"]
