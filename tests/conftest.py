@@ -51,6 +51,7 @@ HEAVY_FIRST = (
     "test_layerskip.py",
     "test_decode_core.py",
     "test_tree.py",
+    "test_server.py",
 )
 _COMPILE_CACHE_ENV = "JSPEC_TEST_COMPILE_CACHE"
 
