@@ -108,6 +108,8 @@ def check_flags(args) -> None:
     tree = tree or ("--drafter ngram-tree" if args.drafter == "ngram-tree" else None)
     if args.block_verify and tree:
         raise ValueError(f"--block-verify verifies a chain's candidates as one block, which {tree} excludes")
+    if args.adaptive and tree:
+        raise ValueError(f"--adaptive drafts a chain's K or nothing per row, which {tree} excludes")
     if args.goodput and (args.gamma is not None or args.adaptive):
         flag = "--gamma (a fixed K)" if args.gamma is not None else "--adaptive"
         raise ValueError(f"--goodput chooses K each round, which {flag} excludes")

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.fast  # the fast tier: make test-fast
         (["--drafter", "ngram-tree", "--block-verify"], "--block-verify verifies a chain's candidates as one block"),
         (["--drafter", "eagle", "--tree", "2,1", "--block-verify"], "which --tree excludes"),
         (["--drafter", "model", "--dynamic-tree", "2,2,4", "--block-verify"], "which --dynamic-tree excludes"),
+        (["--drafter", "layerskip", "--dynamic-tree", "2,2,4", "--adaptive"], "--adaptive drafts a chain's K or"),
+        (["--drafter", "ngram-tree", "--adaptive"], "which --drafter ngram-tree excludes"),
         (["--drafter", "none", "--gamma", "3"], "--gamma needs a drafter"),
         (["--drafter", "none", "--compare"], "--compare needs a drafter"),
         (["--drafter", "ngram", "--gamma", "0"], "--gamma 0: a drafter drafts K >= 1"),
@@ -82,7 +84,8 @@ class _Loaded(Exception):
     [
         ["--drafter", "ngram-tree", "--branches", "2", "--ngram-max", "4", "--ngram-min", "2"],
         ["--drafter", "eagle", "--tree", "3,1", "--tree-budget", "4", "--tree-rule", "iid", "--draft-model", "x"],
-        ["--drafter", "layerskip", "--dynamic-tree", "2,2,4", "--adaptive"],
+        ["--drafter", "layerskip", "--dynamic-tree", "2,2,4"],
+        ["--drafter", "layerskip", "--adaptive"],
         ["--drafter", "none"],
         ["--drafter", "ngram-tree", "--gamma", "3"],  # its depth
         ["--drafter", "ngram", "--gamma", "2", "--compare", "--system", "be terse"],
