@@ -92,6 +92,20 @@ _FLAG_DRAFTERS = {
 }
 
 
+def tree_flag(args) -> str | None:
+    """The flag that makes the drafter a tree (--tree, --dynamic-tree, --drafter ngram-tree), or None."""
+    tree = "--tree" if args.tree else "--dynamic-tree" if args.dynamic_tree else None
+    return tree or ("--drafter ngram-tree" if args.drafter == "ngram-tree" else None)
+
+
+def check_chain_flags(args, tree: str | None) -> None:
+    """Refuse the chain-only flags (--adaptive, --block-verify) with a tree (``tree``: ``tree_flag(args)``)."""
+    if args.adaptive and tree:
+        raise ValueError(f"--adaptive drafts a chain's K or nothing per row, which {tree} excludes")
+    if args.block_verify and tree:
+        raise ValueError(f"--block-verify verifies a chain's candidates as one block, which {tree} excludes")
+
+
 def check_flags(args) -> None:
     """Refuse flag combinations in which a flag would be silently ignored (before any model is loaded)."""
     for name, drafters in _FLAG_DRAFTERS.items():
@@ -104,12 +118,7 @@ def check_flags(args) -> None:
         raise ValueError("--tree-rule applies to --tree (an --dynamic-tree chooses its children deterministically)")
     if args.drafter == "none" and (args.adaptive or args.block_verify or args.goodput):
         raise ValueError("--adaptive, --block-verify and --goodput need a drafter (--drafter none decodes plainly)")
-    tree = "--tree" if args.tree else "--dynamic-tree" if args.dynamic_tree else None
-    tree = tree or ("--drafter ngram-tree" if args.drafter == "ngram-tree" else None)
-    if args.block_verify and tree:
-        raise ValueError(f"--block-verify verifies a chain's candidates as one block, which {tree} excludes")
-    if args.adaptive and tree:
-        raise ValueError(f"--adaptive drafts a chain's K or nothing per row, which {tree} excludes")
+    check_chain_flags(args, tree_flag(args))
     if args.goodput and (args.gamma is not None or args.adaptive):
         flag = "--gamma (a fixed K)" if args.gamma is not None else "--adaptive"
         raise ValueError(f"--goodput chooses K each round, which {flag} excludes")

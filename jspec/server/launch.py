@@ -170,7 +170,7 @@ def main(argv=None) -> int:
 def check_drafter_flags(args) -> None:
     """Refuse, before any model loads, drafter flags that would be ignored or that exclude each other (the
     checks ``generate`` runs on the flags the server shares with it)."""
-    from jspec.cli import _FLAG_DRAFTERS, _dynamic_tree_args
+    from jspec.cli import _FLAG_DRAFTERS, _dynamic_tree_args, check_chain_flags, tree_flag
 
     if args.drafter == "none" and (args.gamma is not None or args.adaptive or args.goodput or args.block_verify):
         raise ValueError(
@@ -185,15 +185,11 @@ def check_drafter_flags(args) -> None:
     for name in ("tree_budget", "tree_rule"):
         if getattr(args, name) is not None and args.tree is None:
             raise ValueError(f"--{name.replace('_', '-')} applies to --tree")
-    tree = "--tree" if args.tree else "--dynamic-tree" if args.dynamic_tree else None
-    tree = tree or ("--drafter ngram-tree" if args.drafter == "ngram-tree" else None)
+    tree = tree_flag(args)
     if args.goodput and (args.gamma is not None or args.adaptive or tree):
         flag = "--gamma (a fixed K)" if args.gamma is not None else "--adaptive" if args.adaptive else tree
         raise ValueError(f"--goodput chooses a chain's K each round, which {flag} excludes")
-    if args.adaptive and tree:
-        raise ValueError(f"--adaptive drafts a chain's K or nothing per row, which {tree} excludes")
-    if args.block_verify and tree:
-        raise ValueError(f"--block-verify verifies a chain's candidates as one block, which {tree} excludes")
+    check_chain_flags(args, tree)
     if args.gamma is not None and args.gamma < 1:
         raise ValueError(f"--gamma {args.gamma}: a drafter drafts K >= 1 tokens a round (--drafter none for plain)")
     if args.gamma is not None and (args.tree or args.dynamic_tree):
