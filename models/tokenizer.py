@@ -258,13 +258,9 @@ class Tokenizer:
     # ---------------------------------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, gf) -> Tokenizer:
-        """From a parsed GGUF file (``models.gguf_loader.GGUFFile``)."""
-        fields = gf.reader.fields
-
-        def get(key, default=None):
-            f = fields.get(key)
-            return default if f is None else f.contents()
-
+        """From a parsed GGUF file (``models.gguf_loader.GGUFFile``, ``open_gguf``) or its metadata alone
+        (``GGUFMetadata``, ``read_gguf_metadata``: a vocabulary-only file read in a fraction of the time)."""
+        get = gf.get
         kind = get("tokenizer.ggml.model")
         if kind not in _GGUF_TOKENIZER_MODELS:
             raise CheckpointError(
