@@ -42,6 +42,10 @@ REFUSED = {
     "refact": "unknown pre-tokenizer 'refact'",
 }
 _SEP = "\n__ggml_vocab_test__\n"  # test-tokenizer-0.cpp's separator
+# The vocabularies whose ids llama.cpp's detokenizer "cleans" (src/llama-vocab.cpp: clean_spaces, true for BPE
+# pre-tokenizers unless theirs sets it false, as qwen2's and smollm's do; false for SentencePiece). jspec's decode
+# does not: a named difference (test_decode_keeps_the_spaces_llamacpp_cleans).
+CLEAN_SPACES = ("gpt-2", "llama-bpe", "starcoder")
 
 needs_vectors = pytest.mark.skipif(
     not os.path.isdir(VOCAB_DIR),
@@ -114,6 +118,55 @@ def test_decodes_llamacpp_ids_back(name):
     tok = _tokenizer(name)
     wrong = {t: tok.decode(ids) for t, ids in read_vectors(name).items() if tok.decode(ids) != t}
     assert not wrong, f"{name}: text -> decoded: {wrong}"
+
+
+def llamacpp_clean_spaces(text: str) -> str:
+    """llama.cpp's detokenizer clean-up (llama_vocab::impl::detokenize, ``if (clean_spaces)``), restated pass for
+    pass on the characters in place (its patterns are ASCII, so characters and UTF-8 bytes give the same result):
+    drop the space before ``? ! . ,``, turn `` ' `` into ``'``, and drop the space before ``'s 'm 're 've``."""
+    t, n = list(text), len(text)
+    total = 1 if n else 0
+    for i in range(1, n):
+        x = t[i]
+        if t[i - 1] == " " and x in "?!.,":
+            total -= 1
+        t[total], total = x, total + 1
+    n, total, i = total, 1 if total else 0, 1
+    while i < n:
+        x = t[i]
+        if x == "'" and i + 1 < n and t[i - 1] == " " and t[i + 1] == " ":
+            total -= 1
+            i += 1
+            t[i] = "\0"
+        t[total], total, i = x, total + 1, i + 1
+    n, total = total, 1 if total else 0
+    for i in range(1, n):
+        x = t[i]
+        if t[i - 1] == " " and x == "'" and i + 1 < n:
+            x1, x2 = t[i + 1], t[i + 2] if i + 2 < n else None
+            if x1 in "sm" or (x1 + (x2 or "")) in ("re", "ve"):
+                total -= 1
+        t[total], total = x, total + 1
+    return "".join(t[:total])
+
+
+def test_llamacpp_clean_spaces_restated():
+    assert llamacpp_clean_spaces("Hi , you ! 'D he 's I 've it 't a ' b ?") == "Hi, you! 'D he's I've it 't a'b?"
+    assert llamacpp_clean_spaces("") == "" and llamacpp_clean_spaces(" ?") == "?"
+
+
+@needs_vectors
+@pytest.mark.parametrize("name", CLEAN_SPACES)
+def test_decode_keeps_the_spaces_llamacpp_cleans(name):
+    """A named difference: for these vocabularies llama.cpp's detokenizer (common_detokenize, what its test prints)
+    drops the space of " ?", " 's" and the like, as transformers' clean_up_tokenization_spaces does; jspec's decode
+    gives the text back as it was encoded (a decoded prefix never loses a character when the next token
+    arrives). The test texts where the two differ decode to the text, not to llama.cpp's cleaned text."""
+    tok = _tokenizer(name)
+    vectors = read_vectors(name)
+    cleaned = {t: llamacpp_clean_spaces(t) for t in vectors if llamacpp_clean_spaces(t) != t}
+    assert cleaned, f"{name}: no test text shows the difference"
+    assert {t: tok.decode(vectors[t]) for t in cleaned} == {t: t for t in cleaned}
 
 
 @needs_vectors
