@@ -32,6 +32,11 @@ from jspec.validate import DEFAULT_GAMMA
 # The last four come from the ``jspec.drafter_loaders`` entry points (this repository's ``models``).
 DRAFTERS = ("none", "ngram", "ngram-tree", "model", "draft", "layerskip", "eagle")
 TRAINED_DRAFTERS = ("model", "draft", "layerskip", "eagle")  # loaded through jspec.drafter_loaders
+GOODPUT_HELP = (
+    "each round, the K (0, 1, 2 or 4; a tree: a plain step or the tree) that commits most tokens per second, from "
+    "round costs measured once per situation: the default where the drafter can change K and neither --gamma nor "
+    "--adaptive fixes it; --no-goodput: the fixed K"
+)
 
 
 def build_drafter(args, target, loaded=None):
@@ -116,8 +121,10 @@ def check_flags(args) -> None:
         raise ValueError("--tree-budget applies to --tree")
     if args.tree_rule is not None and args.tree is None:
         raise ValueError("--tree-rule applies to --tree (an --dynamic-tree chooses its children deterministically)")
-    if args.drafter == "none" and (args.adaptive or args.block_verify or args.goodput):
-        raise ValueError("--adaptive, --block-verify and --goodput need a drafter (--drafter none decodes plainly)")
+    if args.drafter == "none" and (args.adaptive or args.block_verify or args.goodput is not None):
+        raise ValueError(
+            "--adaptive, --block-verify and --[no-]goodput need a drafter (--drafter none decodes plainly)"
+        )
     check_chain_flags(args, tree_flag(args))
     if args.goodput and (args.gamma is not None or args.adaptive):
         flag = "--gamma (a fixed K)" if args.gamma is not None else "--adaptive"
@@ -309,7 +316,7 @@ def _run(target, params, prompt_ids, drafter, dparams, args, eos, max_len=None, 
         frequency_penalty=args.frequency_penalty,
         seed=args.seed,
         adaptive=args.adaptive and drafter is not None,  # --compare's plain run has no draft to adapt
-        goodput=args.goodput and drafter is not None,
+        goodput=args.goodput if drafter is not None else None,
         block_verify=args.block_verify and drafter is not None,
         logprobs=args.logprobs,  # on both sides of --compare, so that they time the same work
         top_logprobs=args.top_logprobs,
@@ -497,11 +504,7 @@ def main(argv=None) -> int:
         help=f"K, candidates per round of a chain drafter (default {DEFAULT_GAMMA}); --drafter ngram-tree: its depth",
     )
     g.add_argument("--adaptive", action="store_true", help="per row, draft K or nothing, from the measured acceptance")
-    g.add_argument(
-        "--goodput",
-        action="store_true",
-        help="each round, the K (0, 1, 2 or 4) that commits most tokens per second, from measured round costs",
-    )
+    g.add_argument("--goodput", action=argparse.BooleanOptionalAction, default=None, help=GOODPUT_HELP)
     g.add_argument("--block-verify", action="store_true", help="block verification of chains (Sun et al.)")
     g.add_argument(
         "--tree", default=None, help="static tree (model drafters, LayerSkip, EAGLE): branching per depth, e.g. 3,2,1"

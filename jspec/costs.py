@@ -175,6 +175,15 @@ def context_of(tokens: float, slots: int) -> int:
     return int(min(step, slots))
 
 
+PROFILE_ROUNDS = 4  # rounds timed per call
+
+
+def fits_profile(slots: int, k_max: int, rounds: int = PROFILE_ROUNDS) -> bool:
+    """Whether a cache of ``slots`` holds the profile's prompts (at least 8 tokens) and ``rounds`` rounds at K =
+    ``k_max``."""
+    return slots - k_max * rounds - 2 >= 8
+
+
 def _lookup_prompts(batch: int, length: int, vocab: int) -> np.ndarray:
     """[B, length] prompts of a repeating period, so a prompt lookup always finds a continuation (every round of a
     chain drafter verifies wide, as the costs assume)."""
@@ -193,7 +202,7 @@ def profile(
     slots: int,
     ks,
     context: int,
-    rounds: int = 4,
+    rounds: int = PROFILE_ROUNDS,
     repeats: int = 3,
 ) -> CostTable:
     """Time a round at each K of ``ks`` on ``batch`` rows and ``slots`` cache slots, starting at ``context`` tokens
@@ -203,11 +212,12 @@ def profile(
     verifies K + 1 positions: the cost the policy pays when it chooses K (how often a row has nothing to propose
     is its acceptance estimate's business, not the cost's). The rounds run as the decode runs them, inside one
     compiled loop (``rounds`` rounds per call, no dispatch between them); the calls of the K and plain decoding's
-    alternate, and each one's time is the median over ``repeats`` calls, after one that compiles and warms up."""
+    alternate, each from the prefilled prompts, and each one's time is the median over ``repeats`` calls, after one
+    that compiles and warms up."""
     ks = tuple(int(k) for k in ks)
-    p = min(context, slots - ks[-1] * rounds * (repeats + 1) - 2)  # the prompts leave room for every timed round
-    if p < 8:
+    if not fits_profile(slots, ks[-1], rounds):
         raise ValueError(f"{slots} cache slots cannot hold the profile's prompts and its rounds at K = {ks[-1]}")
+    p = min(context, slots - ks[-1] * rounds - 2)  # every call's rounds start from the prompts (below)
     ids = _lookup_prompts(batch, p, target.vocab_size)
     # The costs do not matter here: every round's K is given.
     config = DecodeConfig(ks[-1], slots, goodput=GoodputK(ks, (1.0,) * len(ks)))
@@ -232,14 +242,16 @@ def profile(
 
     many, fresh = rounds_of(drafter, config)
     plain_many, plain_fresh = rounds_of(None, plain_config)
-    # One running state per K, then plain decoding's (its k_index unread); the calls alternate between them.
+    # Each K's prefilled state, then plain decoding's (its k_index unread); the calls alternate between them, each
+    # on a copy (the call donates it): every call's rounds start at the same context, and a small cache holds them.
     calls = [(many, jnp.int32(i)) for i in range(len(ks))] + [(plain_many, None)]
     states = [fresh() for _ in ks] + [plain_fresh()]
     times: list[list[float]] = [[] for _ in calls]
     for r in range(repeats + 1):  # call 0 compiles and warms up
         for i, (fn, k_index) in enumerate(calls):
+            st = jax.block_until_ready(jax.tree.map(jnp.copy, states[i]))
             t0 = time.perf_counter()
-            states[i] = jax.block_until_ready(fn(target_params, draft_params, states[i], k_index))
+            jax.block_until_ready(fn(target_params, draft_params, st, k_index))
             if r:
                 times[i].append((time.perf_counter() - t0) * 1e3 / rounds)
     key = CostKey.of(target, target_params, drafter, draft_params, batch, slots, ks, context)
@@ -280,6 +292,23 @@ def cost_table(
     return table
 
 
+def measurable(
+    drafter: Drafter | None, target_params, draft_params, *, gamma: int, gamma_given: bool, adaptive, slots: int
+) -> bool:
+    """Whether the default (``goodput=None``) measures a policy: where a drafter can change its K from round to
+    round (``goodput_ks``) and nothing fixes K (no ``gamma``, no adaptive policy). Not where the costs cannot be
+    measured alike: on abstract parameters (a program lowered for another machine, ``jax.ShapeDtypeStruct``s),
+    or in a multi-process run, where each process would time its own rounds and compile a program with other
+    costs than its peers' (pass one ``CostTable`` or ``GoodputK`` to every process instead); nor in a cache too
+    small for the profile's rounds (``fits_profile``: about 30 slots, a decode of a few tokens). There the
+    default is the fixed K."""
+    if drafter is None or gamma_given or adaptive is not None or V.goodput_ks(drafter, gamma) is None:
+        return False
+    if jax.process_count() > 1 or not fits_profile(slots, gamma):
+        return False
+    return not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((target_params, draft_params)))
+
+
 def goodput_policy(
     goodput,
     target: Model,
@@ -297,14 +326,18 @@ def goodput_policy(
 ) -> GoodputK | None:
     """``decode``'s ``goodput`` as the loop's policy, or None for a fixed K.
 
-    None or False (the default): a fixed K. True: the K set the drafter can switch between (``goodput_ks``; up to
-    its K, ``gamma``), with this situation's cost table (measured once, then read from the disk cache); refused
-    with a fixed ``gamma``, an adaptive policy or a drafter that cannot change K from round to round. A
-    ``CostTable``: its costs, refused unless it was measured for this situation. A ``GoodputK``: as it is. The
-    policy's largest K is the loop's K (the caller runs ``check_drafter`` on it). context: the rows' context
-    (``context_of``). objective: the measured policies' (``GoodputK.objective``): "makespan" for a fixed batch,
-    "throughput" for a serving engine."""
-    if goodput is None or goodput is False:
+    None (the default): True wherever ``measurable`` says the policy can be measured and run, else a fixed K.
+    False: a fixed K. True: the K set the drafter can switch between (``goodput_ks``; up to its K, ``gamma``),
+    with this situation's cost table (measured once, then read from the disk cache); refused with a fixed
+    ``gamma``, an adaptive policy or a drafter that cannot change K from round to round. A ``CostTable``: its
+    costs, refused unless it was measured for this situation. A ``GoodputK``: as it is. The policy's largest K is
+    the loop's K (the caller runs ``check_drafter`` on it). context: the rows' context (``context_of``).
+    objective: the measured policies' (``GoodputK.objective``): "makespan" for a fixed batch, "throughput" for a
+    serving engine."""
+    if goodput is None:
+        goodput = measurable(drafter, target_params, draft_params, gamma=gamma, gamma_given=gamma_given,
+                             adaptive=adaptive, slots=slots)  # fmt: skip
+    if goodput is False:
         return None
     if goodput is True:
         if drafter is None:

@@ -180,7 +180,10 @@ def prepare(
     has a penalty is refused (the penalty would be ignored). stop_strings: per row, whether the caller looks for
     stop strings in it (``decode(stop=...)``), which min_tokens then holds back too. goodput: True, a
     ``jspec.costs.CostTable`` or a ``jspec.goodput.GoodputK`` chooses the batch's draft length each round from
-    measured costs (``jspec.costs.goodput_policy``); None or False (the default): a fixed K."""
+    measured costs (``jspec.costs.goodput_policy``); False: a fixed K; None (the default): True wherever the
+    costs can be measured and the drafter can change its K from round to round, with no gamma or adaptive policy
+    given (``jspec.costs.measurable``), else a fixed K. The first decode of a situation (device, model, drafter,
+    batch, cache size, context) measures its cost table, seconds to tens of seconds, then reads it from disk."""
     logprobs = V.check_flag("logprobs", logprobs)
     top_logprobs = V.check_top_logprobs(top_logprobs, logprobs, target.vocab_size)
     block_verify = V.check_flag("block_verify", block_verify)
@@ -257,8 +260,9 @@ def decode(target: Model, target_params, prompts, *, stop=None, detokenize=None,
     prompts: B token-id lists of any (non-zero) lengths, or a [B, P] array of B prompts of exactly P tokens (no
     padding: there is no attention mask, so pad ids would be read as prompt tokens; pass ragged prompts as
     lists). Keyword arguments (see
-    ``prepare``): drafter, draft_params, gamma (K candidates per round; unset: 4 for a chain drafter, the depth of a
-    tree drafter, 0 without a drafter; a given value must be the one that runs, see ``jspec.validate.check_drafter``),
+    ``prepare``): drafter, draft_params, gamma (K candidates per round, every round; unset: 4 for a chain drafter,
+    the depth of a tree drafter, 0 without a drafter, and each round's K is chosen up to it from measured costs,
+    ``goodput``; a given value must be the one that runs, see ``jspec.validate.check_drafter``), goodput,
     max_new_tokens (int, per-row list, or None = until EOS or a full cache), temperature / top_k / top_p / min_p
     (scalars or per-row lists; temperature 0 is greedy), eos_ids (the model's end tokens, every row),
     stop_token_ids (vLLM's: ids that end a row as EOS does, emitted; one list for every row or one list per row;

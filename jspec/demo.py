@@ -4,7 +4,8 @@ The workload is one a user meets: add type hints to a function that ships with P
 default). The answer repeats most of the prompt's code, so prompt lookup (the n-gram drafter) proposes long runs
 the target accepts. The same prompt is decoded greedily twice in this process, speculative and plain, each timed
 after it is compiled; the report gives both speeds, their ratio, the tokens per round and whether the outputs
-are identical (greedy speculation must reproduce plain decoding token for token).
+are identical (greedy speculation must reproduce plain decoding token for token). Speculation chooses its draft
+length each round from round costs it measures the first time (``jspec.costs``; ``--gamma K``: a fixed K).
 
 Compilation is paid once: programs go to JAX's persistent cache (``--compile-cache``), so a second run reads
 them back and starts decoding in seconds; the compile times are reported apart from the decoding times.
@@ -35,7 +36,8 @@ def _timed(prepared):
 
 
 def run(args) -> int:
-    V.check_count("--gamma", args.gamma)
+    if args.gamma is not None:
+        V.check_count("--gamma", args.gamma)
     V.check_count("--max-new-tokens", args.max_new_tokens)
     request = edit_prompt(args.function)  # before the model loads: a bad --function is named at once
     cache = compile_cache_flag(args.compile_cache)
@@ -46,7 +48,9 @@ def run(args) -> int:
     prompt = tok.encode_chat([{"role": "user", "content": request}])
     drafter = NgramDrafter(vocab_size=target.vocab_size)
     kw = dict(max_new_tokens=args.max_new_tokens, eos_ids=end_ids(tok))
+    t0 = time.perf_counter()
     spec = prepare(target, params, [prompt], drafter=drafter, gamma=args.gamma, **kw)
+    setup_s = time.perf_counter() - t0  # with the default goodput: the cost table, measured once per situation
     plain = prepare(target, params, [prompt], max_len=spec.config.slots, **kw)  # the same cache: same attention
     print(f"[{args.model}: loaded in {load_s:.1f} s; prompt {len(prompt)} tokens: {EDIT_INSTRUCTION!r} + the source "
           f"of {args.function}]", file=sys.stderr)  # fmt: skip
@@ -56,9 +60,18 @@ def run(args) -> int:
     n, n_plain = len(spec_out.tokens[0]), len(plain_out.tokens[0])
     st = spec_out.stats
     where = f"persistent cache {cache}" if cache else "no persistent cache"
+    if spec.config.goodput is not None:
+        print(f"[cost table: {setup_s:.1f} s (measured once for this model, batch and cache size on this machine, "
+              "then read from disk)]", file=sys.stderr)  # fmt: skip
+    policy = spec.config.goodput
+    ks = (
+        f"K={spec.config.gamma}"
+        if policy is None
+        else "K chosen each round (" + ", ".join(f"{k}: {r}" for k, r in zip(policy.ks, st["k_rounds"])) + " rounds)"
+    )
     print(
         f"[compile: speculative {spec_c:.1f} s, plain {plain_c:.1f} s ({where}: a second run reads them back)]\n"
-        f"[n-gram K={spec.config.gamma}: {n} tokens in {st['rounds'][0]} rounds ({st['tokens_per_round']:.2f} "
+        f"[n-gram {ks}: {n} tokens in {st['rounds'][0]} rounds ({st['tokens_per_round']:.2f} "
         f"tokens/round, acceptance {st['acceptance_rate']:.2f}), {spec_s:.2f} s, {n / spec_s:.1f} tok/s]\n"
         f"[plain: {n_plain} tokens, {plain_s:.2f} s, {n_plain / plain_s:.1f} tok/s]",
         file=sys.stderr,
@@ -78,7 +91,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--function", default=DEFAULT_FUNCTION, help="the standard-library function to annotate, as module:name"
     )
-    ap.add_argument("--gamma", type=int, default=V.DEFAULT_GAMMA, help="K, candidates per round")
+    ap.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help=f"K, candidates every round (default: up to {V.DEFAULT_GAMMA}, chosen each round from measured costs)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=384)
     ap.add_argument(
         "--compile-cache", default=None, help=f"JAX's persistent compilation cache (default {COMPILE_CACHE_DEFAULT})"

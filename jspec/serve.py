@@ -147,7 +147,9 @@ class Engine:
     top_logprobs: int = 0
     penalties: bool = False
     detokenize: Callable[[list[int]], str] | None = None
-    goodput: object = None  # True, a CostTable or a GoodputK: the batch's K chosen each round (see decode's)
+    # None (the default): the batch's K chosen each round from measured costs where it can be (decode's goodput);
+    # False: the fixed K; True, a CostTable or a GoodputK: as decode's.
+    goodput: object = None
 
     def __post_init__(self):
         self.logprobs = V.check_flag("logprobs", self.logprobs)

@@ -54,6 +54,9 @@ HEAVY_FIRST = (
     "test_server.py",
 )
 _COMPILE_CACHE_ENV = "JSPEC_TEST_COMPILE_CACHE"
+# The run's own cost tables (``jspec.costs``), shared by the workers and the CLI subprocesses: a test never reads a
+# table the user's machine measured, nor leaves one behind.
+_COST_CACHE_ENV = "JSPEC_CACHE"
 
 
 def pytest_configure(config):
@@ -64,6 +67,8 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and _COMPILE_CACHE_ENV not in os.environ:
         os.environ[_COMPILE_CACHE_ENV] = tempfile.mkdtemp(prefix="jspec-test-xla-")
         config._jspec_compile_cache = os.environ[_COMPILE_CACHE_ENV]
+        os.environ[_COST_CACHE_ENV] = tempfile.mkdtemp(prefix="jspec-test-costs-")
+        config._jspec_cost_cache = os.environ[_COST_CACHE_ENV]
     from jspec.loaders import enable_compile_cache  # the CLI's own switch
 
     # explicit: the run's own directory wins over a JAX_COMPILATION_CACHE_DIR of the user's, which would otherwise
@@ -72,9 +77,10 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    path = getattr(config, "_jspec_compile_cache", None)
-    if path:
-        shutil.rmtree(path, ignore_errors=True)
+    for name in ("_jspec_compile_cache", "_jspec_cost_cache"):
+        path = getattr(config, name, None)
+        if path:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -102,6 +108,35 @@ def _torch():
 
 
 requires_torch = pytest.mark.usefixtures("_torch")
+
+
+def _refuse_profile(*args, **kwargs):
+    raise AssertionError(
+        "this test measured a cost table (the goodput default): give it a fixed K (gamma=, goodput=False) or mark "
+        "it measures_costs"
+    )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_cost_profiles():
+    """A decode with a drafter and no fixed K measures a cost table the first time (goodput, the default), which
+    takes seconds and makes the rounds' K depend on timings. A test that means to measure one is marked
+    ``measures_costs`` (``_cost_profiles_where_marked``); anything else, module fixtures included (this one is set
+    up before them), fails rather than measuring unnoticed: pass gamma= or goodput=False."""
+    import jspec.costs
+
+    with pytest.MonkeyPatch.context() as mp:
+        real = jspec.costs.profile
+        mp.setattr(jspec.costs, "profile", _refuse_profile)
+        yield real
+
+
+@pytest.fixture(autouse=True)
+def _cost_profiles_where_marked(request, monkeypatch, _no_cost_profiles):
+    if request.node.get_closest_marker("measures_costs"):
+        import jspec.costs
+
+        monkeypatch.setattr(jspec.costs, "profile", _no_cost_profiles)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -336,7 +336,7 @@ def _tree_check(model, tp, dp, stp, sdp, plan, dcfg) -> dict:
     tree = TreeModelDrafter(make_model(dcfg), TreeSpec(TREE_SPEC), TreeRule.WITHOUT_REPLACEMENT)
     need = cache_need(model, tree, prompts(), list(MAX_NEW))
     settings = {"greedy": dict(ROW_SEEDS, temperature=0.0), "mixed": dict(ROW_SEEDS, temperature=TREE_TEMPERATURE)}
-    common = dict(drafter=tree, max_new_tokens=list(MAX_NEW))
+    common = dict(drafter=tree, max_new_tokens=list(MAX_NEW), goodput=False)  # fixed: the same K as the reference
     refs = {s: prepare(model, tp, prompts(), draft_params=dp, **common, **kw) for s, kw in settings.items()}
     builds = {
         s: prepare_sharded(model, stp, prompts(), plan=plan, draft_params=sdp, max_len=need, **common, **kw)

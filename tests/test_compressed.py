@@ -154,7 +154,15 @@ def test_greedy_speculative_equals_plain_with_compressed_state(name):
 @pytest.mark.parametrize("name", ["static-tree", "dynamic-tree"])
 def test_committed_compressed_state_equals_fresh_prefill(name):
     prepared = dec.prepare(
-        TARGET, PARAMS, PROMPTS, drafter=DRAFTERS[name], draft_params=PARAMS, max_new_tokens=17, temperature=1.0, seed=4
+        TARGET,
+        PARAMS,
+        PROMPTS,
+        drafter=DRAFTERS[name],
+        goodput=False,
+        draft_params=PARAMS,
+        max_new_tokens=17,
+        temperature=1.0,
+        seed=4,
     )
     st = prepared.fn(*prepared.args)
     seq, lengths = np.asarray(st.seq), np.asarray(st.cache.lengths)
@@ -201,10 +209,12 @@ def test_a_compressed_model_drafting_for_itself_is_always_accepted():
     """The compressed model as its own draft (greedy): every proposal on the greedy path is accepted only if the
     draft's own cache commits its block summaries, the prompt's included (``init`` and a tree's catch-up once
     moved only the lengths, so the draft attended to empty summaries: 2 of 15 and 2 of 23 rejected here)."""
-    chain = dec.decode(TARGET, PARAMS, PROMPTS, drafter=ModelDrafter(TARGET), draft_params=PARAMS, max_new_tokens=24)
+    chain = dec.decode(
+        TARGET, PARAMS, PROMPTS, drafter=ModelDrafter(TARGET), goodput=False, draft_params=PARAMS, max_new_tokens=24
+    )
     assert chain.stats["accepted_at"] == chain.stats["proposed_at"] and chain.stats["proposed"] > 20, chain.stats
     tree = TreeModelDrafter(TARGET, TreeSpec((2, 1)))  # 2 nodes at each depth: 2 proposed per round per depth
-    out = dec.decode(TARGET, PARAMS, PROMPTS, drafter=tree, draft_params=PARAMS, max_new_tokens=24)
+    out = dec.decode(TARGET, PARAMS, PROMPTS, drafter=tree, goodput=False, draft_params=PARAMS, max_new_tokens=24)
     assert out.tokens == dec.decode(TARGET, PARAMS, PROMPTS, max_new_tokens=24).tokens
     rounds_at = [n // 2 for n in out.stats["proposed_at"]]
     assert out.stats["accepted_at"] == rounds_at and rounds_at[1] > 15, out.stats

@@ -151,7 +151,9 @@ def test_greedy_paths_take_the_targets_own_argmax():
         "chain": dict(drafter=DRAFTER, draft_params=DRAFT_PARAMS, gamma=3),
         "ngram": dict(drafter=NgramDrafter(vocab_size=VOCAB), gamma=3),
         "tree": dict(
-            drafter=TreeModelDrafter(DRAFT, TreeSpec((2, 1)), TreeRule.DETERMINISTIC), draft_params=DRAFT_PARAMS
+            drafter=TreeModelDrafter(DRAFT, TreeSpec((2, 1)), TreeRule.DETERMINISTIC),
+            draft_params=DRAFT_PARAMS,
+            goodput=False,
         ),
     }
     for name, kw in runs.items():
@@ -579,7 +581,7 @@ def test_gamma_unset_is_the_drafters_own_and_a_given_one_is_what_runs():
     tree = NgramTreeDrafter(2, 3, vocab_size=VOCAB)
 
     def k(**kw):
-        return dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=4, **kw).config.gamma
+        return dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=4, goodput=False, **kw).config.gamma
 
     assert k() == 0 and k(gamma=0) == 0
     assert k(drafter=DRAFTER, draft_params=DRAFT_PARAMS) == DEFAULT_GAMMA == 4
@@ -678,8 +680,8 @@ def test_debug_checks_catch_zero_q_tree_nodes():
 
     kw = dict(draft_params=DRAFT_PARAMS, max_new_tokens=6, temperature=1.0, debug_checks=True)
     with pytest.raises(Exception, match="probability 0"):
-        dec.decode(TARGET, TARGET_PARAMS, PROMPTS, drafter=_zero_q_tree(TreeRule.IID), **kw)
-    out = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, drafter=_zero_q_tree(TreeRule.DETERMINISTIC), **kw)
+        dec.decode(TARGET, TARGET_PARAMS, PROMPTS, drafter=_zero_q_tree(TreeRule.IID), goodput=False, **kw)
+    out = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, drafter=_zero_q_tree(TreeRule.DETERMINISTIC), goodput=False, **kw)
     assert out.stats["proposed"] > 0
 
 
@@ -709,13 +711,20 @@ def test_debug_checks_compile_ahead_like_the_plain_loop():
     with pytest.raises(Exception, match="probability 0"):
         broken.run(compiled)
     sound = dec.prepare(
-        TARGET, TARGET_PARAMS, PROMPTS, drafter=DRAFTER, draft_params=DRAFT_PARAMS, max_new_tokens=5, debug_checks=True
+        TARGET,
+        TARGET_PARAMS,
+        PROMPTS,
+        drafter=DRAFTER,
+        goodput=False,
+        draft_params=DRAFT_PARAMS,
+        max_new_tokens=5,
+        debug_checks=True,
     )
     out = sound.run_timed()
     assert (
         out.tokens
         == dec.decode(
-            TARGET, TARGET_PARAMS, PROMPTS, drafter=DRAFTER, draft_params=DRAFT_PARAMS, max_new_tokens=5
+            TARGET, TARGET_PARAMS, PROMPTS, drafter=DRAFTER, goodput=False, draft_params=DRAFT_PARAMS, max_new_tokens=5
         ).tokens
     )
 
@@ -812,13 +821,21 @@ def test_a_draft_model_fed_past_its_context_is_refused():
     short = dataclasses.replace(DRAFT, max_positions=8)
     message = r"row 0 runs to position 8, past the draft model draft's context length \(8 positions"
     with pytest.raises(ValueError, match=message):
-        dec.decode(TARGET, TARGET_PARAMS, PROMPTS, drafter=ModelDrafter(short), draft_params=DRAFT_PARAMS,
-                   max_new_tokens=5)  # fmt: skip
-    out = dec.decode(TARGET, TARGET_PARAMS, [[0, 1]], drafter=ModelDrafter(short), draft_params=DRAFT_PARAMS,
-                     max_new_tokens=5)  # fmt: skip
+        dec.decode(TARGET, TARGET_PARAMS, PROMPTS, drafter=ModelDrafter(short), goodput=False,
+                   draft_params=DRAFT_PARAMS, max_new_tokens=5)  # fmt: skip
+    out = dec.decode(TARGET, TARGET_PARAMS, [[0, 1]], drafter=ModelDrafter(short), goodput=False,
+                     draft_params=DRAFT_PARAMS, max_new_tokens=5)  # fmt: skip
     assert len(out.tokens[0]) == 5
     from jspec.serve import Engine  # the serving engine checks the same at add()
 
-    engine = Engine(TARGET, TARGET_PARAMS, batch=1, max_len=32, drafter=ModelDrafter(short), draft_params=DRAFT_PARAMS)
+    engine = Engine(
+        TARGET,
+        TARGET_PARAMS,
+        batch=1,
+        max_len=32,
+        drafter=ModelDrafter(short),
+        goodput=False,
+        draft_params=DRAFT_PARAMS,
+    )
     with pytest.raises(ValueError, match="past the draft model draft's context length"):
         engine.add(0, PROMPTS[0], max_new_tokens=5)

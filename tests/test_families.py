@@ -180,9 +180,9 @@ def test_greedy_and_speculative_decodes_match_transformers(family):
     plain = dec.decode(stacked.model, stacked.params, prompt, max_new_tokens=NEW)
     assert plain.tokens[0] == want, name
     chain = NgramDrafter(vocab_size=VOCAB)
-    ngram = dec.decode(unstacked.model, unstacked.params, prompt, drafter=chain, max_new_tokens=NEW)
+    ngram = dec.decode(unstacked.model, unstacked.params, prompt, drafter=chain, goodput=False, max_new_tokens=NEW)
     tree = NgramTreeDrafter(2, 3, vocab_size=VOCAB)
-    treed = dec.decode(stacked.model, stacked.params, prompt, drafter=tree, max_new_tokens=NEW)
+    treed = dec.decode(stacked.model, stacked.params, prompt, drafter=tree, goodput=False, max_new_tokens=NEW)
     assert ngram.tokens[0] == want and treed.tokens[0] == want, name
     assert ngram.stats["accepted"] > 0 and treed.stats["accepted"] > 0, (ngram.stats, treed.stats)
 

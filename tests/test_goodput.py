@@ -35,7 +35,7 @@ from jspec.goodput import GoodputK
 from jspec.loop import decode_round, prefill
 from jspec.ngram import NgramDrafter
 from jspec.state import StopReason, to_output
-from jspec.tree import TreeSpec
+from jspec.tree import TreeRule, TreeSpec
 
 
 def _ema(rates, weight=10.0):
@@ -154,25 +154,34 @@ def test_a_policy_must_fit_its_drafter_and_excludes_a_fixed_k():
 
 
 @pytest.mark.fast
-def test_every_k_of_the_set_and_switching_mid_sequence_keep_the_targets_distribution():
-    """The rounds are forced through the set in turn (K = 3, 0, 1, 3, 0, ...: every K, a switch every round), on
-    >= 100k sampled sequences per sampling group; the whole-sequence distribution must be the target's (chi-square
-    at a 1e-5 false-alarm level, as test_decode_core's fixed-K test)."""
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_every_k_of_the_set_and_switching_mid_sequence_keep_the_targets_distribution(tree):
+    """The rounds are forced through the set in turn (a chain: K = 3, 0, 1, 3, 0, ...; a sampled tree: the tree,
+    a plain step, the tree, ...: every K, a switch every round), on >= 100k sampled sequences per sampling group;
+    the whole-sequence distribution must be the target's (chi-square at a 1e-5 false-alarm level, as
+    test_decode_core's fixed-K test)."""
     n, n_new, groups = N_PER_GROUP, 6, [GROUPS[0], GROUPS[3]]
-    policy = GoodputK((0, 1, 3), (1.0, 1.0, 1.0))
+    if tree:
+        drafter, policy, schedule = (
+            TreeModelDrafter(DRAFT, TreeSpec((2, 1)), TreeRule.IID),
+            GoodputK((0, 2), (1, 1)),
+            (1, 0),
+        )
+    else:
+        drafter, policy, schedule = DRAFTER, GoodputK((0, 1, 3), (1.0, 1.0, 1.0)), (2, 0, 1)
     prompts, cols = grouped_rows(PROMPT, groups, n)
     prepared = dec.prepare(
-        TARGET, TARGET_PARAMS, prompts, drafter=DRAFTER, draft_params=DRAFT_PARAMS, goodput=policy,
+        TARGET, TARGET_PARAMS, prompts, drafter=drafter, draft_params=DRAFT_PARAMS, goodput=policy,
         max_new_tokens=n_new, max_len=DIST_SLOTS, seed=211, **cols,
     )  # fmt: skip
-    pre = jax.jit(functools.partial(prefill, TARGET, DRAFTER, prepared.config))
-    rnd = jax.jit(functools.partial(decode_round, TARGET, DRAFTER, prepared.config))
-    st, schedule, r = pre(*prepared.args), (2, 0, 1), 0
+    pre = jax.jit(functools.partial(prefill, TARGET, drafter, prepared.config))
+    rnd = jax.jit(functools.partial(decode_round, TARGET, drafter, prepared.config))
+    st, r = pre(*prepared.args), 0
     while np.any(np.asarray(st.stop) == StopReason.RUNNING):
-        st = rnd(TARGET_PARAMS, DRAFT_PARAMS, st, jnp.int32(schedule[r % 3]))[0]
+        st = rnd(TARGET_PARAMS, DRAFT_PARAMS, st, jnp.int32(schedule[r % len(schedule)]))[0]
         r += 1
     out = to_output(st)
-    assert all(c > 0 for c in out.stats["k_rounds"]) and r >= 3  # every K ran
+    assert all(c > 0 for c in out.stats["k_rounds"]) and r >= len(schedule)  # every K ran
     assert 0.3 < out.stats["acceptance_rate"] < 0.95  # both accepted and rejected drafts
     tokens = np.asarray(out.tokens)
     for i, g in enumerate(groups):
@@ -182,16 +191,17 @@ def test_every_k_of_the_set_and_switching_mid_sequence_keep_the_targets_distribu
 
 
 @pytest.mark.fast
+@pytest.mark.measures_costs
 def test_greedy_goodput_decoding_is_plain_decoding(tmp_path, monkeypatch):
-    """goodput=True on a chain, a prompt lookup and a tree: the costs are measured (and cached), the loop chooses
-    K round by round, and the tokens are plain greedy decoding's."""
+    """The default (goodput=None) on a chain, a prompt lookup and a tree: the costs are measured (and cached), the
+    loop chooses K round by round, and the tokens are plain greedy decoding's. goodput=True reads the same table."""
     monkeypatch.setenv("JSPEC_CACHE", str(tmp_path))
     plain = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=20)
     for drafter in (DRAFTER, NgramDrafter(vocab_size=VOCAB), TreeModelDrafter(DRAFT, TreeSpec((2, 1)))):
-        prepared = dec.prepare(
-            TARGET, TARGET_PARAMS, PROMPTS, drafter=drafter, draft_params=DRAFT_PARAMS, goodput=True, max_new_tokens=20
-        )
+        kw = dict(drafter=drafter, draft_params=DRAFT_PARAMS, max_new_tokens=20)
+        prepared = dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, **kw)
         assert prepared.config.goodput.ks == ((0, 2) if drafter.is_tree else (0, 1, 2, 4))
+        assert dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, **kw, goodput=True).config == prepared.config
         out = prepared.run()
         assert out.tokens == plain.tokens, drafter
         assert sum(out.stats["k_rounds"]) == max(out.stats["rounds"]), drafter
@@ -200,6 +210,28 @@ def test_greedy_goodput_decoding_is_plain_decoding(tmp_path, monkeypatch):
     # Measured at the rows' mean context over the decode (prompt + half the budget), in steps of 128 tokens.
     want = context_of(np.mean([len(p) + 20 / 2 for p in PROMPTS]), prepared.config.slots)
     assert want == min(128, prepared.config.slots) and all(t["key"]["context"] == want for t in tables)
+
+
+@pytest.mark.fast
+def test_the_default_is_a_fixed_k_wherever_something_fixes_k_or_the_costs_cannot_be_measured(monkeypatch):
+    """goodput=None measures a policy only for a drafter that can change K, with no gamma or adaptive policy, on
+    concrete parameters in a single process (``measurable``); everywhere else it is the fixed K, as False is."""
+    from jspec.costs import measurable
+
+    kw = dict(draft_params=DRAFT_PARAMS, max_new_tokens=4)
+    for extra in (dict(gamma=4), dict(adaptive=True), dict(goodput=False)):
+        config = dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, drafter=DRAFTER, **kw, **extra).config
+        assert config.goodput is None and config.gamma == 4, extra
+    assert dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=4).config.goodput is None  # no drafter
+    base = dict(gamma=4, gamma_given=False, adaptive=None, slots=128)
+    assert measurable(DRAFTER, TARGET_PARAMS, DRAFT_PARAMS, **base)
+    # The profile's prompts (>= 8 tokens) and 4 rounds at K = 4 need 26 slots.
+    assert measurable(DRAFTER, TARGET_PARAMS, DRAFT_PARAMS, **dict(base, slots=26))
+    assert not measurable(DRAFTER, TARGET_PARAMS, DRAFT_PARAMS, **dict(base, slots=25))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), TARGET_PARAMS)
+    assert not measurable(DRAFTER, abstract, DRAFT_PARAMS, **base)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert not measurable(DRAFTER, TARGET_PARAMS, DRAFT_PARAMS, **base)
 
 
 def test_the_context_of_a_table_is_the_nearest_step_within_the_cache():
@@ -231,6 +263,7 @@ def test_a_cost_table_is_used_only_where_it_was_measured(tmp_path):
             dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, goodput=other, **kw)
 
 
+@pytest.mark.measures_costs
 def test_the_disk_cache_is_read_back_and_a_corrupt_file_is_measured_again(tmp_path):
     kw = dict(batch=2, slots=64, ks=(0, 1, 2), context=64, directory=str(tmp_path))
     first = cost_table(TARGET, TARGET_PARAMS, DRAFTER, DRAFT_PARAMS, **kw)
@@ -248,20 +281,25 @@ def test_the_disk_cache_is_read_back_and_a_corrupt_file_is_measured_again(tmp_pa
     assert f"plain {again.plain_ms:8.2f} ms" in report
 
 
-def test_the_serving_engine_chooses_k_each_round_and_keeps_greedy_output():
-    """An engine with a goodput policy serves every request with plain greedy decoding's tokens, and counts each
-    round at the K it chose."""
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_the_serving_engine_chooses_k_each_round_and_keeps_greedy_output(tree):
+    """An engine with a goodput policy (a chain's K, or a plain step or the tree) serves every request with plain
+    greedy decoding's tokens, and counts each round at the K it chose."""
     from test_serve import BUDGETS, REQUESTS, _serve
 
     from jspec.serve import Engine
 
     alone = [dec.decode(TARGET, TARGET_PARAMS, [r], max_new_tokens=m).tokens[0] for r, m in zip(REQUESTS, BUDGETS)]
-    policy = GoodputK((0, 1, 2, 4), (1.0, 1.3, 1.6, 2.2))
-    engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, drafter=DRAFTER, draft_params=DRAFT_PARAMS,
+    drafter = TreeModelDrafter(DRAFT, TreeSpec((2, 1))) if tree else DRAFTER
+    # Costs under which the rows' acceptance makes the choice switch between K = 0 and K > 0.
+    policy = GoodputK((0, 2), (1.0, 1.75)) if tree else GoodputK((0, 1, 2, 4), (1.0, 1.3, 1.6, 2.2))
+    engine = Engine(TARGET, TARGET_PARAMS, batch=2, max_len=64, drafter=drafter, draft_params=DRAFT_PARAMS,
                     goodput=policy)  # fmt: skip
     assert engine.config.goodput == policy
     assert _serve(engine) == alone
-    assert int(np.sum(engine.state.stats.k_rounds)) == int(engine.state.stats.loop_rounds) > 0
+    k_rounds = np.asarray(engine.state.stats.k_rounds)
+    assert int(np.sum(k_rounds)) == int(engine.state.stats.loop_rounds) > 0
+    assert k_rounds[0] > 0 and k_rounds[1:].sum() > 0  # plain steps and wider rounds both ran
 
 
 @pytest.mark.fast

@@ -121,7 +121,7 @@ STOPS = [[], [1], [0], []]
 
 @pytest.mark.parametrize("drafter", [None, CHAIN, GREEDY_TREE], ids=["plain", "chain", "tree"])
 def test_greedy_follows_the_processed_argmax(drafter):
-    kw = dict(drafter=drafter, draft_params=DPARAMS) if drafter is not None else {}
+    kw = dict(drafter=drafter, draft_params=DPARAMS, goodput=False) if drafter is not None else {}
     if drafter is CHAIN:
         kw["gamma"] = 3
     out = dec.decode(
@@ -162,7 +162,7 @@ NGRAM = NgramDrafter(2, 1, vocab_size=VOCAB)  # proposes only on a match: rounds
 
 @pytest.mark.parametrize(
     "drafter, extra",
-    [(None, {}), (CHAIN, dict(gamma=3)), (CHAIN, dict(gamma=3, block_verify=True)), (GREEDY_TREE, {}),
+    [(None, {}), (CHAIN, dict(gamma=3)), (CHAIN, dict(gamma=3, block_verify=True)), (GREEDY_TREE, dict(goodput=False)),
      (NGRAM, dict(gamma=3))],
     ids=["plain", "chain", "block", "tree", "ngram"],
 )  # fmt: skip
@@ -215,8 +215,8 @@ def test_engine_requests_take_their_own_options():
 def test_engine_with_penalties_and_a_tree():
     """Engine(penalties=True) with a tree drafter: each request's counts start from its own prompt, also in a
     refilled row."""
-    eng = Engine(TARGET, TPARAMS, batch=2, max_len=40, drafter=GREEDY_TREE, draft_params=DPARAMS, eos_ids=[EOS],
-                 max_logit_bias=4, penalties=True)  # fmt: skip
+    eng = Engine(TARGET, TPARAMS, batch=2, max_len=40, drafter=GREEDY_TREE, goodput=False, draft_params=DPARAMS,
+                 eos_ids=[EOS], max_logit_bias=4, penalties=True)  # fmt: skip
     accepted = []
     for first_row in (0, 3):  # rows 0 and 1, then rows 3 and 2 refill them
         got = {}

@@ -58,7 +58,11 @@ def _drafters():
     return {
         "plain": (None, None, {}),
         "chain": (ModelDrafter(DRAFT), DRAFT_PARAMS, dict(gamma=3)),
-        "tree": (TreeModelDrafter(DRAFT, TreeSpec((2, 2)), TreeRule.WITHOUT_REPLACEMENT), DRAFT_PARAMS, {}),
+        "tree": (
+            TreeModelDrafter(DRAFT, TreeSpec((2, 2)), TreeRule.WITHOUT_REPLACEMENT),
+            DRAFT_PARAMS,
+            dict(goodput=False),
+        ),
         "eagle": (eagle, eagle.draft_params(TINY_PARAMS, hp), dict(gamma=3)),
     }
 

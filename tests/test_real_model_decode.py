@@ -141,6 +141,7 @@ def test_greedy_speculative_equals_plain_real_model(smollm2, chat_prompts, plain
             smollm2.params,
             chat_prompts[i : i + 2],
             drafter=drafter,
+            goodput=False,
             max_new_tokens=40,
             eos_ids=[smollm2.tokenizer.eos_id],
         )
@@ -198,10 +199,12 @@ def test_cli_json_main_job(smollm2_path, tmp_path):
     assert out["token_ids"] == out["plain"]["token_ids"]  # the flag's own inputs, not only the flag
 
 
+@pytest.mark.measures_costs
 def test_demo_main_job_speculates_on_code_editing(smollm2, monkeypatch, capsys):
     """``make run``'s demo: the answer copies the prompt's code, so prompt lookup keeps several tokens a round, and
-    the speculative output is plain decoding's token for token (its exit status says so). The session's model
-    stands in for a second load of the same checkpoint."""
+    the speculative output is plain decoding's token for token (its exit status says so). Its draft length is the
+    default's, chosen each round from the cost table it measures first. The session's model stands in for a second
+    load of the same checkpoint."""
     import re
 
     from jspec import demo
@@ -211,6 +214,7 @@ def test_demo_main_job_speculates_on_code_editing(smollm2, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert "def dedent(" in out  # the function it was asked to annotate, repeated
     assert "output identical]" in err and "[speedup " in err
+    assert "[cost table: " in err and "K chosen each round (0: " in err
     per_round = float(re.search(r"\(([0-9.]+) tokens/round", err).group(1))
     assert per_round > 1.5, err  # a copy: most rounds keep drafts (plain decoding keeps 1.00)
     assert demo.main(["--function", "textwrap:no_such_function", "--compile-cache", "none"]) == 2
@@ -271,7 +275,7 @@ def test_cli_trained_drafters_greedy_equals_plain(smollm2, tmp_path, monkeypatch
     base += ["--compile-cache", "none"]
     runs = []
     for drafter, spec, extra in (
-        ("layerskip", "exit:6", ["--tree", "2,1"]),  # the exit as a stand-alone tree draft (as_model)
+        ("layerskip", "exit:6", ["--tree", "2,1", "--no-goodput"]),  # the exit as a stand-alone tree draft (as_model)
         ("eagle", tmp_path / "eagle", ["--dynamic-tree", "2,2,4"]),  # EAGLE-2 trees from the untrained head
         # The target as its own draft: every proposal is accepted. --logprobs: one log-probability per
         # generated token (decode's own values are checked in test_logprobs.py).

@@ -40,7 +40,10 @@ def _decode(drafter, rows, seeds, order=None):
     order = list(range(len(ROWS))) if order is None else order
     kw = {k: [v[i] for i in order] for k, v in ROW_SAMPLING.items()}
     if drafter is not None:
-        kw.update(drafter=drafter, draft_params=DRAFT_PARAMS if getattr(drafter, "vocab_size", 3) else None)
+        # A fixed K: goodput's K, chosen for the batch, would make a row's draws depend on its neighbours.
+        kw.update(
+            drafter=drafter, draft_params=DRAFT_PARAMS if getattr(drafter, "vocab_size", 3) else None, goodput=False
+        )
     return dec.decode(TARGET, TARGET_PARAMS, [rows[i] for i in order], seed=[seeds[i] for i in order], max_len=32, **kw)
 
 
@@ -64,7 +67,7 @@ def test_a_row_follows_its_own_seed(name):
 def test_one_seed_for_the_batch_is_not_per_row():
     """The contrast that makes the test above meaningful: with one key for the whole batch, a row's draws come
     from its position in the batch's draws, so the same request alone samples differently."""
-    kw = dict(temperature=1.0, max_new_tokens=8, max_len=32, drafter=DRAFTER, draft_params=DRAFT_PARAMS)
+    kw = dict(temperature=1.0, max_new_tokens=8, max_len=32, drafter=DRAFTER, draft_params=DRAFT_PARAMS, goodput=False)
     together = dec.decode(TARGET, TARGET_PARAMS, ROWS, seed=5, **kw).tokens
     alone = [dec.decode(TARGET, TARGET_PARAMS, [r], seed=5, **kw).tokens[0] for r in ROWS]
     assert together != alone
@@ -82,7 +85,7 @@ def test_per_row_keys_keep_the_target_distribution(name):
     keys = jax.random.split(jax.random.key(2024), len(prompts))
     kw = dict(gamma=3) if name == "chain" else {}
     out = dec.decode(
-        TARGET, TARGET_PARAMS, prompts, drafter=drafter, draft_params=DRAFT_PARAMS, max_new_tokens=n_new,
+        TARGET, TARGET_PARAMS, prompts, drafter=drafter, goodput=False, draft_params=DRAFT_PARAMS, max_new_tokens=n_new,
         max_len=DIST_SLOTS, key=keys, **kw, **cols,
     )  # fmt: skip
     tokens = np.asarray(out.tokens)
@@ -194,7 +197,7 @@ def test_a_tree_row_does_not_depend_on_the_cache_the_other_rows_size(name):
     rng = np.random.default_rng(7)
     long_row = rng.integers(0, 3, 100).tolist()
     other = rng.integers(0, 3, 300).tolist()
-    kw = dict(drafter=drafter, draft_params=DRAFT_PARAMS, temperature=1.0)
+    kw = dict(drafter=drafter, draft_params=DRAFT_PARAMS, temperature=1.0, goodput=False)
     # The default cache reserves the tree's scratch past P + N - 1: 127 + 10 slots -> 256 (a chain: 128).
     assert dec.prepare(TARGET, TARGET_PARAMS, [long_row], max_new_tokens=28, **kw).config.slots == 256
     chain = dict(kw, drafter=DRAFTER)
@@ -215,12 +218,16 @@ def test_engine_and_decode_cap_a_trees_scratch_at_the_context_length():
     drafter = TREE_DRAFTERS["static-without-replacement"]
     short = dataclasses.replace(TARGET, max_positions=64)
     prompt = np.random.default_rng(4).integers(0, 3, 40).tolist()
-    kw = dict(drafter=drafter, draft_params=DRAFT_PARAMS, temperature=1.0)
+    kw = dict(drafter=drafter, draft_params=DRAFT_PARAMS, temperature=1.0, goodput=False)
     assert dec.prepare(short, TARGET_PARAMS, [prompt], max_new_tokens=25, **kw).config.slots == 64
-    engine = Engine(short, TARGET_PARAMS, batch=1, max_len=64, drafter=drafter, draft_params=DRAFT_PARAMS)
+    engine = Engine(
+        short, TARGET_PARAMS, batch=1, max_len=64, drafter=drafter, goodput=False, draft_params=DRAFT_PARAMS
+    )
     assert engine.config.slots == 64
     reserve = drafter.nodes - 1  # the scratch an engine without a context length keeps
-    unbounded = Engine(TARGET, TARGET_PARAMS, batch=1, max_len=64, drafter=drafter, draft_params=DRAFT_PARAMS)
+    unbounded = Engine(
+        TARGET, TARGET_PARAMS, batch=1, max_len=64, drafter=drafter, goodput=False, draft_params=DRAFT_PARAMS
+    )
     assert unbounded.config.slots == 64 + reserve
     for seed in range(2):  # seed 1 differed when the engine kept the scratch
         alone = dec.decode(short, TARGET_PARAMS, [prompt], max_new_tokens=25, seed=[seed], **kw).tokens[0]

@@ -58,7 +58,9 @@ def _server(model, drafter=None):
     cfg = ServerConfig(MODEL, rows=2, max_len=256, max_queue=1, max_logprobs=3, max_logit_bias=4, warmup=False,
                        max_body_bytes=64 * 1024)  # fmt: skip
     tok = model.tokenizer
-    return build_server(model.model, model.params, tok, cfg, drafter=drafter, eos_ids=tok.eos_ids)
+    # A fixed K (the default's, chosen each round from measured costs, has its own test: test_serve_default_...).
+    gamma = None if drafter is None else 4
+    return build_server(model.model, model.params, tok, cfg, drafter=drafter, gamma=gamma, eos_ids=tok.eos_ids)
 
 
 @pytest.fixture(scope="module")
@@ -348,8 +350,30 @@ SERVED_DRAFTERS = {
     # candidates are accepted (the path the untrained drafters' rejections leave untested).
     "model": ("--drafter", "model", "--draft-model", "{target}", "--gamma", "3"),
     "layerskip": ("--drafter", "layerskip", "--draft-model", "exit:8", "--gamma", "2"),
-    "ngram block-verify": ("--drafter", "ngram", "--block-verify"),
+    "ngram block-verify": ("--drafter", "ngram", "--block-verify", "--gamma", "4"),
 }
+
+
+@pytest.mark.slow
+@pytest.mark.measures_costs
+def test_serve_default_chooses_k_each_round_and_answers_greedy_as_plain_decode(model, reference, flag_url):
+    """``serve --drafter ngram`` without --gamma: the engine measures its cost table (rows 2, 256 slots) and
+    chooses each round's K among 0, 1, 2 and 4; the greedy answers over HTTP are plain decode's, and /metrics
+    counts the rounds at each K it may choose."""
+    url = flag_url("--drafter", "ngram")
+    c = _client(url)
+
+    def ask(chat):
+        return c.chat.completions.create(model=MODEL, messages=chat, max_tokens=N_DRAFTED, temperature=0,
+                                         extra_body={"return_token_ids": True}).choices[0]  # fmt: skip
+
+    with ThreadPoolExecutor(len(CHATS)) as pool:
+        answers = list(pool.map(ask, CHATS))
+    assert [a.model_extra["token_ids"] for a in answers] == [ref[:N_DRAFTED] for ref in reference]
+    name = "jspec_draft_length_rounds_total"
+    lines = [line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith(name + "{")]
+    rounds = {int(line.split('"')[1]): float(line.split()[-1]) for line in lines}
+    assert sorted(rounds) == [0, 1, 2, 4] and sum(rounds.values()) > 0, rounds  # the set it chooses from
 
 
 @pytest.mark.slow
@@ -510,6 +534,9 @@ def test_shutdown_drains_or_cancels(drain_s):
     assert worker.load() == (0, 0, 0)
 
 
+NEED_DRAFTER = "--gamma, --adaptive, --[no-]goodput and --block-verify need a drafter"
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize(
     "argv, message",
@@ -517,14 +544,14 @@ def test_shutdown_drains_or_cancels(drain_s):
         (["--rows", "0"], "--rows must be an int >= 1"),
         (["--max-logprobs", "50"], "--max-logprobs must be an int in [0, 20]"),
         (["--max-queue", "-1"], "--max-queue must be an int >= 0"),
-        (["--drafter", "none", "--gamma", "4"], "--gamma, --adaptive, --goodput and --block-verify need a drafter"),
-        (["--drafter", "none", "--block-verify"], "--gamma, --adaptive, --goodput and --block-verify need a drafter"),
+        (["--drafter", "none", "--gamma", "4"], NEED_DRAFTER),
+        (["--drafter", "none", "--block-verify"], NEED_DRAFTER),
+        (["--drafter", "none", "--no-goodput"], NEED_DRAFTER),
         (["--drafter", "ngram-tree", "--block-verify"], "--block-verify verifies a chain's candidates as one block"),
         (["--drafter", "eagle", "--tree", "4,1", "--block-verify"], "which --tree excludes"),
         (["--drafter", "layerskip", "--dynamic-tree", "4,3,8", "--block-verify"], "which --dynamic-tree excludes"),
         (["--drafter", "ngram", "--tree", "4,1"], "--tree does not apply to --drafter ngram"),
         (["--drafter", "eagle", "--tree", "4,1", "--gamma", "2"], "--gamma does not apply with --tree"),
-        (["--drafter", "ngram-tree", "--goodput"], "which --drafter ngram-tree excludes"),
         (["--drafter", "ngram", "--goodput", "--gamma", "4"], "which --gamma (a fixed K) excludes"),
         (["--drafter", "eagle", "--tree-budget", "3"], "--tree-budget applies to --tree"),
         (["--drafter", "eagle", "--dynamic-tree", "4,3"], "--dynamic-tree wants TOP_K,DEPTH,BUDGET"),
@@ -662,6 +689,7 @@ def test_http_benchmark_passes_alternate_and_each_is_recorded(tmp_path):
 
 
 @pytest.mark.fast
+@pytest.mark.measures_costs
 def test_the_in_process_runner_serves_a_goodput_spec(tmp_path, monkeypatch):
     """The benchmark's in-process side of ``ngram:goodput``: the engine chooses K each round from a measured cost
     table (goodput=True, K up to 4) and its greedy tokens are plain decoding's (toy model)."""

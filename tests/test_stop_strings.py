@@ -269,7 +269,7 @@ def test_engine_tree_top_logprobs_are_cut_with_the_tokens_at_a_stop_string():
     the step that completes it) are decode's own for those tokens, and as many."""
     from test_logit_processors import GREEDY_TREE
 
-    kw = dict(drafter=GREEDY_TREE, draft_params=DPARAMS)
+    kw = dict(drafter=GREEDY_TREE, draft_params=DPARAMS, goodput=False)
     full = dec.decode(TARGET, TPARAMS, PROMPTS[:2], max_new_tokens=16, logprobs=True, top_logprobs=2, **kw)
     stops = [spell(full.tokens[0][6:9]), spell(full.tokens[1][4:6])]
     eng = Engine(TARGET, TPARAMS, batch=2, max_len=32, logprobs=True, top_logprobs=2, detokenize=spell, **kw)

@@ -137,6 +137,7 @@ def test_greedy_tree_equals_greedy_plain(rule):
         TARGET_PARAMS,
         PROMPTS,
         drafter=TreeModelDrafter(DRAFT, SPEC, rule),
+        goodput=False,
         draft_params=DRAFT_PARAMS,
         max_new_tokens=20,
     )
@@ -156,14 +157,20 @@ DRAFTERS = {
 def test_dynamic_tree_greedy_equals_plain_and_shapes_differ_per_row():
     plain = dec.decode(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=20)
     tree = dec.decode(
-        TARGET, TARGET_PARAMS, PROMPTS, drafter=DRAFTERS["dynamic"], draft_params=DRAFT_PARAMS, max_new_tokens=20
+        TARGET,
+        TARGET_PARAMS,
+        PROMPTS,
+        drafter=DRAFTERS["dynamic"],
+        goodput=False,
+        draft_params=DRAFT_PARAMS,
+        max_new_tokens=20,
     )
     assert tree.tokens == plain.tokens and tree.stats["tokens_per_round"] > 1.5
     # The proposals of a few rounds, stepped as the loop does: each row's tree follows the draft's own
     # cumulative probabilities, so the parent arrays (the shapes) differ between rows.
     drafter = DRAFTERS["dynamic"]
     prepared = dec.prepare(
-        TARGET, TARGET_PARAMS, PROMPTS, drafter=drafter, draft_params=DRAFT_PARAMS, max_new_tokens=20
+        TARGET, TARGET_PARAMS, PROMPTS, drafter=drafter, goodput=False, draft_params=DRAFT_PARAMS, max_new_tokens=20
     )
     pre, step = dec._stream_fns(TARGET, drafter, prepared.config)
     st, shapes = pre(*prepared.args), set()
@@ -188,9 +195,13 @@ def test_dynamic_tree_frontier_fits_the_reserved_cache():
     assert tree_scratch(d) == 3 * 2 and tree_scratch(DRAFTERS["static-iid"]) == SPEC.num_nodes - 1
     assert tree_scratch(DynamicTreeDrafter(DRAFT, top_k=2, depth=2, budget=6)) == 5  # budget - 1 > 2 * 2
     p, n = len(PROMPT), 128 - len(PROMPT) - 6 + 1  # P + N - 1 + 6 = 128: no slack at all
-    slots = dec.prepare(TARGET, TARGET_PARAMS, [PROMPT], drafter=d, draft_params=DRAFT_PARAMS, max_new_tokens=n)
+    slots = dec.prepare(
+        TARGET, TARGET_PARAMS, [PROMPT], drafter=d, goodput=False, draft_params=DRAFT_PARAMS, max_new_tokens=n
+    )
     assert slots.config.slots == 128 and p + n - 1 + 6 <= slots.config.slots
-    bigger = dec.prepare(TARGET, TARGET_PARAMS, [PROMPT], drafter=d, draft_params=DRAFT_PARAMS, max_new_tokens=n + 1)
+    bigger = dec.prepare(
+        TARGET, TARGET_PARAMS, [PROMPT], drafter=d, goodput=False, draft_params=DRAFT_PARAMS, max_new_tokens=n + 1
+    )
     assert bigger.config.slots == 256  # one more token and the reserve no longer fits 128
     assert engine_slots(TARGET, d, 64) == 64 + 6  # the serving engine reserves the same
 
@@ -207,6 +218,7 @@ def _tree_statistics(name, drafter, n=N_PER_GROUP):
         TARGET_PARAMS,
         prompts,
         drafter=drafter,
+        goodput=False,
         draft_params=DRAFT_PARAMS,
         max_new_tokens=TREE_NEW,
         max_len=DIST_SLOTS,
@@ -253,6 +265,7 @@ def test_tree_target_cache_equals_fresh_prefill():
         TARGET_PARAMS,
         PROMPTS,
         drafter=TreeModelDrafter(DRAFT, SPEC, TreeRule.IID),
+        goodput=False,
         draft_params=DRAFT_PARAMS,
         max_new_tokens=15,
         temperature=1.3,
@@ -280,5 +293,7 @@ def test_ngram_tree_continuations_and_decoding():
     # distribution tests of the tree verifier (the same DETERMINISTIC rule).
     prompts = [[0, 1, 2, 0, 1, 2, 0, 1], [2, 2, 1, 2, 2, 1, 2], [1, 0, 1, 0, 1]]
     plain = dec.decode(TARGET, TARGET_PARAMS, prompts, max_new_tokens=16)
-    tree = dec.decode(TARGET, TARGET_PARAMS, prompts, drafter=NgramTreeDrafter(3, 4, vocab_size=3), max_new_tokens=16)
+    tree = dec.decode(
+        TARGET, TARGET_PARAMS, prompts, drafter=NgramTreeDrafter(3, 4, vocab_size=3), goodput=False, max_new_tokens=16
+    )
     assert tree.tokens == plain.tokens

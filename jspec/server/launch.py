@@ -91,7 +91,7 @@ class ServerThread:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    from jspec.cli import DRAFTERS
+    from jspec.cli import DRAFTERS, GOODPUT_HELP
     from jspec.loaders import LAYER_LAYOUTS
 
     ap = argparse.ArgumentParser(prog="python -m jspec serve", description=__doc__.splitlines()[0])
@@ -109,7 +109,7 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ngram-max", type=int, default=None, help="longest suffix n-gram looked up (default 3)")
     ap.add_argument("--ngram-min", type=int, default=None, help="shortest suffix n-gram looked up (default 1)")
     ap.add_argument("--adaptive", action="store_true", help="per row, draft K or nothing, from its acceptance")
-    ap.add_argument("--goodput", action="store_true", help="each round, the K that commits most tokens per second")
+    ap.add_argument("--goodput", action=argparse.BooleanOptionalAction, default=None, help=GOODPUT_HELP)
     ap.add_argument("--block-verify", action="store_true", help="block verification of chains (Sun et al.)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -172,9 +172,11 @@ def check_drafter_flags(args) -> None:
     checks ``generate`` runs on the flags the server shares with it)."""
     from jspec.cli import _FLAG_DRAFTERS, _dynamic_tree_args, check_chain_flags, tree_flag
 
-    if args.drafter == "none" and (args.gamma is not None or args.adaptive or args.goodput or args.block_verify):
+    if args.drafter == "none" and (
+        args.gamma is not None or args.adaptive or args.goodput is not None or args.block_verify
+    ):
         raise ValueError(
-            "--gamma, --adaptive, --goodput and --block-verify need a drafter (--drafter none decodes plainly)"
+            "--gamma, --adaptive, --[no-]goodput and --block-verify need a drafter (--drafter none decodes plainly)"
         )
     for name, drafters in _FLAG_DRAFTERS.items():
         if getattr(args, name) is not None and args.drafter not in drafters:
@@ -186,9 +188,9 @@ def check_drafter_flags(args) -> None:
         if getattr(args, name) is not None and args.tree is None:
             raise ValueError(f"--{name.replace('_', '-')} applies to --tree")
     tree = tree_flag(args)
-    if args.goodput and (args.gamma is not None or args.adaptive or tree):
-        flag = "--gamma (a fixed K)" if args.gamma is not None else "--adaptive" if args.adaptive else tree
-        raise ValueError(f"--goodput chooses a chain's K each round, which {flag} excludes")
+    if args.goodput and (args.gamma is not None or args.adaptive):
+        flag = "--gamma (a fixed K)" if args.gamma is not None else "--adaptive"
+        raise ValueError(f"--goodput chooses K each round, which {flag} excludes")
     check_chain_flags(args, tree)
     if args.gamma is not None and args.gamma < 1:
         raise ValueError(f"--gamma {args.gamma}: a drafter drafts K >= 1 tokens a round (--drafter none for plain)")
@@ -230,7 +232,7 @@ def build_from_flags(args, loaded, config: ServerConfig | None = None) -> Server
         raise ValueError(f"'{args.model}' has no tokenizer; the server needs one")
     drafter, dparams = build_drafter(args, target, loaded)  # chains and trees, as generate builds them
     return build_server(target, params, tok, config, drafter=drafter, draft_params=dparams, gamma=args.gamma,
-                        eos_ids=end_ids(tok), adaptive=args.adaptive or None, goodput=args.goodput or None,
+                        eos_ids=end_ids(tok), adaptive=args.adaptive or None, goodput=args.goodput,
                         block_verify=args.block_verify)  # fmt: skip
 
 

@@ -163,7 +163,7 @@ class _EngineCollector:
             fams[2].add_metric([str(i)], a / p if p else 0.0)
         yield from fams
         ks = CounterMetricFamily("jspec_draft_length_rounds", "Engine rounds run at each draft length K the engine "
-                                 "may choose (--goodput: several; else its one K), as of the last snapshot",
+                                 "may choose (goodput, the default: several; a fixed K: one), as of the last snapshot",
                                  labels=["k"])  # fmt: skip
         for k, n in zip(w.engine.config.draft_lengths, k_rounds.tolist()):
             ks.add_metric([str(k)], n)
