@@ -501,7 +501,8 @@ def main(argv=None) -> int:
         "--gamma",
         type=int,
         default=None,
-        help=f"K, candidates per round of a chain drafter (default {DEFAULT_GAMMA}); --drafter ngram-tree: its depth",
+        help=f"K, candidates every round of a chain drafter (default: up to {DEFAULT_GAMMA}, chosen each round, see "
+        "--goodput); --drafter ngram-tree: its depth",
     )
     g.add_argument("--adaptive", action="store_true", help="per row, draft K or nothing, from the measured acceptance")
     g.add_argument("--goodput", action=argparse.BooleanOptionalAction, default=None, help=GOODPUT_HELP)

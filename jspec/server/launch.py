@@ -99,7 +99,12 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None, help="the name clients send (default: --model)")
     ap.add_argument("--drafter", default="ngram", choices=DRAFTERS)
     ap.add_argument("--draft-model", default=None, help="--drafter model/draft/layerskip/eagle: as for generate")
-    ap.add_argument("--gamma", type=int, default=None, help="K per round (default 4); ngram-tree: its depth")
+    ap.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="K, every round (default: up to 4, chosen each round); ngram-tree: its depth",
+    )
     ap.add_argument("--tree", default=None, help="static tree of a trained drafter, e.g. 4,1 (as for generate)")
     ap.add_argument("--tree-budget", type=int, default=None, help="keep the first N nodes of --tree")
     ap.add_argument("--tree-rule", default=None, choices=("deterministic", "iid", "without-replacement"),
