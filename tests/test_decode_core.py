@@ -598,6 +598,7 @@ def test_gamma_unset_is_the_drafters_own_and_a_given_one_is_what_runs():
             k(**kw)
     with pytest.raises(ValueError, match="gamma=4 is more than _Capped's max_draft=3"):
         k(drafter=_Capped(), gamma=4)
+    assert k(drafter=_Capped()) == 3  # unset: DEFAULT_GAMMA, capped at the drafter's max_draft
 
 
 @dataclasses.dataclass(frozen=True)

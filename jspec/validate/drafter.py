@@ -76,9 +76,10 @@ def check_drafter(
 ) -> int:
     """The draft settings ``prepare`` and ``serve.Engine`` share, checked on the host. Returns the K the loop
     runs. ``gamma=None`` takes the drafter's own: 0 without a drafter, a tree's depth for a tree drafter,
-    ``DEFAULT_GAMMA`` for a chain. A given gamma must be what runs (0 without a drafter, >= 1 with a chain
-    drafter, the depth with a tree drafter): a value the loop would replace is refused, not ignored. The
-    drafter's ``check_target`` says whether it can serve this target with these params."""
+    ``DEFAULT_GAMMA`` for a chain (its ``max_draft`` where that is less). A given gamma must be what runs (0
+    without a drafter, >= 1 with a chain drafter, the depth with a tree drafter): a value the loop would replace
+    is refused, not ignored. The drafter's ``check_target`` says whether it can serve this target with these
+    params."""
     if gamma is not None:
         if isinstance(gamma, bool) or not isinstance(gamma, int | np.integer):
             raise ValueError(f"gamma (draft length K) must be an int, got {gamma!r}")
@@ -118,10 +119,13 @@ def check_drafter(
 
 
 def _chain_k(drafter: Drafter, gamma: int | None, policy: AdaptiveK | None) -> int:
-    """A chain's K: ``gamma`` or ``DEFAULT_GAMMA``, >= 1, within the drafter's ``max_draft`` (when it states
-    one) and no less than the adaptive policy's ``min_k``."""
+    """A chain's K: ``gamma`` or ``DEFAULT_GAMMA`` (at most the drafter's ``max_draft``, when it states one), >= 1,
+    within ``max_draft`` and no less than the adaptive policy's ``min_k``."""
     name = type(drafter).__name__
-    k = DEFAULT_GAMMA if gamma is None else int(gamma)
+    if gamma is None:
+        k = DEFAULT_GAMMA if drafter.max_draft is None else min(DEFAULT_GAMMA, int(drafter.max_draft))
+    else:
+        k = int(gamma)
     if k == 0:
         raise ValueError("gamma=0 with a drafter drafts nothing: pass drafter=None for plain decoding, or gamma >= 1")
     if drafter.max_draft is not None and k > drafter.max_draft:
