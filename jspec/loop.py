@@ -251,9 +251,10 @@ def decode_round(
     if policy is not None:
         if k_index is None:
             k_index = goodput.choose(policy, st.accept_ema, active, st.max_new - n_gen)
-        max_draft = jnp.minimum(max_draft, jnp.asarray(policy.ks, jnp.int32)[k_index])
+        round_k = jnp.asarray(policy.ks, jnp.int32)[k_index]
+        max_draft = jnp.minimum(max_draft, round_k)
     else:
-        k_index = jnp.zeros((), jnp.int32)
+        k_index, round_k = jnp.zeros((), jnp.int32), jnp.int32(k)
     # A row that has ended proposes nothing: otherwise it alone could make the batch draft and verify K+1
     # wide while the running rows asked for no candidates (and the stats, counting running rows, hide it).
     max_draft = jnp.where(active, max_draft, 0)
@@ -327,7 +328,10 @@ def decode_round(
         accepted_at=st.stats.accepted_at + jnp.sum(accepted_mask, axis=0, dtype=jnp.int32),
         proposed_at=st.stats.proposed_at + jnp.sum(proposed_at, axis=0, dtype=jnp.int32),
         loop_rounds=st.stats.loop_rounds + 1,
-        wide_rounds=st.stats.wide_rounds + (jnp.any(n_draft > 0) | always_wide(drafter)).astype(jnp.int32),
+        # A drafter that reads the verification verifies K + 1 positions even where nothing was proposed, but not
+        # in a goodput round at K = 0 (a plain step).
+        wide_rounds=st.stats.wide_rounds
+        + (jnp.any(n_draft > 0) | (always_wide(drafter) & round_k > 0)).astype(jnp.int32),
         k_rounds=st.stats.k_rounds.at[k_index].add(1),
     )
     bad = st.bad_proposal | jnp.any(step.bad & active)

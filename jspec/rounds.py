@@ -202,12 +202,19 @@ def chain_step(
     b = pending.shape[0]
     proc = request_logits(config, st)
     if k == 0:  # one plain target step; a drafter's state keeps up with the committed tokens
-        logits, cache = target.apply(target_params, pending[:, None], committed[:, None], st.cache)
         none = jnp.zeros((b, 0), jnp.int32)
         state = st.draft_state
         if drafter is not None:
             ctx = DraftContext(st.seq, st.seq_len, jnp.zeros_like(max_draft), st.sampling)
             state = drafter.observe(draft_params, state, ctx)
+        if drafter is not None and drafter.verify_updates_state:
+            # The drafter's own call over the pending token alone (an EAGLE head keeps its features, which the
+            # next round's catch-up feeds it): the same one-position target pass, with its by-products.
+            logits, cache, state = drafter.verify(
+                target, target_params, draft_params, state, pending[:, None], committed[:, None], st.cache
+            )
+        else:
+            logits, cache = target.apply(target_params, pending[:, None], committed[:, None], st.cache)
         prop = Proposal(none, jnp.zeros((b, 0, 1), jnp.float32), jnp.zeros((b,), jnp.int32), state)
         ver = _Verified(logits, greedy_ids(target, logits, st.sampling, proc), cache, state)
         proc_wide = proc

@@ -20,7 +20,9 @@ from jspec import decode as dec
 from jspec.adaptive import AdaptiveK
 from jspec.decode import decode, prepare
 from jspec.drafters import DraftContext
-from jspec.loop import prefill
+from jspec.goodput import GoodputK
+from jspec.loop import decode_round, prefill
+from jspec.state import StopReason, to_output
 from jspec.tree import TreeRule, TreeSpec
 from jspec.validate import sampling_params
 from models import llama
@@ -128,6 +130,14 @@ def test_greedy_identical_to_plain_tiny():
     )
     assert adaptive.tokens == plain.tokens
     assert 0 < adaptive.stats["proposed"] < spec.stats["proposed"], (adaptive.stats, spec.stats)
+    # A goodput policy: each round's K among 0 (a plain step through the head's own verify: the features of the
+    # pending token), 1, 2 and 4; costs under which both plain steps and drafting rounds are chosen.
+    policy = GoodputK((0, 1, 2, 4), (1.0, 1.3, 1.5, 1.9))
+    chosen = decode(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, goodput=policy,
+                    max_new_tokens=mnew)  # fmt: skip
+    assert chosen.tokens == plain.tokens
+    k_rounds = chosen.stats["k_rounds"]
+    assert sum(k_rounds) == max(chosen.stats["rounds"]) and k_rounds[0] > 0 and sum(k_rounds[1:]) > 0, chosen.stats
 
 
 def _right_pad(rows: list[list[int]]) -> np.ndarray:
@@ -717,6 +727,29 @@ def test_whole_sequence_distribution_equals_target():
         assert EagleDrafter(ecfg).draft_params(params, hp)[1]["rows"].dtype == jnp.bfloat16
     out = _sample_and_check(EagleDrafter(ecfg, max_draft=3), hp, 5, DIST_GROUPS[1], params=params, gamma=3)
     assert 0.2 < out.stats["acceptance_rate"] < 0.95, out.stats  # both branches of the acceptance rule
+
+
+def test_goodput_k_switching_keeps_the_distribution():
+    """The chain under a goodput policy, its rounds forced to K = 3, 0, 1, 3, 0, 1, ... (every K, a switch every
+    round: the head's catch-up after a plain step or a narrow round feeds the next one): the target's
+    distribution, as above."""
+    ecfg, hp = _dist_head()
+    drafter, group, n, n_new = EagleDrafter(ecfg, max_draft=3), DIST_GROUPS[1], 100_000, 5
+    prompts, cols = grouped_rows(DIST_PROMPT, [group], n)
+    dparams = drafter.draft_params(DIST_PARAMS, hp)
+    prepared = prepare(DIST_MODEL, DIST_PARAMS, prompts, drafter=drafter, draft_params=dparams, max_new_tokens=n_new,
+                       seed=7, max_len=16, goodput=GoodputK((0, 1, 3), (1.0, 1.0, 1.0)), **cols)  # fmt: skip
+    rnd = jax.jit(functools.partial(decode_round, DIST_MODEL, drafter, prepared.config))
+    st = jax.jit(functools.partial(prefill, DIST_MODEL, drafter, prepared.config))(*prepared.args)
+    r = 0
+    while np.any(np.asarray(st.stop) == StopReason.RUNNING):
+        st = rnd(DIST_PARAMS, dparams, st, jnp.int32((2, 0, 1)[r % 3]))[0]
+        r += 1
+    out = to_output(st)
+    assert all(c > 0 for c in out.stats["k_rounds"]) and 0.2 < out.stats["acceptance_rate"] < 0.95, out.stats
+    tokens = np.asarray(out.tokens)
+    stat, df = chi_square(tokens, exact_target_distribution(DIST_PROMPT, n_new, **group))
+    assert stat < chi2_critical(df), (stat, df)
 
 
 def test_distribution_check_has_power():

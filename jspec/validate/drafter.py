@@ -144,18 +144,17 @@ def tree_scratch(drafter: Drafter | None) -> int:
 
 def goodput_ks(drafter: Drafter, gamma: int) -> tuple[int, ...] | None:
     """The K set a goodput policy chooses from for ``drafter`` at the loop's K ``gamma``, or None where the drafter
-    cannot change K from round to round. A chain: ``GOODPUT_KS`` below gamma, and gamma (0 is a plain step); without
-    0 for a drafter that reads the verification (it verifies wide in every round). A tree: a plain step or the
-    tree; none for a tree that reads the verification (a plain step would leave its features behind)."""
+    cannot change K from round to round. A chain: ``GOODPUT_KS`` below gamma, and gamma (0 is a plain step: a
+    drafter that reads the verification makes it through its own ``verify`` over the pending token). A tree: a
+    plain step or the tree; none for a tree that reads the verification (its state follows a tree's path)."""
     if drafter.is_tree:
         return None if drafter.verify_updates_state else (0, drafter.max_depth)
-    ks = tuple(k for k in GOODPUT_KS if k < gamma) + (gamma,)
-    return tuple(k for k in ks if k > 0) if drafter.verify_updates_state else ks
+    return tuple(k for k in GOODPUT_KS if k < gamma) + (gamma,)
 
 
 def check_goodput(policy: GoodputK, drafter: Drafter | None, gamma: int) -> GoodputK:
-    """A goodput policy this drafter can run: its largest K is the loop's (``gamma``), a tree's set is a plain step
-    and the tree, and a drafter that reads the verification never has a plain step (K = 0)."""
+    """A goodput policy this drafter can run: its largest K is the loop's (``gamma``), and a tree's set is a plain
+    step and the tree."""
     if not isinstance(policy, GoodputK):
         raise ValueError(f"goodput must be a jspec.goodput.GoodputK here, got {policy!r:.80}")
     if drafter is None:
@@ -169,9 +168,5 @@ def check_goodput(policy: GoodputK, drafter: Drafter | None, gamma: int) -> Good
     if drafter.is_tree and policy.ks != (0, drafter.max_depth):
         raise ValueError(
             f"a tree drafter's goodput set is (0, {drafter.max_depth}) (a plain step or the tree), got {policy.ks}"
-        )
-    if drafter.verify_updates_state and 0 in policy.ks:
-        raise ValueError(
-            f"{name} verifies wide in every round (it reads the target's features): K=0 is not a plain step"
         )
     return policy
