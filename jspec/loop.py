@@ -331,7 +331,7 @@ def decode_round(
         # A drafter that reads the verification verifies K + 1 positions even where nothing was proposed, but not
         # in a goodput round at K = 0 (a plain step).
         wide_rounds=st.stats.wide_rounds
-        + (jnp.any(n_draft > 0) | (always_wide(drafter) & round_k > 0)).astype(jnp.int32),
+        + (jnp.any(n_draft > 0) | (always_wide(drafter) & (round_k > 0))).astype(jnp.int32),
         k_rounds=st.stats.k_rounds.at[k_index].add(1),
     )
     bad = st.bad_proposal | jnp.any(step.bad & active)

@@ -51,20 +51,23 @@ def test_self_computing_drafters_refuse_another_target_model():
 
 def test_wide_rounds_count_the_verifications_that_ran_wide():
     """With a budget of 2 tokens the one round may propose nothing: a chain drafter then takes a 1-token step,
-    but EAGLE's verify (which returns the head's features) always runs K+1 wide; the statistic the cost model
-    reads must say so."""
+    but EAGLE's verify (which returns the head's features) always runs K+1 wide, except in a goodput round at
+    K = 0 (its verify over the pending token alone); the statistic the cost model reads must say so."""
     from jspec.decode import prepare
     from jspec.drafters import ModelDrafter
+    from jspec.goodput import GoodputK
 
     ecfg = EagleConfig(TINY, head_tokens=0, name="tiny-eagle")
     eagle = EagleDrafter(ecfg, max_draft=2)
     hp = init_head(ecfg, TINY_PARAMS, jax.random.key(1))
+    plain_step = GoodputK((0, 2), (1.0, 100.0))  # a K = 2 round would cost 100 plain steps: never chosen
     runs = {
-        "eagle": (eagle, eagle.draft_params(TINY_PARAMS, hp), 1),
-        "chain": (ModelDrafter(TINY_MODEL), TINY_PARAMS, 0),
+        "eagle": (eagle, eagle.draft_params(TINY_PARAMS, hp), 1, dict(gamma=2)),
+        "eagle at K = 0": (eagle, eagle.draft_params(TINY_PARAMS, hp), 0, dict(goodput=plain_step)),
+        "chain": (ModelDrafter(TINY_MODEL), TINY_PARAMS, 0, dict(gamma=2)),
     }
-    for name, (drafter, dparams, wide) in runs.items():
-        p = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, gamma=2, max_new_tokens=2)
+    for name, (drafter, dparams, wide, kw) in runs.items():
+        p = prepare(TINY_MODEL, TINY_PARAMS, PROMPTS, drafter=drafter, draft_params=dparams, max_new_tokens=2, **kw)
         st = p.fn(*p.args)
         assert int(st.stats.loop_rounds) == 1 and int(st.stats.proposed.sum()) == 0, name
         assert int(st.stats.wide_rounds) == wide, name
