@@ -85,11 +85,14 @@ def greedy_equal(
     max_new: int,
 ) -> dict[str, dict[str, Any]]:
     """Per drafter name: whether its greedy tokens equal plain greedy decoding's, row by row, and its tokens per
-    round. drafters: name -> (drafter, draft params, extra ``prepare`` keyword arguments)."""
+    round. drafters: name -> (drafter, draft params, extra ``prepare`` keyword arguments). Each drafter runs its
+    fixed K unless ``extra`` says otherwise: the check is of its verification path, which the goodput default
+    might not take in any round."""
     plain = prepare(target, params, prompts, max_new_tokens=max_new).run()
     out = {}
     for name, (drafter, dparams, extra) in drafters.items():
-        got = prepare(target, params, prompts, drafter=drafter, draft_params=dparams, max_new_tokens=max_new, **extra)
+        kw = {"goodput": False, **extra}
+        got = prepare(target, params, prompts, drafter=drafter, draft_params=dparams, max_new_tokens=max_new, **kw)
         res = got.run()
         rows = [i for i, (a, b) in enumerate(zip(res.tokens, plain.tokens)) if a != b]
         out[name] = {
