@@ -354,13 +354,8 @@ SERVED_DRAFTERS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.measures_costs
-def test_serve_default_chooses_k_each_round_and_answers_greedy_as_plain_decode(model, reference, flag_url):
-    """``serve --drafter ngram`` without --gamma: the engine measures its cost table (rows 2, 256 slots) and
-    chooses each round's K among 0, 1, 2 and 4; the greedy answers over HTTP are plain decode's, and /metrics
-    counts the rounds at each K it may choose."""
-    url = flag_url("--drafter", "ngram")
+def _greedy_answers(url: str) -> list:
+    """Both chats at once (the server's two rows), greedy, N_DRAFTED tokens each, with their token ids."""
     c = _client(url)
 
     def ask(chat):
@@ -368,7 +363,17 @@ def test_serve_default_chooses_k_each_round_and_answers_greedy_as_plain_decode(m
                                          extra_body={"return_token_ids": True}).choices[0]  # fmt: skip
 
     with ThreadPoolExecutor(len(CHATS)) as pool:
-        answers = list(pool.map(ask, CHATS))
+        return list(pool.map(ask, CHATS))
+
+
+@pytest.mark.slow
+@pytest.mark.measures_costs
+def test_serve_default_chooses_k_each_round_and_answers_greedy_as_plain_decode(model, reference, flag_url):
+    """``serve --drafter ngram`` without --gamma: the engine measures its cost table (rows 2, 256 slots) and
+    chooses each round's K among 0, 1, 2 and 4; the greedy answers over HTTP are plain decode's, and /metrics
+    counts the rounds at each K it may choose."""
+    url = flag_url("--drafter", "ngram")
+    answers = _greedy_answers(url)
     assert [a.model_extra["token_ids"] for a in answers] == [ref[:N_DRAFTED] for ref in reference]
     name = "jspec_draft_length_rounds_total"
     lines = [line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith(name + "{")]
@@ -385,14 +390,7 @@ def test_served_drafters_answer_greedy_as_plain_decode(model, reference, flag_ur
     once, are plain ``jspec.decode``'s token for token, and the drafter did propose (and, drafting with the
     target itself, had its candidates accepted)."""
     url = flag_url(*SERVED_DRAFTERS[name])
-    c = _client(url)
-
-    def ask(chat):
-        return c.chat.completions.create(model=MODEL, messages=chat, max_tokens=N_DRAFTED, temperature=0,
-                                         extra_body={"return_token_ids": True}).choices[0]  # fmt: skip
-
-    with ThreadPoolExecutor(len(CHATS)) as pool:
-        answers = list(pool.map(ask, CHATS))
+    answers = _greedy_answers(url)
     want = [ref[:N_DRAFTED] for ref in reference]  # greedy: the first tokens of decode's longer answers
     assert [a.model_extra["token_ids"] for a in answers] == want
     assert [a.message.content for a in answers] == [_text(model, ids) for ids in want]
