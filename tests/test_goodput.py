@@ -225,9 +225,9 @@ def test_the_default_is_a_fixed_k_wherever_something_fixes_k_or_the_costs_cannot
     assert dec.prepare(TARGET, TARGET_PARAMS, PROMPTS, max_new_tokens=4).config.goodput is None  # no drafter
     base = dict(gamma=4, gamma_given=False, adaptive=None, slots=128)
     assert measurable(DRAFTER, TARGET_PARAMS, DRAFT_PARAMS, **base)
-    # The profile's prompts (>= 8 tokens) and 4 rounds at K = 4 need 26 slots.
-    assert measurable(DRAFTER, TARGET_PARAMS, DRAFT_PARAMS, **dict(base, slots=26))
-    assert not measurable(DRAFTER, TARGET_PARAMS, DRAFT_PARAMS, **dict(base, slots=25))
+    # The profile's prompts (>= 8 tokens) and 4 calls of 4 rounds at K = 4 need 8 + 64 + 2 = 74 slots.
+    assert measurable(DRAFTER, TARGET_PARAMS, DRAFT_PARAMS, **dict(base, slots=74))
+    assert not measurable(DRAFTER, TARGET_PARAMS, DRAFT_PARAMS, **dict(base, slots=73))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), TARGET_PARAMS)
     assert not measurable(DRAFTER, abstract, DRAFT_PARAMS, **base)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
